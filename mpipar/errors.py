@@ -1,0 +1,31 @@
+"""The exceptions mpipar raises on purpose.
+
+Each one carries a single sentence that tells the user what is wrong and, where
+there is a fixed set of choices, what the valid ones are. The CLI prints that
+sentence (on every rank, identically) instead of a traceback.
+"""
+
+
+class MpiparError(Exception):
+    """Base class: an error whose message is meant for the user as it is."""
+
+
+class ConfigError(MpiparError):
+    """A run configuration that cannot work (bad value, unknown name, bad combination)."""
+
+
+class ShapeError(MpiparError):
+    """An array reached a layer with a shape the layer cannot take."""
+
+
+class DataError(MpiparError):
+    """A data file is missing, truncated, corrupt or fails its checksum."""
+
+
+class NonFiniteLossError(MpiparError):
+    """The loss became NaN or infinite; training stops at that step."""
+
+
+def unknown_name(kind: str, name: str, valid) -> ConfigError:
+    """The error for a name that is not one of a fixed set, listing the valid ones."""
+    return ConfigError(f"unknown {kind} {name!r}; valid {kind}s are: {', '.join(sorted(valid))}")
