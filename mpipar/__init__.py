@@ -1,0 +1,12 @@
+"""mpipar: an MPI-native trainer for deep nets, written from scratch on NumPy (CuPy on a GPU).
+
+The package is a map of small modules; ../DESIGN.md and docs/ say which does what.
+Importing it first sizes the BLAS thread pool for the ranks on this node (see
+`mpipar/threads.py`), which must happen before NumPy loads its BLAS.
+"""
+
+from mpipar.threads import limit_blas_threads_per_rank
+
+limit_blas_threads_per_rank()
+
+__version__ = "0.1.0"

@@ -1,0 +1,78 @@
+"""The one place that chooses the array module and the dtype.
+
+NumPy by default; CuPy with `--device gpu`. Layer code never imports either: it asks
+`array_module(x)` for the module that owns its input, so the same layer runs on both.
+dtype policy: float32 by default, float64 for the exactness tests. Parameters are
+initialised on the host in float64 from a seeded generator and then cast, so every
+rank (and every dtype) starts from the same numbers.
+
+Exercised by: python -m pytest tests/test_layers.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+
+from mpipar.errors import ConfigError, unknown_name
+
+DTYPES = {"float32": np.float32, "float64": np.float64}
+DEVICES = ("cpu", "gpu")
+
+
+def array_module(array) -> ModuleType:
+    """numpy, or cupy when `array` lives on a GPU."""
+    if type(array).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The array module and floating dtype of a run."""
+
+    xp: ModuleType
+    dtype: np.dtype
+    device: str
+
+    def asarray(self, host_array: np.ndarray, dtype=None):
+        """Copy a host array to the device (and cast it to the run dtype unless `dtype` is given)."""
+        return self.xp.asarray(host_array, dtype=self.dtype if dtype is None else dtype)
+
+
+def make_backend(device: str = "cpu", dtype: str = "float32") -> Backend:
+    """Backend for `device` in DEVICES and `dtype` in DTYPES; a clear error otherwise."""
+    if device not in DEVICES:
+        raise unknown_name("device", device, DEVICES)
+    if dtype not in DTYPES:
+        raise unknown_name("dtype", dtype, DTYPES)
+    if device == "cpu":
+        return Backend(np, np.dtype(DTYPES[dtype]), device)
+    try:
+        import cupy
+    except ImportError as error:
+        raise ConfigError(f"--device gpu needs CuPy, which is not importable ({error}); "
+                          "install it with: pip install 'mpipar[gpu]'") from None
+    return Backend(cupy, np.dtype(DTYPES[dtype]), device)
+
+
+def to_host(array) -> np.ndarray:
+    """A NumPy view (CPU) or copy (GPU) of `array`."""
+    if isinstance(array, np.ndarray):
+        return array
+    return array.get()
+
+
+def scatter_add(target, indices, values) -> None:
+    """target[indices] += values, with repeated indices adding up (embedding gradients)."""
+    xp = array_module(target)
+    if xp is np:
+        np.add.at(target, indices, values)
+    else:
+        import cupyx
+
+        cupyx.scatter_add(target, indices, values)

@@ -1,0 +1,59 @@
+"""Elementwise activations, each with its derivative written next to it.
+
+    ReLU   y = max(x, 0)                      dx = dy * [y > 0]
+    Tanh   y = tanh(x)                        dx = dy * (1 - y^2)
+    GELU   y = x/2 (1 + tanh(u)),  u = c (x + 0.044715 x^3),  c = sqrt(2/pi)
+           dx = dy * (1/2 (1 + tanh u) + x/2 (1 - tanh^2 u) c (1 + 3 * 0.044715 x^2))
+
+ReLU and Tanh keep their *output* (the next layer usually keeps the same array, so
+the cache counts it once); GELU needs its input.
+
+Exercised by: python -m pytest tests/test_layers.py -k "ReLU or Tanh or GELU"
+"""
+
+from __future__ import annotations
+
+import math
+
+from mpipar.backend import array_module
+from mpipar.layers.base import Layer
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+class ReLU(Layer):
+    def forward(self, x, ctx):
+        y = array_module(x).maximum(x, 0)
+        ctx.save(self, y)
+        return y
+
+    def backward(self, dy, ctx):
+        (y,) = ctx.pop(self)
+        return dy * (y > 0)
+
+
+class Tanh(Layer):
+    def forward(self, x, ctx):
+        y = array_module(x).tanh(x)
+        ctx.save(self, y)
+        return y
+
+    def backward(self, dy, ctx):
+        (y,) = ctx.pop(self)
+        return dy * (1 - y * y)
+
+
+class GELU(Layer):
+    """GELU with the tanh approximation (as GPT-2)."""
+
+    def forward(self, x, ctx):
+        ctx.save(self, x)
+        xp = array_module(x)
+        return 0.5 * x * (1 + xp.tanh(_GELU_C * (x + 0.044715 * x**3)))
+
+    def backward(self, dy, ctx):
+        (x,) = ctx.pop(self)
+        xp = array_module(x)
+        t = xp.tanh(_GELU_C * (x + 0.044715 * x**3))
+        du_dx = _GELU_C * (1 + 3 * 0.044715 * x * x)
+        return dy * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * du_dx)

@@ -1,0 +1,85 @@
+"""What every layer is: parameters it owns, and a forward with its backward beside it.
+
+A layer owns parameters and their gradients, never activations. `forward(x, ctx)`
+returns y and saves into `ctx` what backward needs; `backward(dy, ctx)` pops that,
+returns dx and *adds* into the gradients (so micro-batches accumulate). Parameters
+are declared as ParamSpecs; a FlatParams (mpipar/model.py) allocates them as views
+of one contiguous buffer and binds `self.params` / `self.grads`.
+
+Shapes are per sample (no batch axis) in `output_shape` and `flops`; the model
+runs them once at build time, so a mismatch is reported before any data moves.
+
+Exercised by: python -m pytest tests/test_layers.py
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from mpipar.errors import ShapeError
+
+Init = Callable[[np.random.Generator, tuple], np.ndarray]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its name in the layer, shape, initialiser (host, float64) and
+    whether weight decay applies to it (weights yes; biases and norm gains no)."""
+
+    name: str
+    shape: tuple[int, ...]
+    init: Init
+    decay: bool
+
+
+def uniform_init(bound: float) -> Init:
+    """U(-bound, bound), PyTorch's default for Linear and Conv2d with bound = 1/sqrt(fan_in)."""
+    return lambda rng, shape: rng.uniform(-bound, bound, size=shape)
+
+
+def normal_init(std: float) -> Init:
+    return lambda rng, shape: rng.normal(0.0, std, size=shape)
+
+
+def constant_init(value: float) -> Init:
+    return lambda rng, shape: np.full(shape, value, dtype=np.float64)
+
+
+class Layer:
+    """Base class. Subclasses override forward/backward and, if they have any, param_specs."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, object] = {}
+        self.grads: dict[str, object] = {}
+        self.name = type(self).__name__
+
+    def param_specs(self) -> list[ParamSpec]:
+        return []
+
+    def children(self) -> list["Layer"]:
+        """Layers nested inside this one (only wrappers such as Residual have any)."""
+        return []
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return in_shape
+
+    def flops(self, in_shape: tuple[int, ...]) -> int:
+        """Estimated forward multiply-adds per sample; used to balance pipeline stages."""
+        return math.prod(in_shape)
+
+    def forward(self, x, ctx):
+        raise NotImplementedError
+
+    def backward(self, dy, ctx):
+        raise NotImplementedError
+
+    def shape_error(self, expected: str, got: tuple) -> ShapeError:
+        """The error for an input this layer cannot take, naming it and both shapes."""
+        return ShapeError(f"{self.name}: expected input of shape {expected}, got {tuple(got)}")
+
+    def __repr__(self) -> str:
+        return self.name

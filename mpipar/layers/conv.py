@@ -1,0 +1,131 @@
+"""Conv2d (as im2col + one matmul) and MaxPool2d, on (N, C, H, W) arrays.
+
+im2col copies every k x k patch of the padded input into a row, so the convolution
+becomes one matrix product with the flattened kernels:
+
+    cols[n, oh, ow, c, i, j] = xpad[n, c, oh*s + i, ow*s + j]
+    y = cols W^T + b                     (rows: n, oh, ow;  columns: c, i, j)
+    backward  dW += dy^T cols    db += sum dy    dcols = dy W
+              dx = col2im(dcols): each patch's gradient added back where it came from
+
+Both directions loop over the k*k kernel offsets (a handful of whole-array slices),
+never over pixels. MaxPool2d keeps the argmax of each window and routes dy there.
+
+Exercised by: python -m pytest tests/test_layers.py -k "Conv2d or MaxPool2d"
+"""
+
+from __future__ import annotations
+
+import math
+
+from mpipar.backend import array_module
+from mpipar.layers.base import Layer, ParamSpec, uniform_init
+
+
+def _out_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+class Conv2d(Layer):
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int,
+                 stride: int = 1, padding: int = 0) -> None:
+        super().__init__()
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel, self.stride, self.padding = kernel_size, stride, padding
+        self.name = f"Conv2d({in_channels}->{out_channels}, k={kernel_size}, s={stride}, p={padding})"
+        self.needs_input_grad = True
+
+    def param_specs(self) -> list[ParamSpec]:
+        bound = 1.0 / math.sqrt(self.in_channels * self.kernel**2)
+        return [ParamSpec("weight", (self.out_channels, self.in_channels, self.kernel, self.kernel),
+                          uniform_init(bound), True),
+                ParamSpec("bias", (self.out_channels,), uniform_init(bound), False)]
+
+    def output_shape(self, in_shape):
+        if len(in_shape) != 3 or in_shape[0] != self.in_channels:
+            raise self.shape_error(f"({self.in_channels}, H, W)", in_shape)
+        oh = _out_size(in_shape[1], self.kernel, self.stride, self.padding)
+        ow = _out_size(in_shape[2], self.kernel, self.stride, self.padding)
+        if oh < 1 or ow < 1:
+            raise self.shape_error(f"({self.in_channels}, H, W) with H, W >= {self.kernel - 2 * self.padding}",
+                                   in_shape)
+        return (self.out_channels, oh, ow)
+
+    def flops(self, in_shape):
+        _, oh, ow = self.output_shape(in_shape)
+        return oh * ow * self.out_channels * self.in_channels * self.kernel**2
+
+    def forward(self, x, ctx):
+        if x.ndim != 4 or x.shape[1] != self.in_channels:
+            raise self.shape_error(f"(batch, {self.in_channels}, H, W)", x.shape)
+        xp = array_module(x)
+        n, c, h, w = x.shape
+        k, s, p = self.kernel, self.stride, self.padding
+        oh, ow = _out_size(h, k, s, p), _out_size(w, k, s, p)
+        padded = xp.pad(x, ((0, 0), (0, 0), (p, p), (p, p))) if p else x
+        cols = xp.empty((n, oh, ow, c, k, k), dtype=x.dtype)
+        for i in range(k):
+            for j in range(k):
+                cols[:, :, :, :, i, j] = padded[:, :, i:i + s * oh:s, j:j + s * ow:s].transpose(0, 2, 3, 1)
+        cols = cols.reshape(n * oh * ow, c * k * k)
+        ctx.save(self, cols, x.shape)
+        rows = cols @ self.params["weight"].reshape(self.out_channels, -1).T
+        rows += self.params["bias"]
+        return xp.ascontiguousarray(rows.reshape(n, oh, ow, self.out_channels).transpose(0, 3, 1, 2))
+
+    def backward(self, dy, ctx):
+        cols, (n, c, h, w) = ctx.pop(self)
+        xp = array_module(dy)
+        k, s, p = self.kernel, self.stride, self.padding
+        oh, ow = dy.shape[2], dy.shape[3]
+        dy_rows = dy.transpose(0, 2, 3, 1).reshape(-1, self.out_channels)
+        self.grads["weight"] += (dy_rows.T @ cols).reshape(self.grads["weight"].shape)
+        self.grads["bias"] += dy_rows.sum(axis=0)
+        if not self.needs_input_grad:
+            return None
+        dcols = (dy_rows @ self.params["weight"].reshape(self.out_channels, -1)).reshape(n, oh, ow, c, k, k)
+        dpadded = xp.zeros((n, c, h + 2 * p, w + 2 * p), dtype=dy.dtype)
+        for i in range(k):
+            for j in range(k):
+                dpadded[:, :, i:i + s * oh:s, j:j + s * ow:s] += dcols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
+        return dpadded[:, :, p:p + h, p:p + w] if p else dpadded
+
+
+class MaxPool2d(Layer):
+    def __init__(self, kernel_size: int, stride: int | None = None) -> None:
+        super().__init__()
+        self.kernel = kernel_size
+        self.stride = kernel_size if stride is None else stride
+        self.name = f"MaxPool2d(k={self.kernel}, s={self.stride})"
+
+    def output_shape(self, in_shape):
+        if len(in_shape) != 3 or min(in_shape[1:]) < self.kernel:
+            raise self.shape_error(f"(C, H, W) with H, W >= {self.kernel}", in_shape)
+        c, h, w = in_shape
+        return (c, _out_size(h, self.kernel, self.stride, 0), _out_size(w, self.kernel, self.stride, 0))
+
+    def forward(self, x, ctx):
+        if x.ndim != 4:
+            raise self.shape_error("(batch, C, H, W)", x.shape)
+        xp = array_module(x)
+        n, c, h, w = x.shape
+        k, s = self.kernel, self.stride
+        oh, ow = _out_size(h, k, s, 0), _out_size(w, k, s, 0)
+        windows = xp.empty((n, c, oh, ow, k * k), dtype=x.dtype)
+        for i in range(k):
+            for j in range(k):
+                windows[..., i * k + j] = x[:, :, i:i + s * oh:s, j:j + s * ow:s]
+        winner = windows.argmax(axis=-1)
+        ctx.save(self, winner, x.shape)
+        return xp.take_along_axis(windows, winner[..., None], axis=-1)[..., 0]
+
+    def backward(self, dy, ctx):
+        winner, shape = ctx.pop(self)
+        xp = array_module(dy)
+        k, s = self.kernel, self.stride
+        oh, ow = dy.shape[2], dy.shape[3]
+        dx = xp.zeros(shape, dtype=dy.dtype)
+        for i in range(k):
+            for j in range(k):
+                dx[:, :, i:i + s * oh:s, j:j + s * ow:s] += dy * (winner == i * k + j)
+        return dx

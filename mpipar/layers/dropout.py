@@ -1,0 +1,81 @@
+"""Dropout whose mask is a pure function of (seed, layer, step, sample, element).
+
+A mask drawn from a stateful generator would depend on how many samples this rank
+has drawn before, i.e. on how the global batch was split into micro-batches and
+ranks. Here each element's coin is a hash (SplitMix64) of its coordinates, with the
+sample given by its position in the global batch, so 1 rank and R ranks — and 1 or
+4 micro-batches — drop exactly the same units. The hash is whole-array integer
+arithmetic, so it runs unchanged on NumPy and CuPy.
+
+    forward   y = x * m / (1 - p),  m = [u >= p],  u = hash(...) in [0, 1)
+    backward  dx = dy * m / (1 - p)
+
+Exercised by: python -m pytest tests/test_layers.py -k Dropout
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mpipar.backend import array_module
+from mpipar.errors import ConfigError
+from mpipar.layers.base import Layer
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(z):
+    """SplitMix64's finaliser: a bijection on uint64 that scrambles neighbouring counters.
+
+    Works on uint64 arrays (wrapping multiplication) and on Python ints (masked)."""
+    if isinstance(z, int):
+        z = ((z ^ (z >> 30)) * int(_MIX1)) % 2**64
+        z = ((z ^ (z >> 27)) * int(_MIX2)) % 2**64
+        return z ^ (z >> 31)
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def uniform_hash(xp, seed: int, layer_index: int, step: int, sample_ids, per_sample: int):
+    """u[i, e] in [0, 1) for sample sample_ids[i] and element e < per_sample."""
+    stream = 0
+    for word in (seed, layer_index, step):  # fold the three scalars into one stream key
+        stream = _splitmix64((stream + int(_GOLDEN) + word) % 2**64)
+    samples = xp.asarray(sample_ids, dtype=xp.uint64)[:, None]
+    elements = xp.arange(per_sample, dtype=xp.uint64)[None, :]
+    counters = samples * np.uint64(per_sample) + elements + np.uint64(stream)
+    return (_splitmix64(counters) >> np.uint64(11)).astype(xp.float64) * (1.0 / 2**53)
+
+
+class Dropout(Layer):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ConfigError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+        self.name = f"Dropout({p})"
+        self.index = 0  # set by Sequential: different layers draw different masks
+
+    def forward(self, x, ctx):
+        if not ctx.training or self.p == 0.0:
+            return x
+        xp = array_module(x)
+        if ctx.sample_ids is None or len(ctx.sample_ids) != x.shape[0]:
+            raise RuntimeError(f"{self.name} needs the global-batch position of each of the "
+                               f"{x.shape[0]} samples in ctx.sample_ids")
+        per_sample = math.prod(x.shape[1:])
+        u = uniform_hash(xp, ctx.seed, self.index, ctx.step, ctx.sample_ids, per_sample)
+        scaled_mask = ((u >= self.p) * (1.0 / (1.0 - self.p))).astype(x.dtype).reshape(x.shape)
+        ctx.save(self, scaled_mask)
+        return x * scaled_mask
+
+    def backward(self, dy, ctx):
+        if self.p == 0.0:
+            return dy
+        (scaled_mask,) = ctx.pop(self)
+        return dy * scaled_mask

@@ -1,0 +1,66 @@
+"""Token and position embeddings for sequence models.
+
+    Embedding          y[n, t] = E[ids[n, t]]           dE[ids[n, t]] += dy[n, t]   (no dx: ids are integers)
+    PositionEmbedding  y[n, t] = x[n, t] + P[t]         dP[t] += sum_n dy[n, t]     dx = dy
+
+Exercised by: python -m pytest tests/test_layers.py -k Embedding
+"""
+
+from __future__ import annotations
+
+from mpipar.backend import scatter_add
+from mpipar.layers.base import Layer, ParamSpec, normal_init
+
+
+class Embedding(Layer):
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        super().__init__()
+        self.vocab_size, self.dim = vocab_size, dim
+        self.name = f"Embedding({vocab_size}, {dim})"
+
+    def param_specs(self) -> list[ParamSpec]:
+        return [ParamSpec("weight", (self.vocab_size, self.dim), normal_init(0.02), True)]
+
+    def output_shape(self, in_shape):
+        return (*in_shape, self.dim)
+
+    def flops(self, in_shape):
+        return 0
+
+    def forward(self, ids, ctx):
+        if ids.dtype.kind not in "iu":
+            raise self.shape_error("integer token ids", ids.shape)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise ValueError(f"{self.name}: token ids must be in [0, {self.vocab_size}), "
+                             f"got range [{int(ids.min())}, {int(ids.max())}]")
+        ctx.save(self, ids)
+        return self.params["weight"][ids]
+
+    def backward(self, dy, ctx):
+        (ids,) = ctx.pop(self)
+        scatter_add(self.grads["weight"], ids.reshape(-1), dy.reshape(-1, self.dim))
+        return None
+
+
+class PositionEmbedding(Layer):
+    def __init__(self, max_len: int, dim: int) -> None:
+        super().__init__()
+        self.max_len, self.dim = max_len, dim
+        self.name = f"PositionEmbedding({max_len}, {dim})"
+
+    def param_specs(self) -> list[ParamSpec]:
+        return [ParamSpec("weight", (self.max_len, self.dim), normal_init(0.02), False)]
+
+    def output_shape(self, in_shape):
+        if len(in_shape) != 2 or in_shape[0] > self.max_len or in_shape[1] != self.dim:
+            raise self.shape_error(f"(T <= {self.max_len}, {self.dim})", in_shape)
+        return in_shape
+
+    def forward(self, x, ctx):
+        if x.ndim != 3 or x.shape[1] > self.max_len or x.shape[2] != self.dim:
+            raise self.shape_error(f"(batch, T <= {self.max_len}, {self.dim})", x.shape)
+        return x + self.params["weight"][: x.shape[1]]
+
+    def backward(self, dy, ctx):
+        self.grads["weight"][: dy.shape[1]] += dy.sum(axis=0)
+        return dy

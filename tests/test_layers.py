@@ -1,0 +1,182 @@
+"""Every layer and loss against central finite differences, in float64.
+
+For a layer f and a fixed random R, L(x, theta) = sum(f(x) * R). Backward given
+dy = R must return dL/dx and accumulate dL/dtheta; both are compared with
+(L(z + h) - L(z - h)) / 2h element by element. Relative error bound: 1e-6.
+"""
+
+import numpy as np
+import pytest
+
+from mpipar.backend import make_backend
+from mpipar.cache import ActivationCache
+from mpipar.errors import ShapeError
+from mpipar.layers import (GELU, MSE, CausalSelfAttention, Conv2d, Dropout, Embedding, Flatten,
+                           GlobalAvgPool, LayerNorm, Linear, MaxPool2d, PositionEmbedding, ReLU,
+                           Residual, SoftmaxCrossEntropy, Tanh)
+from mpipar.model import FlatParams, Sequential
+
+F64 = make_backend("cpu", "float64")
+STEP = 1e-6
+TOLERANCE = 1e-6
+
+
+def relative_error(analytic, numeric) -> float:
+    scale = max(np.abs(analytic).max(), np.abs(numeric).max(), 1e-12)
+    return float(np.abs(analytic - numeric).max() / scale)
+
+
+def away_from_zero(rng, shape):
+    """Values with |x| >= 0.1, so ReLU/MaxPool kinks are never inside the difference step."""
+    values = rng.standard_normal(shape)
+    return np.sign(values) * (0.1 + np.abs(values))
+
+
+def run_forward(layer, x, training=True):
+    cache = ActivationCache()
+    ctx = cache.context(0, 0, step=3, sample_ids=np.arange(x.shape[0]) + 10, seed=7)
+    ctx.training = training
+    return layer.forward(x, ctx), ctx
+
+
+def numeric_gradient(loss, values):
+    """Central differences of loss() with respect to every entry of `values` (changed in place)."""
+    grad = np.zeros_like(values)
+    flat_values, flat_grad = values.reshape(-1), grad.reshape(-1)
+    for i in range(flat_values.size):
+        saved = flat_values[i]
+        flat_values[i] = saved + STEP
+        up = loss()
+        flat_values[i] = saved - STEP
+        down = loss()
+        flat_values[i] = saved
+        flat_grad[i] = (up - down) / (2 * STEP)
+    return grad
+
+
+def check_layer(layer, x, seed=0):
+    Sequential([layer], input_shape=x.shape[1:])
+    flat = FlatParams([layer], F64, seed=seed)
+    y, ctx = run_forward(layer, x)
+    weights = np.random.default_rng(seed + 1).standard_normal(y.shape)
+    flat.zero_grad()
+    dx = layer.backward(weights.copy(), ctx)
+
+    def loss():
+        return float((run_forward(layer, x)[0] * weights).sum())
+
+    if x.dtype.kind == "f":
+        assert dx is not None and dx.shape == x.shape
+        assert relative_error(dx, numeric_gradient(loss, x)) < TOLERANCE
+    if flat.size:
+        analytic = flat.grad.copy()
+        assert relative_error(analytic, numeric_gradient(loss, flat.data)) < TOLERANCE
+        assert np.abs(analytic).max() > 0  # the check compared something real
+
+
+rng = np.random.default_rng(2024)
+LAYER_CASES = {
+    "Linear-2d": (lambda: Linear(5, 4), rng.standard_normal((3, 5))),
+    "Linear-3d": (lambda: Linear(5, 4), rng.standard_normal((2, 3, 5))),
+    "Linear-nobias": (lambda: Linear(5, 4, bias=False), rng.standard_normal((3, 5))),
+    "ReLU": (ReLU, away_from_zero(rng, (4, 6))),
+    "Tanh": (Tanh, rng.standard_normal((4, 6))),
+    "GELU": (GELU, rng.standard_normal((4, 6))),
+    "Dropout": (lambda: Dropout(0.3), rng.standard_normal((4, 10))),
+    "LayerNorm": (lambda: LayerNorm(6), rng.standard_normal((3, 2, 6))),
+    "Flatten": (Flatten, rng.standard_normal((2, 3, 4))),
+    "Conv2d-pad": (lambda: Conv2d(2, 3, 3, stride=1, padding=1), rng.standard_normal((2, 2, 5, 5))),
+    "Conv2d-stride": (lambda: Conv2d(2, 3, 3, stride=2), rng.standard_normal((2, 2, 7, 7))),
+    "MaxPool2d": (lambda: MaxPool2d(2), rng.permutation(64).reshape(2, 2, 4, 4) / 10.0),
+    "MaxPool2d-overlap": (lambda: MaxPool2d(3, stride=2), rng.permutation(98).reshape(1, 2, 7, 7) / 10.0),
+    "GlobalAvgPool": (GlobalAvgPool, rng.standard_normal((2, 3, 4, 4))),
+    "Embedding": (lambda: Embedding(7, 4), rng.integers(0, 7, size=(3, 5))),
+    "PositionEmbedding": (lambda: PositionEmbedding(6, 4), rng.standard_normal((2, 5, 4))),
+    "CausalSelfAttention": (lambda: CausalSelfAttention(8, 2), rng.standard_normal((2, 5, 8))),
+    "Residual": (lambda: Residual(Linear(6, 6), Tanh(), Linear(6, 6)), rng.standard_normal((3, 6))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+def test_layer_gradients_match_finite_differences(case):
+    make_layer, x = LAYER_CASES[case]
+    check_layer(make_layer(), x.copy())
+
+
+@pytest.mark.parametrize("shape", [(6, 5), (2, 3, 5)])
+def test_softmax_cross_entropy_gradient(shape):
+    generator = np.random.default_rng(5)
+    logits = generator.standard_normal(shape)
+    targets = generator.integers(0, shape[-1], size=shape[:-1])
+    loss_fn = SoftmaxCrossEntropy()
+
+    def loss():
+        return float(loss_fn.forward(logits, targets, ActivationCache().context(0, 0), global_batch=8))
+
+    ctx = ActivationCache().context(0, 0)
+    loss_fn.forward(logits, targets, ctx, global_batch=8)
+    analytic = loss_fn.backward(ctx)
+    assert relative_error(analytic, numeric_gradient(loss, logits)) < TOLERANCE
+
+
+def test_mse_gradient():
+    generator = np.random.default_rng(6)
+    predictions, targets = generator.standard_normal((4, 3)), generator.standard_normal((4, 3))
+    loss_fn = MSE()
+    ctx = ActivationCache().context(0, 0)
+    loss_fn.forward(predictions, targets, ctx, global_batch=8)
+    analytic = loss_fn.backward(ctx)
+
+    def loss():
+        return float(loss_fn.forward(predictions, targets, ActivationCache().context(0, 0), global_batch=8))
+
+    assert relative_error(analytic, numeric_gradient(loss, predictions)) < TOLERANCE
+
+
+def test_cross_entropy_value_is_the_mean_over_the_global_batch():
+    logits = np.zeros((4, 10))
+    targets = np.arange(4)
+    loss = SoftmaxCrossEntropy().forward(logits, targets, ActivationCache().context(0, 0), global_batch=4)
+    assert float(loss) == pytest.approx(np.log(10))
+    half = SoftmaxCrossEntropy().forward(logits, targets, ActivationCache().context(0, 0), global_batch=8)
+    assert float(half) == pytest.approx(np.log(10) / 2)
+
+
+def test_dropout_mask_does_not_depend_on_the_split():
+    layer = Dropout(0.5)
+    x = np.ones((8, 20))
+    whole, _ = run_forward(layer, x)
+    cache = ActivationCache()
+    halves = []
+    for part in range(2):
+        ctx = cache.context(0, part, step=3, sample_ids=np.arange(4) + 4 * part + 10, seed=7)
+        halves.append(layer.forward(x[4 * part:4 * part + 4], ctx))
+    np.testing.assert_array_equal(whole, np.concatenate(halves))
+    assert 0.3 < (whole == 0).mean() < 0.7
+    other_step_cache = ActivationCache()
+    other = layer.forward(x, other_step_cache.context(0, 0, step=4, sample_ids=np.arange(8) + 10, seed=7))
+    assert not np.array_equal(whole, other)
+
+
+def test_dropout_is_identity_in_evaluation():
+    x = np.random.default_rng(0).standard_normal((4, 5))
+    y, _ = run_forward(Dropout(0.5), x, training=False)
+    np.testing.assert_array_equal(y, x)
+
+
+def test_linear_shape_error_names_layer_and_both_shapes():
+    layer = Linear(5, 4)
+    Sequential([layer], input_shape=(5,))
+    FlatParams([layer], F64, seed=0)
+    with pytest.raises(ShapeError, match=r"layer 0 Linear\(5->4\).*\(batch, \.\.\., 5\).*\(3, 7\)"):
+        run_forward(layer, np.zeros((3, 7)))
+
+
+def test_model_build_reports_the_mismatched_layer():
+    with pytest.raises(ShapeError, match=r"layer 2 Linear\(32->10\).*\(\.\.\., 32\).*\(16,\)"):
+        Sequential([Flatten(), Linear(64, 16), Linear(32, 10)], input_shape=(1, 8, 8))
+
+
+def test_conv_shape_error():
+    with pytest.raises(ShapeError, match=r"Conv2d\(3->4.*\(batch, 3, H, W\).*\(2, 1, 8, 8\)"):
+        run_forward(Conv2d(3, 4, 3), np.zeros((2, 1, 8, 8)))
