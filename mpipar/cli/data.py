@@ -1,0 +1,72 @@
+"""`mpipar data`: see which data sets are available here and download the missing ones.
+
+    mpipar data list [--data-dir DIR]
+    mpipar data download NAME [--dest DIR] [--mirror URL]
+
+Exercised by `pytest tests/test_download.py -k cli`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from mpipar.data.datasets import DATA_ENV, DATASETS, idx_files_in, idx_search_dirs
+from mpipar.data.download import DOWNLOADS, download as download_dataset
+from mpipar.errors import MpiparError
+
+
+def default_dest(name: str) -> Path:
+    """Where a download goes by default: a place the loader searches, or ./data/NAME."""
+    return Path(os.environ.get(DATA_ENV) or "data") / name
+
+
+@click.group()
+def data() -> None:
+    """List and download data sets."""
+
+
+@data.command("list")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Also search this directory, as `--data-dir` does when training.")
+def list_datasets(data_dir: str | None) -> None:
+    """Show each data set and where it would be loaded from."""
+    for name in DATASETS:
+        if name == "digits":
+            where = "bundled with mpipar"
+        elif name == "synthetic":
+            where = "generated when needed (teacher network), nothing to fetch"
+        elif name == "text":
+            where = "any UTF-8 file, given with --text-file"
+        else:
+            searched = idx_search_dirs(name, data_dir)
+            found = next((d for d in searched if idx_files_in(d) is not None), None)
+            if found is not None:
+                where = f"present in {found}"
+            else:
+                where = f"missing (searched {', '.join(map(str, searched))}); `mpipar data download {name}`"
+        click.echo(f"{name:14} {where}")
+
+
+@data.command("download")
+@click.argument("name")
+@click.option("--dest", type=click.Path(file_okay=False), default=None,
+              help=f"Directory for the files [default: ${DATA_ENV}/NAME if set, else ./data/NAME].")
+@click.option("--mirror", default=None, metavar="URL",
+              help="Base URL to fetch the files from instead of the official one; hashes are still checked.")
+def download(name: str, dest: str | None, mirror: str | None) -> None:
+    """Download data set NAME (mnist, fashion-mnist or kmnist), checking SHA-256 sums."""
+    target = Path(dest) if dest else default_dest(name)
+    # Validate the name before saying "downloading", and before any directory is made.
+    if name not in DOWNLOADS:
+        raise click.BadParameter(f"choose one of {', '.join(sorted(DOWNLOADS))}", param_hint="NAME")
+    click.echo(f"downloading {name} into {target} ...")
+    try:
+        paths = download_dataset(name, target, base_url=mirror)
+    except MpiparError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for path in paths:
+        click.echo(f"  {path}")
+    click.echo(f"done; train with --data-dir {target} (or set {DATA_ENV}={target.parent})")

@@ -1,0 +1,29 @@
+"""Data for mpipar: data sets, the IDX file format, checked downloads and the batch sampler.
+
+The trainer needs only `load_dataset` and the sampler functions; `mpipar data`
+(see mpipar/cli/data.py) uses the download registry. The `download` function is
+deliberately not re-exported: it would hide the `mpipar.data.download` module
+of the same name. Exercised by
+`pytest tests/test_data.py tests/test_download.py`.
+"""
+
+from mpipar.data.datasets import DATASETS, Dataset, ImageDataset, TextDataset, load_dataset
+from mpipar.data.download import DOWNLOADS, DownloadSpec
+from mpipar.data.idx import read_idx, write_idx
+from mpipar.data.sampler import GlobalBatchSampler, eval_slice, rank_slice, split_micro_batches
+
+__all__ = [
+    "DATASETS",
+    "DOWNLOADS",
+    "Dataset",
+    "DownloadSpec",
+    "GlobalBatchSampler",
+    "ImageDataset",
+    "TextDataset",
+    "eval_slice",
+    "load_dataset",
+    "rank_slice",
+    "read_idx",
+    "split_micro_batches",
+    "write_idx",
+]

@@ -1,0 +1,266 @@
+"""The data sets mpipar trains on, loaded whole into host memory as NumPy arrays.
+
+`load_dataset(name)` returns a (train, test) pair. Image sets are standardised
+with statistics of their training split; `text` is a character-level language
+modelling set built from any UTF-8 file. Exercised by `pytest tests/test_data.py`
+and by `mpipar data list`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from mpipar.data.idx import read_idx
+from mpipar.errors import ConfigError, DataError, unknown_name
+
+DATASETS: tuple[str, ...] = ("digits", "mnist", "fashion-mnist", "kmnist", "synthetic", "text")
+IDX_DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist", "kmnist")
+
+# Role -> file name (without the optional .gz), as every MNIST look-alike names them.
+IDX_FILES: dict[str, str] = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
+}
+
+# Where Debian's dataset-* packages (e.g. dataset-fashion-mnist) install their files.
+SYSTEM_DATA_ROOT = Path("/usr/share/datasets")
+DATA_ENV = "MPIPAR_DATA"
+
+# Fixed seeds, deliberately not the run's seed: the train/test split and the
+# synthetic teacher must be the same in every run so that results compare.
+DIGITS_SPLIT_SEED = 20240601
+DIGITS_TEST_SIZE = 300
+SYNTHETIC_SEED = 1234
+SYNTHETIC_SHAPE = (1, 28, 28)
+SYNTHETIC_HIDDEN = 64
+TEXT_TRAIN_FRACTION = 0.9
+
+
+@dataclass(eq=False)
+class ImageDataset:
+    """Images (N, C, H, W) float32, standardised, with int64 class labels (N,)."""
+
+    name: str
+    images: np.ndarray
+    labels: np.ndarray
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.images.shape[1:])
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.images[indices], self.labels[indices]
+
+
+@dataclass(eq=False)
+class TextDataset:
+    """A stream of character ids; sample s is the window starting at s, target shifted by one."""
+
+    name: str
+    tokens: np.ndarray
+    vocab: list[str]
+    seq_len: int
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return (self.seq_len,)
+
+    def __len__(self) -> int:
+        # The last window must still have a next character to predict.
+        return len(self.tokens) - self.seq_len
+
+    def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # One fancy-indexing gather per array instead of a Python loop per window.
+        positions = np.asarray(indices, dtype=np.int64)[:, None] + np.arange(self.seq_len)
+        return self.tokens[positions], self.tokens[positions + 1]
+
+
+Dataset = ImageDataset | TextDataset
+
+
+def load_dataset(
+    name: str,
+    *,
+    data_dir: str | None = None,
+    text_file: str | None = None,
+    seq_len: int = 64,
+    synthetic_samples: int = 8192,
+) -> tuple[Dataset, Dataset]:
+    """Load the named data set and return (train, test)."""
+    if name == "digits":
+        return _load_digits()
+    if name in IDX_DATASETS:
+        return _load_idx_dataset(name, data_dir)
+    if name == "synthetic":
+        return _make_synthetic(synthetic_samples)
+    if name == "text":
+        return _load_text(text_file, seq_len)
+    raise unknown_name("data set", name, DATASETS)
+
+
+def _standardise(train: np.ndarray, test: np.ndarray, maxval: float) -> tuple[np.ndarray, np.ndarray]:
+    """Scale both splits to [0, 1], then shift and scale by the TRAIN split's scalar mean and std.
+
+    Using only training statistics keeps the test set unseen; scalar (not per-pixel)
+    statistics avoid dividing by ~0 on pixels that are always blank.
+    """
+    train = train.astype(np.float32) / np.float32(maxval)
+    test = test.astype(np.float32) / np.float32(maxval)
+    # Accumulate in float64: a float32 sum over ~10^7 pixels loses digits.
+    mean = np.float32(train.mean(dtype=np.float64))
+    std = np.float32(train.std(dtype=np.float64))
+    for split in (train, test):
+        split -= mean
+        split /= std
+    return train, test
+
+
+def _load_digits() -> tuple[ImageDataset, ImageDataset]:
+    """The bundled 8x8 UCI digits, split 1497 / 300 by a fixed permutation."""
+    with resources.files("mpipar.data").joinpath("digits.npz").open("rb") as f, np.load(f) as npz:
+        images, labels = npz["images"], npz["labels"]
+    order = np.random.default_rng(DIGITS_SPLIT_SEED).permutation(len(labels))
+    test_idx, train_idx = order[:DIGITS_TEST_SIZE], order[DIGITS_TEST_SIZE:]
+    train_x, test_x = _standardise(images[train_idx, None], images[test_idx, None], maxval=16.0)
+    labels = labels.astype(np.int64)
+    return (
+        ImageDataset("digits", train_x, labels[train_idx], num_classes=10),
+        ImageDataset("digits", test_x, labels[test_idx], num_classes=10),
+    )
+
+
+def idx_search_dirs(name: str, data_dir: str | None = None) -> list[Path]:
+    """The directories searched for an IDX data set, in order."""
+    dirs = []
+    for root in (data_dir, os.environ.get(DATA_ENV)):
+        if root:
+            root_path = Path(root).expanduser()
+            dirs += [root_path, root_path / name]
+    dirs.append(SYSTEM_DATA_ROOT / name)
+    return dirs
+
+
+def idx_files_in(directory: Path) -> dict[str, Path] | None:
+    """The four IDX files in `directory` (plain preferred over .gz), or None if any is missing."""
+    found = {}
+    for role, stem in IDX_FILES.items():
+        present = [p for p in (directory / stem, directory / f"{stem}.gz") if p.is_file()]
+        if not present:
+            return None
+        found[role] = present[0]
+    return found
+
+
+def find_idx_files(name: str, data_dir: str | None = None) -> dict[str, Path]:
+    """The files of an IDX data set from the first directory that has all four."""
+    searched = idx_search_dirs(name, data_dir)
+    for directory in searched:
+        files = idx_files_in(directory)
+        if files is not None:
+            return files
+    how = f"run `mpipar data download {name}`"
+    if name == "fashion-mnist":
+        how += " or `apt-get install dataset-fashion-mnist`"
+    raise DataError(
+        f"data set {name!r} not found: none of {', '.join(map(str, searched))} holds all of "
+        f"{', '.join(IDX_FILES.values())} (each may end in .gz); {how}, then pass --data-dir "
+        f"or set ${DATA_ENV}"
+    )
+
+
+def _read_pair(images_path: Path, labels_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Images (N, H, W) and labels (N,) from two IDX files, checked against each other."""
+    images, labels = read_idx(images_path), read_idx(labels_path)
+    if images.ndim != 3:
+        raise DataError(f"{images_path} should hold images (N, H, W) but has shape {images.shape}")
+    if labels.ndim != 1:
+        raise DataError(f"{labels_path} should hold labels (N,) but has shape {labels.shape}")
+    if len(images) != len(labels):
+        raise DataError(
+            f"{images_path} holds {len(images)} images but {labels_path} holds {len(labels)} labels"
+        )
+    if labels.size and not 0 <= labels.min() <= labels.max() < 10:
+        raise DataError(f"{labels_path} has labels outside 0..9 (min {labels.min()}, max {labels.max()})")
+    return images, labels.astype(np.int64)
+
+
+def _load_idx_dataset(name: str, data_dir: str | None) -> tuple[ImageDataset, ImageDataset]:
+    files = find_idx_files(name, data_dir)
+    train_raw, train_y = _read_pair(files["train_images"], files["train_labels"])
+    test_raw, test_y = _read_pair(files["test_images"], files["test_labels"])
+    if train_raw.shape[1:] != test_raw.shape[1:]:
+        raise DataError(
+            f"{files['train_images']} has {train_raw.shape[1:]} images but "
+            f"{files['test_images']} has {test_raw.shape[1:]}"
+        )
+    train_x, test_x = _standardise(train_raw[:, None], test_raw[:, None], maxval=255.0)
+    return (
+        ImageDataset(name, train_x, train_y, num_classes=10),
+        ImageDataset(name, test_x, test_y, num_classes=10),
+    )
+
+
+def _make_synthetic(samples: int) -> tuple[ImageDataset, ImageDataset]:
+    """Gaussian images labelled by a fixed random teacher MLP (784-64-10, tanh).
+
+    The labels are a learnable function of the inputs, so a benchmark run shows a
+    falling loss, yet nothing has to be downloaded. Inputs are already N(0, 1).
+    """
+    if samples < 4:
+        raise ConfigError(f"synthetic_samples must be at least 4 (a quarter goes to the test split), got {samples}")
+    rng = np.random.default_rng(SYNTHETIC_SEED)
+    features = int(np.prod(SYNTHETIC_SHAPE))
+    w1 = rng.standard_normal((features, SYNTHETIC_HIDDEN), dtype=np.float32) / np.sqrt(features)
+    w2 = rng.standard_normal((SYNTHETIC_HIDDEN, 10), dtype=np.float32) / np.sqrt(SYNTHETIC_HIDDEN)
+
+    def make(n: int) -> ImageDataset:
+        x = rng.standard_normal((n, features), dtype=np.float32)
+        y = np.argmax(np.tanh(x @ w1) @ w2, axis=1).astype(np.int64)
+        return ImageDataset("synthetic", x.reshape(n, *SYNTHETIC_SHAPE), y, num_classes=10)
+
+    return make(samples), make(samples // 4)
+
+
+def _load_text(text_file: str | None, seq_len: int) -> tuple[TextDataset, TextDataset]:
+    """Character ids of a UTF-8 file, split 90% / 10% with one vocabulary for both parts."""
+    if text_file is None:
+        raise ConfigError("the 'text' data set needs a file to learn from: pass --text-file PATH")
+    if seq_len < 1:
+        raise ConfigError(f"seq_len must be at least 1, got {seq_len}")
+    path = Path(text_file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DataError(f"cannot read text file {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise DataError(f"text file {path} is not valid UTF-8: {exc}") from exc
+    # UTF-32 gives one uint32 code point per character, so np.unique can build the
+    # vocabulary (sorted by code point, i.e. as Python sorts characters) and the ids at once.
+    code_points = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+    distinct, tokens = np.unique(code_points, return_inverse=True)
+    vocab = [chr(c) for c in distinct]
+    tokens = tokens.astype(np.int64)
+    cut = int(len(tokens) * TEXT_TRAIN_FRACTION)
+    train, test = tokens[:cut], tokens[cut:]
+    if min(len(train), len(test)) < seq_len + 2:
+        raise DataError(
+            f"text file {path} is too short for seq_len={seq_len}: its {len(tokens)} characters split "
+            f"into {len(train)} for training and {len(test)} for testing, and each part needs at "
+            f"least {seq_len + 2}"
+        )
+    return TextDataset("text", train, vocab, seq_len), TextDataset("text", test, vocab, seq_len)
