@@ -1,0 +1,54 @@
+"""The built-in models, by name: an MLP, a LeNet-like CNN and a tiny character GPT.
+
+    mlp          Flatten -> [Linear -> ReLU (-> Dropout)] per hidden width -> Linear
+    cnn          [Conv2d 5x5 -> ReLU -> MaxPool2d 2] x 2 -> Flatten -> Linear 120 -> Linear 84 -> Linear
+    transformer  Embedding + PositionEmbedding -> blocks of
+                 Residual(LayerNorm, CausalSelfAttention) and Residual(LayerNorm, Linear 4d, GELU, Linear d)
+                 -> LayerNorm -> Linear to the vocabulary
+
+Exercised by: mpipar train --model cnn   (and python -m pytest tests/test_trainer.py)
+"""
+
+from __future__ import annotations
+
+from mpipar.errors import ConfigError, unknown_name
+from mpipar.layers import (GELU, CausalSelfAttention, Conv2d, Dropout, Embedding, Flatten, LayerNorm,
+                           Linear, MaxPool2d, PositionEmbedding, ReLU, Residual)
+from mpipar.model import Sequential
+
+MODELS = ("mlp", "cnn", "transformer")
+
+
+def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, hidden: tuple[int, ...] = (128, 128),
+                dropout: float = 0.0, width: int = 64, heads: int = 4, blocks: int = 2) -> Sequential:
+    """The model called `name` for samples of `input_shape` and `num_classes` outputs."""
+    if name == "mlp":
+        layers = [Flatten()]
+        previous = 1
+        for size in input_shape:
+            previous *= size
+        for size in hidden:
+            layers += [Linear(previous, size), ReLU()] + ([Dropout(dropout)] if dropout else [])
+            previous = size
+        layers.append(Linear(previous, num_classes))
+    elif name == "cnn":
+        if len(input_shape) != 3:
+            raise ConfigError(f"the cnn model needs image samples (C, H, W), got samples of shape {input_shape}")
+        channels, height, width_px = input_shape
+        layers = [Conv2d(channels, 6, 5, padding=2), ReLU(), MaxPool2d(2),
+                  Conv2d(6, 16, 5, padding=2), ReLU(), MaxPool2d(2), Flatten(),
+                  Linear(16 * (height // 4) * (width_px // 4), 120), ReLU(),
+                  Linear(120, 84), ReLU(), Linear(84, num_classes)]
+    elif name == "transformer":
+        if len(input_shape) != 1:
+            raise ConfigError(f"the transformer model needs token sequences (T,), got samples of shape {input_shape}")
+        layers = [Embedding(num_classes, width), PositionEmbedding(input_shape[0], width)]
+        extra = [Dropout(dropout)] if dropout else []
+        for _ in range(blocks):
+            layers.append(Residual(LayerNorm(width), CausalSelfAttention(width, heads), *extra))
+            layers.append(Residual(LayerNorm(width), Linear(width, 4 * width), GELU(), Linear(4 * width, width),
+                                   *extra))
+        layers += [LayerNorm(width), Linear(width, num_classes)]
+    else:
+        raise unknown_name("model", name, MODELS)
+    return Sequential(layers, input_shape=input_shape)

@@ -1,0 +1,176 @@
+"""The training loop: data, forward/backward per micro-batch, a summed gradient, the update.
+
+One step of `Trainer.train_step`, on every rank:
+
+    global batch (same on every world size) -> this rank's slice -> M micro-batches
+    for each micro-batch: forward (pebbles into the cache) -> loss scaled by mb/global
+                          -> backward (pebbles out, gradients accumulate in the flat twin)
+    sum the flat gradient and the loss over ranks -> stop if the loss is not finite
+    -> optimizer step on the flat buffer
+
+Because each micro-batch's loss is scaled by its share of the global batch, the
+summed gradient is the global batch's gradient whatever the split: 1 rank with 4
+micro-batches and 4 ranks with 1 each update the parameters identically (up to the
+order of floating-point additions). The real data-parallel engine replaces the
+plain sum in a later issue.
+
+Exercised by: mpipar train   (and python -m pytest tests/test_trainer.py)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpipar.backend import make_backend
+from mpipar.cache import ActivationCache, Context
+from mpipar.comms import agree_on_setup, allreduce_sum, world
+from mpipar.config import TrainConfig
+from mpipar.data import GlobalBatchSampler, eval_slice, load_dataset, rank_slice, split_micro_batches
+from mpipar.errors import NonFiniteLossError
+from mpipar.layers import SoftmaxCrossEntropy
+from mpipar.model import build_stages
+from mpipar.models import build_model
+from mpipar.optim import make_optimizer, make_schedule
+
+
+@dataclass
+class StepResult:
+    step: int
+    epoch: int
+    loss: float
+    accuracy: float
+    lr: float
+    seconds: float
+
+
+@dataclass
+class EvalResult:
+    epoch: int
+    loss: float
+    accuracy: float
+
+
+class Trainer:
+    """Everything one rank needs to train: backend, data, model stage, optimizer, cache."""
+
+    def __init__(self, config: TrainConfig, comm=None) -> None:
+        self.config = config
+        self.comm = comm if comm is not None else world()
+        self.rank, self.world_size = self.comm.rank, self.comm.size
+        agree_on_setup(self.comm, self._setup)
+
+    def _setup(self) -> None:
+        cfg = self.config
+        cfg.validate(self.world_size)
+        self.backend = make_backend(cfg.device, cfg.dtype)
+        self.train_set, self.test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
+                                                     text_file=cfg.text_file, seq_len=cfg.seq_len)
+        self.model = build_model(cfg.model, input_shape=self.train_set.input_shape,
+                                 num_classes=self.train_set.num_classes, hidden=cfg.hidden,
+                                 dropout=cfg.dropout, width=cfg.width, heads=cfg.heads, blocks=cfg.blocks)
+        (self.stage,) = build_stages(self.model, 1, self.backend, cfg.seed)
+        self.loss_fn = SoftmaxCrossEntropy()
+        self.optimizer = make_optimizer(cfg.optimizer, self.stage.flat.data, self.stage.flat.grad,
+                                        self.stage.flat.decay_mask, momentum=cfg.momentum,
+                                        weight_decay=cfg.weight_decay)
+        self.sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, cfg.seed)
+        self.total_steps = self.sampler.steps_per_epoch * cfg.epochs
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.lr_at = make_schedule(cfg.schedule, cfg.lr, self.total_steps, warmup_steps=cfg.warmup_steps,
+                                   step_size=cfg.step_size, gamma=cfg.gamma)
+        self.cache = ActivationCache()
+        # [loss sum, correct predictions] of a step, summed over ranks in one message
+        self.step_totals = np.zeros(2, dtype=np.float64)
+
+    def _to_device(self, inputs, targets):
+        xp = self.backend.xp
+        inputs = self.backend.asarray(inputs) if inputs.dtype.kind == "f" else xp.asarray(inputs)
+        return inputs, xp.asarray(targets)
+
+    def train_step(self, step: int, epoch: int, step_in_epoch: int) -> StepResult:
+        """One optimizer step on the global batch `step_in_epoch` of `epoch`."""
+        start = time.perf_counter()
+        cfg, xp = self.config, self.backend.xp
+        local = rank_slice(self.sampler.global_batch_indices(epoch, step_in_epoch), self.rank, self.world_size)
+        micro_size = len(local) // cfg.micro_batches
+        self.stage.flat.zero_grad()
+        loss_sum, correct = 0.0, 0
+        for micro_batch, indices in enumerate(split_micro_batches(local, cfg.micro_batches)):
+            inputs, targets = self._to_device(*self.train_set.batch(indices))
+            first_position = self.rank * len(local) + micro_batch * micro_size
+            ctx = self.cache.context(0, micro_batch, step=step, seed=cfg.seed,
+                                     sample_ids=np.arange(first_position, first_position + micro_size))
+            logits = self.stage.forward(inputs, ctx)
+            loss_sum += self.loss_fn.forward(logits, targets, ctx, cfg.batch_size)
+            self.stage.backward(self.loss_fn.backward(ctx), ctx)
+            self.cache.release(0, micro_batch)
+            correct += (logits.argmax(axis=-1) == targets).sum()
+        self.step_totals[:] = (float(loss_sum), float(correct))
+        allreduce_sum(self.comm, self.stage.flat.grad)
+        allreduce_sum(self.comm, self.step_totals)
+        loss = float(self.step_totals[0])
+        if not math.isfinite(loss):
+            error = NonFiniteLossError(f"step {step} (epoch {epoch}): the training loss is {loss}; "
+                                       "stopped before the update (try a lower --lr)")
+            error.on_every_rank = True  # the loss was summed over all ranks: they all stop here
+            raise error
+        lr = self.lr_at(step)
+        self.optimizer.step(lr)
+        positions = math.prod(self.train_set.input_shape) if self.config.model == "transformer" else 1
+        accuracy = float(self.step_totals[1]) / (cfg.batch_size * positions)
+        return StepResult(step, epoch, loss, accuracy, lr, time.perf_counter() - start)
+
+    def evaluate(self, epoch: int) -> EvalResult:
+        """Loss and accuracy on the test set; each rank takes a contiguous slice of it."""
+        xp = self.backend.xp
+        part = eval_slice(len(self.test_set), self.rank, self.world_size)
+        indices = np.arange(len(self.test_set))[part]
+        totals = np.zeros(3, dtype=np.float64)  # loss sum, correct, predictions
+        for start in range(0, len(indices), self.config.eval_batch):
+            inputs, targets = self._to_device(*self.test_set.batch(indices[start:start + self.config.eval_batch]))
+            ctx = Context(cache=None, key=(0, -1), training=False)
+            logits = self.stage.forward(inputs, ctx)
+            totals[0] += float(self.loss_fn.forward(logits, targets, ctx, len(self.test_set)))
+            totals[1] += float((logits.argmax(axis=-1) == targets).sum())
+            totals[2] += targets.size
+        allreduce_sum(self.comm, totals)
+        return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)))
+
+    def run(self, report=None) -> dict:
+        """Train for the configured epochs (or max steps), evaluating after each epoch.
+
+        `report` (a Report, or None for silence) receives every step and evaluation.
+        Returns the summary that also ends the metrics file.
+        """
+        cfg = self.config
+        if report:
+            report.start(self)
+        started = time.perf_counter()
+        step, evaluation = 0, None
+        for epoch in range(cfg.epochs):
+            for step_in_epoch in range(self.sampler.steps_per_epoch):
+                if step >= self.total_steps:
+                    break
+                result = self.train_step(step, epoch, step_in_epoch)
+                if report:
+                    report.step(result, self)
+                step += 1
+            evaluation = self.evaluate(epoch)
+            if report:
+                report.evaluation(evaluation, self)
+            if step >= self.total_steps:
+                break
+        seconds = time.perf_counter() - started
+        summary = {"steps": step, "seconds": seconds,
+                   "samples_per_s": step * cfg.batch_size / seconds if seconds else 0.0,
+                   "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy,
+                   "peak_activation_bytes": self.cache.peak_bytes,
+                   "parameter_count": self.stage.flat.size}
+        if report:
+            report.done(summary, self)
+        return summary
