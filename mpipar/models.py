@@ -43,11 +43,13 @@ def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, hi
         if len(input_shape) != 1:
             raise ConfigError(f"the transformer model needs token sequences (T,), got samples of shape {input_shape}")
         layers = [Embedding(num_classes, width), PositionEmbedding(input_shape[0], width)]
-        extra = [Dropout(dropout)] if dropout else []
+        def dropped() -> list:  # a fresh Dropout per use: a layer runs once per micro-batch
+            return [Dropout(dropout)] if dropout else []
+
         for _ in range(blocks):
-            layers.append(Residual(LayerNorm(width), CausalSelfAttention(width, heads), *extra))
+            layers.append(Residual(LayerNorm(width), CausalSelfAttention(width, heads), *dropped()))
             layers.append(Residual(LayerNorm(width), Linear(width, 4 * width), GELU(), Linear(4 * width, width),
-                                   *extra))
+                                   *dropped()))
         layers += [LayerNorm(width), Linear(width, num_classes)]
     else:
         raise unknown_name("model", name, MODELS)

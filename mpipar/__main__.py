@@ -1,0 +1,5 @@
+"""`python -m mpipar` is the `mpipar` command."""
+
+from mpipar.cli import main
+
+main()

@@ -1,0 +1,42 @@
+"""Shared helpers: small configurations and a way to run scripts under mpiexec."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpipar.config import TrainConfig
+
+SCRIPTS = Path(__file__).parent / "scripts"
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+
+def small_config(**overrides) -> TrainConfig:
+    """A float64 run of a few steps on the bundled digits, quiet and quick."""
+    values = dict(dtype="float64", max_steps=3, epochs=1, batch_size=32, log_every=1000)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def mpiexec_path() -> str:
+    """mpiexec next to this Python (the mpich wheel puts it there), else on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("no mpiexec: install the MPI runtime with pip install 'mpipar[mpich]'")
+    return found
+
+
+def run_mpi(ranks: int, *args: str, timeout: float = 120, env_extra: dict | None = None):
+    """Run `args` (a command) on `ranks` ranks; a hang fails the test after `timeout` seconds."""
+    env = dict(os.environ, **(env_extra or {}))
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    try:
+        return subprocess.run([mpiexec_path(), "-n", str(ranks), *args], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"mpiexec -n {ranks} {' '.join(args)} did not finish in {timeout} s; output so far:\n"
+                    f"{expired.stdout}\n{expired.stderr}")

@@ -1,0 +1,18 @@
+"""Run a few training steps on every rank; rank 0 saves the parameters.
+
+Usage: python train_and_save.py OUT.npz key=value ...   (values parsed as TrainConfig fields)
+"""
+
+import sys
+
+import numpy as np
+
+from mpipar.config import load_config
+from mpipar.trainer import Trainer
+
+out, *pairs = sys.argv[1:]
+overrides = dict(pair.split("=", 1) for pair in pairs)
+trainer = Trainer(load_config(None, overrides))
+trainer.run()
+if trainer.rank == 0:
+    np.savez(out, params=trainer.stage.flat.data)

@@ -1,0 +1,74 @@
+"""The `mpipar` command as a user runs it: output, metrics file, and clear errors (exit status 2)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpipar.data import write_idx
+
+
+def mpipar(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpipar", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_train_writes_metrics_and_reports_memory(tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    result = mpipar("train", "--max-steps", "30", "--epochs", "2", "--log-every", "10",
+                    "--metrics", str(metrics))
+    assert result.returncode == 0, result.stderr
+    assert "step 10/30" in result.stdout and "peak activation memory" in result.stdout
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [e["event"] for e in events].count("step") == 30
+    assert events[-1]["event"] == "done" and events[-1]["peak_activation_bytes"] > 0
+    assert any(e["event"] == "eval" for e in events)
+
+
+def test_config_file_is_used(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('model = "cnn"\nmax-steps = 2\n')
+    result = mpipar("train", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "cnn on digits" in result.stdout and "2 steps" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "resnet"], "unknown model 'resnet'; valid models are: cnn, mlp, transformer"),
+    (["--dataset", "cifar"], "unknown data set 'cifar'; valid data sets are:"),
+    (["--optimizer", "lion"], "unknown optimizer 'lion'; valid optimizers are: adam, adamw, sgd"),
+    (["--epochs", "many"], "option 'epochs' in the command line must be int, got 'many'"),
+])
+def test_bad_options_are_one_sentence(args, message):
+    result = mpipar("train", *args)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"mpipar: error: {result.stderr.strip()[len('mpipar: error: '):]}"
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_corrupt_idx_file_is_named(tmp_path):
+    images = np.zeros((20, 28, 28), dtype=np.uint8)
+    labels = np.arange(20, dtype=np.uint8) % 10
+    for prefix in ("train", "t10k"):
+        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", images)
+        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", labels)
+    broken = tmp_path / "train-images-idx3-ubyte"
+    broken.write_bytes(broken.read_bytes()[:-100])  # truncated
+    result = mpipar("train", "--dataset", "mnist", "--data-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert str(broken) in result.stderr and "Traceback" not in result.stderr
+
+
+def test_diverging_run_stops_naming_the_step_and_the_loss():
+    result = mpipar("train", "--optimizer", "sgd", "--lr", "1e30", "--max-steps", "20")
+    assert result.returncode == 2
+    assert "mpipar: error: step" in result.stderr and "the training loss is" in result.stderr
+    assert "stopped before the update" in result.stderr
+
+
+def test_info():
+    result = mpipar("info")
+    assert result.returncode == 0, result.stderr
+    assert "MPI:" in result.stdout and "world size: 1" in result.stdout and "backend: numpy" in result.stdout

@@ -1,0 +1,61 @@
+"""Configuration: defaults < TOML file < command line; every bad value is one clear sentence."""
+
+import pytest
+
+from mpipar.config import TrainConfig, load_config
+from mpipar.errors import ConfigError
+
+
+def test_file_then_command_line_override(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('model = "cnn"\nmicro-batches = 2\nlr = 0.01\nhidden = [32, 16]\n')
+    config = load_config(str(path), {"lr": "0.5", "model": None})
+    assert config.model == "cnn" and config.micro_batches == 2 and config.hidden == (32, 16)
+    assert config.lr == 0.5  # the command line wins
+    assert load_config(None, {"hidden": "512,512"}).hidden == (512, 512)
+    assert load_config(None, {}) == TrainConfig()
+
+
+@pytest.mark.parametrize("text,message", [
+    ('modle = "cnn"', r"unknown option 'modle' in config file .*; valid options are: model, hidden"),
+    ("epochs = 2.5", r"option 'epochs' in config file .* must be int, got 2.5"),
+    ('lr = "fast"', r"option 'lr' in config file .* must be float, got 'fast'"),
+    ("epochs = true", r"option 'epochs' .* must be int, got True"),
+    ("model = [", r"is not valid TOML"),
+])
+def test_bad_files(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(path), {})
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="cannot read config file /nonexistent.toml"):
+        load_config("/nonexistent.toml", {})
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(model="resnet"), "unknown model 'resnet'; valid models are: cnn, mlp, transformer"),
+    (dict(dataset="cifar"), "unknown data set 'cifar'; valid data sets are: digits, fashion-mnist, kmnist"),
+    (dict(optimizer="lion"), "unknown optimizer 'lion'; valid optimizers are: adam, adamw, sgd"),
+    (dict(schedule="linear"), "unknown schedule 'linear'; valid schedules are: constant, cosine, step"),
+    (dict(dtype="float16"), "unknown dtype 'float16'; valid dtypes are: float32, float64"),
+    (dict(device="tpu"), "unknown device 'tpu'; valid devices are: cpu, gpu"),
+    (dict(batch_size=30, micro_batches=4), r"--batch-size 30 must be divisible by ranks x micro-batches"),
+    (dict(lr=0.0), "--lr must be positive"),
+    (dict(epochs=0), "--epochs must be at least 1"),
+    (dict(dropout=1.0), r"--dropout must be in \[0, 1\)"),
+    (dict(model="transformer"), "--model transformer cannot train on --dataset digits"),
+    (dict(model="transformer", dataset="text"), "--dataset text needs --text-file PATH"),
+    (dict(width=30, heads=4), "--width 30 is not divisible by --heads 4"),
+])
+def test_validation_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**overrides).validate(world_size=1)
+
+
+def test_batch_must_split_over_ranks():
+    TrainConfig(batch_size=64).validate(world_size=4)
+    with pytest.raises(ConfigError, match="= 3 x 1 = 3"):
+        TrainConfig(batch_size=64).validate(world_size=3)

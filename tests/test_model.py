@@ -1,0 +1,78 @@
+"""Sequential shape inference, partition into stages, flat parameter buffers."""
+
+import numpy as np
+import pytest
+
+from mpipar.backend import make_backend
+from mpipar.errors import ConfigError
+from mpipar.layers import Linear, ReLU
+from mpipar.model import Sequential, build_stages, partition
+from mpipar.models import build_model
+
+F64 = make_backend("cpu", "float64")
+
+
+def mlp(widths):
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [Linear(a, b), ReLU()]
+    return Sequential(layers[:-1], input_shape=(widths[0],))
+
+
+def test_partition_balances_flops():
+    model = mlp([100, 100, 10, 10, 10, 100, 100])  # heavy ends, light middle
+    stages = partition(model, 2)
+    costs = model.layer_flops()
+    loads = [sum(costs[i] for i in stage) for stage in stages]
+    best = min(max(sum(costs[:cut]), sum(costs[cut:])) for cut in range(1, len(costs)))
+    assert max(loads) == best  # the split that minimises the heaviest stage
+    assert sum(len(stage) for stage in stages) == len(model.layers)
+
+
+def test_partition_with_explicit_boundaries():
+    model = mlp([8, 8, 8, 8])
+    assert [list(r) for r in partition(model, 3, boundaries=[1, 3])] == [[0], [1, 2], [3, 4]]
+    for bad in ([3, 1], [0, 2], [1, 5], [2]):
+        with pytest.raises(ConfigError, match="strictly increasing"):
+            partition(model, 3, boundaries=bad)
+    with pytest.raises(ConfigError, match="cannot cut 5 layers into 6 stages"):
+        partition(model, 6)
+
+
+def test_flat_parameters_are_views_and_independent_of_the_stage_split():
+    whole = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, hidden=(16, 16))
+    (stage,) = build_stages(whole, 1, F64, seed=3)
+    split_model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, hidden=(16, 16))
+    stages = build_stages(split_model, 3, F64, seed=3)
+    np.testing.assert_array_equal(np.concatenate([s.flat.data for s in stages]), stage.flat.data)
+    first_linear = whole.layers[1]
+    assert np.shares_memory(first_linear.params["weight"], stage.flat.data)
+    assert np.shares_memory(first_linear.grads["weight"], stage.flat.grad)
+    first_linear.grads["weight"][0, 0] = 5.0
+    assert stage.flat.grad[0] == 5.0  # the weight is the first segment of the flat gradient
+    stage.flat.zero_grad()
+    assert first_linear.grads["weight"][0, 0] == 0.0
+
+
+def test_decay_mask_marks_weights_not_biases():
+    model = build_model("mlp", input_shape=(4,), num_classes=3, hidden=(5,))
+    (stage,) = build_stages(model, 1, F64, seed=0)
+    by_name = {(seg.layer, seg.name): seg for seg in stage.flat.segments}
+    for (layer, name), seg in by_name.items():
+        expected = 1.0 if name == "weight" else 0.0
+        assert (stage.flat.decay_mask[seg.offset:seg.offset + seg.size] == expected).all(), (layer, name)
+
+
+def test_same_seed_same_initialisation_different_seed_different():
+    def params(seed):
+        model = build_model("cnn", input_shape=(1, 8, 8), num_classes=10)
+        return build_stages(model, 1, F64, seed=seed)[0].flat.data
+    np.testing.assert_array_equal(params(1), params(1))
+    assert not np.allclose(params(1), params(2))
+
+
+def test_first_stage_skips_the_input_gradient():
+    model = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, hidden=(16,))
+    build_stages(model, 2, F64, seed=0, boundaries=[2])
+    assert model.layers[1].needs_input_grad is False  # first Linear of stage 0, after Flatten
+    assert model.layers[3].needs_input_grad is True   # first layer of stage 1 gets activations

@@ -1,0 +1,59 @@
+"""`mpiexec -n 2 mpipar train`: equal to one process in float64, and no hangs on failure."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import SCRIPTS, run_mpi, small_config
+from mpipar.data import write_idx
+from mpipar.trainer import Trainer
+
+CASES = {
+    "sgd-dropout": dict(optimizer="sgd", momentum=0.9, dropout=0.3),
+    "adam-cnn": dict(optimizer="adam", model="cnn"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_ranks_equal_one_process(tmp_path, case):
+    options = dict(dtype="float64", max_steps=3, epochs=1, batch_size=32, **CASES[case])
+    out = tmp_path / "params.npz"
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "train_and_save.py"), str(out),
+                     *(f"{key}={value}" for key, value in options.items()))
+    assert result.returncode == 0, result.stderr
+    single = Trainer(small_config(**options))
+    single.run()
+    distributed = np.load(out)["params"]
+    assert not np.allclose(distributed, Trainer(small_config(**options)).stage.flat.data)  # it trained
+    np.testing.assert_allclose(distributed, single.stage.flat.data, rtol=1e-12, atol=0)
+
+
+def test_bad_configuration_stops_every_rank_with_one_sentence():
+    result = run_mpi(2, sys.executable, "-m", "mpipar", "train", "--batch-size", "63", timeout=60)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error:")]
+    assert len(lines) == 2 and lines[0] == lines[1]
+    assert "--batch-size 63 must be divisible by ranks x micro-batches = 2 x 1 = 2" in lines[0]
+
+
+def test_data_missing_on_one_rank_stops_all_ranks(tmp_path):
+    good = tmp_path / "good"
+    good.mkdir()
+    for prefix in ("train", "t10k"):
+        write_idx(good / f"{prefix}-images-idx3-ubyte", np.zeros((100, 8, 8), dtype=np.uint8))
+        write_idx(good / f"{prefix}-labels-idx1-ubyte", np.arange(100, dtype=np.uint8) % 10)
+    command = [sys.executable, "-m", "mpipar", "train", "--dataset", "kmnist"]
+    result = run_mpi(1, "-env", "MPIPAR_DATA", str(good), *command, ":",
+                     "-n", "1", "-env", "MPIPAR_DATA", str(tmp_path / "empty"), *command, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error:")]
+    assert len(lines) == 2 and all("data set 'kmnist' not found" in line and "(on rank 1)" in line
+                                   for line in lines)
+
+
+def test_exception_on_one_rank_aborts_the_job_with_its_traceback():
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "fail_on_rank_one.py"), timeout=60)
+    assert result.returncode != 0
+    assert "mpipar: rank 1 of 2 failed; aborting the job" in result.stderr
+    assert "RuntimeError: injected failure on rank 1" in result.stderr

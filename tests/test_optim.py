@@ -1,0 +1,87 @@
+"""Optimizers on flat buffers against the textbook update written out per step; schedules."""
+
+import math
+
+import numpy as np
+import pytest
+
+from mpipar.errors import ConfigError
+from mpipar.optim import make_optimizer, make_schedule
+
+rng = np.random.default_rng(0)
+START = rng.standard_normal(20)
+GRADS = [rng.standard_normal(20) for _ in range(4)]
+MASK = (np.arange(20) % 2).astype(np.float64)
+
+
+def run(name, **options):
+    params, grad = START.copy(), np.zeros(20)
+    optimizer = make_optimizer(name, params, grad, MASK, **options)
+    for step, g in enumerate(GRADS):
+        grad[:] = g
+        optimizer.step(0.1 / (step + 1))
+    return params
+
+
+def reference_sgd(momentum, wd):
+    p, v = START.copy(), np.zeros(20)
+    for step, g in enumerate(GRADS):
+        d = g + wd * MASK * p
+        v = momentum * v + d
+        p = p - 0.1 / (step + 1) * (v if momentum else d)
+    return p
+
+
+def reference_adam(wd, decoupled, b1=0.9, b2=0.999, eps=1e-8):
+    p, m, v = START.copy(), np.zeros(20), np.zeros(20)
+    for step, g in enumerate(GRADS):
+        lr = 0.1 / (step + 1)
+        if not decoupled:
+            g = g + wd * MASK * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        if decoupled:
+            p = p - lr * wd * MASK * p
+        t = step + 1
+        p = p - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+    return p
+
+
+@pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.9, 0.0), (0.9, 0.05), (0.0, 0.05)])
+def test_sgd(momentum, wd):
+    np.testing.assert_allclose(run("sgd", momentum=momentum, weight_decay=wd), reference_sgd(momentum, wd),
+                               rtol=1e-13)
+
+
+@pytest.mark.parametrize("name,wd", [("adam", 0.0), ("adam", 0.05), ("adamw", 0.05)])
+def test_adam(name, wd):
+    np.testing.assert_allclose(run(name, weight_decay=wd), reference_adam(wd, decoupled=name == "adamw"),
+                               rtol=1e-13)
+
+
+def test_float32_stays_float32():
+    params, grad = START.astype(np.float32), GRADS[0].astype(np.float32)
+    for name in ("sgd", "adam", "adamw"):
+        optimizer = make_optimizer(name, params, grad, MASK.astype(np.float32), weight_decay=0.1)
+        optimizer.step(0.01)
+        state = [value for value in vars(optimizer).values() if isinstance(value, np.ndarray)]
+        assert params.dtype == np.float32 and all(array.dtype == np.float32 for array in state)
+
+
+def test_schedules():
+    warm_cosine = make_schedule("cosine", 1.0, 110, warmup_steps=10)
+    assert [warm_cosine(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert warm_cosine(10) == pytest.approx(1.0)
+    assert warm_cosine(60) == pytest.approx(0.5)
+    assert warm_cosine(110) == pytest.approx(0.0)
+    stepped = make_schedule("step", 1.0, 100, step_size=10, gamma=0.5)
+    assert [stepped(s) for s in (0, 9, 10, 25)] == [1.0, 1.0, 0.5, 0.25]
+    assert make_schedule("constant", 0.3, 5)(4) == 0.3
+    assert math.isclose(make_schedule("constant", 0.3, 5, warmup_steps=3)(0), 0.1)
+
+
+def test_unknown_names_list_the_valid_ones():
+    with pytest.raises(ConfigError, match="unknown optimizer 'lion'; valid optimizers are: adam, adamw, sgd"):
+        make_optimizer("lion", START.copy(), np.zeros(20), MASK)
+    with pytest.raises(ConfigError, match="valid schedules are: constant, cosine, step"):
+        make_schedule("linear", 1.0, 10)

@@ -1,0 +1,86 @@
+"""The single-process trainer: loss scaling, accumulation, accuracy, memory, non-finite loss."""
+
+import numpy as np
+import pytest
+
+from conftest import FASHION_DIR, small_config
+from mpipar.errors import NonFiniteLossError
+from mpipar.trainer import Trainer
+
+SPLIT_CASES = {
+    "mlp-sgd-dropout": dict(model="mlp", optimizer="sgd", momentum=0.9, dropout=0.2, weight_decay=1e-3),
+    "mlp-adam": dict(model="mlp", optimizer="adam"),
+    "cnn-adamw": dict(model="cnn", optimizer="adamw", weight_decay=0.01),
+}
+
+
+def trained_parameters(**overrides) -> np.ndarray:
+    trainer = Trainer(small_config(**overrides))
+    trainer.run()
+    return trainer.stage.flat.data.copy()
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
+def test_micro_batch_split_does_not_change_the_parameters(case):
+    reference = trained_parameters(micro_batches=1, **SPLIT_CASES[case])
+    initial = Trainer(small_config(max_steps=1, **SPLIT_CASES[case])).stage.flat.data
+    assert not np.allclose(reference, initial)  # three steps really moved the parameters
+    for micro_batches in (2, 4):
+        split = trained_parameters(micro_batches=micro_batches, **SPLIT_CASES[case])
+        np.testing.assert_allclose(split, reference, rtol=1e-12, atol=0)
+
+
+def test_transformer_micro_batch_split(tmp_path):
+    # SGD, not Adam: the key bias's true gradient is exactly zero (softmax ignores a
+    # shift shared by all keys), so its computed gradient is pure rounding noise,
+    # which Adam divides by its own square root and turns into a visible update.
+    text = tmp_path / "tiny.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    options = dict(optimizer="sgd", model="transformer", dataset="text", text_file=str(text), seq_len=16, width=16, heads=2,
+                   blocks=1, dropout=0.1, batch_size=8)
+    reference = trained_parameters(micro_batches=1, **options)
+    np.testing.assert_allclose(trained_parameters(micro_batches=4, **options), reference, rtol=1e-12, atol=0)
+
+
+def test_transformer_learns_a_repeating_text(tmp_path):
+    text = tmp_path / "abc.txt"
+    text.write_text("abcdefgh" * 400)
+    trainer = Trainer(small_config(model="transformer", dataset="text", text_file=str(text), seq_len=16,
+                                   width=32, heads=4, blocks=1, batch_size=16, max_steps=150, lr=3e-3,
+                                   dtype="float32"))
+    summary = trainer.run()
+    assert summary["test_accuracy"] > 0.9
+
+
+def test_peak_activation_memory_shrinks_with_micro_batches():
+    one = Trainer(small_config(micro_batches=1, max_steps=1))
+    one.run()
+    four = Trainer(small_config(micro_batches=4, max_steps=1))
+    four.run()
+    assert one.cache.peak_bytes > 0
+    assert four.cache.peak_bytes == pytest.approx(one.cache.peak_bytes / 4, rel=0.05)
+    assert one.cache.live_bytes == 0 and four.cache.live_bytes == 0  # everything freed by backward
+
+
+def test_default_run_reaches_95_percent_on_digits():
+    trainer = Trainer(small_config(dtype="float32", max_steps=0, epochs=15, batch_size=64))
+    assert trainer.run()["test_accuracy"] >= 0.95
+
+
+@pytest.mark.skipif(not FASHION_DIR.is_dir(),
+                    reason=f"Fashion-MNIST is not installed at {FASHION_DIR} (apt-get install dataset-fashion-mnist)")
+def test_fashion_mnist_mlp_reaches_85_percent_in_3_epochs():
+    trainer = Trainer(small_config(dtype="float32", dataset="fashion-mnist", model="mlp", hidden=(256, 256),
+                                   max_steps=0, epochs=3, batch_size=64))
+    assert trainer.run()["test_accuracy"] >= 0.85
+
+
+def test_nan_loss_stops_at_that_step_before_the_update():
+    trainer = Trainer(small_config(optimizer="sgd", momentum=0.0, max_steps=5))
+    trainer.train_step(0, 0, 0)
+    before = trainer.stage.flat.data.copy()
+    trainer.stage.flat.data[0] = np.nan
+    trainer.stage.flat.data[1:] = before[1:]
+    with pytest.raises(NonFiniteLossError, match=r"step 1 \(epoch 0\): the training loss is nan"):
+        trainer.train_step(1, 0, 1)
+    np.testing.assert_array_equal(trainer.stage.flat.data[1:], before[1:])
