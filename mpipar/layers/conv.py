@@ -3,9 +3,9 @@
 im2col copies every k x k patch of the padded input into a row, so the convolution
 becomes one matrix product with the flattened kernels:
 
-    cols[n, oh, ow, c, i, j] = xpad[n, c, oh*s + i, ow*s + j]
-    y = cols W^T + b                     (rows: n, oh, ow;  columns: c, i, j)
-    backward  dW += dy^T cols    db += sum dy    dcols = dy W
+    cols[(c, i, j), (n, oh, ow)] = xpad[n, c, oh*s + i, ow*s + j]
+    y = W cols + b                       (W: out_channels x (c, i, j))
+    backward  dW += dy cols^T    db += sum dy    dcols = W^T dy
               dx = col2im(dcols): each patch's gradient added back where it came from
 
 Both directions loop over the k*k kernel offsets (a handful of whole-array slices),
@@ -62,33 +62,35 @@ class Conv2d(Layer):
         n, c, h, w = x.shape
         k, s, p = self.kernel, self.stride, self.padding
         oh, ow = _out_size(h, k, s, p), _out_size(w, k, s, p)
-        padded = xp.pad(x, ((0, 0), (0, 0), (p, p), (p, p))) if p else x
-        cols = xp.empty((n, oh, ow, c, k, k), dtype=x.dtype)
+        # Channels first, (c, n, h, w), so every kernel offset below copies one
+        # contiguous (n, oh, ow) block per channel into cols[(c, i, j), (n, oh, ow)].
+        padded = xp.pad(x.transpose(1, 0, 2, 3), ((0, 0), (0, 0), (p, p), (p, p)))
+        cols = xp.empty((c, k, k, n, oh, ow), dtype=x.dtype)
         for i in range(k):
             for j in range(k):
-                cols[:, :, :, :, i, j] = padded[:, :, i:i + s * oh:s, j:j + s * ow:s].transpose(0, 2, 3, 1)
-        cols = cols.reshape(n * oh * ow, c * k * k)
+                cols[:, i, j] = padded[:, :, i:i + s * oh:s, j:j + s * ow:s]
+        cols = cols.reshape(c * k * k, n * oh * ow)
         ctx.save(self, cols, x.shape)
-        rows = cols @ self.params["weight"].reshape(self.out_channels, -1).T
-        rows += self.params["bias"]
-        return xp.ascontiguousarray(rows.reshape(n, oh, ow, self.out_channels).transpose(0, 3, 1, 2))
+        out = self.params["weight"].reshape(self.out_channels, -1) @ cols
+        out += self.params["bias"][:, None]
+        return xp.ascontiguousarray(out.reshape(self.out_channels, n, oh, ow).transpose(1, 0, 2, 3))
 
     def backward(self, dy, ctx):
         cols, (n, c, h, w) = ctx.pop(self)
         xp = array_module(dy)
         k, s, p = self.kernel, self.stride, self.padding
         oh, ow = dy.shape[2], dy.shape[3]
-        dy_rows = dy.transpose(0, 2, 3, 1).reshape(-1, self.out_channels)
-        self.grads["weight"] += (dy_rows.T @ cols).reshape(self.grads["weight"].shape)
-        self.grads["bias"] += dy_rows.sum(axis=0)
+        dy_cols = dy.transpose(1, 0, 2, 3).reshape(self.out_channels, -1)
+        self.grads["weight"] += (dy_cols @ cols.T).reshape(self.grads["weight"].shape)
+        self.grads["bias"] += dy_cols.sum(axis=1)
         if not self.needs_input_grad:
             return None
-        dcols = (dy_rows @ self.params["weight"].reshape(self.out_channels, -1)).reshape(n, oh, ow, c, k, k)
-        dpadded = xp.zeros((n, c, h + 2 * p, w + 2 * p), dtype=dy.dtype)
+        dcols = (self.params["weight"].reshape(self.out_channels, -1).T @ dy_cols).reshape(c, k, k, n, oh, ow)
+        dpadded = xp.zeros((c, n, h + 2 * p, w + 2 * p), dtype=dy.dtype)  # channels first, as in forward
         for i in range(k):
             for j in range(k):
-                dpadded[:, :, i:i + s * oh:s, j:j + s * ow:s] += dcols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
-        return dpadded[:, :, p:p + h, p:p + w] if p else dpadded
+                dpadded[:, :, i:i + s * oh:s, j:j + s * ow:s] += dcols[:, i, j]
+        return xp.ascontiguousarray(dpadded[:, :, p:p + h, p:p + w].transpose(1, 0, 2, 3))
 
 
 class MaxPool2d(Layer):
