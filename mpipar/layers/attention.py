@@ -55,8 +55,7 @@ class CausalSelfAttention(Layer):
         qkv = x @ self.params["qkv_weight"] + self.params["qkv_bias"]
         q, k, v = qkv.reshape(n, t, 3, self.heads, self.head_dim).transpose(2, 0, 3, 1, 4)
         scores = (q @ k.swapaxes(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
-        future = xp.triu(xp.ones((t, t), dtype=bool), k=1)
-        scores[..., future] = -xp.inf
+        scores += xp.triu(xp.full((t, t), -xp.inf, dtype=x.dtype), k=1)  # hide the future
         scores -= scores.max(axis=-1, keepdims=True)
         probs = xp.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
