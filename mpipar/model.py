@@ -94,6 +94,7 @@ class FlatParams:
             host_decay[offset:offset + size] = float(spec.decay)
             self.segments.append(Segment(leaf.name, spec.name, offset, size, spec.shape))
             offset += size
+        self.leaves = list(dict.fromkeys(leaf for leaf, _, _ in owned))
         self.data = backend.asarray(host_data)
         self.grad = backend.xp.zeros_like(self.data)
         self.decay_mask = backend.asarray(host_decay)
@@ -107,7 +108,20 @@ class FlatParams:
         return self.data.nbytes
 
     def zero_grad(self) -> None:
-        self.grad.fill(0)
+        """Start the gradients again from zero, lazily: each layer's first backward
+        overwrites its part of `grad` instead of adding to it (see layers/base.py)."""
+        for leaf in self.leaves:
+            leaf.fresh_grads = True
+
+    def settle_grads(self):
+        """Zero the part of any layer whose backward did not run since `zero_grad`;
+        after this `grad` holds the accumulated gradient. Returns `grad`."""
+        for leaf in self.leaves:
+            if leaf.fresh_grads:
+                for grad in leaf.grads.values():
+                    grad.fill(0)
+                leaf.fresh_grads = False
+        return self.grad
 
 
 class Stage:
@@ -136,6 +150,8 @@ class Stage:
     def backward(self, dy, ctx):
         for layer in reversed(self.layers):
             dy = layer.backward(dy, ctx)
+            for leaf in leaf_layers([layer]):
+                leaf.fresh_grads = False  # written once: later micro-batches add to it
             if dy is None:
                 break
         return dy

@@ -10,7 +10,9 @@ so a float32 run stays float32 (NumPy 2 would promote on a numpy.float64 scalar)
            p -= lr (m1 / (1-b1^t)) / (sqrt(m2 / (1-b2^t)) + eps)
     AdamW  as Adam on g alone, then the decoupled decay p -= lr wd m p
 
-(m is the decay mask: weights decay, biases and norm gains do not.)
+(m is the decay mask: weights decay, biases and norm gains do not.) The gradient
+buffer doubles as workspace — coupled weight decay is added into it — because it is
+overwritten by the next backward anyway; that saves a full-size copy per step.
 
 Exercised by: python -m pytest tests/test_optim.py
 """
@@ -37,20 +39,17 @@ class SGD:
         self.steps = 0
 
     def step(self, lr: float) -> None:
+        """One update. The gradient buffer is workspace: it holds g + wd m p afterwards."""
         xp = array_module(self.params)
-        update = self.update
         if self.weight_decay:
-            _decay_term(xp, self.params, self.decay_mask, self.weight_decay, out=update)
-            update += self.grad
-        else:
-            update[...] = self.grad
+            _add_decay(xp, self.grad, self.params, self.decay_mask, self.weight_decay, scratch=self.update)
+        direction = self.grad
         if self.velocity is not None:
             self.velocity *= self.momentum
-            self.velocity += update
-            xp.multiply(self.velocity, lr, out=update)
-        else:
-            update *= lr
-        self.params -= update
+            self.velocity += self.grad
+            direction = self.velocity
+        xp.multiply(direction, lr, out=self.update)
+        self.params -= self.update
         self.steps += 1
 
 
@@ -67,39 +66,39 @@ class Adam:
         self.steps = 0
 
     def step(self, lr: float) -> None:
+        """One update. The gradient buffer is workspace (coupled decay is added into it)."""
         xp = array_module(self.params)
         self.steps += 1
-        g = self.scratch
+        g, scratch = self.grad, self.scratch
         if self.weight_decay and not self.decoupled:
-            _decay_term(xp, self.params, self.decay_mask, self.weight_decay, out=g)
-            g += self.grad
-        else:
-            g[...] = self.grad
+            _add_decay(xp, g, self.params, self.decay_mask, self.weight_decay, scratch=scratch)
         self.first_moment *= self.beta1
-        self.first_moment += (1.0 - self.beta1) * g
-        g *= g
-        g *= 1.0 - self.beta2
+        xp.multiply(g, 1.0 - self.beta1, out=scratch)
+        self.first_moment += scratch
         self.second_moment *= self.beta2
-        self.second_moment += g
+        xp.multiply(g, g, out=scratch)
+        scratch *= 1.0 - self.beta2
+        self.second_moment += scratch
         if self.weight_decay and self.decoupled:
-            _decay_term(xp, self.params, self.decay_mask, lr * self.weight_decay, out=g)
-            self.params -= g
+            xp.multiply(self.params, self.decay_mask, out=scratch)
+            scratch *= lr * self.weight_decay
+            self.params -= scratch
         # p -= (lr / bias1) * m1 / (sqrt(m2 / bias2) + eps), computed in the scratch buffer
         bias1 = 1.0 - self.beta1**self.steps
         bias2 = 1.0 - self.beta2**self.steps
-        step = self.scratch
-        xp.sqrt(self.second_moment, out=step)
-        step *= 1.0 / math.sqrt(bias2)
-        step += self.eps
-        xp.divide(self.first_moment, step, out=step)
-        step *= lr / bias1
-        self.params -= step
+        xp.sqrt(self.second_moment, out=scratch)
+        scratch *= 1.0 / math.sqrt(bias2)
+        scratch += self.eps
+        xp.divide(self.first_moment, scratch, out=scratch)
+        scratch *= lr / bias1
+        self.params -= scratch
 
 
-def _decay_term(xp, params, decay_mask, coefficient: float, out) -> None:
-    """out = coefficient * mask * params, without temporaries."""
-    xp.multiply(params, decay_mask, out=out)
-    out *= coefficient
+def _add_decay(xp, grad, params, decay_mask, coefficient: float, scratch) -> None:
+    """grad += coefficient * mask * params, using `scratch` instead of temporaries."""
+    xp.multiply(params, decay_mask, out=scratch)
+    scratch *= coefficient
+    grad += scratch
 
 
 def make_optimizer(name: str, params, grad, decay_mask, *, momentum: float = 0.9,

@@ -111,7 +111,7 @@ class Trainer:
             self.cache.release(0, micro_batch)
             correct += (logits.argmax(axis=-1) == targets).sum()
         self.step_totals[:] = (float(loss_sum), float(correct))
-        allreduce_sum(self.comm, self.stage.flat.grad)
+        allreduce_sum(self.comm, self.stage.flat.settle_grads())
         allreduce_sum(self.comm, self.step_totals)
         loss = float(self.step_totals[0])
         if not math.isfinite(loss):

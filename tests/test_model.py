@@ -50,8 +50,33 @@ def test_flat_parameters_are_views_and_independent_of_the_stage_split():
     assert np.shares_memory(first_linear.grads["weight"], stage.flat.grad)
     first_linear.grads["weight"][0, 0] = 5.0
     assert stage.flat.grad[0] == 5.0  # the weight is the first segment of the flat gradient
+
+
+def test_lazy_zero_grad_matches_explicit_zeroing_and_leaves_nothing_stale():
+    from mpipar.cache import ActivationCache
+
+    model = build_model("cnn", input_shape=(1, 8, 8), num_classes=10)
+    (stage,) = build_stages(model, 1, F64, seed=0)
+    x = np.random.default_rng(1).standard_normal((4, 1, 8, 8))
+
+    def backward_once(micro_batch):
+        ctx = ActivationCache().context(0, micro_batch)
+        stage.forward(x, ctx)
+        stage.backward(np.ones((4, 10)), ctx)
+
+    stage.flat.grad[:] = 7.0
     stage.flat.zero_grad()
-    assert first_linear.grads["weight"][0, 0] == 0.0
+    assert (stage.flat.settle_grads() == 0).all()  # nothing ran: settling zeroes everything
+    stage.flat.grad[:] = 7.0
+    stage.flat.zero_grad()
+    backward_once(0)  # the first backward overwrites the stale 7s...
+    backward_once(1)  # ...the second adds
+    lazy = stage.flat.settle_grads().copy()
+    stage.flat.grad[:] = 0.0  # reference: explicit zeros, then two accumulating backwards
+    backward_once(0)
+    backward_once(1)
+    np.testing.assert_allclose(lazy, stage.flat.grad, rtol=1e-14)
+    assert np.abs(lazy).min() < 7.0 and np.abs(lazy).max() > 0
 
 
 def test_decay_mask_marks_weights_not_biases():

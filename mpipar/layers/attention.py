@@ -68,8 +68,8 @@ class CausalSelfAttention(Layer):
         xp = array_module(dy)
         n, t, d = x.shape
         dy_rows = dy.reshape(-1, d)
-        self.grads["out_weight"] += merged.reshape(-1, d).T @ dy_rows
-        self.grads["out_bias"] += dy_rows.sum(axis=0)
+        self.grad_matmul(self.grads["out_weight"], merged.reshape(-1, d).T, dy_rows)
+        self.grad_sum(self.grads["out_bias"], dy_rows, axis=0)
         d_out = (dy @ self.params["out_weight"].T).reshape(n, t, self.heads, self.head_dim).transpose(0, 2, 1, 3)
         d_probs = d_out @ v.swapaxes(-1, -2)
         dv = probs.swapaxes(-1, -2) @ d_out
@@ -78,6 +78,6 @@ class CausalSelfAttention(Layer):
         dq = d_scores @ k
         dk = d_scores.swapaxes(-1, -2) @ q
         d_qkv = xp.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(n * t, 3 * d)
-        self.grads["qkv_weight"] += x.reshape(-1, d).T @ d_qkv
-        self.grads["qkv_bias"] += d_qkv.sum(axis=0)
+        self.grad_matmul(self.grads["qkv_weight"], x.reshape(-1, d).T, d_qkv)
+        self.grad_sum(self.grads["qkv_bias"], d_qkv, axis=0)
         return (d_qkv @ self.params["qkv_weight"].T).reshape(n, t, d)

@@ -2,7 +2,13 @@
 
 A layer owns parameters and their gradients, never activations. `forward(x, ctx)`
 returns y and saves into `ctx` what backward needs; `backward(dy, ctx)` pops that,
-returns dx and *adds* into the gradients (so micro-batches accumulate). Parameters
+returns dx and *adds* into the gradients (so micro-batches accumulate).
+
+"Adds" has one shortcut. After `FlatParams.zero_grad` a layer's gradients are
+*fresh*: logically zero but not yet written. The first backward then writes its
+result straight into the buffer (`matmul(..., out=grad)`) instead of zero-filling
+and adding a temporary — two passes over every parameter saved per step. The
+helpers `grad_matmul` and `grad_sum` pick the right one. Parameters
 are declared as ParamSpecs; a FlatParams (mpipar/model.py) allocates them as views
 of one contiguous buffer and binds `self.params` / `self.grads`.
 
@@ -20,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+from mpipar.backend import array_module
 from mpipar.errors import ShapeError
 
 Init = Callable[[np.random.Generator, tuple], np.ndarray]
@@ -56,6 +63,7 @@ class Layer:
         self.params: dict[str, object] = {}
         self.grads: dict[str, object] = {}
         self.name = type(self).__name__
+        self.fresh_grads = False  # set by FlatParams.zero_grad, cleared by Stage after backward
 
     def param_specs(self) -> list[ParamSpec]:
         return []
@@ -76,6 +84,20 @@ class Layer:
 
     def backward(self, dy, ctx):
         raise NotImplementedError
+
+    def grad_matmul(self, grad, a, b) -> None:
+        """grad += a @ b (or grad = a @ b while the gradients are fresh)."""
+        if self.fresh_grads:
+            array_module(grad).matmul(a, b, out=grad)
+        else:
+            grad += a @ b
+
+    def grad_sum(self, grad, values, axis) -> None:
+        """grad += values summed over `axis` (or = while fresh)."""
+        if self.fresh_grads:
+            values.sum(axis=axis, out=grad)
+        else:
+            grad += values.sum(axis=axis)
 
     def shape_error(self, expected: str, got: tuple) -> ShapeError:
         """The error for an input this layer cannot take, naming it and both shapes."""

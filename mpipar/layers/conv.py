@@ -81,8 +81,8 @@ class Conv2d(Layer):
         k, s, p = self.kernel, self.stride, self.padding
         oh, ow = dy.shape[2], dy.shape[3]
         dy_cols = dy.transpose(1, 0, 2, 3).reshape(self.out_channels, -1)
-        self.grads["weight"] += (dy_cols @ cols.T).reshape(self.grads["weight"].shape)
-        self.grads["bias"] += dy_cols.sum(axis=1)
+        self.grad_matmul(self.grads["weight"].reshape(self.out_channels, -1), dy_cols, cols.T)
+        self.grad_sum(self.grads["bias"], dy_cols, axis=1)
         if not self.needs_input_grad:
             return None
         dcols = (self.params["weight"].reshape(self.out_channels, -1).T @ dy_cols).reshape(c, k, k, n, oh, ow)

@@ -38,6 +38,8 @@ class Embedding(Layer):
 
     def backward(self, dy, ctx):
         (ids,) = ctx.pop(self)
+        if self.fresh_grads:  # a scatter only touches the rows it hits: the rest must be zero
+            self.grads["weight"].fill(0)
         scatter_add(self.grads["weight"], ids.reshape(-1), dy.reshape(-1, self.dim))
         return None
 
@@ -62,5 +64,7 @@ class PositionEmbedding(Layer):
         return x + self.params["weight"][: x.shape[1]]
 
     def backward(self, dy, ctx):
+        if self.fresh_grads:  # only the first T rows are written: the rest must be zero
+            self.grads["weight"].fill(0)
         self.grads["weight"][: dy.shape[1]] += dy.sum(axis=0)
         return dy

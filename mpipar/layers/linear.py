@@ -50,9 +50,9 @@ class Linear(Layer):
         (x,) = ctx.pop(self)
         x_rows = x.reshape(-1, self.in_features)
         dy_rows = dy.reshape(-1, self.out_features)
-        self.grads["weight"] += x_rows.T @ dy_rows
+        self.grad_matmul(self.grads["weight"], x_rows.T, dy_rows)
         if self.has_bias:
-            self.grads["bias"] += dy_rows.sum(axis=0)
+            self.grad_sum(self.grads["bias"], dy_rows, axis=0)
         if not self.needs_input_grad:
             return None
         return dy @ self.params["weight"].T

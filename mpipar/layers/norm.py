@@ -44,8 +44,8 @@ class LayerNorm(Layer):
     def backward(self, dy, ctx):
         normed, rstd = ctx.pop(self)
         rows_dy = dy.reshape(-1, self.dim)
-        self.grads["gain"] += (rows_dy * normed.reshape(-1, self.dim)).sum(axis=0)
-        self.grads["shift"] += rows_dy.sum(axis=0)
+        self.grad_sum(self.grads["gain"], rows_dy * normed.reshape(-1, self.dim), axis=0)
+        self.grad_sum(self.grads["shift"], rows_dy, axis=0)
         g = dy * self.params["gain"]
         return rstd * (g - g.mean(axis=-1, keepdims=True)
                        - normed * (g * normed).mean(axis=-1, keepdims=True))
