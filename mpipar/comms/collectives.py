@@ -1,0 +1,234 @@
+"""Collectives with interchangeable algorithms: all-reduce, reduce-scatter, all-gather,
+reduce and broadcast, each blocking or non-blocking (the `i...` form returns a Handle).
+
+    mpi      the MPI library's own collective
+    ring     Isend/Irecv around one ring (routes.py)
+    hring    H-Ring: intra-group and inter-group rings one after the other
+    horing   HO-Ring: the same two rings running at the same time
+    2d       all-reduce only: intra reduce-scatter, inter all-reduce, intra all-gather
+
+Buffers are cut into one block per rank (routes.block_offsets), so any length works,
+0 included. Composite operations are compositions of the two routed primitives:
+
+    all-reduce  = reduce-scatter, then all-gather, in place
+    reduce      = reduce-scatter, then every rank sends its block to the root
+    broadcast   = the root sends block k to rank k, then all-gather
+
+Exercised by: mpiexec -n 4 python tests/scripts/check_collectives.py   (via python -m pytest tests/test_collectives.py)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from mpipar.comms.comm import Comm
+from mpipar.comms.handle import Handle, Steps
+from mpipar.comms.routes import Step, all_gather_steps, block_offsets, reduce_scatter_steps
+from mpipar.comms.tags import collective_tag
+from mpipar.errors import ConfigError, unknown_name
+
+ALGORITHMS = ("mpi", "ring", "hring", "horing", "2d")
+
+
+def _blocks(buf: np.ndarray, parts: int) -> list[np.ndarray]:
+    offsets = block_offsets(buf.size, parts)
+    return [buf[offsets[k]:offsets[k + 1]] for k in range(parts)]
+
+
+def _layout(comm: Comm, algorithm: str, operation: str) -> list[list[int]]:
+    valid = ALGORITHMS if operation == "all-reduce" else ALGORITHMS[:-1]
+    if algorithm not in valid:
+        raise unknown_name(f"{operation} algorithm", algorithm, valid)
+    layout = comm.group_layout()
+    if algorithm in ("hring", "horing", "2d") and len({len(group) for group in layout}) > 1:
+        raise ConfigError(f"{algorithm} needs groups of equal size; this communicator's groups have "
+                          f"{sorted(len(group) for group in layout)} ranks")
+    return layout
+
+
+def _post(comm: Comm, step: Step, send_blocks, recv_blocks, tag: int):
+    requests, peers = [], []
+    for transfer, buf in zip(step.recvs, recv_blocks):
+        requests.append(comm.irecv(buf, transfer.peer, tag))
+        peers.append(transfer.peer)
+    for transfer in step.sends:
+        requests.append(comm.isend(send_blocks[transfer.block], transfer.peer, tag))
+        peers.append(transfer.peer)
+    return requests, peers
+
+
+def _gather(comm: Comm, steps: list[Step], blocks: list[np.ndarray]) -> Steps:
+    """Run an all-gather schedule: every received block lands in place."""
+    tag = collective_tag(comm.next_sequence())
+    for step in steps:
+        yield _post(comm, step, blocks, [blocks[t.block] for t in step.recvs], tag)
+
+
+def _reduce(comm: Comm, steps: list[Step], blocks: list[np.ndarray]) -> Steps:
+    """Run a reduce-scatter schedule: received partial sums are added into `blocks`."""
+    tag = collective_tag(comm.next_sequence())
+    most = max((len(step.recvs) for step in steps), default=0)
+    scratch = np.empty((most, max((b.size for b in blocks), default=0)), dtype=blocks[0].dtype)
+    for step in steps:
+        partials = [scratch[j, :blocks[t.block].size] for j, t in enumerate(step.recvs)]
+        yield _post(comm, step, blocks, partials, tag)
+        for transfer, partial in zip(step.recvs, partials):
+            blocks[transfer.block] += partial
+
+
+def _library(comm: Comm, request: MPI.Request, nbytes: int) -> Steps:
+    comm.library_call(nbytes)
+    yield [request], [-1]
+
+
+# -- all-reduce -------------------------------------------------------------------------
+
+def _all_reduce(comm: Comm, buf: np.ndarray, algorithm: str) -> Steps:
+    layout = _layout(comm, algorithm, "all-reduce")
+    if comm.size == 1:
+        return
+    if algorithm == "mpi":
+        yield from _library(comm, comm.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), buf.nbytes)
+    elif algorithm == "2d":
+        yield from _two_d(*comm.hierarchy(), buf)
+    else:
+        blocks = _blocks(buf, comm.size)
+        yield from _reduce(comm, reduce_scatter_steps(algorithm, layout, comm.rank), blocks)
+        yield from _gather(comm, all_gather_steps(algorithm, layout, comm.rank), blocks)
+
+
+def _two_d(intra: Comm, inter: Comm, buf: np.ndarray) -> Steps:
+    chunks = _blocks(buf, intra.size)
+    one_ring = [list(range(intra.size))]
+    yield from _reduce(intra, reduce_scatter_steps("ring", one_ring, intra.rank), chunks)
+    yield from _all_reduce(inter, chunks[intra.rank], "ring")
+    yield from _gather(intra, all_gather_steps("ring", one_ring, intra.rank), chunks)
+
+
+def iall_reduce(comm: Comm, buf: np.ndarray, algorithm: str = "ring") -> Handle:
+    """Start buf <- sum of buf over all ranks, in place."""
+    return Handle(_all_reduce(comm, buf, algorithm), f"all-reduce ({algorithm}, {buf.nbytes} bytes)", comm.rank)
+
+
+def all_reduce(comm: Comm, buf: np.ndarray, algorithm: str = "ring") -> None:
+    iall_reduce(comm, buf, algorithm).wait()
+
+
+# -- reduce-scatter and all-gather ---------------------------------------------------------
+
+def _reduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str) -> Steps:
+    layout = _layout(comm, algorithm, "reduce-scatter")
+    offsets = block_offsets(send.size, comm.size)
+    mine = slice(offsets[comm.rank], offsets[comm.rank + 1])
+    if recv.size != mine.stop - mine.start:
+        raise ValueError(f"reduce-scatter: rank {comm.rank}'s block of {send.size} has "
+                         f"{mine.stop - mine.start} elements, the output has {recv.size}")
+    if algorithm == "mpi" and comm.size > 1:
+        counts = np.diff(offsets).tolist()
+        yield from _library(comm, comm.mpi.Ireduce_scatter(send, recv, counts, op=MPI.SUM), send.nbytes)
+        return
+    if comm.size == 1:
+        recv[...] = send
+        return
+    work = send.copy()  # partial sums accumulate here; the input stays as it was
+    yield from _reduce(comm, reduce_scatter_steps(algorithm, layout, comm.rank), _blocks(work, comm.size))
+    recv[...] = work[mine]
+
+
+def ireduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = "ring") -> Handle:
+    """Start recv <- block `comm.rank` of the sum of `send` over all ranks."""
+    return Handle(_reduce_scatter(comm, send, recv, algorithm),
+                  f"reduce-scatter ({algorithm}, {send.nbytes} bytes)", comm.rank)
+
+
+def reduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = "ring") -> None:
+    ireduce_scatter(comm, send, recv, algorithm).wait()
+
+
+def _all_gather(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str) -> Steps:
+    layout = _layout(comm, algorithm, "all-gather")
+    offsets = block_offsets(recv.size, comm.size)
+    if send.size != offsets[comm.rank + 1] - offsets[comm.rank]:
+        raise ValueError(f"all-gather: rank {comm.rank} must give block {comm.rank} of {recv.size}, "
+                         f"{offsets[comm.rank + 1] - offsets[comm.rank]} elements; it gave {send.size}")
+    if algorithm == "mpi" and comm.size > 1:
+        counts = np.diff(offsets).tolist()
+        request = comm.mpi.Iallgatherv(send, [recv, (counts, offsets[:-1])])
+        yield from _library(comm, request, send.nbytes)
+        return
+    blocks = _blocks(recv, comm.size)
+    blocks[comm.rank][...] = send
+    if comm.size > 1:
+        yield from _gather(comm, all_gather_steps(algorithm, layout, comm.rank), blocks)
+
+
+def iall_gather(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = "ring") -> Handle:
+    """Start recv <- the blocks `send` of all ranks, in rank order."""
+    return Handle(_all_gather(comm, send, recv, algorithm),
+                  f"all-gather ({algorithm}, {recv.nbytes} bytes)", comm.rank)
+
+
+def all_gather(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = "ring") -> None:
+    iall_gather(comm, send, recv, algorithm).wait()
+
+
+# -- reduce and broadcast -----------------------------------------------------------------
+
+def _reduce_to_root(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int, algorithm: str) -> Steps:
+    _layout(comm, algorithm, "reduce")
+    if algorithm == "mpi" or comm.size == 1:
+        if comm.size == 1:
+            recv[...] = send
+            return
+        yield from _library(comm, comm.mpi.Ireduce(send, recv if comm.rank == root else None,
+                                                   op=MPI.SUM, root=root), send.nbytes)
+        return
+    offsets = block_offsets(send.size, comm.size)
+    mine = np.empty(offsets[comm.rank + 1] - offsets[comm.rank], dtype=send.dtype)
+    yield from _reduce_scatter(comm, send, mine, algorithm)
+    tag = collective_tag(comm.next_sequence())
+    if comm.rank == root:
+        blocks = _blocks(recv, comm.size)
+        blocks[root][...] = mine
+        others = [k for k in range(comm.size) if k != root]
+        yield [comm.irecv(blocks[k], k, tag) for k in others], others
+    else:
+        yield [comm.isend(mine, root, tag)], [root]
+
+
+def ireduce(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int = 0, algorithm: str = "ring") -> Handle:
+    """Start recv <- sum of send over all ranks, on `root` only (recv may be None elsewhere)."""
+    return Handle(_reduce_to_root(comm, send, recv, root, algorithm),
+                  f"reduce ({algorithm}, root {root}, {send.nbytes} bytes)", comm.rank)
+
+
+def reduce(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int = 0, algorithm: str = "ring") -> None:
+    ireduce(comm, send, recv, root, algorithm).wait()
+
+
+def _broadcast(comm: Comm, buf: np.ndarray, root: int, algorithm: str) -> Steps:
+    layout = _layout(comm, algorithm, "broadcast")
+    if comm.size == 1:
+        return
+    if algorithm == "mpi":
+        yield from _library(comm, comm.mpi.Ibcast(buf, root=root), buf.nbytes)
+        return
+    blocks = _blocks(buf, comm.size)
+    tag = collective_tag(comm.next_sequence())
+    if comm.rank == root:
+        others = [k for k in range(comm.size) if k != root]
+        yield [comm.isend(blocks[k], k, tag) for k in others], others
+    else:
+        yield [comm.irecv(blocks[comm.rank], root, tag)], [root]
+    yield from _gather(comm, all_gather_steps(algorithm, layout, comm.rank), blocks)
+
+
+def ibroadcast(comm: Comm, buf: np.ndarray, root: int = 0, algorithm: str = "ring") -> Handle:
+    """Start buf <- root's buf on every rank."""
+    return Handle(_broadcast(comm, buf, root, algorithm),
+                  f"broadcast ({algorithm}, root {root}, {buf.nbytes} bytes)", comm.rank)
+
+
+def broadcast(comm: Comm, buf: np.ndarray, root: int = 0, algorithm: str = "ring") -> None:
+    ibroadcast(comm, buf, root, algorithm).wait()

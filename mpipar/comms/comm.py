@@ -1,0 +1,95 @@
+"""Comm: an mpi4py communicator through which every message of mpipar goes, counted.
+
+A Comm knows, for each of its ranks, which group (node, or --group-size block of
+ranks) it belongs to, so every message it posts is counted as intra-group or
+inter-group in the shared Traffic. Sub-communicators made from it (`split`,
+`subset`, `intra`, `inter`) share that Traffic and map their ranks' groups.
+
+Point to point: `isend` / `irecv` post non-blocking messages and return the MPI
+request; mpi4py keeps the buffer referenced by the request until it completes,
+and callers keep received buffers until they have read them.
+
+Exercised by: python -m pytest tests/test_comm.py
+"""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from mpipar.comms.tags import LARGEST_TAG
+from mpipar.comms.traffic import Traffic
+from mpipar.errors import ConfigError
+
+
+class Comm:
+    def __init__(self, mpi_comm: MPI.Intracomm, group_of: tuple[int, ...], traffic: Traffic | None = None) -> None:
+        if len(group_of) != mpi_comm.size:
+            raise ValueError(f"group_of names {len(group_of)} ranks for a communicator of {mpi_comm.size}")
+        tag_ub = mpi_comm.Get_attr(MPI.TAG_UB)
+        if tag_ub is not None and tag_ub < LARGEST_TAG:
+            raise ConfigError(f"this MPI allows message tags up to {tag_ub}; mpipar needs {LARGEST_TAG}")
+        self.mpi = mpi_comm
+        self.rank, self.size = mpi_comm.rank, mpi_comm.size
+        self.group_of = tuple(group_of)
+        self.traffic = traffic if traffic is not None else Traffic()
+        self.sequence = 0  # collectives started on this communicator, identical on every rank
+        self._hierarchy: tuple[Comm, Comm] | None = None
+
+    # -- groups --------------------------------------------------------------
+    @property
+    def group(self) -> int:
+        return self.group_of[self.rank]
+
+    def is_inter(self, peer: int) -> bool:
+        return self.group_of[peer] != self.group_of[self.rank]
+
+    def group_layout(self) -> list[list[int]]:
+        """rank_at[a][i]: the i-th rank (in rank order) of the a-th group (groups in order of first rank)."""
+        order: dict[int, list[int]] = {}
+        for rank, group in enumerate(self.group_of):
+            order.setdefault(group, []).append(rank)
+        return list(order.values())
+
+    # -- point to point -----------------------------------------------------------
+    def isend(self, buf, dest: int, tag: int) -> MPI.Request:
+        self.traffic.record_send(buf.nbytes, self.is_inter(dest))
+        return self.mpi.Isend(buf, dest=dest, tag=tag)
+
+    def irecv(self, buf, source: int, tag: int) -> MPI.Request:
+        return self.mpi.Irecv(buf, source=source, tag=tag)
+
+    def next_sequence(self) -> int:
+        """Number the next collective; every rank calls collectives in the same order."""
+        self.sequence += 1
+        return self.sequence
+
+    # -- sub-communicators ----------------------------------------------------
+    def _derived(self, mpi_comm: MPI.Intracomm) -> "Comm":
+        parent_ranks = MPI.Group.Translate_ranks(mpi_comm.Get_group(), list(range(mpi_comm.size)),
+                                                 self.mpi.Get_group())
+        return Comm(mpi_comm, tuple(self.group_of[r] for r in parent_ranks), self.traffic)
+
+    def split(self, color: int, key: int) -> "Comm":
+        """MPI_Comm_split, keeping group information (collective over this communicator)."""
+        return self._derived(self.mpi.Split(color, key))
+
+    def subset(self, ranks: list[int]) -> "Comm | None":
+        """A communicator of `ranks` (collective over those ranks only); None on other ranks."""
+        if self.rank not in ranks:
+            return None
+        group = self.mpi.Get_group().Incl(sorted(ranks))
+        return self._derived(self.mpi.Create_group(group, tag=LARGEST_TAG // 2))
+
+    def hierarchy(self) -> tuple["Comm", "Comm"]:
+        """(intra, inter): the ranks of my group, and the ranks with my index in every group.
+
+        Made on first use (collective over this communicator), then kept."""
+        if self._hierarchy is None:
+            members = next(group for group in self.group_layout() if self.rank in group)
+            local = members.index(self.rank)
+            self._hierarchy = (self.split(self.group, local), self.split(local, self.group))
+        return self._hierarchy
+
+    def library_call(self, nbytes: int) -> None:
+        """Record a call into the MPI library's own collective (algorithm `mpi`)."""
+        self.traffic.record_library(nbytes)
