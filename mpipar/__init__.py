@@ -1,6 +1,7 @@
 """mpipar: an MPI-native trainer for deep nets, written from scratch on NumPy (CuPy on a GPU).
 
-The package is a map of small modules; ../DESIGN.md and docs/ say which does what.
+The package is a map of small modules; README.md and docs/foundation.md say which
+does what.
 Importing it first sizes the BLAS thread pool for the ranks on this node (see
 `mpipar/threads.py`), which must happen before NumPy loads its BLAS.
 """

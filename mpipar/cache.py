@@ -98,10 +98,6 @@ class ActivationCache:
         """Close the context of (stage, micro_batch), freeing anything left in it."""
         self.contexts.pop((stage, micro_batch)).clear()
 
-    def reset_peak(self) -> None:
-        """Start a new peak measurement from the bytes live now."""
-        self.peak_bytes = self.live_bytes
-
     def _hold(self, arrays) -> None:
         for array in arrays:
             if not hasattr(array, "nbytes"):

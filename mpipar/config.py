@@ -15,6 +15,7 @@ Exercised by: python -m pytest tests/test_config.py
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,11 +38,11 @@ def _option(default, help: str):
 @dataclass
 class TrainConfig:
     model: str = _option("mlp", f"model: {', '.join(MODELS)}")
-    hidden: tuple[int, ...] = _option((128, 128), "MLP hidden widths, e.g. 512,512")
-    width: int = _option(64, "transformer width (d_model)")
-    heads: int = _option(4, "transformer attention heads")
-    blocks: int = _option(2, "transformer blocks")
-    dropout: float = _option(0.0, "dropout probability after each hidden layer / block")
+    hidden: tuple[int, ...] = _option((128, 128), "hidden widths, e.g. 512,512 (mlp only)")
+    width: int = _option(64, "model width d_model (transformer only)")
+    heads: int = _option(4, "attention heads (transformer only)")
+    blocks: int = _option(2, "transformer blocks (transformer only)")
+    dropout: float = _option(0.0, "dropout probability after each hidden layer or block")
     dataset: str = _option("digits", f"data set: {', '.join(DATASETS)}")
     data_dir: str | None = _option(None, "directory with IDX files (else $MPIPAR_DATA, /usr/share/datasets/NAME)")
     text_file: str | None = _option(None, "UTF-8 text file for --dataset text")
@@ -77,16 +78,20 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_steps", "warmup_steps", "weight_decay", "momentum"):
-            if getattr(self, name) < 0:
+        for name in ("max_steps", "warmup_steps", "weight_decay", "seed"):
+            if not getattr(self, name) >= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"--lr must be a positive finite number, got {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if not self.gamma > 0:
+            raise ConfigError(f"--gamma must be positive, got {self.gamma}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
         if any(size < 1 for size in self.hidden):
             raise ConfigError(f"--hidden widths must be at least 1, got {','.join(map(str, self.hidden))}")
-        if self.width % self.heads:
+        if self.model == "transformer" and self.width % self.heads:
             raise ConfigError(f"--width {self.width} is not divisible by --heads {self.heads}")
         if (self.model == "transformer") != (self.dataset == "text"):
             raise ConfigError(f"--model {self.model} cannot train on --dataset {self.dataset}: "

@@ -150,11 +150,16 @@ class Stage:
     def backward(self, dy, ctx):
         for layer in reversed(self.layers):
             dy = layer.backward(dy, ctx)
-            for leaf in leaf_layers([layer]):
-                leaf.fresh_grads = False  # written once: later micro-batches add to it
+            mark_written(layer)
             if dy is None:
                 break
         return dy
+
+
+def mark_written(layer: Layer) -> None:
+    """After `layer`'s backward: its gradients now hold a value, so later micro-batches add."""
+    for leaf in leaf_layers([layer]):
+        leaf.fresh_grads = False
 
 
 def partition(model: Sequential, num_stages: int, boundaries: list[int] | None = None) -> list[range]:

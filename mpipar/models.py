@@ -2,6 +2,7 @@
 
     mlp          Flatten -> [Linear -> ReLU (-> Dropout)] per hidden width -> Linear
     cnn          [Conv2d 5x5 -> ReLU -> MaxPool2d 2] x 2 -> Flatten -> Linear 120 -> Linear 84 -> Linear
+                 (with --dropout, a Dropout after each of the two hidden Linear layers)
     transformer  Embedding + PositionEmbedding -> blocks of
                  Residual(LayerNorm, CausalSelfAttention) and Residual(LayerNorm, Linear 4d, GELU, Linear d)
                  -> LayerNorm -> Linear to the vocabulary
@@ -35,10 +36,11 @@ def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, hi
         if len(input_shape) != 3:
             raise ConfigError(f"the cnn model needs image samples (C, H, W), got samples of shape {input_shape}")
         channels, height, width_px = input_shape
+        dropped = [Dropout(dropout)] if dropout else []
         layers = [Conv2d(channels, 6, 5, padding=2), ReLU(), MaxPool2d(2),
                   Conv2d(6, 16, 5, padding=2), ReLU(), MaxPool2d(2), Flatten(),
-                  Linear(16 * (height // 4) * (width_px // 4), 120), ReLU(),
-                  Linear(120, 84), ReLU(), Linear(84, num_classes)]
+                  Linear(16 * (height // 4) * (width_px // 4), 120), ReLU(), *dropped,
+                  Linear(120, 84), ReLU(), *[Dropout(dropout) for _ in dropped], Linear(84, num_classes)]
     elif name == "transformer":
         if len(input_shape) != 1:
             raise ConfigError(f"the transformer model needs token sequences (T,), got samples of shape {input_shape}")

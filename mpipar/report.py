@@ -14,13 +14,18 @@ import json
 import sys
 import time
 
+from mpipar.errors import ConfigError
+
 
 def human_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+    """1536 -> '1.5 KiB'."""
+    if count < 1024:
+        return f"{int(count)} B"
+    for unit in ("KiB", "MiB", "GiB"):
         count /= 1024
-    raise AssertionError("unreachable")
+        if count < 1024 or unit == "GiB":
+            break
+    return f"{count:.1f} {unit}"
 
 
 class Report:
@@ -28,7 +33,10 @@ class Report:
         self.stream = stream if stream is not None else sys.stdout
         self.interactive = self.stream.isatty()
         self.log_every = log_every
-        self.metrics = open(metrics_path, "w", encoding="utf-8") if metrics_path else None
+        try:
+            self.metrics = open(metrics_path, "w", encoding="utf-8") if metrics_path else None
+        except OSError as error:
+            raise ConfigError(f"cannot write the metrics file {metrics_path}: {error.strerror}") from None
         self.window_start = time.perf_counter()
         self.window_samples = 0
 

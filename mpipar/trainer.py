@@ -27,7 +27,7 @@ import numpy as np
 
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
-from mpipar.comms import agree_on_setup, allreduce_sum, world
+from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, allreduce_sum, world
 from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, eval_slice, load_dataset, rank_slice, split_micro_batches
 from mpipar.errors import NonFiniteLossError
@@ -61,6 +61,7 @@ class Trainer:
         self.config = config
         self.comm = comm if comm is not None else world()
         self.rank, self.world_size = self.comm.rank, self.comm.size
+        abort_on_uncaught_exception(self.comm)
         agree_on_setup(self.comm, self._setup)
 
     def _setup(self) -> None:
@@ -84,8 +85,8 @@ class Trainer:
         self.lr_at = make_schedule(cfg.schedule, cfg.lr, self.total_steps, warmup_steps=cfg.warmup_steps,
                                    step_size=cfg.step_size, gamma=cfg.gamma)
         self.cache = ActivationCache()
-        # [loss sum, correct predictions] of a step, summed over ranks in one message
-        self.step_totals = np.zeros(2, dtype=np.float64)
+        # [loss sum, correct predictions, predictions] of a step, summed over ranks in one message
+        self.step_totals = np.zeros(3, dtype=np.float64)
 
     def _to_device(self, inputs, targets):
         xp = self.backend.xp
@@ -95,11 +96,11 @@ class Trainer:
     def train_step(self, step: int, epoch: int, step_in_epoch: int) -> StepResult:
         """One optimizer step on the global batch `step_in_epoch` of `epoch`."""
         start = time.perf_counter()
-        cfg, xp = self.config, self.backend.xp
+        cfg = self.config
         local = rank_slice(self.sampler.global_batch_indices(epoch, step_in_epoch), self.rank, self.world_size)
         micro_size = len(local) // cfg.micro_batches
         self.stage.flat.zero_grad()
-        loss_sum, correct = 0.0, 0
+        loss_sum, correct, predictions = 0.0, 0, 0
         for micro_batch, indices in enumerate(split_micro_batches(local, cfg.micro_batches)):
             inputs, targets = self._to_device(*self.train_set.batch(indices))
             first_position = self.rank * len(local) + micro_batch * micro_size
@@ -110,7 +111,8 @@ class Trainer:
             self.stage.backward(self.loss_fn.backward(ctx), ctx)
             self.cache.release(0, micro_batch)
             correct += (logits.argmax(axis=-1) == targets).sum()
-        self.step_totals[:] = (float(loss_sum), float(correct))
+            predictions += targets.size
+        self.step_totals[:] = (float(loss_sum), float(correct), predictions)
         allreduce_sum(self.comm, self.stage.flat.settle_grads())
         allreduce_sum(self.comm, self.step_totals)
         loss = float(self.step_totals[0])
@@ -121,13 +123,11 @@ class Trainer:
             raise error
         lr = self.lr_at(step)
         self.optimizer.step(lr)
-        positions = math.prod(self.train_set.input_shape) if self.config.model == "transformer" else 1
-        accuracy = float(self.step_totals[1]) / (cfg.batch_size * positions)
+        accuracy = float(self.step_totals[1] / self.step_totals[2])
         return StepResult(step, epoch, loss, accuracy, lr, time.perf_counter() - start)
 
     def evaluate(self, epoch: int) -> EvalResult:
         """Loss and accuracy on the test set; each rank takes a contiguous slice of it."""
-        xp = self.backend.xp
         part = eval_slice(len(self.test_set), self.rank, self.world_size)
         indices = np.arange(len(self.test_set))[part]
         totals = np.zeros(3, dtype=np.float64)  # loss sum, correct, predictions

@@ -43,12 +43,16 @@ def test_missing_file():
     (dict(dtype="float16"), "unknown dtype 'float16'; valid dtypes are: float32, float64"),
     (dict(device="tpu"), "unknown device 'tpu'; valid devices are: cpu, gpu"),
     (dict(batch_size=30, micro_batches=4), r"--batch-size 30 must be divisible by ranks x micro-batches"),
-    (dict(lr=0.0), "--lr must be positive"),
+    (dict(lr=0.0), "--lr must be a positive finite number"),
     (dict(epochs=0), "--epochs must be at least 1"),
     (dict(dropout=1.0), r"--dropout must be in \[0, 1\)"),
     (dict(model="transformer"), "--model transformer cannot train on --dataset digits"),
     (dict(model="transformer", dataset="text"), "--dataset text needs --text-file PATH"),
-    (dict(width=30, heads=4), "--width 30 is not divisible by --heads 4"),
+    (dict(model="transformer", dataset="text", text_file="t.txt", width=30, heads=4),
+     "--width 30 is not divisible by --heads 4"),
+    (dict(momentum=1.0), r"--momentum must be in \[0, 1\)"),
+    (dict(gamma=0.0), "--gamma must be positive"),
+    (dict(seed=-3), "--seed must not be negative"),
 ])
 def test_validation_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -14,7 +14,7 @@ from mpipar.errors import ShapeError
 from mpipar.layers import (GELU, MSE, CausalSelfAttention, Conv2d, Dropout, Embedding, Flatten,
                            GlobalAvgPool, LayerNorm, Linear, MaxPool2d, PositionEmbedding, ReLU,
                            Residual, SoftmaxCrossEntropy, Tanh)
-from mpipar.model import FlatParams, Sequential
+from mpipar.model import FlatParams, Sequential, mark_written
 
 F64 = make_backend("cpu", "float64")
 STEP = 1e-6
@@ -59,8 +59,11 @@ def check_layer(layer, x, seed=0):
     flat = FlatParams([layer], F64, seed=seed)
     y, ctx = run_forward(layer, x)
     weights = np.random.default_rng(seed + 1).standard_normal(y.shape)
+    flat.grad[:] = 7.0  # stale values: the first backward after zero_grad must overwrite them
     flat.zero_grad()
     dx = layer.backward(weights.copy(), ctx)
+    mark_written(layer)
+    flat.settle_grads()
 
     def loss():
         return float((run_forward(layer, x)[0] * weights).sum())
@@ -72,6 +75,9 @@ def check_layer(layer, x, seed=0):
         analytic = flat.grad.copy()
         assert relative_error(analytic, numeric_gradient(loss, flat.data)) < TOLERANCE
         assert np.abs(analytic).max() > 0  # the check compared something real
+        _, again = run_forward(layer, x)
+        layer.backward(weights.copy(), again)  # a second micro-batch accumulates
+        np.testing.assert_allclose(flat.grad, 2 * analytic, rtol=1e-12, atol=1e-15)
 
 
 rng = np.random.default_rng(2024)
@@ -87,6 +93,7 @@ LAYER_CASES = {
     "Flatten": (Flatten, rng.standard_normal((2, 3, 4))),
     "Conv2d-pad": (lambda: Conv2d(2, 3, 3, stride=1, padding=1), rng.standard_normal((2, 2, 5, 5))),
     "Conv2d-stride": (lambda: Conv2d(2, 3, 3, stride=2), rng.standard_normal((2, 2, 7, 7))),
+    "Conv2d-stride-pad": (lambda: Conv2d(2, 3, 4, stride=2, padding=1), rng.standard_normal((2, 2, 6, 7))),
     "MaxPool2d": (lambda: MaxPool2d(2), rng.permutation(64).reshape(2, 2, 4, 4) / 10.0),
     "MaxPool2d-overlap": (lambda: MaxPool2d(3, stride=2), rng.permutation(98).reshape(1, 2, 7, 7) / 10.0),
     "GlobalAvgPool": (GlobalAvgPool, rng.standard_normal((2, 3, 4, 4))),

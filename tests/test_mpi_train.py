@@ -29,12 +29,17 @@ def test_two_ranks_equal_one_process(tmp_path, case):
     np.testing.assert_allclose(distributed, single.stage.flat.data, rtol=1e-12, atol=0)
 
 
-def test_bad_configuration_stops_every_rank_with_one_sentence():
-    result = run_mpi(2, sys.executable, "-m", "mpipar", "train", "--batch-size", "63", timeout=60)
-    assert result.returncode != 0
+@pytest.mark.parametrize("args,message", [
+    (["--batch-size", "63"], "--batch-size 63 must be divisible by ranks x micro-batches = 2 x 1 = 2"),
+    (["--epochs", "abc"], "option 'epochs' in the command line must be int, got 'abc'"),
+    (["--config", "/nonexistent.toml"], "cannot read config file /nonexistent.toml"),
+])
+def test_bad_configuration_stops_every_rank_with_one_sentence(args, message):
+    result = run_mpi(2, sys.executable, "-m", "mpipar", "train", *args, timeout=60)
+    assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error:")]
-    assert len(lines) == 2 and lines[0] == lines[1]
-    assert "--batch-size 63 must be divisible by ranks x micro-batches = 2 x 1 = 2" in lines[0]
+    assert len(lines) == 2 and lines[0] == lines[1], result.stderr
+    assert message in lines[0] and "Abort" not in result.stderr
 
 
 def test_data_missing_on_one_rank_stops_all_ranks(tmp_path):
@@ -52,8 +57,10 @@ def test_data_missing_on_one_rank_stops_all_ranks(tmp_path):
                                    for line in lines)
 
 
-def test_exception_on_one_rank_aborts_the_job_with_its_traceback():
-    result = run_mpi(2, sys.executable, str(SCRIPTS / "fail_on_rank_one.py"), timeout=60)
+@pytest.mark.parametrize("through_cli", [True, False], ids=["mpipar-train", "script-using-Trainer"])
+def test_exception_on_one_rank_aborts_the_job_with_its_traceback(through_cli):
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "fail_on_rank_one.py"), "cli" if through_cli else "trainer",
+                     timeout=60)
     assert result.returncode != 0
     assert "mpipar: rank 1 of 2 failed; aborting the job" in result.stderr
     assert "RuntimeError: injected failure on rank 1" in result.stderr

@@ -84,3 +84,27 @@ def test_nan_loss_stops_at_that_step_before_the_update():
     with pytest.raises(NonFiniteLossError, match=r"step 1 \(epoch 0\): the training loss is nan"):
         trainer.train_step(1, 0, 1)
     np.testing.assert_array_equal(trainer.stage.flat.data[1:], before[1:])
+
+
+@pytest.mark.parametrize("model", ["transformer", "cnn"])
+def test_a_later_step_uses_only_its_own_gradient(tmp_path, model):
+    # Independent of the lazy zero_grad: the reference starts from explicit zeros
+    # and only adds, so a gradient left over from step 0 would show up as a difference.
+    text = tmp_path / "tiny.txt"
+    text.write_text("abcabd" * 100)
+    options = dict(model=model, optimizer="sgd", momentum=0.9, lr=0.1, batch_size=8)
+    if model == "transformer":
+        options.update(dataset="text", text_file=str(text), seq_len=8, width=8, heads=2, blocks=1)
+    trainer = Trainer(small_config(**options))
+    trainer.train_step(0, 0, 0)
+    parameters_before_step_1 = trainer.stage.flat.data.copy()
+    trainer.train_step(1, 0, 1)
+    reference = Trainer(small_config(**options))
+    reference.stage.flat.data[:] = parameters_before_step_1
+    assert not reference.stage.flat.grad.any()
+    inputs, targets = reference.train_set.batch(reference.sampler.global_batch_indices(0, 1))
+    ctx = reference.cache.context(0, 0, step=1, seed=0, sample_ids=np.arange(len(targets)))
+    logits = reference.stage.forward(inputs, ctx)
+    reference.loss_fn.forward(logits, targets, ctx, len(targets))
+    reference.stage.backward(reference.loss_fn.backward(ctx), ctx)
+    np.testing.assert_allclose(trainer.stage.flat.grad, reference.stage.flat.grad, rtol=1e-12, atol=1e-18)

@@ -47,24 +47,23 @@ def main() -> None:
     try:
         cli(prog_name="mpipar")
     except MpiparError as error:
-        click.echo(f"mpipar: error: {error}", err=True)
+        message = f"mpipar: error: {error}\n"
         if _world_size() == 1 or getattr(error, "on_every_rank", False):
+            sys.stderr.write(message)
             sys.exit(2)
-        _abort(2)
+        _abort(2, message)
     except Exception:
         if _world_size() == 1:
             raise
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
-        sys.stderr.write(f"mpipar: rank {comm.rank} of {comm.size} failed; aborting the job:\n"
-                         f"{traceback.format_exc()}")
-        _abort(1)
+        _abort(1, f"mpipar: rank {comm.rank} of {comm.size} failed; aborting the job:\n{traceback.format_exc()}")
 
 
-def _abort(status: int) -> None:
+def _abort(status: int, message: str) -> None:
     from mpi4py import MPI
 
-    sys.stderr.flush()
-    sys.stdout.flush()
-    MPI.COMM_WORLD.Abort(status)
+    from mpipar.comms import abort_job
+
+    abort_job(MPI.COMM_WORLD, status, message)

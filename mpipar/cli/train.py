@@ -31,12 +31,15 @@ def _config_options(command):
 @_config_options
 def train(config_path: str | None, **options) -> None:
     """Train a model; under mpiexec, every rank takes a slice of each global batch."""
-    from mpipar.comms import world
+    from mpipar.comms import agree_on_setup, world
     from mpipar.report import Report
     from mpipar.trainer import Trainer
 
     comm = world()
-    config = load_config(config_path, options)
-    trainer = Trainer(config, comm)
-    report = Report(config.metrics, config.log_every) if comm.rank == 0 else None
-    trainer.run(report)
+
+    def read_options():  # every rank reads them; a bad option or file stops all ranks alike
+        config = load_config(config_path, options)
+        return config, (Report(config.metrics, config.log_every) if comm.rank == 0 else None)
+
+    config, report = agree_on_setup(comm, read_options)
+    Trainer(config, comm).run(report)

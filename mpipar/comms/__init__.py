@@ -1,9 +1,15 @@
-"""Communication over MPI. For now: the world, a summed gradient, and agreeing on setup.
+"""Communication over MPI: the counted Comm, groups, collectives and their algorithms.
 
-The counted Comm wrapper, topologies and the ring / H-Ring / HO-Ring collectives
-come in a later issue; this module is what a plain data-parallel run needs today.
+    world.py        the world communicator, agreeing on setup, aborting on failure
+    traffic.py      byte and message counters, intra / inter group, per phase
+    comm.py         Comm: every message goes through it and is counted
+    topology.py     ranks in groups (nodes, or --group-size)
+    tags.py         what a message tag encodes
+    routes.py       ring, H-Ring and HO-Ring schedules of blocks
+    collectives.py  all-reduce, reduce-scatter, all-gather, reduce, broadcast
+    handle.py       non-blocking operations advanced by polling
 """
 
-from mpipar.comms.world import agree_on_setup, allreduce_sum, world
+from mpipar.comms.world import abort_job, abort_on_uncaught_exception, agree_on_setup, allreduce_sum, world
 
-__all__ = ["agree_on_setup", "allreduce_sum", "world"]
+__all__ = ["abort_job", "abort_on_uncaught_exception", "agree_on_setup", "allreduce_sum", "world"]

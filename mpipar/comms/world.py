@@ -6,11 +6,17 @@ user-facing error, every rank raises the same error, naming the rank it came fro
 So a bad configuration or a missing file on one node ends the whole job cleanly
 instead of leaving the other ranks waiting in their first reduction.
 
-Exercised by: mpiexec -n 2 python -m pytest tests/test_mpi_train.py
+An exception that escapes on one rank of a multi-rank job must not leave the
+others waiting forever in their next collective: `abort_on_uncaught_exception`
+makes such an exception print that rank's traceback and call MPI_Abort.
+
+Exercised by: python -m pytest tests/test_mpi_train.py   (it starts mpiexec itself)
 """
 
 from __future__ import annotations
 
+import sys
+import traceback
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -59,3 +65,24 @@ def agree_on_setup(comm: MPI.Intracomm, setup: Callable[[], T]) -> T:
             error.on_every_rank = True  # the CLI may exit without aborting: no rank is left waiting
             raise error
     return result
+
+
+def abort_job(comm: MPI.Intracomm, status: int, message: str) -> None:
+    """Print `message` on this rank and end every rank of the job."""
+    sys.stderr.write(message)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    comm.Abort(status)
+
+
+def abort_on_uncaught_exception(comm: MPI.Intracomm) -> None:
+    """On a multi-rank job, make an uncaught exception abort the job with this rank's traceback."""
+    if comm.size == 1 or getattr(sys.excepthook, "aborts_mpi_job", False):
+        return
+
+    def hook(kind, value, trace) -> None:
+        abort_job(comm, 1, f"mpipar: rank {comm.rank} of {comm.size} failed; aborting the job:\n"
+                           + "".join(traceback.format_exception(kind, value, trace)))
+
+    hook.aborts_mpi_job = True
+    sys.excepthook = hook

@@ -7,6 +7,7 @@ byte). Files may be gzip-compressed. Exercised by `pytest tests/test_data.py -k 
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import zlib
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from mpipar.errors import DataError
+from mpipar.files import write_atomically
 
 # The dtype code byte -> the on-disk dtype. Multi-byte types are big-endian on disk.
 IDX_DTYPES: dict[int, np.dtype] = {
@@ -70,7 +72,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         )
     dims = struct.unpack(f">{ndim}I", raw[4:header_len])
     dtype = IDX_DTYPES[code]
-    count = int(np.prod(dims, dtype=np.int64))
+    count = math.prod(dims)  # Python ints: a corrupt header cannot overflow the count
     expected = count * dtype.itemsize
     actual = len(raw) - header_len
     if actual < expected:
@@ -99,4 +101,4 @@ def write_idx(path: str | os.PathLike, array: np.ndarray, gzip: bool = False) ->
     dtype = IDX_DTYPES[code]
     header = bytes([0, 0, code, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
     payload = header + np.ascontiguousarray(array, dtype=dtype).tobytes()
-    path.write_bytes(gzip_compress(payload) if gzip else payload)
+    write_atomically(path, gzip_compress(payload) if gzip else payload)

@@ -9,6 +9,7 @@ Exercised by: python -m pytest tests/test_layers.py -k Embedding
 from __future__ import annotations
 
 from mpipar.backend import scatter_add
+from mpipar.errors import DataError, ShapeError
 from mpipar.layers.base import Layer, ParamSpec, normal_init
 
 
@@ -29,10 +30,10 @@ class Embedding(Layer):
 
     def forward(self, ids, ctx):
         if ids.dtype.kind not in "iu":
-            raise self.shape_error("integer token ids", ids.shape)
+            raise ShapeError(f"{self.name}: expected integer token ids, got {ids.dtype} values")
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-            raise ValueError(f"{self.name}: token ids must be in [0, {self.vocab_size}), "
-                             f"got range [{int(ids.min())}, {int(ids.max())}]")
+            raise DataError(f"{self.name}: token ids must be in [0, {self.vocab_size}), "
+                            f"got ids from {int(ids.min())} to {int(ids.max())}")
         ctx.save(self, ids)
         return self.params["weight"][ids]
 

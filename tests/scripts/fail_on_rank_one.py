@@ -1,6 +1,8 @@
-"""`mpipar train` in which rank 1 raises an unexpected exception at step 2.
+"""Training in which rank 1 raises an unexpected exception at step 2.
 
 The other rank is then waiting in its gradient all-reduce; the job must still end.
+Usage: fail_on_rank_one.py cli       (through `mpipar train`)
+       fail_on_rank_one.py trainer   (a user's script driving Trainer directly)
 """
 
 import sys
@@ -8,6 +10,7 @@ import sys
 from mpi4py import MPI
 
 from mpipar.cli import main
+from mpipar.config import TrainConfig
 from mpipar.trainer import Trainer
 
 original_step = Trainer.train_step
@@ -20,5 +23,8 @@ def failing_step(self, step, epoch, step_in_epoch):
 
 
 Trainer.train_step = failing_step
-sys.argv = ["mpipar", "train", "--max-steps", "50"]
-main()
+if sys.argv[1] == "cli":
+    sys.argv = ["mpipar", "train", "--max-steps", "50"]
+    main()
+else:
+    Trainer(TrainConfig(max_steps=50)).run()
