@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from mpipar.errors import ConfigError, unknown_name
+
+Array = Any  # a numpy.ndarray, or a cupy.ndarray on a GPU
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
 DEVICES = ("cpu", "gpu")

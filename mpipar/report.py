@@ -13,8 +13,12 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from mpipar.errors import ConfigError
+
+if TYPE_CHECKING:  # only for annotations: the trainer imports this module's users
+    from mpipar.trainer import EvalResult, StepResult, Trainer
 
 
 def human_bytes(count: float) -> str:
@@ -45,14 +49,14 @@ class Report:
             self.metrics.write(json.dumps({"event": event, **fields}) + "\n")
             self.metrics.flush()
 
-    def start(self, trainer) -> None:
+    def start(self, trainer: Trainer) -> None:
         cfg = trainer.config
         print(f"mpipar: {cfg.model} on {cfg.dataset} ({len(trainer.train_set)} train / {len(trainer.test_set)} test), "
               f"{trainer.stage.flat.size:,} parameters, {trainer.world_size} rank(s), {cfg.device} {cfg.dtype}, "
               f"global batch {cfg.batch_size} in {cfg.micro_batches} micro-batch(es) per rank, "
               f"{trainer.total_steps} steps", file=self.stream, flush=True)
 
-    def step(self, result, trainer) -> None:
+    def step(self, result: StepResult, trainer: Trainer) -> None:
         batch = trainer.config.batch_size
         self.window_samples += batch
         self._write_metrics("step", {"step": result.step, "epoch": result.epoch, "loss": result.loss,
@@ -75,13 +79,13 @@ class Report:
                       f"accuracy {result.accuracy:.1%} lr {result.lr:.3g} {rate:.0f} samples/s",
                       file=self.stream, flush=True)
 
-    def evaluation(self, result, trainer) -> None:
+    def evaluation(self, result: EvalResult, trainer: Trainer) -> None:
         self._write_metrics("eval", {"epoch": result.epoch, "loss": result.loss, "accuracy": result.accuracy})
         end = "\n" if self.interactive else ""
         print(f"{end}eval epoch {result.epoch + 1}: test loss {result.loss:.4f} accuracy {result.accuracy:.2%}",
               file=self.stream, flush=True)
 
-    def done(self, summary: dict, trainer) -> None:
+    def done(self, summary: dict, trainer: Trainer) -> None:
         self._write_metrics("done", summary)
         print(f"done: {summary['steps']} steps in {summary['seconds']:.1f} s "
               f"({summary['samples_per_s']:.0f} samples/s), test accuracy {summary['test_accuracy']:.2%}, "

@@ -15,30 +15,31 @@ from __future__ import annotations
 
 import math
 
-from mpipar.backend import array_module
+from mpipar.backend import Array, array_module
+from mpipar.cache import Context
 from mpipar.layers.base import Layer
 
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 
 class ReLU(Layer):
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         y = array_module(x).maximum(x, 0)
         ctx.save(self, y)
         return y
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         (y,) = ctx.pop(self)
         return dy * (y > 0)
 
 
 class Tanh(Layer):
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         y = array_module(x).tanh(x)
         ctx.save(self, y)
         return y
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         (y,) = ctx.pop(self)
         return dy * (1 - y * y)
 
@@ -48,11 +49,11 @@ class GELU(Layer):
     than keep a second array per element; x**3 is spelled x*x*x because NumPy's
     power is many times slower than two multiplications."""
 
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         ctx.save(self, x)
         return 0.5 * x * (1 + _tanh_of_u(x))
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
         t = _tanh_of_u(x)
         du_dx = _GELU_C * (1 + (3 * 0.044715) * x * x)

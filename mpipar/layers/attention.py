@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 
-from mpipar.backend import array_module
+from mpipar.backend import Array, array_module
+from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
 
@@ -38,16 +39,16 @@ class CausalSelfAttention(Layer):
                 ParamSpec("out_weight", (self.dim, self.dim), uniform_init(bound), True),
                 ParamSpec("out_bias", (self.dim,), uniform_init(bound), False)]
 
-    def output_shape(self, in_shape):
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if len(in_shape) != 2 or in_shape[1] != self.dim:
             raise self.shape_error(f"(T, {self.dim})", in_shape)
         return in_shape
 
-    def flops(self, in_shape):
+    def flops(self, in_shape: tuple[int, ...]) -> int:
         t = in_shape[0]
         return 4 * t * self.dim * self.dim + 2 * t * t * self.dim
 
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         if x.ndim != 3 or x.shape[2] != self.dim:
             raise self.shape_error(f"(batch, T, {self.dim})", x.shape)
         xp = array_module(x)
@@ -63,7 +64,7 @@ class CausalSelfAttention(Layer):
         ctx.save(self, x, q, k, v, probs, merged)
         return merged @ self.params["out_weight"] + self.params["out_bias"]
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         x, q, k, v, probs, merged = ctx.pop(self)
         xp = array_module(dy)
         n, t, d = x.shape

@@ -26,7 +26,8 @@ from typing import Callable
 
 import numpy as np
 
-from mpipar.backend import array_module
+from mpipar.backend import Array, array_module
+from mpipar.cache import Context
 from mpipar.errors import ShapeError
 
 Init = Callable[[np.random.Generator, tuple], np.ndarray]
@@ -79,20 +80,20 @@ class Layer:
         """Estimated forward multiply-adds per sample; used to balance pipeline stages."""
         return math.prod(in_shape)
 
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         raise NotImplementedError
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         raise NotImplementedError
 
-    def grad_matmul(self, grad, a, b) -> None:
+    def grad_matmul(self, grad: Array, a: Array, b: Array) -> None:
         """grad += a @ b (or grad = a @ b while the gradients are fresh)."""
         if self.fresh_grads:
             array_module(grad).matmul(a, b, out=grad)
         else:
             grad += a @ b
 
-    def grad_sum(self, grad, values, axis) -> None:
+    def grad_sum(self, grad: Array, values: Array, axis: int) -> None:
         """grad += values summed over `axis` (or = while fresh)."""
         if self.fresh_grads:
             values.sum(axis=axis, out=grad)

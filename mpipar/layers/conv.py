@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 
-from mpipar.backend import array_module
+from mpipar.backend import Array, array_module
+from mpipar.cache import Context
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
 
 
@@ -41,7 +42,7 @@ class Conv2d(Layer):
                           uniform_init(bound), True),
                 ParamSpec("bias", (self.out_channels,), uniform_init(bound), False)]
 
-    def output_shape(self, in_shape):
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if len(in_shape) != 3 or in_shape[0] != self.in_channels:
             raise self.shape_error(f"({self.in_channels}, H, W)", in_shape)
         oh = _out_size(in_shape[1], self.kernel, self.stride, self.padding)
@@ -51,11 +52,11 @@ class Conv2d(Layer):
                                    in_shape)
         return (self.out_channels, oh, ow)
 
-    def flops(self, in_shape):
+    def flops(self, in_shape: tuple[int, ...]) -> int:
         _, oh, ow = self.output_shape(in_shape)
         return oh * ow * self.out_channels * self.in_channels * self.kernel**2
 
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         if x.ndim != 4 or x.shape[1] != self.in_channels:
             raise self.shape_error(f"(batch, {self.in_channels}, H, W)", x.shape)
         xp = array_module(x)
@@ -75,7 +76,7 @@ class Conv2d(Layer):
         out += self.params["bias"][:, None]
         return xp.ascontiguousarray(out.reshape(self.out_channels, n, oh, ow).transpose(1, 0, 2, 3))
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         cols, (n, c, h, w) = ctx.pop(self)
         xp = array_module(dy)
         k, s, p = self.kernel, self.stride, self.padding
@@ -100,13 +101,13 @@ class MaxPool2d(Layer):
         self.stride = kernel_size if stride is None else stride
         self.name = f"MaxPool2d(k={self.kernel}, s={self.stride})"
 
-    def output_shape(self, in_shape):
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if len(in_shape) != 3 or min(in_shape[1:]) < self.kernel:
             raise self.shape_error(f"(C, H, W) with H, W >= {self.kernel}", in_shape)
         c, h, w = in_shape
         return (c, _out_size(h, self.kernel, self.stride, 0), _out_size(w, self.kernel, self.stride, 0))
 
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         if x.ndim != 4:
             raise self.shape_error("(batch, C, H, W)", x.shape)
         xp = array_module(x)
@@ -121,7 +122,7 @@ class MaxPool2d(Layer):
         ctx.save(self, winner, x.shape)
         return xp.take_along_axis(windows, winner[..., None], axis=-1)[..., 0]
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         winner, shape = ctx.pop(self)
         xp = array_module(dy)
         k, s = self.kernel, self.stride

@@ -19,7 +19,8 @@ import math
 
 import numpy as np
 
-from mpipar.backend import array_module
+from mpipar.backend import Array, array_module
+from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.layers.base import Layer
 
@@ -61,7 +62,7 @@ class Dropout(Layer):
         self.name = f"Dropout({p})"
         self.index = 0  # set by Sequential: different layers draw different masks
 
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         if not ctx.training or self.p == 0.0:
             return x
         xp = array_module(x)
@@ -74,7 +75,7 @@ class Dropout(Layer):
         ctx.save(self, scaled_mask)
         return x * scaled_mask
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         if self.p == 0.0:
             return dy
         (scaled_mask,) = ctx.pop(self)

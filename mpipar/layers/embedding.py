@@ -8,7 +8,8 @@ Exercised by: python -m pytest tests/test_layers.py -k Embedding
 
 from __future__ import annotations
 
-from mpipar.backend import scatter_add
+from mpipar.backend import Array, scatter_add
+from mpipar.cache import Context
 from mpipar.errors import DataError, ShapeError
 from mpipar.layers.base import Layer, ParamSpec, normal_init
 
@@ -22,13 +23,13 @@ class Embedding(Layer):
     def param_specs(self) -> list[ParamSpec]:
         return [ParamSpec("weight", (self.vocab_size, self.dim), normal_init(0.02), True)]
 
-    def output_shape(self, in_shape):
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (*in_shape, self.dim)
 
-    def flops(self, in_shape):
+    def flops(self, in_shape: tuple[int, ...]) -> int:
         return 0
 
-    def forward(self, ids, ctx):
+    def forward(self, ids: Array, ctx: Context) -> Array:
         if ids.dtype.kind not in "iu":
             raise ShapeError(f"{self.name}: expected integer token ids, got {ids.dtype} values")
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
@@ -37,7 +38,7 @@ class Embedding(Layer):
         ctx.save(self, ids)
         return self.params["weight"][ids]
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         (ids,) = ctx.pop(self)
         if self.fresh_grads:  # a scatter only touches the rows it hits: the rest must be zero
             self.grads["weight"].fill(0)
@@ -54,17 +55,17 @@ class PositionEmbedding(Layer):
     def param_specs(self) -> list[ParamSpec]:
         return [ParamSpec("weight", (self.max_len, self.dim), normal_init(0.02), False)]
 
-    def output_shape(self, in_shape):
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if len(in_shape) != 2 or in_shape[0] > self.max_len or in_shape[1] != self.dim:
             raise self.shape_error(f"(T <= {self.max_len}, {self.dim})", in_shape)
         return in_shape
 
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         if x.ndim != 3 or x.shape[1] > self.max_len or x.shape[2] != self.dim:
             raise self.shape_error(f"(batch, T <= {self.max_len}, {self.dim})", x.shape)
         return x + self.params["weight"][: x.shape[1]]
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         if self.fresh_grads:  # only the first T rows are written: the rest must be zero
             self.grads["weight"].fill(0)
         self.grads["weight"][: dy.shape[1]] += dy.sum(axis=0)

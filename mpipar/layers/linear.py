@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from mpipar.backend import Array
+from mpipar.cache import Context
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
 
 
@@ -29,15 +31,15 @@ class Linear(Layer):
             specs.append(ParamSpec("bias", (self.out_features,), uniform_init(bound), False))
         return specs
 
-    def output_shape(self, in_shape):
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if not in_shape or in_shape[-1] != self.in_features:
             raise self.shape_error(f"(..., {self.in_features})", in_shape)
         return (*in_shape[:-1], self.out_features)
 
-    def flops(self, in_shape):
+    def flops(self, in_shape: tuple[int, ...]) -> int:
         return math.prod(in_shape) * self.out_features
 
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         if x.ndim < 2 or x.shape[-1] != self.in_features:
             raise self.shape_error(f"(batch, ..., {self.in_features})", x.shape)
         ctx.save(self, x)
@@ -46,7 +48,7 @@ class Linear(Layer):
             y += self.params["bias"]
         return y
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
         x_rows = x.reshape(-1, self.in_features)
         dy_rows = dy.reshape(-1, self.out_features)

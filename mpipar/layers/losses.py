@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 
-from mpipar.backend import array_module
+from mpipar.backend import Array, array_module
+from mpipar.cache import Context
 from mpipar.errors import ShapeError
 
 
@@ -28,7 +29,7 @@ class SoftmaxCrossEntropy:
 
     name = "SoftmaxCrossEntropy"
 
-    def forward(self, logits, targets, ctx, global_batch: int):
+    def forward(self, logits: Array, targets: Array, ctx: Context, global_batch: int) -> Array:
         if logits.shape[:-1] != targets.shape:
             raise ShapeError(f"{self.name}: logits {tuple(logits.shape)} do not match "
                              f"targets {tuple(targets.shape)} (expected targets of shape {tuple(logits.shape[:-1])})")
@@ -44,7 +45,7 @@ class SoftmaxCrossEntropy:
         ctx.save(self, log_probs, flat_targets, logits.shape, scale)
         return -log_probs[xp.arange(rows.shape[0]), flat_targets].sum() * scale
 
-    def backward(self, ctx):
+    def backward(self, ctx: Context) -> Array:
         log_probs, flat_targets, shape, scale = ctx.pop(self)
         xp = array_module(log_probs)
         grad = xp.exp(log_probs)
@@ -58,7 +59,7 @@ class MSE:
 
     name = "MSE"
 
-    def forward(self, predictions, targets, ctx, global_batch: int):
+    def forward(self, predictions: Array, targets: Array, ctx: Context, global_batch: int) -> Array:
         if predictions.shape != targets.shape:
             raise ShapeError(f"{self.name}: predictions {tuple(predictions.shape)} do not match "
                              f"targets {tuple(targets.shape)}")
@@ -67,6 +68,6 @@ class MSE:
         ctx.save(self, diff, scale)
         return (diff * diff).sum() * scale
 
-    def backward(self, ctx):
+    def backward(self, ctx: Context) -> Array:
         diff, scale = ctx.pop(self)
         return diff * (2.0 * scale)

@@ -11,7 +11,8 @@ Exercised by: python -m pytest tests/test_layers.py -k LayerNorm
 
 from __future__ import annotations
 
-from mpipar.backend import array_module
+from mpipar.backend import Array, array_module
+from mpipar.cache import Context
 from mpipar.layers.base import Layer, ParamSpec, constant_init
 
 
@@ -25,12 +26,12 @@ class LayerNorm(Layer):
         return [ParamSpec("gain", (self.dim,), constant_init(1.0), False),
                 ParamSpec("shift", (self.dim,), constant_init(0.0), False)]
 
-    def output_shape(self, in_shape):
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if not in_shape or in_shape[-1] != self.dim:
             raise self.shape_error(f"(..., {self.dim})", in_shape)
         return in_shape
 
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         if x.shape[-1] != self.dim:
             raise self.shape_error(f"(batch, ..., {self.dim})", x.shape)
         xp = array_module(x)
@@ -41,7 +42,7 @@ class LayerNorm(Layer):
         ctx.save(self, normed, rstd)
         return normed * self.params["gain"] + self.params["shift"]
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         normed, rstd = ctx.pop(self)
         rows_dy = dy.reshape(-1, self.dim)
         self.grad_sum(self.grads["gain"], rows_dy * normed.reshape(-1, self.dim), axis=0)

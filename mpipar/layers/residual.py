@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from mpipar.backend import Array
+from mpipar.cache import Context
 from mpipar.layers.base import Layer
 
 
@@ -21,7 +23,7 @@ class Residual(Layer):
     def children(self) -> list[Layer]:
         return self.inner
 
-    def output_shape(self, in_shape):
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         shape = in_shape
         for layer in self.inner:
             shape = layer.output_shape(shape)
@@ -29,20 +31,20 @@ class Residual(Layer):
             raise self.shape_error(f"a branch that keeps the shape {in_shape}", shape)
         return in_shape
 
-    def flops(self, in_shape):
+    def flops(self, in_shape: tuple[int, ...]) -> int:
         total, shape = 0, in_shape
         for layer in self.inner:
             total += layer.flops(shape)
             shape = layer.output_shape(shape)
         return total + math.prod(in_shape)
 
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         y = x
         for layer in self.inner:
             y = layer.forward(y, ctx)
         return x + y
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         d_branch = dy
         for layer in reversed(self.inner):
             d_branch = layer.backward(d_branch, ctx)

@@ -10,39 +10,40 @@ from __future__ import annotations
 
 import math
 
-from mpipar.backend import array_module
+from mpipar.backend import Array, array_module
+from mpipar.cache import Context
 from mpipar.layers.base import Layer
 
 
 class Flatten(Layer):
-    def output_shape(self, in_shape):
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (math.prod(in_shape),)
 
-    def flops(self, in_shape):
+    def flops(self, in_shape: tuple[int, ...]) -> int:
         return 0
 
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         ctx.save(self, x.shape)
         return x.reshape(x.shape[0], -1)
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         (shape,) = ctx.pop(self)
         return dy.reshape(shape)
 
 
 class GlobalAvgPool(Layer):
-    def output_shape(self, in_shape):
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if len(in_shape) != 3:
             raise self.shape_error("(C, H, W)", in_shape)
         return in_shape[:1]
 
-    def forward(self, x, ctx):
+    def forward(self, x: Array, ctx: Context) -> Array:
         if x.ndim != 4:
             raise self.shape_error("(batch, C, H, W)", x.shape)
         ctx.save(self, x.shape)
         return x.mean(axis=(2, 3))
 
-    def backward(self, dy, ctx):
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
         (shape,) = ctx.pop(self)
         xp = array_module(dy)
         scale = 1.0 / (shape[2] * shape[3])
