@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -147,10 +148,14 @@ class Stage:
             x = layer.forward(x, ctx)
         return x
 
-    def backward(self, dy, ctx):
+    def backward(self, dy, ctx, after_layer: Callable[[Layer], None] | None = None):
+        """Backward through the stage; `after_layer(layer)` runs as each layer finishes
+        (the bucketed reducer posts and polls its reductions there)."""
         for layer in reversed(self.layers):
             dy = layer.backward(dy, ctx)
             mark_written(layer)
+            if after_layer is not None:
+                after_layer(layer)
             if dy is None:
                 break
         return dy

@@ -58,16 +58,14 @@ def _post(comm: Comm, step: Step, send_blocks, recv_blocks, tag: int):
     return requests, peers
 
 
-def _gather(comm: Comm, steps: list[Step], blocks: list[np.ndarray]) -> Steps:
+def _gather(comm: Comm, steps: list[Step], blocks: list[np.ndarray], tag: int) -> Steps:
     """Run an all-gather schedule: every received block lands in place."""
-    tag = collective_tag(comm.next_sequence())
     for step in steps:
         yield _post(comm, step, blocks, [blocks[t.block] for t in step.recvs], tag)
 
 
-def _reduce(comm: Comm, steps: list[Step], blocks: list[np.ndarray]) -> Steps:
+def _reduce(comm: Comm, steps: list[Step], blocks: list[np.ndarray], tag: int) -> Steps:
     """Run a reduce-scatter schedule: received partial sums are added into `blocks`."""
-    tag = collective_tag(comm.next_sequence())
     most = max((len(step.recvs) for step in steps), default=0)
     scratch = np.empty((most, max((b.size for b in blocks), default=0)), dtype=blocks[0].dtype)
     for step in steps:
@@ -85,25 +83,37 @@ def _library(comm: Comm, request: MPI.Request, nbytes: int) -> Steps:
 # -- all-reduce -------------------------------------------------------------------------
 
 def _all_reduce(comm: Comm, buf: np.ndarray, algorithm: str) -> Steps:
+    # Validation and the tag are settled now, when the operation is started, not when
+    # its generator first runs: ranks start operations in the same order, but may
+    # advance concurrent ones in different orders.
     layout = _layout(comm, algorithm, "all-reduce")
     if comm.size == 1:
-        return
+        return iter(())
     if algorithm == "mpi":
-        yield from _library(comm, comm.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), buf.nbytes)
-    elif algorithm == "2d":
-        yield from _two_d(*comm.hierarchy(), buf)
-    else:
-        blocks = _blocks(buf, comm.size)
-        yield from _reduce(comm, reduce_scatter_steps(algorithm, layout, comm.rank), blocks)
-        yield from _gather(comm, all_gather_steps(algorithm, layout, comm.rank), blocks)
+        return _library(comm, comm.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), buf.nbytes)
+    if algorithm == "2d":
+        intra, inter = comm.hierarchy()
+        my_chunk = _blocks(buf, intra.size)[intra.rank]
+        return _two_d(intra, buf, _tag(intra), _all_reduce(inter, my_chunk, "ring"))
+    return _reduce_then_gather(comm, buf, algorithm, layout, _tag(comm))
 
 
-def _two_d(intra: Comm, inter: Comm, buf: np.ndarray) -> Steps:
+def _tag(comm: Comm) -> int:
+    return collective_tag(comm.next_sequence())
+
+
+def _reduce_then_gather(comm: Comm, buf: np.ndarray, algorithm: str, layout: list[list[int]], tag: int) -> Steps:
+    blocks = _blocks(buf, comm.size)
+    yield from _reduce(comm, reduce_scatter_steps(algorithm, layout, comm.rank), blocks, tag)
+    yield from _gather(comm, all_gather_steps(algorithm, layout, comm.rank), blocks, tag)
+
+
+def _two_d(intra: Comm, buf: np.ndarray, intra_tag: int, inter_all_reduce: Steps) -> Steps:
     chunks = _blocks(buf, intra.size)
     one_ring = [list(range(intra.size))]
-    yield from _reduce(intra, reduce_scatter_steps("ring", one_ring, intra.rank), chunks)
-    yield from _all_reduce(inter, chunks[intra.rank], "ring")
-    yield from _gather(intra, all_gather_steps("ring", one_ring, intra.rank), chunks)
+    yield from _reduce(intra, reduce_scatter_steps("ring", one_ring, intra.rank), chunks, intra_tag)
+    yield from inter_all_reduce
+    yield from _gather(intra, all_gather_steps("ring", one_ring, intra.rank), chunks, intra_tag)
 
 
 def iall_reduce(comm: Comm, buf: np.ndarray, algorithm: str = "ring") -> Handle:
@@ -124,15 +134,18 @@ def _reduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: s
     if recv.size != mine.stop - mine.start:
         raise ValueError(f"reduce-scatter: rank {comm.rank}'s block of {send.size} has "
                          f"{mine.stop - mine.start} elements, the output has {recv.size}")
-    if algorithm == "mpi" and comm.size > 1:
-        counts = np.diff(offsets).tolist()
-        yield from _library(comm, comm.mpi.Ireduce_scatter(send, recv, counts, op=MPI.SUM), send.nbytes)
-        return
     if comm.size == 1:
         recv[...] = send
-        return
+        return iter(())
+    if algorithm == "mpi":
+        counts = np.diff(offsets).tolist()
+        return _library(comm, comm.mpi.Ireduce_scatter(send, recv, counts, op=MPI.SUM), send.nbytes)
+    return _reduce_into(comm, send, recv, mine, reduce_scatter_steps(algorithm, layout, comm.rank), _tag(comm))
+
+
+def _reduce_into(comm: Comm, send: np.ndarray, recv: np.ndarray, mine: slice, steps: list[Step], tag: int) -> Steps:
     work = send.copy()  # partial sums accumulate here; the input stays as it was
-    yield from _reduce(comm, reduce_scatter_steps(algorithm, layout, comm.rank), _blocks(work, comm.size))
+    yield from _reduce(comm, steps, _blocks(work, comm.size), tag)
     recv[...] = work[mine]
 
 
@@ -154,13 +167,12 @@ def _all_gather(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str) 
                          f"{offsets[comm.rank + 1] - offsets[comm.rank]} elements; it gave {send.size}")
     if algorithm == "mpi" and comm.size > 1:
         counts = np.diff(offsets).tolist()
-        request = comm.mpi.Iallgatherv(send, [recv, (counts, offsets[:-1])])
-        yield from _library(comm, request, send.nbytes)
-        return
+        return _library(comm, comm.mpi.Iallgatherv(send, [recv, (counts, offsets[:-1])]), send.nbytes)
     blocks = _blocks(recv, comm.size)
     blocks[comm.rank][...] = send
-    if comm.size > 1:
-        yield from _gather(comm, all_gather_steps(algorithm, layout, comm.rank), blocks)
+    if comm.size == 1:
+        return iter(())
+    return _gather(comm, all_gather_steps(algorithm, layout, comm.rank), blocks, _tag(comm))
 
 
 def iall_gather(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = "ring") -> Handle:
@@ -177,17 +189,20 @@ def all_gather(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = 
 
 def _reduce_to_root(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int, algorithm: str) -> Steps:
     _layout(comm, algorithm, "reduce")
-    if algorithm == "mpi" or comm.size == 1:
-        if comm.size == 1:
-            recv[...] = send
-            return
-        yield from _library(comm, comm.mpi.Ireduce(send, recv if comm.rank == root else None,
-                                                   op=MPI.SUM, root=root), send.nbytes)
-        return
+    if comm.size == 1:
+        recv[...] = send
+        return iter(())
+    if algorithm == "mpi":
+        return _library(comm, comm.mpi.Ireduce(send, recv if comm.rank == root else None, op=MPI.SUM, root=root),
+                        send.nbytes)
     offsets = block_offsets(send.size, comm.size)
     mine = np.empty(offsets[comm.rank + 1] - offsets[comm.rank], dtype=send.dtype)
-    yield from _reduce_scatter(comm, send, mine, algorithm)
-    tag = collective_tag(comm.next_sequence())
+    return _reduce_scatter_then_send(comm, _reduce_scatter(comm, send, mine, algorithm), mine, recv, root, _tag(comm))
+
+
+def _reduce_scatter_then_send(comm: Comm, reduce_scatter: Steps, mine: np.ndarray, recv: np.ndarray | None,
+                              root: int, tag: int) -> Steps:
+    yield from reduce_scatter
     if comm.rank == root:
         blocks = _blocks(recv, comm.size)
         blocks[root][...] = mine
@@ -210,18 +225,20 @@ def reduce(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int = 0,
 def _broadcast(comm: Comm, buf: np.ndarray, root: int, algorithm: str) -> Steps:
     layout = _layout(comm, algorithm, "broadcast")
     if comm.size == 1:
-        return
+        return iter(())
     if algorithm == "mpi":
-        yield from _library(comm, comm.mpi.Ibcast(buf, root=root), buf.nbytes)
-        return
+        return _library(comm, comm.mpi.Ibcast(buf, root=root), buf.nbytes)
+    return _scatter_then_gather(comm, buf, root, all_gather_steps(algorithm, layout, comm.rank), _tag(comm))
+
+
+def _scatter_then_gather(comm: Comm, buf: np.ndarray, root: int, steps: list[Step], tag: int) -> Steps:
     blocks = _blocks(buf, comm.size)
-    tag = collective_tag(comm.next_sequence())
     if comm.rank == root:
         others = [k for k in range(comm.size) if k != root]
         yield [comm.isend(blocks[k], k, tag) for k in others], others
     else:
         yield [comm.irecv(blocks[comm.rank], root, tag)], [root]
-    yield from _gather(comm, all_gather_steps(algorithm, layout, comm.rank), blocks)
+    yield from _gather(comm, steps, blocks, tag)
 
 
 def ibroadcast(comm: Comm, buf: np.ndarray, root: int = 0, algorithm: str = "ring") -> Handle:
