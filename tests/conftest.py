@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,12 +32,20 @@ def mpiexec_path() -> str:
 
 
 def run_mpi(ranks: int, *args: str, timeout: float = 120, env_extra: dict | None = None):
-    """Run `args` (a command) on `ranks` ranks; a hang fails the test after `timeout` seconds."""
+    """Run `args` (a command) on `ranks` ranks; a hang fails the test after `timeout` seconds.
+
+    mpiexec runs in its own session so that, on a timeout, the launcher and every
+    rank it started are killed together, leaving nothing behind.
+    """
     env = dict(os.environ, **(env_extra or {}))
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    process = subprocess.Popen([mpiexec_path(), "-n", str(ranks), *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
-        return subprocess.run([mpiexec_path(), "-n", str(ranks), *args], capture_output=True, text=True,
-                              timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as expired:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
         pytest.fail(f"mpiexec -n {ranks} {' '.join(args)} did not finish in {timeout} s; output so far:\n"
-                    f"{expired.stdout}\n{expired.stderr}")
+                    f"{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
