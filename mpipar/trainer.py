@@ -27,7 +27,8 @@ import numpy as np
 
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
-from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, allreduce_sum, world
+from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
+from mpipar.comms.topology import make_world
 from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, eval_slice, load_dataset, rank_slice, split_micro_batches
 from mpipar.errors import NonFiniteLossError
@@ -62,6 +63,9 @@ class Trainer:
         self.comm = comm if comm is not None else world()
         self.rank, self.world_size = self.comm.rank, self.comm.size
         abort_on_uncaught_exception(self.comm)
+        # The counted communicator every training message goes through; made before
+        # validation, which could otherwise stop some ranks before this collective call.
+        self.counted = agree_on_setup(self.comm, lambda: make_world(mpi_comm=self.comm))
         agree_on_setup(self.comm, self._setup)
 
     def _setup(self) -> None:
@@ -113,8 +117,8 @@ class Trainer:
             correct += (logits.argmax(axis=-1) == targets).sum()
             predictions += targets.size
         self.step_totals[:] = (float(loss_sum), float(correct), predictions)
-        allreduce_sum(self.comm, self.stage.flat.settle_grads())
-        allreduce_sum(self.comm, self.step_totals)
+        sum_across_ranks(self.counted, self.stage.flat.settle_grads())
+        sum_across_ranks(self.counted, self.step_totals)
         loss = float(self.step_totals[0])
         if not math.isfinite(loss):
             error = NonFiniteLossError(f"step {step} (epoch {epoch}): the training loss is {loss}; "
@@ -138,7 +142,7 @@ class Trainer:
             totals[0] += float(self.loss_fn.forward(logits, targets, ctx, len(self.test_set)))
             totals[1] += float((logits.argmax(axis=-1) == targets).sum())
             totals[2] += targets.size
-        allreduce_sum(self.comm, totals)
+        sum_across_ranks(self.counted, totals)
         return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)))
 
     def run(self, report=None) -> dict:

@@ -24,9 +24,12 @@ def test_two_ranks_equal_one_process(tmp_path, case):
     assert result.returncode == 0, result.stderr
     single = Trainer(small_config(**options))
     single.run()
-    distributed = np.load(out)["params"]
+    saved = np.load(out)
+    distributed = saved["params"]
     assert not np.allclose(distributed, Trainer(small_config(**options)).stage.flat.data)  # it trained
     np.testing.assert_allclose(distributed, single.stage.flat.data, rtol=1e-12, atol=0)
+    # every step's gradient sum went through the counted communicator
+    assert saved["counted_bytes"] >= 3 * distributed.nbytes
 
 
 @pytest.mark.parametrize("args,message", [

@@ -10,6 +10,6 @@
     handle.py       non-blocking operations advanced by polling
 """
 
-from mpipar.comms.world import abort_job, abort_on_uncaught_exception, agree_on_setup, allreduce_sum, world
+from mpipar.comms.world import abort_job, abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
 
-__all__ = ["abort_job", "abort_on_uncaught_exception", "agree_on_setup", "allreduce_sum", "world"]
+__all__ = ["abort_job", "abort_on_uncaught_exception", "agree_on_setup", "sum_across_ranks", "world"]

@@ -40,6 +40,7 @@ def world_groups(group_size: int | None = None, mpi_comm: MPI.Intracomm | None =
     return tuple(ordered.index(leader) for leader in leaders)
 
 
-def make_world(group_size: int | None = None) -> Comm:
-    """The counted world communicator, grouped by `group_size` or by node."""
-    return Comm(MPI.COMM_WORLD, world_groups(group_size))
+def make_world(group_size: int | None = None, mpi_comm: MPI.Intracomm | None = None) -> Comm:
+    """The counted communicator of `mpi_comm` (default COMM_WORLD), grouped by `group_size` or by node."""
+    mpi_comm = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
+    return Comm(mpi_comm, world_groups(group_size, mpi_comm))

@@ -1,10 +1,12 @@
-"""The world communicator, an in-place sum across ranks, and agreeing on setup.
+"""The world communicator, a counted in-place sum across ranks, and agreeing on setup.
 
 `agree_on_setup` runs a setup step (validation, loading data, building the model)
 on every rank and then makes one collective call: if any rank failed with a
 user-facing error, every rank raises the same error, naming the rank it came from.
 So a bad configuration or a missing file on one node ends the whole job cleanly
-instead of leaving the other ranks waiting in their first reduction.
+instead of leaving the other ranks waiting in their first reduction. (Its one
+allgather of error messages is the only message mpipar does not count: it runs
+before the counted communicator is trusted to exist.)
 
 An exception that escapes on one rank of a multi-rank job must not leave the
 others waiting forever in their next collective: `abort_on_uncaught_exception`
@@ -23,6 +25,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar.backend import array_module, to_host
+from mpipar.comms.collectives import all_reduce
+from mpipar.comms.comm import Comm
 from mpipar.errors import MpiparError
 
 T = TypeVar("T")
@@ -32,8 +36,8 @@ def world() -> MPI.Intracomm:
     return MPI.COMM_WORLD
 
 
-def allreduce_sum(comm: MPI.Intracomm, array) -> None:
-    """array <- the sum of `array` over all ranks of `comm`, in place.
+def sum_across_ranks(comm: Comm, array, algorithm: str = "mpi") -> None:
+    """array <- the sum of `array` over all ranks of `comm`, in place, counted.
 
     GPU arrays go through host memory: the MPI wheels mpipar installs are not
     CUDA-aware, and a pointer to device memory would crash them.
@@ -41,10 +45,10 @@ def allreduce_sum(comm: MPI.Intracomm, array) -> None:
     if comm.size == 1:
         return
     if isinstance(array, np.ndarray):
-        comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        all_reduce(comm, array, algorithm)
         return
     host = to_host(array)
-    comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+    all_reduce(comm, host, algorithm)
     array[...] = array_module(array).asarray(host)
 
 
