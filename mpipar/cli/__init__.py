@@ -17,6 +17,7 @@ import traceback
 
 import click
 
+from mpipar.cli.bench import bench
 from mpipar.cli.data import data
 from mpipar.cli.info import info
 from mpipar.cli.train import train
@@ -32,6 +33,7 @@ def cli() -> None:
 cli.add_command(train)
 cli.add_command(info)
 cli.add_command(data)
+cli.add_command(bench)
 
 
 def _world_size() -> int:
