@@ -1,4 +1,4 @@
-"""The `mpipar` command: train, info, data. Also what happens when something fails.
+"""The `mpipar` command: train, info, data, bench, simulate. Also what happens when something fails.
 
 A user-facing error (bad configuration, missing data, a NaN loss) is one sentence
 on stderr and exit status 2. When every rank is known to have hit the same error
@@ -20,6 +20,7 @@ import click
 from mpipar.cli.bench import bench
 from mpipar.cli.data import data
 from mpipar.cli.info import info
+from mpipar.cli.simulate import simulate
 from mpipar.cli.train import train
 from mpipar.errors import MpiparError
 
@@ -34,6 +35,7 @@ cli.add_command(train)
 cli.add_command(info)
 cli.add_command(data)
 cli.add_command(bench)
+cli.add_command(simulate)
 
 
 def _world_size() -> int:

@@ -8,6 +8,9 @@
     routes.py       ring, H-Ring and HO-Ring schedules of blocks
     collectives.py  all-reduce, reduce-scatter, all-gather, reduce, broadcast
     handle.py       non-blocking operations advanced by polling
+    buckets.py      bucketed gradient reduction overlapped with backward
+    cost.py         the alpha-beta cost model, run on the same schedules
+    bench.py        timing every collective algorithm (mpipar bench comms)
 """
 
 from mpipar.comms.world import abort_job, abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world

@@ -64,15 +64,28 @@ def _gather(comm: Comm, steps: list[Step], blocks: list[np.ndarray], tag: int) -
         yield _post(comm, step, blocks, [blocks[t.block] for t in step.recvs], tag)
 
 
-def _reduce(comm: Comm, steps: list[Step], blocks: list[np.ndarray], tag: int) -> Steps:
-    """Run a reduce-scatter schedule: received partial sums are added into `blocks`."""
+def _reduce(comm: Comm, steps: list[Step], inputs: list[np.ndarray], sums: list[np.ndarray], tag: int) -> Steps:
+    """Run a reduce-scatter schedule. Block k starts as inputs[k]; each partial sum
+    received for it is added into sums[k] (which may be inputs[k] itself: in place),
+    and a block is sent as it stands — its sum once it has one, else its input. So
+    the input is never copied and, unless it is also `sums`, never changed."""
     most = max((len(step.recvs) for step in steps), default=0)
-    scratch = np.empty((most, max((b.size for b in blocks), default=0)), dtype=blocks[0].dtype)
-    for step in steps:
-        partials = [scratch[j, :blocks[t.block].size] for j, t in enumerate(step.recvs)]
-        yield _post(comm, step, blocks, partials, tag)
-        for transfer, partial in zip(step.recvs, partials):
-            blocks[transfer.block] += partial
+    width = max((b.size for b in inputs), default=0)
+    scratch = comm.scratch.take(most * width, inputs[0].dtype)
+    summed: set[int] = set()
+
+    def current(block: int) -> np.ndarray:
+        return sums[block] if block in summed else inputs[block]
+
+    try:
+        for step in steps:
+            partials = [scratch[j * width:j * width + inputs[t.block].size] for j, t in enumerate(step.recvs)]
+            yield _post(comm, step, {t.block: current(t.block) for t in step.sends}, partials, tag)
+            for transfer, partial in zip(step.recvs, partials):
+                np.add(current(transfer.block), partial, out=sums[transfer.block])
+                summed.add(transfer.block)
+    finally:
+        comm.scratch.give(scratch)
 
 
 def _library(comm: Comm, request: MPI.Request, nbytes: int) -> Steps:
@@ -104,14 +117,14 @@ def _tag(comm: Comm) -> int:
 
 def _reduce_then_gather(comm: Comm, buf: np.ndarray, algorithm: str, layout: list[list[int]], tag: int) -> Steps:
     blocks = _blocks(buf, comm.size)
-    yield from _reduce(comm, reduce_scatter_steps(algorithm, layout, comm.rank), blocks, tag)
+    yield from _reduce(comm, reduce_scatter_steps(algorithm, layout, comm.rank), blocks, blocks, tag)
     yield from _gather(comm, all_gather_steps(algorithm, layout, comm.rank), blocks, tag)
 
 
 def _two_d(intra: Comm, buf: np.ndarray, intra_tag: int, inter_all_reduce: Steps) -> Steps:
     chunks = _blocks(buf, intra.size)
     one_ring = [list(range(intra.size))]
-    yield from _reduce(intra, reduce_scatter_steps("ring", one_ring, intra.rank), chunks, intra_tag)
+    yield from _reduce(intra, reduce_scatter_steps("ring", one_ring, intra.rank), chunks, chunks, intra_tag)
     yield from inter_all_reduce
     yield from _gather(intra, all_gather_steps("ring", one_ring, intra.rank), chunks, intra_tag)
 
@@ -140,13 +153,17 @@ def _reduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: s
     if algorithm == "mpi":
         counts = np.diff(offsets).tolist()
         return _library(comm, comm.mpi.Ireduce_scatter(send, recv, counts, op=MPI.SUM), send.nbytes)
-    return _reduce_into(comm, send, recv, mine, reduce_scatter_steps(algorithm, layout, comm.rank), _tag(comm))
+    return _reduce_into(comm, send, recv, reduce_scatter_steps(algorithm, layout, comm.rank), _tag(comm))
 
 
-def _reduce_into(comm: Comm, send: np.ndarray, recv: np.ndarray, mine: slice, steps: list[Step], tag: int) -> Steps:
-    work = send.copy()  # partial sums accumulate here; the input stays as it was
-    yield from _reduce(comm, steps, _blocks(work, comm.size), tag)
-    recv[...] = work[mine]
+def _reduce_into(comm: Comm, send: np.ndarray, recv: np.ndarray, steps: list[Step], tag: int) -> Steps:
+    work = comm.scratch.take(send.size, send.dtype)  # partial sums land here; the input stays as it was
+    sums = _blocks(work, comm.size)
+    sums[comm.rank] = recv  # my own block's last addition writes straight into the output
+    try:
+        yield from _reduce(comm, steps, _blocks(send, comm.size), sums, tag)
+    finally:
+        comm.scratch.give(work)
 
 
 def ireduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = "ring") -> Handle:

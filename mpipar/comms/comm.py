@@ -14,11 +14,31 @@ Exercised by: python -m pytest tests/test_comm.py
 
 from __future__ import annotations
 
+import numpy as np
 from mpi4py import MPI
 
 from mpipar.comms.tags import LARGEST_TAG
 from mpipar.comms.traffic import Traffic
 from mpipar.errors import ConfigError
+
+
+class ScratchPool:
+    """Work arrays kept for reuse: a large operation then does not pay fresh page
+    faults every time. `take` hands out an array nobody else holds (so operations in
+    flight at once never share one); `give` returns it. At most two free arrays of
+    each (size, dtype) are kept."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[int, str], list[np.ndarray]] = {}
+
+    def take(self, size: int, dtype) -> np.ndarray:
+        spare = self.free.get((size, np.dtype(dtype).str))
+        return spare.pop() if spare else np.empty(size, dtype=dtype)
+
+    def give(self, array: np.ndarray) -> None:
+        spare = self.free.setdefault((array.size, array.dtype.str), [])
+        if len(spare) < 2:
+            spare.append(array)
 
 
 class Comm:
@@ -33,6 +53,7 @@ class Comm:
         self.group_of = tuple(group_of)
         self.traffic = traffic if traffic is not None else Traffic()
         self.sequence = 0  # collectives started on this communicator, identical on every rank
+        self.scratch = ScratchPool()
         self._hierarchy: tuple[Comm, Comm] | None = None
 
     # -- groups --------------------------------------------------------------
