@@ -7,12 +7,12 @@ must have completed while layers were still left to run. Then the reduced
 gradients must equal one big all-reduce (or reduce-scatter) of the same gradients.
 """
 
-import faulthandler
 import sys
 
 import numpy as np
 from mpi4py import MPI
 
+import deadline
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.comms.buckets import BucketedReducer
@@ -22,7 +22,7 @@ from mpipar.comms.routes import block_offsets
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
 from mpipar.model import Sequential, build_stages
 
-faulthandler.dump_traceback_later(120, exit=True)
+deadline.arm(120)
 operation, algorithm, group_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 expect_overlap = "--expect-overlap" in sys.argv  # meaningful only without oversubscribed cores
 world = MPI.COMM_WORLD
@@ -87,7 +87,7 @@ else:
         if not same_to_rounding(shard, expected):
             failures.append(f"bucket [{bucket.start}, {bucket.stop}) reduce-scatter differs")
 everything = world.gather(failures, root=0)
-faulthandler.cancel_dump_traceback_later()
+deadline.disarm()
 if world.rank == 0:
     flat = [f"rank {r}: {f}" for r, part in enumerate(everything) for f in part]
     print("\n".join(flat) if flat else f"buckets ok: {len(reducer.buckets)} buckets, completions after each "

@@ -8,17 +8,17 @@ and the counted bytes must equal the analytic counts of docs/collectives.md.
 Rank 0 prints every failure and the script exits 1 if there was any.
 """
 
-import faulthandler
 import sys
 
 import numpy as np
 from mpi4py import MPI
 
+import deadline
 from mpipar.comms import collectives as C
 from mpipar.comms.comm import Comm
 from mpipar.comms.routes import block_offsets
 
-faulthandler.dump_traceback_later(float(sys.argv[1]) if len(sys.argv) > 1 else 240, exit=True)
+deadline.arm(float(sys.argv[1]) if len(sys.argv) > 1 else 240)
 world = MPI.COMM_WORLD
 N, rank = world.size, world.rank
 failures = []
@@ -102,7 +102,7 @@ for m in [d for d in range(1, N + 1) if N % d == 0]:
                            f"{(counts.intra_bytes, counts.inter_bytes)}, expected {(intra, inter)}")
 
 everything = world.gather(failures, root=0)
-faulthandler.cancel_dump_traceback_later()
+deadline.disarm()
 if rank == 0:
     flat = [f for part in everything for f in part]
     print("\n".join(flat[:50]) if flat else f"all collectives agree on {N} rank(s)")

@@ -3,17 +3,17 @@
 Run by tests/test_comm.py as `mpiexec -n 4 python check_comm.py`.
 """
 
-import faulthandler
 import sys
 
 import numpy as np
 from mpi4py import MPI
 
+import deadline
 from mpipar.comms.tags import Kind, p2p_tag
 from mpipar.comms.topology import make_world
 from mpipar.errors import ConfigError
 
-faulthandler.dump_traceback_later(60, exit=True)
+deadline.arm(60)
 failures = []
 
 
@@ -64,7 +64,7 @@ by_node = make_world()
 expect(by_node.group_of == (0,) * size, f"one node, one group: {by_node.group_of}")
 
 everything = MPI.COMM_WORLD.gather(failures, root=0)
-faulthandler.cancel_dump_traceback_later()
+deadline.disarm()
 if rank == 0:
     flat = [f for part in everything for f in part]
     print("\n".join(flat) if flat else "comm ok")

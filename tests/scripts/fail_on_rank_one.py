@@ -5,16 +5,16 @@ Usage: fail_on_rank_one.py cli       (through `mpipar train`)
        fail_on_rank_one.py trainer   (a user's script driving Trainer directly)
 """
 
-import faulthandler
 import sys
 
 from mpi4py import MPI
 
+import deadline
 from mpipar.cli import main
 from mpipar.config import TrainConfig
 from mpipar.trainer import Trainer
 
-faulthandler.dump_traceback_later(50, exit=True)  # a hang prints every rank's stack
+deadline.arm(50)  # a hang prints every rank's stack
 
 original_step = Trainer.train_step
 

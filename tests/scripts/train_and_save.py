@@ -3,15 +3,15 @@
 Usage: python train_and_save.py OUT.npz key=value ...   (values parsed as TrainConfig fields)
 """
 
-import faulthandler
 import sys
 
 import numpy as np
 
+import deadline
 from mpipar.config import load_config
 from mpipar.trainer import Trainer
 
-faulthandler.dump_traceback_later(100, exit=True)  # a hang prints every rank's stack
+deadline.arm(100)  # a hang prints every rank's stack
 
 out, *pairs = sys.argv[1:]
 overrides = dict(pair.split("=", 1) for pair in pairs)
