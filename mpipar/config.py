@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpipar.backend import DEVICES, DTYPES
+from mpipar.comms.collectives import ALGORITHMS
 from mpipar.data import DATASETS
+from mpipar.ddp import MODES as DDP_MODES
 from mpipar.errors import ConfigError, unknown_name
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, SCHEDULES
@@ -59,6 +61,10 @@ class TrainConfig:
     warmup_steps: int = _option(0, "linear warm-up steps")
     step_size: int = _option(1000, "steps between decays for --schedule step")
     gamma: float = _option(0.1, "decay factor for --schedule step")
+    ddp: str = _option("bucketed", f"how ranks sum gradients: {', '.join(DDP_MODES)}")
+    bucket_mb: float = _option(25.0, "gradient bucket size in MB for --ddp bucketed")
+    collective: str = _option("mpi", f"all-reduce algorithm: {', '.join(ALGORITHMS)}")
+    group_size: int = _option(0, "ranks per group for hierarchical collectives (0: the ranks of a node)")
     dtype: str = _option("float32", f"floating dtype: {', '.join(DTYPES)}")
     device: str = _option("cpu", f"device: {', '.join(DEVICES)}")
     seed: int = _option(0, "seed for initialisation, data order and dropout")
@@ -69,8 +75,9 @@ class TrainConfig:
     def validate(self, world_size: int) -> None:
         """Raise ConfigError with one sentence if this run cannot work on `world_size` ranks."""
         for name, valid in (("model", MODELS), ("data set", DATASETS), ("optimizer", OPTIMIZERS),
-                            ("schedule", SCHEDULES), ("dtype", DTYPES), ("device", DEVICES)):
-            value = getattr(self, name.replace("data set", "dataset"))
+                            ("schedule", SCHEDULES), ("dtype", DTYPES), ("device", DEVICES),
+                            ("ddp mode", DDP_MODES), ("collective", ALGORITHMS)):
+            value = getattr(self, {"data set": "dataset", "ddp mode": "ddp"}.get(name, name))
             if value not in valid:
                 raise unknown_name(name, value, valid)
         positive = ("width", "heads", "blocks", "seq_len", "epochs", "batch_size", "micro_batches",
@@ -78,7 +85,9 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_steps", "warmup_steps", "weight_decay", "seed"):
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        for name in ("max_steps", "warmup_steps", "weight_decay", "seed", "group_size"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         if not 0 < self.lr < math.inf:

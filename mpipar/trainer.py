@@ -31,6 +31,7 @@ from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across
 from mpipar.comms.topology import make_world
 from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, eval_slice, load_dataset, rank_slice, split_micro_batches
+from mpipar.ddp import GradientSync
 from mpipar.errors import NonFiniteLossError
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.model import build_stages
@@ -65,7 +66,7 @@ class Trainer:
         abort_on_uncaught_exception(self.comm)
         # The counted communicator every training message goes through; made before
         # validation, which could otherwise stop some ranks before this collective call.
-        self.counted = agree_on_setup(self.comm, lambda: make_world(mpi_comm=self.comm))
+        self.counted = agree_on_setup(self.comm, lambda: make_world(config.group_size or None, self.comm))
         agree_on_setup(self.comm, self._setup)
 
     def _setup(self) -> None:
@@ -89,6 +90,8 @@ class Trainer:
         self.lr_at = make_schedule(cfg.schedule, cfg.lr, self.total_steps, warmup_steps=cfg.warmup_steps,
                                    step_size=cfg.step_size, gamma=cfg.gamma)
         self.cache = ActivationCache()
+        self.gradient_sync = GradientSync(self.counted, self.stage.flat, cfg.ddp, cfg.collective,
+                                          int(cfg.bucket_mb * 1e6))
         # [loss sum, correct predictions, predictions] of a step, summed over ranks in one message
         self.step_totals = np.zeros(3, dtype=np.float64)
 
@@ -112,12 +115,13 @@ class Trainer:
                                      sample_ids=np.arange(first_position, first_position + micro_size))
             logits = self.stage.forward(inputs, ctx)
             loss_sum += self.loss_fn.forward(logits, targets, ctx, cfg.batch_size)
-            self.stage.backward(self.loss_fn.backward(ctx), ctx)
+            after_layer = self.gradient_sync.hook(last_micro_batch=micro_batch == cfg.micro_batches - 1)
+            self.stage.backward(self.loss_fn.backward(ctx), ctx, after_layer)
             self.cache.release(0, micro_batch)
             correct += (logits.argmax(axis=-1) == targets).sum()
             predictions += targets.size
         self.step_totals[:] = (float(loss_sum), float(correct), predictions)
-        sum_across_ranks(self.counted, self.stage.flat.settle_grads())
+        self.gradient_sync.finish()
         sum_across_ranks(self.counted, self.step_totals)
         loss = float(self.step_totals[0])
         if not math.isfinite(loss):
