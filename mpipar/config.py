@@ -85,6 +85,9 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.device == "gpu" and self.ddp != "naive":
+            raise ConfigError(f"--ddp {self.ddp} reduces host buffers during backward; on a GPU use --ddp naive "
+                              "(gradients are summed through host memory after backward)")
         if not self.bucket_mb > 0:
             raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         for name in ("max_steps", "warmup_steps", "weight_decay", "seed", "group_size"):

@@ -34,8 +34,9 @@ class GradientSync:
     def __init__(self, comm: Comm, flat: FlatParams, mode: str, collective: str, bucket_bytes: int) -> None:
         self.comm, self.flat, self.mode, self.collective = comm, flat, mode, collective
         self.reducer = None
-        # GPU gradients take the naive path, which stages them through host memory
-        if mode != "naive" and comm.size > 1 and isinstance(flat.grad, np.ndarray):
+        if mode != "naive" and not isinstance(flat.grad, np.ndarray):
+            raise ValueError(f"--ddp {mode} needs host gradients; on a GPU use --ddp naive")
+        if mode != "naive" and comm.size > 1:
             # "overlap" is a bucket per parameter: a bucket closes at its first parameter
             self.reducer = BucketedReducer(comm, flat, bucket_bytes=1 if mode == "overlap" else bucket_bytes,
                                            algorithm=collective)

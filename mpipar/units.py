@@ -31,6 +31,8 @@ def parse_rate(text: str) -> float:
     size, slash, per = text.partition("/")
     if not slash or per.strip().lower() != "s":
         raise ConfigError(f"cannot read {text!r} as a bandwidth: write e.g. 25GB/s or 300GB/s")
+    if size.rstrip().endswith("b"):  # networks are often quoted in bits: 200Gb/s is 25GB/s
+        raise ConfigError(f"{text!r} looks like bits per second (lower-case b); write bytes, e.g. 25GB/s")
     return parse_bytes(size)
 
 

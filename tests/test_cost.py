@@ -62,6 +62,12 @@ def test_simulate_command_prints_every_algorithm():
     assert "<-" in result.output
 
 
+def test_one_rank_prints_without_dividing_by_zero():
+    result = CliRunner().invoke(simulate, ["comm", "--ranks", "1", "--group-size", "1", "--bw-intra", "1GB/s",
+                                           "--bw-inter", "1GB/s"])
+    assert result.exit_code == 0, result.output
+
+
 def test_bad_input():
     with pytest.raises(ConfigError, match="does not divide"):
         Network(10, 4, 1e9, 1e9)
@@ -72,6 +78,8 @@ def test_bad_input():
 def test_units():
     assert parse_bytes("64MB") == 64e6 and parse_bytes("1GiB") == 2**30 and parse_bytes("4096") == 4096
     assert parse_rate("25GB/s") == 25e9 and parse_seconds("5us") == pytest.approx(5e-6)
+    with pytest.raises(ConfigError, match="looks like bits"):
+        parse_rate("25Gb/s")
     for bad, reader in (("64 parsecs", parse_bytes), ("25GB", parse_rate), ("3 fortnights", parse_seconds)):
         with pytest.raises(ConfigError, match="cannot read"):
             reader(bad)

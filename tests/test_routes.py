@@ -61,11 +61,11 @@ def test_reduce_scatter_sums_every_contribution_once(algorithm, n, m):
 
 
 @pytest.mark.parametrize("n,m", [(16, 8), (8, 4), (9, 3)])
-def test_hierarchical_routes_move_the_same_blocks_in_fewer_steps_when_overlapped(n, m):
+def test_horing_moves_hrings_blocks_with_intra_steps_beside_the_inter_ones(n, m):
     g = n // m
     hring, horing = (all_gather_steps(a, layout(n, m), 0) for a in ("hring", "horing"))
     assert len(hring) == (g - 1) + (m - 1)
-    assert len(horing) == g * (m - 1)  # every intra step runs beside an inter one where there is one
+    assert len(horing) == g * (m - 1)  # one block per intra step; the first g - 1 beside an inter step
     def moves(steps):
         return sorted((t.block, t.peer) for step in steps for t in step.sends)
 

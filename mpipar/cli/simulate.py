@@ -55,4 +55,5 @@ def comm(chosen: str, ranks: int, group_size: int, bw_intra: str, bw_inter: str,
                 continue
             seconds = predict(net, op, algorithm, nbytes)
             mark = "  <-" if algorithm == chosen else ""
-            click.echo(f"{op:<16}{algorithm:<10}{format_seconds(seconds):>12}{ring / seconds:>9.2f}x{mark}")
+            speedup = f"{ring / seconds:>9.2f}x" if seconds > 0 else f"{'-':>10}"  # one rank, or nothing to send
+            click.echo(f"{op:<16}{algorithm:<10}{format_seconds(seconds):>12}{speedup}{mark}")

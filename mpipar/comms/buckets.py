@@ -30,7 +30,7 @@ from mpipar.layers.base import Layer
 from mpipar.model import FlatParams, leaf_layers
 
 OPERATIONS = ("all-reduce", "reduce-scatter")
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+DEFAULT_BUCKET_BYTES = 25_000_000  # 25 MB, as --bucket-mb counts
 
 
 @dataclass
@@ -57,8 +57,8 @@ class BucketedReducer:
                 self.buckets.append(current)
             current.start = segment.offset
             current.layers.add(segment.layer)
-        self.shards = [np.empty(np.diff(block_offsets(b.stop - b.start, comm.size))[comm.rank], flat.grad.dtype)
-                       for b in self.buckets]
+        self.shards = ([np.empty(np.diff(block_offsets(b.stop - b.start, comm.size))[comm.rank], flat.grad.dtype)
+                        for b in self.buckets] if operation == "reduce-scatter" else [])
         self.start_step()
 
     def start_step(self) -> None:

@@ -19,6 +19,8 @@ Exercised by: mpiexec -n 4 python tests/scripts/check_collectives.py   (via pyth
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from mpi4py import MPI
 
@@ -29,11 +31,29 @@ from mpipar.comms.tags import collective_tag
 from mpipar.errors import ConfigError, unknown_name
 
 ALGORITHMS = ("mpi", "ring", "hring", "horing", "2d")
+LIBRARY = -1  # the "peer" of a request that the MPI library's own collective owns
 
 
 def _blocks(buf: np.ndarray, parts: int) -> list[np.ndarray]:
     offsets = block_offsets(buf.size, parts)
     return [buf[offsets[k]:offsets[k + 1]] for k in range(parts)]
+
+
+def _check_buffers(operation: str, *buffers: np.ndarray | None) -> None:
+    """Every buffer a 1-D, contiguous NumPy array of one dtype: anything else would be
+    cut wrongly or fail after messages were already exchanged."""
+    given = [b for b in buffers if b is not None]
+    for buf in given:
+        if not isinstance(buf, np.ndarray) or buf.ndim != 1 or not buf.flags.c_contiguous:
+            raise ValueError(f"{operation}: buffers must be 1-D contiguous NumPy arrays, got "
+                             f"{type(buf).__name__} of shape {getattr(buf, 'shape', '?')}")
+    if len({buf.dtype for buf in given}) > 1:
+        raise ValueError(f"{operation}: buffers must share one dtype, got {sorted({b.dtype.name for b in given})}")
+
+
+def _check_root(comm: Comm, root: int, operation: str) -> None:
+    if not 0 <= root < comm.size:
+        raise ValueError(f"{operation}: root {root} is not a rank of this communicator of {comm.size}")
 
 
 def _layout(comm: Comm, algorithm: str, operation: str) -> list[list[int]]:
@@ -47,24 +67,24 @@ def _layout(comm: Comm, algorithm: str, operation: str) -> list[list[int]]:
     return layout
 
 
-def _post(comm: Comm, step: Step, send_blocks, recv_blocks, tag: int):
+def _post(comm: Comm, step: Step, send_blocks, recv_blocks, stamp: Stamp):
     requests, peers = [], []
     for transfer, buf in zip(step.recvs, recv_blocks):
-        requests.append(comm.irecv(buf, transfer.peer, tag))
+        requests.append(comm.irecv(buf, transfer.peer, stamp.tag))
         peers.append(transfer.peer)
     for transfer in step.sends:
-        requests.append(comm.isend(send_blocks[transfer.block], transfer.peer, tag))
+        requests.append(comm.isend(send_blocks[transfer.block], transfer.peer, stamp.tag, stamp.phase))
         peers.append(transfer.peer)
     return requests, peers
 
 
-def _gather(comm: Comm, steps: list[Step], blocks: list[np.ndarray], tag: int) -> Steps:
+def _gather(comm: Comm, steps: list[Step], blocks: list[np.ndarray], stamp: Stamp) -> Steps:
     """Run an all-gather schedule: every received block lands in place."""
     for step in steps:
-        yield _post(comm, step, blocks, [blocks[t.block] for t in step.recvs], tag)
+        yield _post(comm, step, blocks, [blocks[t.block] for t in step.recvs], stamp)
 
 
-def _reduce(comm: Comm, steps: list[Step], inputs: list[np.ndarray], sums: list[np.ndarray], tag: int) -> Steps:
+def _reduce(comm: Comm, steps: list[Step], inputs: list[np.ndarray], sums: list[np.ndarray], stamp: Stamp) -> Steps:
     """Run a reduce-scatter schedule. Block k starts as inputs[k]; each partial sum
     received for it is added into sums[k] (which may be inputs[k] itself: in place),
     and a block is sent as it stands — its sum once it has one, else its input. So
@@ -77,20 +97,19 @@ def _reduce(comm: Comm, steps: list[Step], inputs: list[np.ndarray], sums: list[
     def current(block: int) -> np.ndarray:
         return sums[block] if block in summed else inputs[block]
 
-    try:
-        for step in steps:
-            partials = [scratch[j * width:j * width + inputs[t.block].size] for j, t in enumerate(step.recvs)]
-            yield _post(comm, step, {t.block: current(t.block) for t in step.sends}, partials, tag)
-            for transfer, partial in zip(step.recvs, partials):
-                np.add(current(transfer.block), partial, out=sums[transfer.block])
-                summed.add(transfer.block)
-    finally:
-        comm.scratch.give(scratch)
+    for step in steps:
+        partials = [scratch[j * width:j * width + inputs[t.block].size] for j, t in enumerate(step.recvs)]
+        yield _post(comm, step, {t.block: current(t.block) for t in step.sends}, partials, stamp)
+        for transfer, partial in zip(step.recvs, partials):
+            np.add(current(transfer.block), partial, out=sums[transfer.block])
+            summed.add(transfer.block)
+    # Back to the pool only now: after a failure, receives into it might still be open.
+    comm.scratch.give(scratch)
 
 
 def _library(comm: Comm, request: MPI.Request, nbytes: int) -> Steps:
     comm.library_call(nbytes)
-    yield [request], [-1]
+    yield [request], [LIBRARY]
 
 
 # -- all-reduce -------------------------------------------------------------------------
@@ -99,6 +118,7 @@ def _all_reduce(comm: Comm, buf: np.ndarray, algorithm: str) -> Steps:
     # Validation and the tag are settled now, when the operation is started, not when
     # its generator first runs: ranks start operations in the same order, but may
     # advance concurrent ones in different orders.
+    _check_buffers("all-reduce", buf)
     layout = _layout(comm, algorithm, "all-reduce")
     if comm.size == 1:
         return iter(())
@@ -111,22 +131,31 @@ def _all_reduce(comm: Comm, buf: np.ndarray, algorithm: str) -> Steps:
     return _reduce_then_gather(comm, buf, algorithm, layout, _tag(comm))
 
 
-def _tag(comm: Comm) -> int:
-    return collective_tag(comm.next_sequence())
+class Stamp(NamedTuple):
+    """What every message of one operation carries: its tag, and the traffic phase that
+    was current when the operation started (its bytes count there, however late a
+    non-blocking step is posted)."""
+
+    tag: int
+    phase: str
 
 
-def _reduce_then_gather(comm: Comm, buf: np.ndarray, algorithm: str, layout: list[list[int]], tag: int) -> Steps:
+def _tag(comm: Comm) -> Stamp:
+    return Stamp(collective_tag(comm.next_sequence()), comm.traffic.current)
+
+
+def _reduce_then_gather(comm: Comm, buf: np.ndarray, algorithm: str, layout: list[list[int]], stamp: Stamp) -> Steps:
     blocks = _blocks(buf, comm.size)
-    yield from _reduce(comm, reduce_scatter_steps(algorithm, layout, comm.rank), blocks, blocks, tag)
-    yield from _gather(comm, all_gather_steps(algorithm, layout, comm.rank), blocks, tag)
+    yield from _reduce(comm, reduce_scatter_steps(algorithm, layout, comm.rank), blocks, blocks, stamp)
+    yield from _gather(comm, all_gather_steps(algorithm, layout, comm.rank), blocks, stamp)
 
 
-def _two_d(intra: Comm, buf: np.ndarray, intra_tag: int, inter_all_reduce: Steps) -> Steps:
+def _two_d(intra: Comm, buf: np.ndarray, stamp: Stamp, inter_all_reduce: Steps) -> Steps:
     chunks = _blocks(buf, intra.size)
     one_ring = [list(range(intra.size))]
-    yield from _reduce(intra, reduce_scatter_steps("ring", one_ring, intra.rank), chunks, chunks, intra_tag)
+    yield from _reduce(intra, reduce_scatter_steps("ring", one_ring, intra.rank), chunks, chunks, stamp)
     yield from inter_all_reduce
-    yield from _gather(intra, all_gather_steps("ring", one_ring, intra.rank), chunks, intra_tag)
+    yield from _gather(intra, all_gather_steps("ring", one_ring, intra.rank), chunks, stamp)
 
 
 def iall_reduce(comm: Comm, buf: np.ndarray, algorithm: str = "ring") -> Handle:
@@ -141,6 +170,7 @@ def all_reduce(comm: Comm, buf: np.ndarray, algorithm: str = "ring") -> None:
 # -- reduce-scatter and all-gather ---------------------------------------------------------
 
 def _reduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str) -> Steps:
+    _check_buffers("reduce-scatter", send, recv)
     layout = _layout(comm, algorithm, "reduce-scatter")
     offsets = block_offsets(send.size, comm.size)
     mine = slice(offsets[comm.rank], offsets[comm.rank + 1])
@@ -156,14 +186,12 @@ def _reduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: s
     return _reduce_into(comm, send, recv, reduce_scatter_steps(algorithm, layout, comm.rank), _tag(comm))
 
 
-def _reduce_into(comm: Comm, send: np.ndarray, recv: np.ndarray, steps: list[Step], tag: int) -> Steps:
+def _reduce_into(comm: Comm, send: np.ndarray, recv: np.ndarray, steps: list[Step], stamp: Stamp) -> Steps:
     work = comm.scratch.take(send.size, send.dtype)  # partial sums land here; the input stays as it was
     sums = _blocks(work, comm.size)
     sums[comm.rank] = recv  # my own block's last addition writes straight into the output
-    try:
-        yield from _reduce(comm, steps, _blocks(send, comm.size), sums, tag)
-    finally:
-        comm.scratch.give(work)
+    yield from _reduce(comm, steps, _blocks(send, comm.size), sums, stamp)
+    comm.scratch.give(work)
 
 
 def ireduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = "ring") -> Handle:
@@ -177,6 +205,7 @@ def reduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: st
 
 
 def _all_gather(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str) -> Steps:
+    _check_buffers("all-gather", send, recv)
     layout = _layout(comm, algorithm, "all-gather")
     offsets = block_offsets(recv.size, comm.size)
     if send.size != offsets[comm.rank + 1] - offsets[comm.rank]:
@@ -205,6 +234,10 @@ def all_gather(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = 
 # -- reduce and broadcast -----------------------------------------------------------------
 
 def _reduce_to_root(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int, algorithm: str) -> Steps:
+    _check_root(comm, root, "reduce")
+    _check_buffers("reduce", send, recv if comm.rank == root else None)
+    if comm.rank == root and (recv is None or recv.size != send.size):
+        raise ValueError(f"reduce: the root's output must have the input's {send.size} elements")
     _layout(comm, algorithm, "reduce")
     if comm.size == 1:
         recv[...] = send
@@ -218,15 +251,15 @@ def _reduce_to_root(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root:
 
 
 def _reduce_scatter_then_send(comm: Comm, reduce_scatter: Steps, mine: np.ndarray, recv: np.ndarray | None,
-                              root: int, tag: int) -> Steps:
+                              root: int, stamp: Stamp) -> Steps:
     yield from reduce_scatter
     if comm.rank == root:
         blocks = _blocks(recv, comm.size)
         blocks[root][...] = mine
         others = [k for k in range(comm.size) if k != root]
-        yield [comm.irecv(blocks[k], k, tag) for k in others], others
+        yield [comm.irecv(blocks[k], k, stamp.tag) for k in others], others
     else:
-        yield [comm.isend(mine, root, tag)], [root]
+        yield [comm.isend(mine, root, stamp.tag, stamp.phase)], [root]
 
 
 def ireduce(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int = 0, algorithm: str = "ring") -> Handle:
@@ -240,6 +273,8 @@ def reduce(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int = 0,
 
 
 def _broadcast(comm: Comm, buf: np.ndarray, root: int, algorithm: str) -> Steps:
+    _check_root(comm, root, "broadcast")
+    _check_buffers("broadcast", buf)
     layout = _layout(comm, algorithm, "broadcast")
     if comm.size == 1:
         return iter(())
@@ -248,14 +283,14 @@ def _broadcast(comm: Comm, buf: np.ndarray, root: int, algorithm: str) -> Steps:
     return _scatter_then_gather(comm, buf, root, all_gather_steps(algorithm, layout, comm.rank), _tag(comm))
 
 
-def _scatter_then_gather(comm: Comm, buf: np.ndarray, root: int, steps: list[Step], tag: int) -> Steps:
+def _scatter_then_gather(comm: Comm, buf: np.ndarray, root: int, steps: list[Step], stamp: Stamp) -> Steps:
     blocks = _blocks(buf, comm.size)
     if comm.rank == root:
         others = [k for k in range(comm.size) if k != root]
-        yield [comm.isend(blocks[k], k, tag) for k in others], others
+        yield [comm.isend(blocks[k], k, stamp.tag, stamp.phase) for k in others], others
     else:
-        yield [comm.irecv(blocks[comm.rank], root, tag)], [root]
-    yield from _gather(comm, steps, blocks, tag)
+        yield [comm.irecv(blocks[comm.rank], root, stamp.tag)], [root]
+    yield from _gather(comm, steps, blocks, stamp)
 
 
 def ibroadcast(comm: Comm, buf: np.ndarray, root: int = 0, algorithm: str = "ring") -> Handle:

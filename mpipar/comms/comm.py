@@ -42,13 +42,18 @@ class ScratchPool:
 
 
 class Comm:
-    def __init__(self, mpi_comm: MPI.Intracomm, group_of: tuple[int, ...], traffic: Traffic | None = None) -> None:
+    """`mpi_comm` is duplicated (collectively): tags are numbered per Comm, so two Comms
+    — or user code — sharing one MPI communicator could otherwise match each other's
+    messages. Communicators made by `split` / `subset` are new already and are kept."""
+
+    def __init__(self, mpi_comm: MPI.Intracomm, group_of: tuple[int, ...], traffic: Traffic | None = None,
+                 duplicate: bool = True) -> None:
         if len(group_of) != mpi_comm.size:
             raise ValueError(f"group_of names {len(group_of)} ranks for a communicator of {mpi_comm.size}")
         tag_ub = mpi_comm.Get_attr(MPI.TAG_UB)
         if tag_ub is not None and tag_ub < LARGEST_TAG:
             raise ConfigError(f"this MPI allows message tags up to {tag_ub}; mpipar needs {LARGEST_TAG}")
-        self.mpi = mpi_comm
+        self.mpi = mpi_comm.Dup() if duplicate else mpi_comm
         self.rank, self.size = mpi_comm.rank, mpi_comm.size
         self.group_of = tuple(group_of)
         self.traffic = traffic if traffic is not None else Traffic()
@@ -72,8 +77,9 @@ class Comm:
         return list(order.values())
 
     # -- point to point -----------------------------------------------------------
-    def isend(self, buf, dest: int, tag: int) -> MPI.Request:
-        self.traffic.record_send(buf.nbytes, self.is_inter(dest))
+    def isend(self, buf, dest: int, tag: int, phase: str | None = None) -> MPI.Request:
+        """Post a send, counted under `phase` (default: the current one)."""
+        self.traffic.record_send(buf.nbytes, self.is_inter(dest), phase)
         return self.mpi.Isend(buf, dest=dest, tag=tag)
 
     def irecv(self, buf, source: int, tag: int) -> MPI.Request:
@@ -86,9 +92,11 @@ class Comm:
 
     # -- sub-communicators ----------------------------------------------------
     def _derived(self, mpi_comm: MPI.Intracomm) -> "Comm":
-        parent_ranks = MPI.Group.Translate_ranks(mpi_comm.Get_group(), list(range(mpi_comm.size)),
-                                                 self.mpi.Get_group())
-        return Comm(mpi_comm, tuple(self.group_of[r] for r in parent_ranks), self.traffic)
+        child, parent = mpi_comm.Get_group(), self.mpi.Get_group()
+        parent_ranks = MPI.Group.Translate_ranks(child, list(range(mpi_comm.size)), parent)
+        child.Free()
+        parent.Free()
+        return Comm(mpi_comm, tuple(self.group_of[r] for r in parent_ranks), self.traffic, duplicate=False)
 
     def split(self, color: int, key: int) -> "Comm":
         """MPI_Comm_split, keeping group information (collective over this communicator)."""
@@ -98,8 +106,12 @@ class Comm:
         """A communicator of `ranks` (collective over those ranks only); None on other ranks."""
         if self.rank not in ranks:
             return None
-        group = self.mpi.Get_group().Incl(sorted(ranks))
-        return self._derived(self.mpi.Create_group(group, tag=LARGEST_TAG // 2))
+        everyone = self.mpi.Get_group()
+        members = everyone.Incl(sorted(ranks))
+        everyone.Free()
+        derived = self._derived(self.mpi.Create_group(members, tag=LARGEST_TAG // 2))
+        members.Free()
+        return derived
 
     def hierarchy(self) -> tuple["Comm", "Comm"]:
         """(intra, inter): the ranks of my group, and the ranks with my index in every group.

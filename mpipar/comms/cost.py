@@ -50,9 +50,9 @@ class Network:
     def groups(self) -> int:
         return self.ranks // self.group_size
 
-    def layout(self, ranks: int | None = None, group_size: int | None = None) -> list[list[int]]:
-        ranks, size = ranks or self.ranks, group_size or self.group_size
-        return [list(range(a * size, a * size + size)) for a in range(ranks // size)]
+    def layout(self) -> list[list[int]]:
+        """Groups of consecutive ranks: rank_at[a][i] = a * M + i."""
+        return [list(range(a * self.group_size, (a + 1) * self.group_size)) for a in range(self.groups)]
 
 
 def steps_time(net: Network, schedules: list[list[Step]], block_bytes: float, group_of) -> float:

@@ -41,11 +41,17 @@ class Handle:
         self._steps = steps
         self._requests: list = []
         self._peers: list[int] = []
+        self._failure: BaseException | None = None
         self.done = False
         self.test()  # post the first step now: the operation starts when it is started
 
     def test(self) -> bool:
-        """Advance without blocking; True once the whole operation has completed."""
+        """Advance without blocking; True once the whole operation has completed.
+
+        If a step failed, that error is raised again by every later call: a failed
+        operation never reports success."""
+        if self._failure is not None:
+            raise self._failure
         while not self.done:
             if self._requests and not MPI.Request.Testall(self._requests):
                 return False
@@ -53,6 +59,9 @@ class Handle:
                 self._requests, self._peers = next(self._steps)
             except StopIteration:
                 self.done, self._requests, self._peers = True, [], []
+            except BaseException as failure:
+                self._failure = failure
+                raise
         return True
 
     def wait(self, timeout: float | None = None) -> None:
@@ -63,11 +72,7 @@ class Handle:
             polls += 1
             if polls % 1024 == 0 and time.monotonic() > deadline:
                 peers = sorted({peer for request, peer in zip(self._requests, self._peers) if request})
+                waiting_for = ("the MPI library's collective" if peers == [-1]
+                               else f"messages to or from rank(s) {peers}")
                 raise CommTimeout(f"rank {self.rank}: {self.name} still waits after "
-                                  f"{timeout if timeout is not None else default_timeout():.0f} s "
-                                  f"for messages to or from rank(s) {peers}")
-
-
-def finished(name: str, rank: int) -> Handle:
-    """A Handle for an operation with nothing to send (one rank, or nothing to do)."""
-    return Handle(iter(()), name, rank)
+                                  f"{timeout if timeout is not None else default_timeout():.0f} s for {waiting_for}")

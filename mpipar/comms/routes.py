@@ -16,8 +16,10 @@ Ranks are in g groups of M: rank_at[a][i] is the i-th rank of group a.
              that column; then the intra-group ring of each group passes those
              g blocks per position along: g - 1 steps, then M - 1 steps of g blocks
     horing   the same routes with the phases overlapped, as HO-Ring: the intra ring
-             starts at once with the blocks of its own group and forwards each
-             block the inter ring brings as soon as it has arrived
+             starts at once with the blocks of its own group while the inter ring
+             runs beside it, then passes on the blocks the inter ring brought, one
+             source group after another (in lock-step: group a - k's blocks go round
+             from step k(M - 1), after their arrival at step k - 1)
 
 The reduce-scatter versions reduce inside the group first (intra phase), then
 across groups — for hring strictly one after the other, for horing overlapped.

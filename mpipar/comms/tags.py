@@ -55,7 +55,7 @@ def collective_tag(sequence: int) -> int:
 
 
 def decode(tag: int) -> tuple[Kind, int, int]:
-    """(kind, stage or sequence, micro_batch or 0): for watchdog messages."""
+    """(kind, stage or sequence, micro_batch or 0): what a tag seen in a debugger means."""
     kind, field = Kind(tag % KIND_SLOTS), tag // KIND_SLOTS
     if kind == Kind.COLLECTIVE:
         return kind, field, 0

@@ -56,8 +56,8 @@ class Traffic:
         finally:
             self.current = previous
 
-    def record_send(self, nbytes: int, inter: bool) -> None:
-        counts = self.by_phase[self.current]
+    def record_send(self, nbytes: int, inter: bool, phase: str | None = None) -> None:
+        counts = self.by_phase[self.current if phase is None else phase]
         if inter:
             counts.inter_bytes += nbytes
             counts.inter_messages += 1

@@ -101,6 +101,48 @@ for m in [d for d in range(1, N + 1) if N % d == 0]:
                            f"{op} {algorithm} M={m} L={length}: counted (intra, inter) bytes "
                            f"{(counts.intra_bytes, counts.inter_bytes)}, expected {(intra, inter)}")
 
+# Groups need not be blocks of consecutive ranks (node detection can interleave them).
+if N % 2 == 0 and N > 2:
+    interleaved = Comm(world, tuple(r % 2 for r in range(N)))
+    for op in OPERATIONS:
+        reference = run_all(interleaved, op, "mpi", 1000 * N + 3, blocking=True)
+        for algorithm in C.ALGORITHMS[1:]:
+            if algorithm != "2d" or op == "all-reduce":
+                got = run_all(interleaved, op, algorithm, 1000 * N + 3, blocking=True)
+                expect(np.array_equal(got, reference), f"{op} {algorithm} on interleaved groups differs from mpi")
+
+# Operations in flight together, finished in the reverse of their start order: they
+# must not share tags or scratch memory.
+comm = Comm(world, tuple(r // max(1, N // 2) for r in range(N)))
+for algorithm in C.ALGORITHMS[1:]:
+    first, second = data(5000, 7), data(5000, 8) * 2
+    expected_first, expected_second = first.copy(), second.copy()
+    C.all_reduce(comm, expected_first, "mpi")
+    C.all_reduce(comm, expected_second, "mpi")
+    handles = [C.iall_reduce(comm, first, algorithm), C.iall_reduce(comm, second, algorithm)]
+    for handle in reversed(handles):
+        handle.wait()
+    expect(np.array_equal(first, expected_first) and np.array_equal(second, expected_second),
+           f"two concurrent {algorithm} all-reduces waited in reverse order give wrong sums")
+    comm.traffic.reset()
+    C.all_reduce(comm, data(LARGE, 9), algorithm)
+    counts = comm.traffic.read()
+    if algorithm in ("ring", "hring", "horing"):
+        m = max(1, N // 2)
+        expected = tuple(a + b for a, b in zip(expected_bytes(algorithm, "reduce-scatter", LARGE, m),
+                                               expected_bytes(algorithm, "all-gather", LARGE, m)))
+        expect((counts.intra_bytes, counts.inter_bytes) == expected,
+               f"all-reduce {algorithm}: counted {(counts.intra_bytes, counts.inter_bytes)}, expected {expected}")
+
+# A subset communicator: the odd ranks alone.
+odd = Comm(world, tuple(r // 2 for r in range(N))).subset([r for r in range(N) if r % 2 == 1])
+if odd is not None:
+    for algorithm in ("ring", "horing" if len(set(odd.group_of)) in (1, odd.size) else "ring"):
+        buf, expected = data(777, 10), data(777, 10)
+        C.all_reduce(odd, expected, "mpi")
+        C.all_reduce(odd, buf, algorithm)
+        expect(np.array_equal(buf, expected), f"all-reduce {algorithm} on a subset differs from mpi")
+
 everything = world.gather(failures, root=0)
 deadline.disarm()
 if rank == 0:
