@@ -19,6 +19,8 @@ Exercised by: mpiexec -n 2 mpipar train --ddp bucketed --bucket-mb 1   (and test
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from mpipar.comms.buckets import BucketedReducer
@@ -31,6 +33,8 @@ MODES = ("naive", "overlap", "bucketed")
 
 
 class GradientSync:
+    """Sums one stage's flat gradient over the ranks of `comm`, the way `mode` says."""
+
     def __init__(self, comm: Comm, flat: FlatParams, mode: str, collective: str, bucket_bytes: int) -> None:
         self.comm, self.flat, self.mode, self.collective = comm, flat, mode, collective
         self.reducer = None
@@ -41,7 +45,7 @@ class GradientSync:
             self.reducer = BucketedReducer(comm, flat, bucket_bytes=1 if mode == "overlap" else bucket_bytes,
                                            algorithm=collective)
 
-    def hook(self, last_micro_batch: bool):
+    def hook(self, last_micro_batch: bool) -> Callable[[Layer], None] | None:
         """What Stage.backward calls after each layer: reductions start only in the last
         micro-batch's backward (the earlier ones just accumulate)."""
         if self.reducer is None or not last_micro_batch:
