@@ -1,0 +1,107 @@
+"""State sharding named by three letters: the scope of parameters P, gradients G and
+optimizer state OS, each N (replicated), I (sharded inside a group of M ranks,
+replicated across groups) or G (sharded over all N ranks). Seed 004's schemes:
+
+    scheme      P  G  OS        scheme      P  G  OS
+    ddp         N  N  N         mics        I  I  I
+    zero1       N  N  G         paro-nig    N  I  G
+    zero2       N  G  G         paro-iig    I  I  G
+    zero3       G  G  G         paro-igg    I  G  G
+
+A triple is valid when sharding never gets coarser from P to G to OS (N < I < G):
+a rank can only update the optimizer state it holds from gradients it holds, and
+only publish parameters it updated. Per-rank memory follows directly (seed 004,
+Table 1, in bytes here): each of P, G, OS takes its full size divided by the number
+of ranks sharing it — 1, M or N.
+
+This module is the definition of the schemes; the engine that runs them is the
+open work of the data-parallelism issue.
+
+Exercised by: python -m pytest tests/test_sharding.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpipar.errors import ConfigError, unknown_name
+
+SCOPES = ("N", "I", "G")
+_ORDER = {scope: rank for rank, scope in enumerate(SCOPES)}
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """The scopes of parameters, gradients and optimizer state."""
+
+    parameters: str
+    gradients: str
+    optimizer_state: str
+
+    def __post_init__(self) -> None:
+        for what, scope in zip(("parameters", "gradients", "optimizer state"), self.triple):
+            if scope not in SCOPES:
+                raise ConfigError(f"the scope of the {what} must be one of N, I, G; got {scope!r}")
+        p, g, os_ = (_ORDER[s] for s in self.triple)
+        if not p <= g <= os_:
+            raise ConfigError(f"sharding {','.join(self.triple)} cannot work: each of P, G, OS must be sharded "
+                              "at least as finely as the one before it (N < I < G), because a rank updates only "
+                              "the optimizer state it holds, from gradients it holds")
+
+    @property
+    def triple(self) -> tuple[str, str, str]:
+        return (self.parameters, self.gradients, self.optimizer_state)
+
+
+SCHEMES = {
+    "ddp": Sharding("N", "N", "N"),
+    "zero1": Sharding("N", "N", "G"),
+    "zero2": Sharding("N", "G", "G"),
+    "zero3": Sharding("G", "G", "G"),
+    "mics": Sharding("I", "I", "I"),
+    "paro-nig": Sharding("N", "I", "G"),
+    "paro-iig": Sharding("I", "I", "G"),
+    "paro-igg": Sharding("I", "G", "G"),
+}
+
+
+def parse_sharding(text: str) -> Sharding:
+    """A scheme name ('zero3') or a triple ('I,G,G')."""
+    if text.lower() in SCHEMES:
+        return SCHEMES[text.lower()]
+    if "," not in text:
+        raise unknown_name("scheme", text, SCHEMES)
+    parts = [part.strip().upper() for part in text.split(",")]
+    if len(parts) != 3:
+        raise ConfigError(f"--shard takes three letters P,G,OS such as I,G,G; got {text!r}")
+    return Sharding(*parts)
+
+
+def sharing_ranks(scope: str, world_size: int, group_size: int) -> int:
+    """How many ranks split a state of this scope between them: 1, M or N."""
+    return {"N": 1, "I": group_size, "G": world_size}[scope]
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    parameters: float
+    gradients: float
+    optimizer_state: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+def bytes_per_rank(sharding: Sharding, parameter_count: float, world_size: int, group_size: int, *,
+                   parameter_bytes: float = 2, gradient_bytes: float = 2, state_bytes: float = 12) -> StateBytes:
+    """Seed 004's Table 1 in bytes: each state's full size over the ranks sharing it.
+
+    Defaults are the paper's mixed precision with Adam: 2-byte parameters and gradients,
+    K = 12 bytes of optimizer state per parameter (fp32 master copy, momentum, variance).
+    """
+    if group_size < 1 or world_size % group_size:
+        raise ConfigError(f"--group-size {group_size} does not divide the world size {world_size}")
+    share = [sharing_ranks(scope, world_size, group_size) for scope in sharding.triple]
+    return StateBytes(parameter_count * parameter_bytes / share[0], parameter_count * gradient_bytes / share[1],
+                      parameter_count * state_bytes / share[2])
