@@ -22,10 +22,11 @@ from pathlib import Path
 from mpipar.backend import DEVICES, DTYPES
 from mpipar.comms.collectives import ALGORITHMS
 from mpipar.data import DATASETS
-from mpipar.ddp import MODES as DDP_MODES
+from mpipar.data_parallel import DDP_MODES
 from mpipar.errors import ConfigError, unknown_name
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, SCHEDULES
+from mpipar.sharding import SCHEMES, Sharding, parse_sharding
 
 try:
     import tomllib
@@ -61,9 +62,13 @@ class TrainConfig:
     warmup_steps: int = _option(0, "linear warm-up steps")
     step_size: int = _option(1000, "steps between decays for --schedule step")
     gamma: float = _option(0.1, "decay factor for --schedule step")
-    ddp: str = _option("bucketed", f"how ranks sum gradients: {', '.join(DDP_MODES)}")
-    bucket_mb: float = _option(25.0, "gradient bucket size in MB for --ddp bucketed")
-    collective: str = _option("mpi", f"all-reduce algorithm: {', '.join(ALGORITHMS)}")
+    scheme: str | None = _option(None, f"data-parallel scheme: {', '.join(SCHEMES)} (default ddp)")
+    shard: str | None = _option(None, "scopes of parameters, gradients, optimizer state, e.g. I,G,G "
+                                      "(each N, I or G; instead of --scheme)")
+    ddp: str = _option("bucketed", "layers per communication unit: naive (all in one, reduced after "
+                                   "backward), overlap (one per layer), bucketed (units of --bucket-mb)")
+    bucket_mb: float = _option(25.0, "communication unit size in MB for --ddp bucketed")
+    collective: str = _option("mpi", f"algorithm of every collective: {', '.join(ALGORITHMS)} (2d: ddp only)")
     group_size: int = _option(0, "ranks per group for hierarchical collectives (0: the ranks of a node)")
     dtype: str = _option("float32", f"floating dtype: {', '.join(DTYPES)}")
     device: str = _option("cpu", f"device: {', '.join(DEVICES)}")
@@ -71,6 +76,14 @@ class TrainConfig:
     eval_batch: int = _option(1000, "evaluation batch size per rank")
     log_every: int = _option(50, "steps between log lines when output is not a terminal")
     metrics: str | None = _option(None, "write metrics as JSON lines to this file")
+
+    def sharding(self) -> Sharding:
+        """The (P, G, OS) scopes this run uses."""
+        if self.scheme is not None and self.shard is not None:
+            raise ConfigError(f"give --scheme or --shard, not both (got --scheme {self.scheme} --shard {self.shard})")
+        if self.shard is not None and "," not in self.shard:
+            raise ConfigError(f"--shard takes three letters P,G,OS such as I,G,G; got {self.shard!r}")
+        return parse_sharding(self.shard or self.scheme or "ddp")
 
     def validate(self, world_size: int) -> None:
         """Raise ConfigError with one sentence if this run cannot work on `world_size` ranks."""
@@ -85,9 +98,14 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.device == "gpu" and self.ddp != "naive":
-            raise ConfigError(f"--ddp {self.ddp} reduces host buffers during backward; on a GPU use --ddp naive "
-                              "(gradients are summed through host memory after backward)")
+        sharding = self.sharding()
+        if self.device == "gpu" and (sharding != SCHEMES["ddp"] or self.ddp != "naive"):
+            raise ConfigError(f"--scheme {sharding} --ddp {self.ddp} communicates host buffers during forward and "
+                              "backward; on a GPU use --scheme ddp --ddp naive (gradients are summed through host "
+                              "memory after backward)")
+        if self.collective == "2d" and sharding != SCHEMES["ddp"]:
+            raise ConfigError(f"--collective 2d is an all-reduce only; --scheme {sharding} also needs "
+                              "reduce-scatter and all-gather: choose mpi, ring, hring or horing")
         if not self.bucket_mb > 0:
             raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         for name in ("max_steps", "warmup_steps", "weight_decay", "seed", "group_size"):

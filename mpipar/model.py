@@ -23,6 +23,8 @@ from mpipar.backend import Backend
 from mpipar.errors import ConfigError
 from mpipar.layers.base import Layer
 
+LayerHook = Callable[[Layer], None]
+
 
 def leaf_layers(layers: list[Layer]) -> list[Layer]:
     """Every layer that does work itself, depth first (a Residual's branch, not the Residual)."""
@@ -96,13 +98,40 @@ class FlatParams:
             self.segments.append(Segment(leaf.name, spec.name, offset, size, spec.shape))
             offset += size
         self.leaves = list(dict.fromkeys(leaf for leaf, _, _ in owned))
+        self._owners = [(leaf, spec.name, segment) for (leaf, _, spec), segment in zip(owned, self.segments)]
         self.data = backend.asarray(host_data)
         self.grad = backend.xp.zeros_like(self.data)
         self.decay_mask = backend.asarray(host_decay)
-        for (leaf, _, spec), segment in zip(owned, self.segments):
-            end = segment.offset + segment.size
-            leaf.params[spec.name] = self.data[segment.offset:end].reshape(spec.shape)
-            leaf.grads[spec.name] = self.grad[segment.offset:end].reshape(spec.shape)
+        self.bind(0, self.size, self.data, self.grad)
+
+    def bind(self, start: int, stop: int, data=None, grad=None) -> None:
+        """Point the layers whose parameters fill elements [start, stop) at `data` and/or
+        `grad`: buffers of stop - start elements holding that range (a gathered unit of a
+        sharded model). None leaves that side as it is."""
+        for leaf, name, segment in self._owners:
+            if start <= segment.offset < stop:
+                local = slice(segment.offset - start, segment.offset - start + segment.size)
+                if data is not None:
+                    leaf.params[name] = data[local].reshape(segment.shape)
+                if grad is not None:
+                    leaf.grads[name] = grad[local].reshape(segment.shape)
+
+    def unbind(self, start: int, stop: int, params: bool = True, grads: bool = True) -> None:
+        """Forget the views of elements [start, stop), so the buffer behind them can be freed."""
+        for leaf, name, segment in self._owners:
+            if start <= segment.offset < stop:
+                if params:
+                    leaf.params[name] = None
+                if grads:
+                    leaf.grads[name] = None
+
+    def drop_full(self, params: bool, grads: bool) -> None:
+        """Free the full buffers a sharded engine does not keep (its shards replace them)."""
+        self.unbind(0, self.size, params, grads)
+        if params:
+            self.data = None
+        if grads:
+            self.grad = None
 
     @property
     def nbytes(self) -> int:
@@ -143,15 +172,23 @@ class Stage:
                 if layer.param_specs() or layer.children():
                     break
 
-    def forward(self, x, ctx):
+    def forward(self, x, ctx, before_layer: LayerHook | None = None, after_layer: LayerHook | None = None):
+        """Forward through the stage; the hooks run around each layer (a sharded engine
+        gathers a layer's parameters before it and frees them after)."""
         for layer in self.layers:
+            if before_layer is not None:
+                before_layer(layer)
             x = layer.forward(x, ctx)
+            if after_layer is not None:
+                after_layer(layer)
         return x
 
-    def backward(self, dy, ctx, after_layer: Callable[[Layer], None] | None = None):
+    def backward(self, dy, ctx, before_layer: LayerHook | None = None, after_layer: LayerHook | None = None):
         """Backward through the stage; `after_layer(layer)` runs as each layer finishes
-        (the bucketed reducer posts and polls its reductions there)."""
+        (reductions of finished gradients are posted and polled there)."""
         for layer in reversed(self.layers):
+            if before_layer is not None:
+                before_layer(layer)
             dy = layer.backward(dy, ctx)
             mark_written(layer)
             if after_layer is not None:

@@ -1,9 +1,12 @@
-"""Optimizers and learning-rate schedules, working on flat buffers.
+"""Optimizers and learning-rate schedules, working on flat pieces.
 
-An optimizer is handed one flat parameter array, its gradient and its decay mask —
-a whole stage, or later a rank's shard of one — and keeps its state in flat arrays
-of the same length, allocated once. Updates are in place; scalars are Python floats
-so a float32 run stays float32 (NumPy 2 would promote on a numpy.float64 scalar).
+An optimizer is handed lists of pieces: flat parameter arrays, their gradients and
+their decay masks. A whole stage is one piece; a rank's shard of a sharded stage is
+one piece per sharding unit (its block of each unit, see sharding.py) unless those
+blocks happen to be contiguous. State lives in one flat buffer per kind (momentum,
+moments), allocated once, of which each piece gets a view; updates are in place;
+scalars are Python floats so a float32 run stays float32 (NumPy 2 would promote on a
+numpy.float64 scalar).
 
     SGD    v = mu v + (g + wd m p);            p -= lr v           (mu = 0: p -= lr (g + wd m p))
     Adam   g' = g + wd m p;  m1 = b1 m1 + (1-b1) g';  m2 = b2 m2 + (1-b2) g'^2
@@ -13,6 +16,8 @@ so a float32 run stays float32 (NumPy 2 would promote on a numpy.float64 scalar)
 (m is the decay mask: weights decay, biases and norm gains do not.) The gradient
 buffer doubles as workspace — coupled weight decay is added into it — because it is
 overwritten by the next backward anyway; that saves a full-size copy per step.
+`state_bytes` is the optimizer state proper (seed 004's K per parameter);
+`workspace_bytes` the one scratch buffer the update works in.
 
 Exercised by: python -m pytest tests/test_optim.py
 """
@@ -20,7 +25,7 @@ Exercised by: python -m pytest tests/test_optim.py
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 from mpipar.backend import array_module
 from mpipar.errors import ConfigError, unknown_name
@@ -29,69 +34,96 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
 
 
-class SGD:
-    def __init__(self, params, grad, decay_mask, *, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
-        self.params, self.grad, self.decay_mask = params, grad, decay_mask
-        self.momentum, self.weight_decay = momentum, weight_decay
-        xp = array_module(params)
-        self.velocity = xp.zeros_like(params) if momentum else None
-        self.update = xp.empty_like(params)
+class _PiecewiseOptimizer:
+    """Pieces and the buffers every optimizer needs: one flat buffer per state kind."""
+
+    def __init__(self, params: Sequence, grads: Sequence, masks: Sequence, state_kinds: int) -> None:
+        if not len(params) == len(grads) == len(masks):
+            raise ValueError(f"an optimizer needs as many gradients and masks as parameter pieces; got "
+                             f"{len(params)}, {len(grads)}, {len(masks)}")
+        self.params, self.grads, self.masks = list(params), list(grads), list(masks)
         self.steps = 0
+        self._buffers = [self._flat_state() for _ in range(state_kinds + 1)]  # the last one is workspace
+
+    def _flat_state(self) -> list:
+        """A zeroed buffer as long as all pieces together, as one view per piece."""
+        if not self.params:
+            return []
+        xp = array_module(self.params[0])
+        buffer = xp.zeros(sum(piece.size for piece in self.params), dtype=self.params[0].dtype)
+        views, offset = [], 0
+        for piece in self.params:
+            views.append(buffer[offset:offset + piece.size])
+            offset += piece.size
+        return views
+
+    def _state(self, kind: int) -> list:
+        return self._buffers[kind]
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(piece.nbytes for buffer in self._buffers[:-1] for piece in buffer)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(piece.nbytes for piece in self._buffers[-1])
+
+
+class SGD(_PiecewiseOptimizer):
+    def __init__(self, params, grads, masks, *, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        super().__init__(params, grads, masks, state_kinds=1 if momentum else 0)
+        self.momentum, self.weight_decay = momentum, weight_decay
 
     def step(self, lr: float) -> None:
-        """One update. The gradient buffer is workspace: it holds g + wd m p afterwards."""
-        xp = array_module(self.params)
-        if self.weight_decay:
-            _add_decay(xp, self.grad, self.params, self.decay_mask, self.weight_decay, scratch=self.update)
-        direction = self.grad
-        if self.velocity is not None:
-            self.velocity *= self.momentum
-            self.velocity += self.grad
-            direction = self.velocity
-        xp.multiply(direction, lr, out=self.update)
-        self.params -= self.update
+        """One update. The gradient buffers are workspace: they hold g + wd m p afterwards."""
         self.steps += 1
+        velocities = self._state(0) if self.momentum else self.grads
+        for p, g, mask, velocity, scratch in zip(self.params, self.grads, self.masks, velocities, self._buffers[-1]):
+            xp = array_module(p)
+            if self.weight_decay:
+                _add_decay(xp, g, p, mask, self.weight_decay, scratch=scratch)
+            if self.momentum:
+                velocity *= self.momentum
+                velocity += g
+            xp.multiply(velocity, lr, out=scratch)
+            p -= scratch
 
 
-class Adam:
-    def __init__(self, params, grad, decay_mask, *, betas: tuple[float, float] = (0.9, 0.999),
+class Adam(_PiecewiseOptimizer):
+    def __init__(self, params, grads, masks, *, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = False) -> None:
-        self.params, self.grad, self.decay_mask = params, grad, decay_mask
+        super().__init__(params, grads, masks, state_kinds=2)
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay, self.decoupled = eps, weight_decay, decoupled
-        xp = array_module(params)
-        self.first_moment = xp.zeros_like(params)
-        self.second_moment = xp.zeros_like(params)
-        self.scratch = xp.empty_like(params)
-        self.steps = 0
 
     def step(self, lr: float) -> None:
-        """One update. The gradient buffer is workspace (coupled decay is added into it)."""
-        xp = array_module(self.params)
+        """One update. The gradient buffers are workspace (coupled decay is added into them)."""
         self.steps += 1
-        g, scratch = self.grad, self.scratch
-        if self.weight_decay and not self.decoupled:
-            _add_decay(xp, g, self.params, self.decay_mask, self.weight_decay, scratch=scratch)
-        self.first_moment *= self.beta1
-        xp.multiply(g, 1.0 - self.beta1, out=scratch)
-        self.first_moment += scratch
-        self.second_moment *= self.beta2
-        xp.multiply(g, g, out=scratch)
-        scratch *= 1.0 - self.beta2
-        self.second_moment += scratch
-        if self.weight_decay and self.decoupled:
-            xp.multiply(self.params, self.decay_mask, out=scratch)
-            scratch *= lr * self.weight_decay
-            self.params -= scratch
-        # p -= (lr / bias1) * m1 / (sqrt(m2 / bias2) + eps), computed in the scratch buffer
         bias1 = 1.0 - self.beta1**self.steps
         bias2 = 1.0 - self.beta2**self.steps
-        xp.sqrt(self.second_moment, out=scratch)
-        scratch *= 1.0 / math.sqrt(bias2)
-        scratch += self.eps
-        xp.divide(self.first_moment, scratch, out=scratch)
-        scratch *= lr / bias1
-        self.params -= scratch
+        for p, g, mask, m1, m2, scratch in zip(self.params, self.grads, self.masks, self._state(0),
+                                               self._state(1), self._buffers[-1]):
+            xp = array_module(p)
+            if self.weight_decay and not self.decoupled:
+                _add_decay(xp, g, p, mask, self.weight_decay, scratch=scratch)
+            m1 *= self.beta1
+            xp.multiply(g, 1.0 - self.beta1, out=scratch)
+            m1 += scratch
+            m2 *= self.beta2
+            xp.multiply(g, g, out=scratch)
+            scratch *= 1.0 - self.beta2
+            m2 += scratch
+            if self.weight_decay and self.decoupled:
+                xp.multiply(p, mask, out=scratch)
+                scratch *= lr * self.weight_decay
+                p -= scratch
+            # p -= (lr / bias1) * m1 / (sqrt(m2 / bias2) + eps), computed in the scratch buffer
+            xp.sqrt(m2, out=scratch)
+            scratch *= 1.0 / math.sqrt(bias2)
+            scratch += self.eps
+            xp.divide(m1, scratch, out=scratch)
+            scratch *= lr / bias1
+            p -= scratch
 
 
 def _add_decay(xp, grad, params, decay_mask, coefficient: float, scratch) -> None:
@@ -101,14 +133,23 @@ def _add_decay(xp, grad, params, decay_mask, coefficient: float, scratch) -> Non
     grad += scratch
 
 
-def make_optimizer(name: str, params, grad, decay_mask, *, momentum: float = 0.9,
+def make_optimizer(name: str, params: Sequence, grads: Sequence, masks: Sequence, *, momentum: float = 0.9,
                    weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
-    """The optimizer called `name` (one of OPTIMIZERS) over one flat buffer."""
+    """The optimizer called `name` (one of OPTIMIZERS) over the given pieces."""
     if name == "sgd":
-        return SGD(params, grad, decay_mask, momentum=momentum, weight_decay=weight_decay)
+        return SGD(params, grads, masks, momentum=momentum, weight_decay=weight_decay)
     if name in ("adam", "adamw"):
-        return Adam(params, grad, decay_mask, betas=betas, eps=eps, weight_decay=weight_decay,
+        return Adam(params, grads, masks, betas=betas, eps=eps, weight_decay=weight_decay,
                     decoupled=name == "adamw")
+    raise unknown_name("optimizer", name, OPTIMIZERS)
+
+
+def state_kinds(name: str, momentum: float) -> int:
+    """How many parameter-sized state buffers the optimizer keeps (K / itemsize)."""
+    if name == "sgd":
+        return 1 if momentum else 0
+    if name in ("adam", "adamw"):
+        return 2
     raise unknown_name("optimizer", name, OPTIMIZERS)
 
 

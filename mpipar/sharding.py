@@ -14,8 +14,19 @@ only publish parameters it updated. Per-rank memory follows directly (seed 004,
 Table 1, in bytes here): each of P, G, OS takes its full size divided by the number
 of ranks sharing it — 1, M or N.
 
-This module is the definition of the schemes; the engine that runs them is the
-open work of the data-parallelism issue.
+Where a rank's blocks lie (`Layout`). The model's flat buffer is cut into units
+(consecutive layers, see data_parallel.py); every unit is sharded on its own, so a
+layer's parameters can be gathered alone. Within a unit of L elements, rank r holds:
+
+    N   the whole unit
+    I   block i of M (i = r's place in its group)
+    G   flat:   block r of N                     (no I in the triple: one global ring)
+        nested: block k of g inside its I-block  (k = r's group; the triple has an I)
+
+Nesting is what lets a rank reach the G scope in two steps — reduce-scatter inside
+the group to its I-block, then across groups to its G-block — and lets every scope
+contain the finer ones: a rank's optimizer-state block always lies inside its
+gradient and parameter blocks.
 
 Exercised by: python -m pytest tests/test_sharding.py
 """
@@ -24,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpipar.comms.routes import block_offsets
 from mpipar.errors import ConfigError, unknown_name
 
 SCOPES = ("N", "I", "G")
@@ -51,6 +63,15 @@ class Sharding:
     @property
     def triple(self) -> tuple[str, str, str]:
         return (self.parameters, self.gradients, self.optimizer_state)
+
+    @property
+    def nested(self) -> bool:
+        """True when some state lives in the I scope: G blocks then nest inside I blocks."""
+        return "I" in self.triple
+
+    def __str__(self) -> str:
+        name = next((name for name, scheme in SCHEMES.items() if scheme == self), None)
+        return f"{name} ({','.join(self.triple)})" if name else ",".join(self.triple)
 
 
 SCHEMES = {
@@ -105,3 +126,30 @@ def bytes_per_rank(sharding: Sharding, parameter_count: float, world_size: int, 
     share = [sharing_ranks(scope, world_size, group_size) for scope in sharding.triple]
     return StateBytes(parameter_count * parameter_bytes / share[0], parameter_count * gradient_bytes / share[1],
                       parameter_count * state_bytes / share[2])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place: `world` of N ranks, `local` of M inside its group, `group` of g."""
+
+    sharding: Sharding
+    world_rank: int
+    world_size: int
+    local_rank: int
+    group_size: int
+    group_rank: int
+    groups: int
+
+    def block(self, scope: str, length: int) -> tuple[int, int]:
+        """[start, stop) of this rank's block of a unit of `length` elements, for `scope`."""
+        if scope == "N":
+            return 0, length
+        if scope == "I" or self.sharding.nested:
+            inner = block_offsets(length, self.group_size)
+            start, stop = int(inner[self.local_rank]), int(inner[self.local_rank + 1])
+            if scope == "I":
+                return start, stop
+            outer = block_offsets(stop - start, self.groups)
+            return start + int(outer[self.group_rank]), start + int(outer[self.group_rank + 1])
+        flat = block_offsets(length, self.world_size)
+        return int(flat[self.world_rank]), int(flat[self.world_rank + 1])

@@ -5,14 +5,15 @@ One step of `Trainer.train_step`, on every rank:
     global batch (same on every world size) -> this rank's slice -> M micro-batches
     for each micro-batch: forward (pebbles into the cache) -> loss scaled by mb/global
                           -> backward (pebbles out, gradients accumulate in the flat twin)
-    sum the flat gradient and the loss over ranks -> stop if the loss is not finite
-    -> optimizer step on the flat buffer
+    finish the gradient reductions -> sum the loss over ranks -> stop if it is not finite
+    -> optimizer step on this rank's shard, parameters published
 
 Because each micro-batch's loss is scaled by its share of the global batch, the
 summed gradient is the global batch's gradient whatever the split: 1 rank with 4
 micro-batches and 4 ranks with 1 each update the parameters identically (up to the
-order of floating-point additions). The real data-parallel engine replaces the
-plain sum in a later issue.
+order of floating-point additions). How gradients are summed and where parameters,
+gradients and optimizer state live is the data-parallel engine's business
+(data_parallel.py): the same loop runs DDP, ZeRO-3 or PaRO-IIG.
 
 Exercised by: mpipar train   (and python -m pytest tests/test_trainer.py)
 """
@@ -31,12 +32,12 @@ from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across
 from mpipar.comms.topology import make_world
 from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, eval_slice, load_dataset, rank_slice, split_micro_batches
-from mpipar.ddp import GradientSync
+from mpipar.data_parallel import DataParallel, unit_bytes_for
 from mpipar.errors import NonFiniteLossError
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.model import build_stages
 from mpipar.models import build_model
-from mpipar.optim import make_optimizer, make_schedule
+from mpipar.optim import make_schedule
 
 
 @dataclass
@@ -80,9 +81,6 @@ class Trainer:
                                  dropout=cfg.dropout, width=cfg.width, heads=cfg.heads, blocks=cfg.blocks)
         (self.stage,) = build_stages(self.model, 1, self.backend, cfg.seed)
         self.loss_fn = SoftmaxCrossEntropy()
-        self.optimizer = make_optimizer(cfg.optimizer, self.stage.flat.data, self.stage.flat.grad,
-                                        self.stage.flat.decay_mask, momentum=cfg.momentum,
-                                        weight_decay=cfg.weight_decay)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, cfg.seed)
         self.total_steps = self.sampler.steps_per_epoch * cfg.epochs
         if cfg.max_steps:
@@ -90,8 +88,9 @@ class Trainer:
         self.lr_at = make_schedule(cfg.schedule, cfg.lr, self.total_steps, warmup_steps=cfg.warmup_steps,
                                    step_size=cfg.step_size, gamma=cfg.gamma)
         self.cache = ActivationCache()
-        self.gradient_sync = GradientSync(self.counted, self.stage.flat, cfg.ddp, cfg.collective,
-                                          int(cfg.bucket_mb * 1e6))
+        self.engine = DataParallel(self.counted, self.stage, cfg.sharding(), optimizer=cfg.optimizer,
+                                   optimizer_options=dict(momentum=cfg.momentum, weight_decay=cfg.weight_decay),
+                                   collective=cfg.collective, unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb))
         # [loss sum, correct predictions, predictions] of a step, summed over ranks in one message
         self.step_totals = np.zeros(3, dtype=np.float64)
 
@@ -106,23 +105,24 @@ class Trainer:
         cfg = self.config
         local = rank_slice(self.sampler.global_batch_indices(epoch, step_in_epoch), self.rank, self.world_size)
         micro_size = len(local) // cfg.micro_batches
-        self.stage.flat.zero_grad()
+        self.engine.start_step()
         loss_sum, correct, predictions = 0.0, 0, 0
         for micro_batch, indices in enumerate(split_micro_batches(local, cfg.micro_batches)):
             inputs, targets = self._to_device(*self.train_set.batch(indices))
             first_position = self.rank * len(local) + micro_batch * micro_size
             ctx = self.cache.context(0, micro_batch, step=step, seed=cfg.seed,
                                      sample_ids=np.arange(first_position, first_position + micro_size))
-            logits = self.stage.forward(inputs, ctx)
+            logits = self.engine.forward(inputs, ctx)
             loss_sum += self.loss_fn.forward(logits, targets, ctx, cfg.batch_size)
-            after_layer = self.gradient_sync.hook(last_micro_batch=micro_batch == cfg.micro_batches - 1)
-            self.stage.backward(self.loss_fn.backward(ctx), ctx, after_layer)
+            self.engine.backward(self.loss_fn.backward(ctx), ctx, micro_batch,
+                                 last=micro_batch == cfg.micro_batches - 1)
             self.cache.release(0, micro_batch)
             correct += (logits.argmax(axis=-1) == targets).sum()
             predictions += targets.size
         self.step_totals[:] = (float(loss_sum), float(correct), predictions)
-        self.gradient_sync.finish()
-        sum_across_ranks(self.counted, self.step_totals)
+        self.engine.finish_gradients()
+        with self.counted.traffic.phase("metrics"):
+            sum_across_ranks(self.counted, self.step_totals)
         loss = float(self.step_totals[0])
         if not math.isfinite(loss):
             error = NonFiniteLossError(f"step {step} (epoch {epoch}): the training loss is {loss}; "
@@ -130,7 +130,7 @@ class Trainer:
             error.on_every_rank = True  # the loss was summed over all ranks: they all stop here
             raise error
         lr = self.lr_at(step)
-        self.optimizer.step(lr)
+        self.engine.step(lr)
         accuracy = float(self.step_totals[1] / self.step_totals[2])
         return StepResult(step, epoch, loss, accuracy, lr, time.perf_counter() - start)
 
@@ -142,11 +142,12 @@ class Trainer:
         for start in range(0, len(indices), self.config.eval_batch):
             inputs, targets = self._to_device(*self.test_set.batch(indices[start:start + self.config.eval_batch]))
             ctx = Context(cache=None, key=(0, -1), training=False)
-            logits = self.stage.forward(inputs, ctx)
+            logits = self.engine.forward(inputs, ctx, gather_phase="evaluate")
             totals[0] += float(self.loss_fn.forward(logits, targets, ctx, len(self.test_set)))
             totals[1] += float((logits.argmax(axis=-1) == targets).sum())
             totals[2] += targets.size
-        sum_across_ranks(self.counted, totals)
+        with self.counted.traffic.phase("evaluate"):
+            sum_across_ranks(self.counted, totals)
         return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)))
 
     def run(self, report=None) -> dict:
@@ -178,7 +179,7 @@ class Trainer:
                    "samples_per_s": step * cfg.batch_size / seconds if seconds else 0.0,
                    "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy,
                    "peak_activation_bytes": self.cache.peak_bytes,
-                   "parameter_count": self.stage.flat.size}
+                   "parameter_count": self.stage.flat.size, "memory": self.engine.ledger.report()}
         if report:
             report.done(summary, self)
         return summary

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mpipar.errors import ConfigError
-from mpipar.optim import make_optimizer, make_schedule
+from mpipar.optim import make_optimizer, make_schedule, state_kinds
 
 rng = np.random.default_rng(0)
 START = rng.standard_normal(20)
@@ -16,7 +16,9 @@ MASK = (np.arange(20) % 2).astype(np.float64)
 
 def run(name, **options):
     params, grad = START.copy(), np.zeros(20)
-    optimizer = make_optimizer(name, params, grad, MASK, **options)
+    # two pieces, as a rank's shard of two sharding units: the update must not care
+    optimizer = make_optimizer(name, [params[:7], params[7:]], [grad[:7], grad[7:]], [MASK[:7], MASK[7:]],
+                               **options)
     for step, g in enumerate(GRADS):
         grad[:] = g
         optimizer.step(0.1 / (step + 1))
@@ -62,10 +64,19 @@ def test_adam(name, wd):
 def test_float32_stays_float32():
     params, grad = START.astype(np.float32), GRADS[0].astype(np.float32)
     for name in ("sgd", "adam", "adamw"):
-        optimizer = make_optimizer(name, params, grad, MASK.astype(np.float32), weight_decay=0.1)
+        optimizer = make_optimizer(name, [params], [grad], [MASK.astype(np.float32)], weight_decay=0.1)
         optimizer.step(0.01)
-        state = [value for value in vars(optimizer).values() if isinstance(value, np.ndarray)]
+        state = [piece for buffer in optimizer._buffers for piece in buffer]
         assert params.dtype == np.float32 and all(array.dtype == np.float32 for array in state)
+
+
+@pytest.mark.parametrize("name,momentum,kinds", [("sgd", 0.0, 0), ("sgd", 0.9, 1), ("adam", 0.9, 2)])
+def test_state_bytes_count_the_state_buffers(name, momentum, kinds):
+    pieces = [np.zeros(5), np.zeros(15)]
+    optimizer = make_optimizer(name, pieces, [np.zeros(5), np.zeros(15)], [np.ones(5), np.ones(15)],
+                               momentum=momentum)
+    assert optimizer.state_bytes == kinds * 20 * 8 == state_kinds(name, momentum) * 20 * 8
+    assert optimizer.workspace_bytes == 20 * 8
 
 
 def test_schedules():
@@ -82,6 +93,6 @@ def test_schedules():
 
 def test_unknown_names_list_the_valid_ones():
     with pytest.raises(ConfigError, match="unknown optimizer 'lion'; valid optimizers are: adam, adamw, sgd"):
-        make_optimizer("lion", START.copy(), np.zeros(20), MASK)
+        make_optimizer("lion", [START.copy()], [np.zeros(20)], [MASK])
     with pytest.raises(ConfigError, match="valid schedules are: constant, cosine, step"):
         make_schedule("linear", 1.0, 10)

@@ -211,18 +211,24 @@ def _all_gather(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str) 
     if send.size != offsets[comm.rank + 1] - offsets[comm.rank]:
         raise ValueError(f"all-gather: rank {comm.rank} must give block {comm.rank} of {recv.size}, "
                          f"{offsets[comm.rank + 1] - offsets[comm.rank]} elements; it gave {send.size}")
+    blocks = _blocks(recv, comm.size)
+    in_place = np.shares_memory(send, recv)
+    if in_place and send.__array_interface__["data"][0] != blocks[comm.rank].__array_interface__["data"][0]:
+        raise ValueError(f"all-gather: a send buffer inside the output must be rank {comm.rank}'s own block of it")
     if algorithm == "mpi" and comm.size > 1:
         counts = np.diff(offsets).tolist()
-        return _library(comm, comm.mpi.Iallgatherv(send, [recv, (counts, offsets[:-1])]), send.nbytes)
-    blocks = _blocks(recv, comm.size)
-    blocks[comm.rank][...] = send
+        request = comm.mpi.Iallgatherv(MPI.IN_PLACE if in_place else send, [recv, (counts, offsets[:-1])])
+        return _library(comm, request, send.nbytes)
+    if not in_place:
+        blocks[comm.rank][...] = send
     if comm.size == 1:
         return iter(())
     return _gather(comm, all_gather_steps(algorithm, layout, comm.rank), blocks, _tag(comm))
 
 
 def iall_gather(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = "ring") -> Handle:
-    """Start recv <- the blocks `send` of all ranks, in rank order."""
+    """Start recv <- the blocks `send` of all ranks, in rank order. `send` may be this
+    rank's own block of `recv` (in place)."""
     return Handle(_all_gather(comm, send, recv, algorithm),
                   f"all-gather ({algorithm}, {recv.nbytes} bytes)", comm.rank)
 

@@ -48,7 +48,7 @@ def backward(after_layer=None):
     ctx = ActivationCache().context(0, 0)
     loss.forward(stage.forward(x, ctx), y, ctx, 512 * world.size)
     stage.flat.zero_grad()
-    stage.backward(loss.backward(ctx), ctx, after_layer)
+    stage.backward(loss.backward(ctx), ctx, after_layer=after_layer)
     return stage.flat.settle_grads()
 
 

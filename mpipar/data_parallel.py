@@ -1,0 +1,369 @@
+"""Data parallelism with state sharding: one flow for every (P, G, OS) triple.
+
+Every scheme — DDP, ZeRO-1/2/3, MiCS, PaRO-NIG/IIG/IGG or any valid triple (see
+sharding.py) — is this one flow, run per unit (a run of consecutive layers, see
+`make_units`):
+
+    forward, each unit      P not N: all-gather P to full (the next unit's is prefetched), free after
+    backward, each unit     the same gather; then this micro-batch's gradient goes to G's scope:
+                            N: stays in the local accumulator   I: reduce-scatter in the group
+                            G: reduce-scatter over all ranks (nested: in the group, then across groups)
+    last micro-batch        G's scope -> OS's scope, summed over all ranks: all-reduce (N->N,
+                            I->I across groups), reduce-scatter (N->G, I->G across groups, N->I)
+    update                  the optimizer steps this rank's OS block of every unit, then P is
+                            published back to P's scope by in-place all-gathers (G->I->N)
+
+Reductions are posted as soon as a unit's backward is done and advanced between
+layers (comms/chain.py), so they run under the backward of the layers below. With
+P and G replicated this is DDP; `--ddp` chooses how layers are packed into units:
+one unit (naive: one all-reduce after backward), one per layer (overlap) or units
+of about `--bucket-mb` (bucketed, the default).
+
+Every byte sent is counted per phase (forward-gather, backward-gather,
+backward-reduce, update-reduce, update-gather) and every buffer of model state is
+in the memory ledger (ledger.py).
+
+Exercised by: mpiexec -n 4 mpipar train --scheme paro-iig --group-size 2   (and tests/test_data_parallel.py)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpipar.backend import array_module, to_host
+from mpipar.comms.chain import Chain, ChainQueue
+from mpipar.comms.collectives import iall_gather, iall_reduce, ireduce_scatter
+from mpipar.comms.comm import Comm, ScratchPool
+from mpipar.comms.world import sum_across_ranks
+from mpipar.ledger import MemoryLedger
+from mpipar.model import Stage, leaf_layers
+from mpipar.optim import make_optimizer
+from mpipar.sharding import Layout, Sharding
+
+DDP_MODES = ("naive", "overlap", "bucketed")
+
+
+@dataclass
+class Unit:
+    """Layers stage.layers[first..last] (those with parameters at both ends), whose
+    parameters fill elements [start, stop) of the stage's flat buffer, and this rank's
+    blocks of it for each scope, relative to `start`."""
+
+    index: int
+    first: int
+    last: int
+    start: int
+    stop: int
+    blocks: dict[str, tuple[int, int]]
+    offsets: dict[str, int]  # where this unit's block starts in the rank's P and G storage
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def length(self, scope: str) -> int:
+        start, stop = self.blocks[scope]
+        return stop - start
+
+
+def unit_bytes_for(mode: str, bucket_mb: float) -> float:
+    """How large a unit grows before the next layer starts a new one."""
+    return {"naive": math.inf, "overlap": 0.0, "bucketed": bucket_mb * 1e6}[mode]
+
+
+def make_units(stage: Stage, unit_bytes: float) -> list[tuple[int, int, int, int]]:
+    """(first layer, last layer, start, stop) of each unit, in forward order. Layers are
+    packed from the last one backwards (the order gradients appear in) until a unit
+    holds at least `unit_bytes` of parameters."""
+    spans = []
+    for position, layer in enumerate(stage.layers):
+        names = {leaf.name for leaf in leaf_layers([layer])}
+        segments = [s for s in stage.flat.segments if s.layer in names]
+        if segments:
+            spans.append((position, segments[0].offset, segments[-1].offset + segments[-1].size))
+    itemsize = np.dtype(stage.flat.data.dtype).itemsize
+    units: list[list] = []
+    for position, start, stop in reversed(spans):
+        if units and (units[-1][3] - units[-1][2]) * itemsize < unit_bytes:
+            units[-1][0], units[-1][2] = position, start
+        else:
+            units.append([position, position, start, stop])
+    return [tuple(unit) for unit in reversed(units)]
+
+
+class DataParallel:
+    """One rank's part of data-parallel training of `stage` under `sharding`."""
+
+    def __init__(self, comm: Comm, stage: Stage, sharding: Sharding, *, optimizer: str, optimizer_options: dict,
+                 collective: str = "ring", unit_bytes: float = 25e6) -> None:
+        self.world, self.stage, self.sharding, self.collective = comm, stage, sharding, collective
+        self.flat = flat = stage.flat
+        if sharding.nested:
+            self.intra, self.inter = comm.hierarchy()
+        else:  # one global ring: groups only say which messages count as inter-group
+            self.intra = self.inter = None
+        self.layout = Layout(sharding, comm.rank, comm.size,
+                             self.intra.rank if self.intra else 0, self.intra.size if self.intra else 1,
+                             self.inter.rank if self.inter else 0, self.inter.size if self.inter else 1)
+        self.ledger, self.queue, self.pool = MemoryLedger(), ChainQueue(), ScratchPool()
+        self.traffic = comm.traffic
+        self.host = isinstance(flat.data, np.ndarray)  # False on a GPU: DDP naive only (config.py)
+        P, G, OS = sharding.triple
+        self.units, stored = [], {"P": 0, "G": 0}
+        for index, (first, last, start, stop) in enumerate(make_units(stage, unit_bytes)):
+            blocks = {scope: self.layout.block(scope, stop - start) for scope in "NIG"}
+            self.units.append(Unit(index, first, last, start, stop, blocks, dict(stored)))
+            stored["P"] += self.units[-1].length(P)
+            stored["G"] += self.units[-1].length(G)
+        self.by_first = {unit.first: unit for unit in self.units}
+        self.by_last = {unit.last: unit for unit in self.units}
+        self.position = {id(layer): index for index, layer in enumerate(stage.layers)}
+        self.p_store = self._shard_of(flat.data, P)
+        self.g_store = self._shard_of(flat.grad, G)
+        mask_store = self._shard_of(flat.decay_mask, OS)
+        flat.drop_full(params=P != "N", grads=G != "N")
+        flat.decay_mask = None  # the optimizer's pieces of it are all that is kept
+        self.optimizer = make_optimizer(optimizer, *self._optimizer_pieces(mask_store), **optimizer_options)
+        self.ledger.hold("parameters", self.p_store.nbytes)
+        self.ledger.hold("gradients", self.g_store.nbytes)
+        self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
+        self.gathered: dict[int, tuple] = {}  # unit index -> (full parameters, gather in flight)
+        self.micro_batch, self.last_micro_batch = 0, True
+
+    # -- storage -----------------------------------------------------------------
+    def _shard_of(self, full, scope: str):
+        """This rank's `scope` blocks of every unit of the full buffer, concatenated."""
+        if scope == "N":
+            return full
+        xp = array_module(full)
+        return xp.concatenate([full[u.start + u.blocks[scope][0]:u.start + u.blocks[scope][1]] for u in self.units])
+
+    def _slice(self, unit: Unit, store: str, inner: str) -> slice:
+        """Where `unit`'s `inner` block lies in the P or G storage (`store`), which holds
+        blocks of a scope at least as wide (nesting puts the inner block inside)."""
+        scope = self.sharding.parameters if store == "P" else self.sharding.gradients
+        base = unit.start if scope == "N" else unit.offsets[store]
+        outer_start = unit.blocks[scope][0]
+        start, stop = unit.blocks[inner]
+        return slice(base + start - outer_start, base + stop - outer_start)
+
+    def _optimizer_pieces(self, mask_store) -> tuple[list, list, list]:
+        """Parameters, gradients and decay masks of every unit's OS block, as views; units
+        whose blocks touch in all three are merged into one piece."""
+        OS = self.sharding.optimizer_state
+        merged: list[list[slice]] = []
+        mask_start = 0
+        for unit in self.units:
+            mask = slice(mask_start, mask_start + unit.length(OS))
+            mask_start = mask.stop
+            spans = [self._slice(unit, "P", OS), self._slice(unit, "G", OS), mask]
+            if merged and all(old.stop == new.start for old, new in zip(merged[-1], spans)):
+                merged[-1] = [slice(old.start, new.stop) for old, new in zip(merged[-1], spans)]
+            else:
+                merged.append(spans)
+        return ([self.p_store[p] for p, _, _ in merged], [self.g_store[g] for _, g, _ in merged],
+                [mask_store[m] for _, _, m in merged])
+
+    # -- one step ----------------------------------------------------------------
+    def start_step(self) -> None:
+        """Gradients start again from zero (lazily: each layer's first backward overwrites)."""
+        self.flat.zero_grad()
+
+    def forward(self, x, ctx, gather_phase: str = "forward-gather"):
+        """Forward of one micro-batch (or an evaluation batch, with its own `gather_phase`)."""
+        self.gather_phase = gather_phase
+        with self.ledger.phase("forward"):
+            return self.stage.forward(x, ctx, self._before_forward, self._after_forward)
+
+    def backward(self, dy, ctx, micro_batch: int, last: bool) -> None:
+        """Backward of one micro-batch; `last` marks the step's last one."""
+        self.micro_batch, self.last_micro_batch = micro_batch, last
+        with self.ledger.phase("backward"):
+            self.stage.backward(dy, ctx, self._before_backward, self._after_backward)
+
+    def finish_gradients(self) -> None:
+        """After the last backward: every reduction done, the OS blocks hold the summed gradient."""
+        with self.ledger.phase("backward"):
+            self.queue.drain()
+
+    def step(self, lr: float) -> None:
+        """Update this rank's OS blocks and publish the parameters to P's scope."""
+        with self.ledger.phase("update"):
+            self.optimizer.step(lr)
+            for unit in self.units:
+                self.queue.post(self._publish(unit))
+            self.queue.drain()
+
+    def poll(self) -> None:
+        """Let every communication in flight progress (called between layers)."""
+        for _, handle in self.gathered.values():
+            handle.test()
+        self.queue.poll()
+
+    # -- hooks around each layer -----------------------------------------------------
+    def _before_forward(self, layer) -> None:
+        unit = self.by_first.get(self.position[id(layer)])
+        if unit is not None and self.sharding.parameters != "N":
+            self._use_parameters(unit, self.gather_phase)
+            if unit.index + 1 < len(self.units):
+                self._start_gather(self.units[unit.index + 1], self.gather_phase)
+
+    def _after_forward(self, layer) -> None:
+        unit = self.by_last.get(self.position[id(layer)])
+        if unit is not None and self.sharding.parameters != "N":
+            self._drop_parameters(unit)
+        self.poll()
+
+    def _before_backward(self, layer) -> None:
+        unit = self.by_last.get(self.position[id(layer)])
+        if unit is None:
+            return
+        if self.sharding.parameters != "N":
+            self._use_parameters(unit, "backward-gather")
+            if unit.index > 0:
+                self._start_gather(self.units[unit.index - 1], "backward-gather")
+        if self.sharding.gradients != "N":  # this micro-batch's full gradient, reduced after the unit
+            grad = self.pool.take(unit.size, self.g_store.dtype)
+            self.ledger.hold("gradients", grad.nbytes)
+            self.flat.bind(unit.start, unit.stop, grad=grad)
+            self.unit_grad = grad
+
+    def _after_backward(self, layer) -> None:
+        unit = self.by_first.get(self.position[id(layer)])
+        if unit is not None:
+            if self.sharding.parameters != "N":
+                self._drop_parameters(unit)
+            if self.sharding.gradients != "N":
+                self._settle(unit, fresh_after=True)
+                self.flat.unbind(unit.start, unit.stop, params=False)
+                self.queue.post(self._reduce(unit, self.unit_grad, self.micro_batch, self.last_micro_batch))
+            elif self.last_micro_batch:
+                self._settle(unit, fresh_after=False)
+                self.queue.post(self._finish(unit))
+        self.poll()
+
+    def _settle(self, unit: Unit, fresh_after: bool) -> None:
+        """Zero the gradients of the unit's layers whose backward did not run (lazy zeroing,
+        model.py); with `fresh_after` the next micro-batch overwrites instead of adding."""
+        for position in range(unit.first, unit.last + 1):
+            for leaf in leaf_layers([self.stage.layers[position]]):
+                if leaf.fresh_grads:
+                    for grad in leaf.grads.values():
+                        grad.fill(0)
+                leaf.fresh_grads = fresh_after
+
+    # -- parameters: gather, use, drop ---------------------------------------------------
+    def _p_comm(self) -> Comm:
+        return self.intra if self.sharding.parameters == "I" else self.world
+
+    def _start_gather(self, unit: Unit, phase: str) -> None:
+        if unit.index in self.gathered:
+            return
+        full = self.pool.take(unit.size, self.p_store.dtype)
+        self.ledger.hold("parameters", full.nbytes)
+        mine = self.p_store[self._slice(unit, "P", self.sharding.parameters)]
+        self.gathered[unit.index] = (full, self._start(phase, iall_gather, self._p_comm(), mine, full))
+
+    def _use_parameters(self, unit: Unit, phase: str) -> None:
+        self._start_gather(unit, phase)
+        full, handle = self.gathered[unit.index]
+        handle.wait()
+        self.flat.bind(unit.start, unit.stop, data=full)
+
+    def _drop_parameters(self, unit: Unit) -> None:
+        full, _ = self.gathered.pop(unit.index)
+        self.flat.unbind(unit.start, unit.stop, grads=False)
+        self.ledger.free("parameters", full.nbytes)
+        self.pool.give(full)
+
+    def _start(self, phase: str, operation, comm: Comm, *buffers):
+        """Start a non-blocking collective whose bytes count under `phase`."""
+        with self.traffic.phase(phase):
+            return operation(comm, *buffers, self.collective)
+
+    # -- gradients: to G's scope after each micro-batch, to OS's scope after the last ------
+    def _take(self, kind: str, size: int, dtype):
+        buffer = self.pool.take(size, dtype)
+        self.ledger.hold(kind, buffer.nbytes)
+        return buffer
+
+    def _give(self, kind: str, buffer) -> None:
+        self.ledger.free(kind, buffer.nbytes)
+        self.pool.give(buffer)
+
+    def _reduce(self, unit: Unit, grad, micro_batch: int, last: bool) -> Chain:
+        """This micro-batch's full gradient of `unit` to G's scope, added into the accumulator."""
+        G = self.sharding.gradients
+        block = self._take("gradients", unit.length(G), grad.dtype)
+        if G == "G" and self.sharding.nested:  # in the group, then across groups
+            middle = self._take("gradients", unit.length("I"), grad.dtype)
+            yield self._start("backward-reduce", ireduce_scatter, self.intra, grad, middle)
+            self._give("gradients", grad)
+            yield self._start("backward-reduce", ireduce_scatter, self.inter, middle, block)
+            self._give("gradients", middle)
+        else:
+            yield self._start("backward-reduce", ireduce_scatter, self.intra if G == "I" else self.world, grad, block)
+            self._give("gradients", grad)
+        accumulator = self.g_store[self._slice(unit, "G", G)]
+        if micro_batch == 0:
+            accumulator[...] = block
+        else:
+            accumulator += block
+        self._give("gradients", block)
+        if last:
+            yield from self._finish(unit)
+
+    def _finish(self, unit: Unit) -> Chain:
+        """Bring `unit`'s accumulated gradient from G's scope to OS's, summed over all ranks."""
+        G, OS = self.sharding.gradients, self.sharding.optimizer_state
+        if G == OS == "G":
+            return
+        held = self.g_store[self._slice(unit, "G", G)]
+        if G == OS:  # replicated over the world (N) or over the groups (I): all-reduce in place
+            if not self.host:  # a GPU's gradient goes through host memory (DDP naive only)
+                sum_across_ranks(self.world, held, self.collective)
+                return
+            yield self._start("update-reduce", iall_reduce, self.world if G == "N" else self.inter, held)
+            return
+        # G wider than OS: reduce-scatter (N->G over the world, N->I in the group, I->G across
+        # groups) into a temporary, then into OS's block of the accumulator
+        comm, scope = {("N", "G"): (self.world, "G"), ("N", "I"): (self.intra, "I"),
+                       ("I", "G"): (self.inter, "G")}[(G, OS)]
+        block = self._take("gradients", unit.length(scope), held.dtype)
+        yield self._start("update-reduce", ireduce_scatter, comm, held, block)
+        self.g_store[self._slice(unit, "G", scope)] = block
+        self._give("gradients", block)
+        if (G, OS) == ("N", "I"):  # summed in the group so far: now across groups
+            yield self._start("update-reduce", iall_reduce, self.inter, self.g_store[self._slice(unit, "G", "I")])
+
+    # -- parameters: published from OS's scope back to P's -------------------------------
+    def _publish(self, unit: Unit) -> Chain:
+        P, OS = self.sharding.parameters, self.sharding.optimizer_state
+        if P == OS:
+            return
+        if not self.sharding.nested:  # ZeRO-1/2: one global all-gather, in place
+            full = self.p_store[self._slice(unit, "P", "N")]
+            yield self._start("update-gather", iall_gather, self.world, self.p_store[self._slice(unit, "P", "G")],
+                              full)
+            return
+        if OS == "G":  # across groups, into my I-block
+            yield self._start("update-gather", iall_gather, self.inter, self.p_store[self._slice(unit, "P", "G")],
+                              self.p_store[self._slice(unit, "P", "I")])
+        if P == "N":  # in the group, into the full unit
+            yield self._start("update-gather", iall_gather, self.intra, self.p_store[self._slice(unit, "P", "I")],
+                              self.p_store[self._slice(unit, "P", "N")])
+
+    def full_parameters(self) -> np.ndarray:
+        """The whole model's parameters, on every rank (collective: for checks and checkpoints)."""
+        P = self.sharding.parameters
+        if P == "N":
+            return to_host(self.p_store).copy()
+        full = np.empty(self.units[-1].stop, dtype=self.p_store.dtype)
+        with self.traffic.phase("inspect"):
+            for unit in self.units:
+                iall_gather(self._p_comm(), self.p_store[self._slice(unit, "P", P)], full[unit.start:unit.stop],
+                            self.collective).wait()
+        return full

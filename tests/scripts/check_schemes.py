@@ -1,0 +1,86 @@
+"""The master test: every sharding scheme on this world size equals one process in float64.
+
+Run by tests/test_data_parallel.py as `mpiexec -n N python check_schemes.py`. For
+every named scheme and the other valid triples, every group size 1, 2, 4 that
+divides N, 1 and 3 micro-batches, SGD with momentum and Adam: 3 float64 steps of
+`mpipar train` on N ranks must leave the parameters equal (rtol 1e-10) to plain
+training of the same global batches in one process — a loop written out below that
+uses no part of the data-parallel engine. Collectives and unit sizes rotate over the
+cases so that every algorithm and both one-unit and per-layer units are exercised.
+Rank 0 prints every failure and the number of cases; exit status 1 on any failure.
+"""
+
+import itertools
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import deadline
+from mpipar.backend import make_backend
+from mpipar.cache import ActivationCache
+from mpipar.config import TrainConfig
+from mpipar.data import GlobalBatchSampler, load_dataset
+from mpipar.layers import SoftmaxCrossEntropy
+from mpipar.model import build_stages
+from mpipar.models import build_model
+from mpipar.optim import make_optimizer
+from mpipar.sharding import SCHEMES
+from mpipar.trainer import Trainer
+
+deadline.arm(400)
+world = MPI.COMM_WORLD
+TRIPLES = [*SCHEMES, "N,N,I", "N,I,I"]
+OPTIMIZERS = {"sgd": dict(optimizer="sgd", momentum=0.9, weight_decay=1e-3), "adam": dict(optimizer="adam")}
+COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=24 * world.size, hidden=(32, 32), dropout=0.1,
+              lr=0.05, log_every=1000)
+
+
+def one_process(options: dict) -> np.ndarray:
+    """Three steps of plain training on the whole global batch: forward, backward, update."""
+    config = TrainConfig(**COMMON, **options)
+    backend = make_backend("cpu", "float64")
+    train_set, _ = load_dataset(config.dataset)
+    model = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
+                        hidden=config.hidden, dropout=config.dropout)
+    (stage,) = build_stages(model, 1, backend, config.seed)
+    flat, loss_fn, cache = stage.flat, SoftmaxCrossEntropy(), ActivationCache()
+    optimizer = make_optimizer(config.optimizer, [flat.data], [flat.grad], [flat.decay_mask],
+                               momentum=config.momentum, weight_decay=config.weight_decay)
+    sampler = GlobalBatchSampler(len(train_set), config.batch_size, config.seed)
+    for step in range(config.max_steps):
+        inputs, targets = train_set.batch(sampler.global_batch_indices(0, step))
+        ctx = cache.context(0, 0, step=step, seed=config.seed, sample_ids=np.arange(config.batch_size))
+        loss_fn.forward(stage.forward(inputs, ctx), targets, ctx, config.batch_size)
+        flat.grad[:] = 0.0
+        flat.zero_grad()
+        stage.backward(loss_fn.backward(ctx), ctx)
+        flat.settle_grads()
+        cache.release(0, 0)
+        optimizer.step(config.lr)
+    return flat.data.copy()
+
+
+references = {name: one_process(options) for name, options in OPTIMIZERS.items()}
+failures, cases = [], 0
+group_sizes = [m for m in (1, 2, 4) if world.size % m == 0]
+for index, (triple, group_size, micro_batches, optimizer) in enumerate(
+        itertools.product(TRIPLES, group_sizes, (1, 3), OPTIMIZERS)):
+    collective = ("ring", "mpi", "hring", "horing")[index % 4]
+    mode = ("overlap", "naive", "bucketed")[index % 3]
+    shape = dict(scheme=triple) if triple in SCHEMES else dict(shard=triple)
+    trainer = Trainer(TrainConfig(**COMMON, **OPTIMIZERS[optimizer], **shape, group_size=group_size,
+                                  micro_batches=micro_batches, collective=collective, ddp=mode, bucket_mb=0.002))
+    trainer.run()
+    got = trainer.engine.full_parameters()
+    cases += 1
+    if not np.allclose(got, references[optimizer], rtol=1e-10, atol=0):
+        worst = np.abs(got - references[optimizer]).max()
+        failures.append(f"rank {world.rank}: {triple} M={group_size} micro-batches {micro_batches} {optimizer} "
+                        f"{collective} {mode}: differs from one process by up to {worst:.3g}")
+everything = world.gather(failures, root=0)
+deadline.disarm()
+if world.rank == 0:
+    flat = [f for part in everything for f in part]
+    print("\n".join(flat) if flat else f"all {cases} scheme cases equal one process on {world.size} rank(s)")
+    sys.exit(1 if flat else 0)

@@ -1,0 +1,56 @@
+"""The data-parallel engine: every scheme equals one process (the master test), units, the ledger."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import SCRIPTS, run_mpi, small_config
+from mpipar.backend import make_backend
+from mpipar.data_parallel import make_units, unit_bytes_for
+from mpipar.model import build_stages
+from mpipar.models import build_model
+from mpipar.trainer import Trainer
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def test_every_scheme_equals_one_process(ranks):
+    result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_schemes.py"), timeout=450)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"scheme cases equal one process on {ranks} rank(s)" in result.stdout
+
+
+def mlp_stage(hidden=(32, 32)):
+    model = build_model("mlp", input_shape=(64,), num_classes=10, hidden=hidden)
+    (stage,) = build_stages(model, 1, make_backend("cpu", "float64"), seed=0)
+    return stage
+
+
+def test_units_pack_layers_from_the_last_one():
+    stage = mlp_stage()
+    linear_positions = [i for i, layer in enumerate(stage.layers) if layer.param_specs()]
+    per_layer = make_units(stage, unit_bytes_for("overlap", 25))
+    assert [(first, last) for first, last, _, _ in per_layer] == [(p, p) for p in linear_positions]
+    assert make_units(stage, unit_bytes_for("naive", 25)) == [(linear_positions[0], linear_positions[-1], 0,
+                                                               stage.flat.size)]
+    # units close at 33 * 32 * 8 bytes: the last two layers (330 + 1056 float64 elements) share one
+    last_two = make_units(stage, 33 * 32 * 8)
+    assert [(first, last) for first, last, _, _ in last_two] == [(linear_positions[0], linear_positions[0]),
+                                                                 (linear_positions[1], linear_positions[2])]
+    # together the units cover the flat buffer exactly, in order
+    edges = [(start, stop) for _, _, start, stop in per_layer]
+    assert edges[0][0] == 0 and edges[-1][1] == stage.flat.size
+    assert all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
+
+
+@pytest.mark.parametrize("scheme", ["ddp", "zero1", "zero3", "paro-iig"])
+def test_one_rank_ledger_holds_the_whole_model(scheme):
+    trainer = Trainer(small_config(scheme=scheme, optimizer="adam", group_size=1, ddp="overlap"))
+    trainer.run()
+    size, itemsize = trainer.stage.flat.size, 8
+    assert trainer.engine.ledger.steady() == {"parameters": size * itemsize, "gradients": size * itemsize,
+                                              "optimizer_state": 2 * size * itemsize}
+    peaks = trainer.engine.ledger.report()["peak"]
+    if scheme in ("zero3", "paro-iig"):  # gathered copies of a unit exist only while it is computed
+        assert peaks["forward"]["parameters"] > size * itemsize
+    assert np.isfinite(trainer.engine.full_parameters()).all()
