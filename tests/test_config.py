@@ -53,6 +53,13 @@ def test_missing_file():
     (dict(momentum=1.0), r"--momentum must be in \[0, 1\)"),
     (dict(gamma=0.0), "--gamma must be positive"),
     (dict(seed=-3), "--seed must not be negative"),
+    (dict(scheme="zero4"), "unknown scheme 'zero4'; valid schemes are: ddp, mics, paro-igg, paro-iig"),
+    (dict(shard="G,N,N"), "sharding G,N,N cannot work: each of P, G, OS must be sharded at least as finely"),
+    (dict(shard="zero3"), "--shard takes three letters P,G,OS"),
+    (dict(scheme="zero3", shard="G,G,G"), "give --scheme or --shard, not both"),
+    (dict(scheme="zero3", collective="2d"), "--collective 2d is an all-reduce only"),
+    (dict(device="gpu", scheme="zero2", ddp="naive"), "on a GPU use --scheme ddp --ddp naive"),
+    (dict(device="gpu"), "on a GPU use --scheme ddp --ddp naive"),
 ])
 def test_validation_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -63,3 +70,9 @@ def test_batch_must_split_over_ranks():
     TrainConfig(batch_size=64).validate(world_size=4)
     with pytest.raises(ConfigError, match="= 3 x 1 = 3"):
         TrainConfig(batch_size=64).validate(world_size=3)
+
+
+def test_scheme_and_shard_name_the_scopes():
+    assert TrainConfig().sharding().triple == ("N", "N", "N")
+    assert TrainConfig(scheme="paro-iig").sharding().triple == ("I", "I", "G")
+    assert TrainConfig(shard="n,i,g").sharding().triple == ("N", "I", "G")

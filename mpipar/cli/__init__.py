@@ -1,4 +1,4 @@
-"""The `mpipar` command: train, info, data, bench, simulate. Also what happens when something fails.
+"""The `mpipar` command: train, info, data, bench, simulate, estimate. Also what happens when something fails.
 
 A user-facing error (bad configuration, missing data, a NaN loss) is one sentence
 on stderr and exit status 2. When every rank is known to have hit the same error
@@ -19,6 +19,7 @@ import click
 
 from mpipar.cli.bench import bench
 from mpipar.cli.data import data
+from mpipar.cli.estimate import estimate
 from mpipar.cli.info import info
 from mpipar.cli.simulate import simulate
 from mpipar.cli.train import train
@@ -36,6 +37,7 @@ cli.add_command(info)
 cli.add_command(data)
 cli.add_command(bench)
 cli.add_command(simulate)
+cli.add_command(estimate)
 
 
 def _world_size() -> int:

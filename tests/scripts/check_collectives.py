@@ -134,6 +134,27 @@ for algorithm in C.ALGORITHMS[1:]:
         expect((counts.intra_bytes, counts.inter_bytes) == expected,
                f"all-reduce {algorithm}: counted {(counts.intra_bytes, counts.inter_bytes)}, expected {expected}")
 
+# An all-gather in place: the send buffer is this rank's own block of the output
+# (how the data-parallel engine publishes updated parameters). A send buffer inside
+# the output but elsewhere is refused before anything is sent.
+comm = Comm(world, tuple(r // max(1, N // 2) for r in range(N)))
+for algorithm in C.ALGORITHMS[:-1]:
+    length = 1000 * N + 3
+    offsets = block_offsets(length, N)
+    expected = np.empty(length)
+    C.all_gather(comm, data(length, 11)[offsets[rank]:offsets[rank + 1]], expected, "mpi")
+    buf = np.full(length, -1.0)
+    buf[offsets[rank]:offsets[rank + 1]] = data(length, 11)[offsets[rank]:offsets[rank + 1]]
+    C.all_gather(comm, buf[offsets[rank]:offsets[rank + 1]], buf, algorithm)
+    expect(np.array_equal(buf, expected), f"in-place all-gather {algorithm} differs from mpi")
+    if N > 1:
+        shifted = offsets[rank] + 1 if offsets[rank + 1] < length else offsets[rank] - 1  # overlaps, is not it
+        try:
+            C.all_gather(comm, buf[shifted:shifted + offsets[rank + 1] - offsets[rank]], buf, algorithm)
+            expect(False, f"all-gather {algorithm} accepted another rank's block as its send buffer")
+        except ValueError as error:
+            expect("own block" in str(error), f"unexpected error: {error}")
+
 # A subset communicator: the odd ranks alone.
 odd = Comm(world, tuple(r // 2 for r in range(N))).subset([r for r in range(N) if r % 2 == 1])
 if odd is not None:
