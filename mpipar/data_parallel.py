@@ -39,7 +39,7 @@ from mpipar.comms.collectives import iall_gather, iall_reduce, ireduce_scatter
 from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.world import sum_across_ranks
 from mpipar.ledger import MemoryLedger
-from mpipar.model import Stage, leaf_layers
+from mpipar.model import LayerHook, Stage, leaf_layers
 from mpipar.optim import make_optimizer
 from mpipar.sharding import Layout, Sharding
 
@@ -131,7 +131,7 @@ class DataParallel:
         self.ledger.hold("gradients", self.g_store.nbytes)
         self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
         self.gathered: dict[int, tuple] = {}  # unit index -> (full parameters, gather in flight)
-        self.micro_batch, self.last_micro_batch = 0, True
+        self.micro_batch, self.last_micro_batch, self.reductions_posted = 0, True, 0
 
     # -- storage -----------------------------------------------------------------
     def _shard_of(self, full, scope: str):
@@ -171,6 +171,12 @@ class DataParallel:
     def start_step(self) -> None:
         """Gradients start again from zero (lazily: each layer's first backward overwrites)."""
         self.flat.zero_grad()
+        self.reductions_posted = 0
+
+    @property
+    def reductions_done(self) -> int:
+        """Gradient reductions of this step that have completed so far."""
+        return self.reductions_posted - len(self.queue)
 
     def forward(self, x, ctx, gather_phase: str = "forward-gather"):
         """Forward of one micro-batch (or an evaluation batch, with its own `gather_phase`)."""
@@ -178,11 +184,14 @@ class DataParallel:
         with self.ledger.phase("forward"):
             return self.stage.forward(x, ctx, self._before_forward, self._after_forward)
 
-    def backward(self, dy, ctx, micro_batch: int, last: bool) -> None:
-        """Backward of one micro-batch; `last` marks the step's last one."""
+    def backward(self, dy, ctx, micro_batch: int, last: bool, observe: LayerHook | None = None) -> None:
+        """Backward of one micro-batch; `last` marks the step's last one. `observe(layer)`,
+        if given, runs after each layer once the engine has posted and polled (timelines, tests)."""
         self.micro_batch, self.last_micro_batch = micro_batch, last
+        after = self._after_backward if observe is None else lambda layer: (self._after_backward(layer),
+                                                                            observe(layer))
         with self.ledger.phase("backward"):
-            self.stage.backward(dy, ctx, self._before_backward, self._after_backward)
+            self.stage.backward(dy, ctx, self._before_backward, after)
 
     def finish_gradients(self) -> None:
         """After the last backward: every reduction done, the OS blocks hold the summed gradient."""
@@ -240,9 +249,11 @@ class DataParallel:
                 self._settle(unit, fresh_after=True)
                 self.flat.unbind(unit.start, unit.stop, params=False)
                 self.queue.post(self._reduce(unit, self.unit_grad, self.micro_batch, self.last_micro_batch))
+                self.reductions_posted += 1
             elif self.last_micro_batch:
                 self._settle(unit, fresh_after=False)
                 self.queue.post(self._finish(unit))
+                self.reductions_posted += 1
         self.poll()
 
     def _settle(self, unit: Unit, fresh_after: bool) -> None:

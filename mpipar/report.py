@@ -52,7 +52,8 @@ class Report:
     def start(self, trainer: Trainer) -> None:
         cfg = trainer.config
         print(f"mpipar: {cfg.model} on {cfg.dataset} ({len(trainer.train_set)} train / {len(trainer.test_set)} test), "
-              f"{trainer.stage.flat.size:,} parameters, {trainer.world_size} rank(s), {cfg.device} {cfg.dtype}, "
+              f"{trainer.stage.flat.size:,} parameters, {trainer.world_size} rank(s), scheme {trainer.engine.sharding}, "
+              f"{cfg.device} {cfg.dtype}, "
               f"global batch {cfg.batch_size} in {cfg.micro_batches} micro-batch(es) per rank, "
               f"{trainer.total_steps} steps", file=self.stream, flush=True)
 
@@ -91,5 +92,11 @@ class Report:
               f"({summary['samples_per_s']:.0f} samples/s), test accuracy {summary['test_accuracy']:.2%}, "
               f"peak activation memory {human_bytes(summary['peak_activation_bytes'])}",
               file=self.stream, flush=True)
+        memory = summary["memory"]
+        held = memory["steady"]
+        phase, peak = max(((name, peaks["total"]) for name, peaks in memory["peak"].items()), key=lambda p: p[1])
+        print(f"model state on rank 0: parameters {human_bytes(held['parameters'])}, gradients "
+              f"{human_bytes(held['gradients'])}, optimizer state {human_bytes(held['optimizer_state'])}; "
+              f"at most {human_bytes(peak)} ({phase})", file=self.stream, flush=True)
         if self.metrics:
             self.metrics.close()

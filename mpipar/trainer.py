@@ -179,7 +179,10 @@ class Trainer:
                    "samples_per_s": step * cfg.batch_size / seconds if seconds else 0.0,
                    "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy,
                    "peak_activation_bytes": self.cache.peak_bytes,
-                   "parameter_count": self.stage.flat.size, "memory": self.engine.ledger.report()}
+                   "parameter_count": self.stage.flat.size, "memory": self.engine.ledger.report(),
+                   "sent_bytes": {phase: {"intra": counts.intra_bytes, "inter": counts.inter_bytes,
+                                          "library": counts.library_bytes}
+                                  for phase, counts in self.counted.traffic.by_phase.items()}}
         if report:
             report.done(summary, self)
         return summary

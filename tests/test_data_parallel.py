@@ -78,3 +78,11 @@ def test_one_rank_ledger_holds_the_whole_model(scheme):
     if scheme in ("zero3", "paro-iig"):  # gathered copies of a unit exist only while it is computed
         assert peaks["forward"]["parameters"] > size * itemsize
     assert np.isfinite(trainer.engine.full_parameters()).all()
+
+
+@pytest.mark.parametrize("scheme", ["ddp", "zero2", "zero3", "paro-igg"])
+def test_reductions_complete_during_backward(scheme):
+    # two ranks, one per core: with more ranks than cores a rank can sleep through a backward
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "check_overlap.py"), scheme, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": overlapped" in result.stdout

@@ -8,7 +8,7 @@
     routes.py       ring, H-Ring and HO-Ring schedules of blocks
     collectives.py  all-reduce, reduce-scatter, all-gather, reduce, broadcast
     handle.py       non-blocking operations advanced by polling
-    buckets.py      bucketed gradient reduction overlapped with backward
+    chain.py        chains of collectives run in the background, started in the same order everywhere
     cost.py         the alpha-beta cost model, run on the same schedules
     bench.py        timing every collective algorithm (mpipar bench comms)
 """

@@ -1,0 +1,102 @@
+"""What data parallelism costs on 2 ranks: every scheme against no synchronisation at all.
+
+Run on 2 ranks (one BLAS thread each, which mpipar sets by itself under mpiexec):
+
+    mpiexec -n 2 python benchmarks/data_parallel.py [--steps 20] [--rounds 7] [--collective mpi] [--json FILE]
+
+MLP 784-512-512-10, float32, global batch 256 on the synthetic set, SGD momentum,
+units of --bucket-mb (default 25 MB: the whole 2.7 MB model is one unit). Contenders,
+in alternating timed rounds inside one job so that machine noise hits them all:
+
+    no-sync      each rank trains its own 128 samples on MPI.COMM_SELF: the same
+                 computation per rank and no communication — the ceiling
+    ddp-naive    DDP, one all-reduce of the whole gradient after backward
+    ddp          DDP with units posted during backward (the default)
+    zero1 ... paro-igg   the sharded schemes, --group-size 1 (each rank its own group;
+                 on 2 ranks an I scope is then a replica, see docs/sharding.md)
+
+Rank 0 prints samples/s (global batch per second), the ratio to no-sync, the model
+state each rank holds (ledger) beside seed 004's Table 1, and the peak during a step.
+Targets: ddp >= 85% of no-sync, zero3 >= 60%.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+from mpi4py import MPI
+
+from mpipar.config import TrainConfig
+from mpipar.optim import state_kinds
+from mpipar.sharding import SCHEMES, bytes_per_rank
+from mpipar.trainer import Trainer
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--rounds", type=int, default=7)
+parser.add_argument("--collective", default="mpi")
+parser.add_argument("--bucket-mb", type=float, default=25.0)
+parser.add_argument("--group-size", type=int, default=1)
+parser.add_argument("--json", default=None, help="also write the figures to this file")
+args = parser.parse_args()
+world = MPI.COMM_WORLD
+common = dict(model="mlp", hidden=(512, 512), dataset="synthetic", optimizer="sgd", momentum=0.9, lr=0.01,
+              dtype="float32", epochs=100, collective=args.collective, bucket_mb=args.bucket_mb)
+contenders = {"no-sync": Trainer(TrainConfig(batch_size=256 // world.size, **common), comm=MPI.COMM_SELF),
+              "ddp-naive": Trainer(TrainConfig(batch_size=256, ddp="naive", **common))}
+for name in SCHEMES:
+    contenders[name] = Trainer(TrainConfig(batch_size=256, scheme=name, group_size=args.group_size, **common))
+steps_done = dict.fromkeys(contenders, 0)
+
+
+def run(name: str, steps: int) -> float:
+    trainer = contenders[name]
+    world.Barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step = steps_done[name]
+        trainer.train_step(step, 0, step % trainer.sampler.steps_per_epoch)
+        steps_done[name] += 1
+    elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    return steps * 256 / elapsed
+
+
+for name in contenders:  # warm-up
+    run(name, 5)
+rates = {name: [] for name in contenders}
+for round_index in range(args.rounds):
+    order = list(contenders) if round_index % 2 == 0 else list(reversed(contenders))
+    for name in order:
+        rates[name].append(run(name, args.steps))
+if world.rank == 0:
+    ceiling = statistics.median(rates["no-sync"])
+    psi = contenders["ddp"].stage.flat.size
+    k = 4 * state_kinds("sgd", 0.9)
+    print(f"{world.size} ranks, MLP 784-512-512-10 float32 ({psi:,} parameters), global batch 256, "
+          f"collective {args.collective}, units of {args.bucket_mb} MB, group size {args.group_size}; "
+          f"median of {args.rounds} rounds of {args.steps} steps")
+    print(f"  {'scheme':<10}{'samples/s':>10}{'of no-sync':>12}   {'P / G / OS held, KiB':<26}"
+          f"{'Table 1, KiB':<22}{'peak, KiB':>10}")
+    figures = {}
+    for name, values in rates.items():
+        median = statistics.median(values)
+        line = f"  {name:<10}{median:10.0f}{median / ceiling:12.1%}"
+        figures[name] = {"samples_per_s": median, "of_no_sync": median / ceiling, "rounds": values}
+        if name in SCHEMES:
+            ledger = contenders[name].engine.ledger
+            held = ledger.steady()
+            table = bytes_per_rank(SCHEMES[name], psi, world.size, args.group_size, parameter_bytes=4,
+                                   gradient_bytes=4, state_bytes=k)
+            peak = max(peaks["total"] for peaks in ledger.report()["peak"].values())
+            line += (f"   {' / '.join(f'{v / 1024:.0f}' for v in held.values()):<26}"
+                     f"{' / '.join(f'{v / 1024:.0f}' for v in (table.parameters, table.gradients, table.optimizer_state)):<22}"
+                     f"{peak / 1024:10.0f}")
+            figures[name].update(held=held, peak=peak, table_1=vars(table))
+        print(line)
+    for name, target in (("ddp", 0.85), ("zero3", 0.60)):
+        ratio = figures[name]["of_no_sync"]
+        print(f"{'PASS' if ratio >= target else 'FAIL'}: {name} reaches {ratio:.1%} of no-sync (target >= {target:.0%})")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(figures, out, indent=1)
