@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Every sharding scheme on the same run: by default the Fashion-MNIST CNN of
+# fashion_cnn.toml on 4 ranks in 2 groups of 2. Extra arguments go to every run.
+#   bash examples/every_scheme.sh --epochs 1 --micro-batches 2
+#   RANKS=8 GROUP_SIZE=4 bash examples/every_scheme.sh --config examples/digits_mlp.toml
+set -euo pipefail
+ranks=${RANKS:-4}
+group_size=${GROUP_SIZE:-2}
+here=$(dirname "$0")
+for scheme in ddp zero1 zero2 zero3 mics paro-nig paro-iig paro-igg; do
+    echo "== mpiexec -n $ranks mpipar train --scheme $scheme --group-size $group_size $*"
+    mpiexec -n "$ranks" mpipar train --config "$here/fashion_cnn.toml" --scheme "$scheme" \
+        --group-size "$group_size" "$@" | grep -E "^(done|model state)"
+done
