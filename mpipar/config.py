@@ -22,11 +22,10 @@ from pathlib import Path
 from mpipar.backend import DEVICES, DTYPES
 from mpipar.comms.collectives import ALGORITHMS
 from mpipar.data import DATASETS
-from mpipar.data_parallel import DDP_MODES
 from mpipar.errors import ConfigError, unknown_name
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, SCHEDULES
-from mpipar.sharding import SCHEMES, Sharding, parse_sharding
+from mpipar.sharding import DDP_MODES, SCHEMES, Sharding, parse_sharding
 
 try:
     import tomllib

@@ -2,7 +2,7 @@
 
 Every scheme — DDP, ZeRO-1/2/3, MiCS, PaRO-NIG/IIG/IGG or any valid triple (see
 sharding.py) — is this one flow, run per unit (a run of consecutive layers, see
-`make_units`):
+sharding.make_units):
 
     forward, each unit      P not N: all-gather P to full (the next unit's is prefetched), free after
     backward, each unit     the same gather; then this micro-batch's gradient goes to G's scope:
@@ -28,9 +28,6 @@ Exercised by: mpiexec -n 4 mpipar train --scheme paro-iig --group-size 2   (and 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
 
 from mpipar.backend import array_module, to_host
@@ -41,58 +38,7 @@ from mpipar.comms.world import sum_across_ranks
 from mpipar.ledger import MemoryLedger
 from mpipar.model import LayerHook, Stage, leaf_layers
 from mpipar.optim import make_optimizer
-from mpipar.sharding import Layout, Sharding
-
-DDP_MODES = ("naive", "overlap", "bucketed")
-
-
-@dataclass
-class Unit:
-    """Layers stage.layers[first..last] (those with parameters at both ends), whose
-    parameters fill elements [start, stop) of the stage's flat buffer, and this rank's
-    blocks of it for each scope, relative to `start`."""
-
-    index: int
-    first: int
-    last: int
-    start: int
-    stop: int
-    blocks: dict[str, tuple[int, int]]
-    offsets: dict[str, int]  # where this unit's block starts in the rank's P and G storage
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-    def length(self, scope: str) -> int:
-        start, stop = self.blocks[scope]
-        return stop - start
-
-
-def unit_bytes_for(mode: str, bucket_mb: float) -> float:
-    """How large a unit grows before the next layer starts a new one."""
-    return {"naive": math.inf, "overlap": 0.0, "bucketed": bucket_mb * 1e6}[mode]
-
-
-def make_units(stage: Stage, unit_bytes: float) -> list[tuple[int, int, int, int]]:
-    """(first layer, last layer, start, stop) of each unit, in forward order. Layers are
-    packed from the last one backwards (the order gradients appear in) until a unit
-    holds at least `unit_bytes` of parameters."""
-    spans = []
-    for position, layer in enumerate(stage.layers):
-        names = {leaf.name for leaf in leaf_layers([layer])}
-        segments = [s for s in stage.flat.segments if s.layer in names]
-        if segments:
-            spans.append((position, segments[0].offset, segments[-1].offset + segments[-1].size))
-    itemsize = np.dtype(stage.flat.data.dtype).itemsize
-    units: list[list] = []
-    for position, start, stop in reversed(spans):
-        if units and (units[-1][3] - units[-1][2]) * itemsize < unit_bytes:
-            units[-1][0], units[-1][2] = position, start
-        else:
-            units.append([position, position, start, stop])
-    return [tuple(unit) for unit in reversed(units)]
-
+from mpipar.sharding import Layout, Sharding, Unit, make_units
 
 class DataParallel:
     """One rank's part of data-parallel training of `stage` under `sharding`."""

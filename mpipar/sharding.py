@@ -15,7 +15,7 @@ Table 1, in bytes here): each of P, G, OS takes its full size divided by the num
 of ranks sharing it — 1, M or N.
 
 Where a rank's blocks lie (`Layout`). The model's flat buffer is cut into units
-(consecutive layers, see data_parallel.py); every unit is sharded on its own, so a
+(runs of consecutive layers, `make_units`); every unit is sharded on its own, so a
 layer's parameters can be gathered alone. Within a unit of L elements, rank r holds:
 
     N   the whole unit
@@ -33,10 +33,14 @@ Exercised by: python -m pytest tests/test_sharding.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from mpipar.comms.routes import block_offsets
 from mpipar.errors import ConfigError, unknown_name
+from mpipar.model import Stage, leaf_layers
 
 SCOPES = ("N", "I", "G")
 _ORDER = {scope: rank for rank, scope in enumerate(SCOPES)}
@@ -153,3 +157,56 @@ class Layout:
             return start + int(outer[self.group_rank]), start + int(outer[self.group_rank + 1])
         flat = block_offsets(length, self.world_size)
         return int(flat[self.world_rank]), int(flat[self.world_rank + 1])
+
+
+# -- units: the runs of layers that are sharded, gathered and reduced together ----------
+
+DDP_MODES = ("naive", "overlap", "bucketed")
+
+
+@dataclass
+class Unit:
+    """Layers stage.layers[first..last] (those with parameters at both ends), whose
+    parameters fill elements [start, stop) of the stage's flat buffer, and this rank's
+    blocks of it for each scope, relative to `start`."""
+
+    index: int
+    first: int
+    last: int
+    start: int
+    stop: int
+    blocks: dict[str, tuple[int, int]]
+    offsets: dict[str, int]  # where this unit's block starts in the rank's P and G storage
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def length(self, scope: str) -> int:
+        start, stop = self.blocks[scope]
+        return stop - start
+
+
+def unit_bytes_for(mode: str, bucket_mb: float) -> float:
+    """How large a unit grows before the next layer starts a new one."""
+    return {"naive": math.inf, "overlap": 0.0, "bucketed": bucket_mb * 1e6}[mode]
+
+
+def make_units(stage: Stage, unit_bytes: float) -> list[tuple[int, int, int, int]]:
+    """(first layer, last layer, start, stop) of each unit, in forward order. Layers are
+    packed from the last one backwards (the order gradients appear in) until a unit
+    holds at least `unit_bytes` of parameters."""
+    spans = []
+    for position, layer in enumerate(stage.layers):
+        names = {leaf.name for leaf in leaf_layers([layer])}
+        segments = [s for s in stage.flat.segments if s.layer in names]
+        if segments:
+            spans.append((position, segments[0].offset, segments[-1].offset + segments[-1].size))
+    itemsize = np.dtype(stage.flat.data.dtype).itemsize
+    units: list[list] = []
+    for position, start, stop in reversed(spans):
+        if units and (units[-1][3] - units[-1][2]) * itemsize < unit_bytes:
+            units[-1][0], units[-1][2] = position, start
+        else:
+            units.append([position, position, start, stop])
+    return [tuple(unit) for unit in reversed(units)]

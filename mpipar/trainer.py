@@ -32,12 +32,13 @@ from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across
 from mpipar.comms.topology import make_world
 from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, eval_slice, load_dataset, rank_slice, split_micro_batches
-from mpipar.data_parallel import DataParallel, unit_bytes_for
+from mpipar.data_parallel import DataParallel
 from mpipar.errors import NonFiniteLossError
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.model import build_stages
 from mpipar.models import build_model
 from mpipar.optim import make_schedule
+from mpipar.sharding import unit_bytes_for
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.backend import make_backend
-from mpipar.data_parallel import make_units, unit_bytes_for
+from mpipar.sharding import make_units, unit_bytes_for
 from mpipar.model import build_stages
 from mpipar.models import build_model
 from mpipar.trainer import Trainer
