@@ -59,6 +59,7 @@ class MemoryLedger:
         return dict(self.held)
 
     def report(self) -> dict:
-        """Steady bytes, and per phase the peak of each kind and of their sum."""
+        """Steady bytes, and per phase of a step the peak of each kind and of their sum."""
         return {"steady": self.steady(),
-                "peak": {phase: dict(peaks, total=self.peak_total[phase]) for phase, peaks in self.peaks.items()}}
+                "peak": {phase: dict(peaks, total=self.peak_total[phase]) for phase, peaks in self.peaks.items()
+                         if phase != "setup"}}

@@ -94,7 +94,8 @@ class Report:
               file=self.stream, flush=True)
         memory = summary["memory"]
         held = memory["steady"]
-        phase, peak = max(((name, peaks["total"]) for name, peaks in memory["peak"].items()), key=lambda p: p[1])
+        phase, peak = max(((name, peaks["total"]) for name, peaks in memory["peak"].items()),
+                          key=lambda p: p[1], default=("between steps", sum(held.values())))
         print(f"model state on rank 0: parameters {human_bytes(held['parameters'])}, gradients "
               f"{human_bytes(held['gradients'])}, optimizer state {human_bytes(held['optimizer_state'])}; "
               f"at most {human_bytes(peak)} ({phase})", file=self.stream, flush=True)
