@@ -1,4 +1,4 @@
-"""The `mpipar` command: train, info, data, bench, simulate, estimate. Also what happens when something fails.
+"""The `mpipar` command: train, info, data, bench, simulate, estimate, schedule. Also what happens when something fails.
 
 A user-facing error (bad configuration, missing data, a NaN loss) is one sentence
 on stderr and exit status 2. When every rank is known to have hit the same error
@@ -21,6 +21,7 @@ from mpipar.cli.bench import bench
 from mpipar.cli.data import data
 from mpipar.cli.estimate import estimate
 from mpipar.cli.info import info
+from mpipar.cli.schedule import schedule
 from mpipar.cli.simulate import simulate
 from mpipar.cli.train import train
 from mpipar.errors import MpiparError
@@ -38,6 +39,7 @@ cli.add_command(data)
 cli.add_command(bench)
 cli.add_command(simulate)
 cli.add_command(estimate)
+cli.add_command(schedule)
 
 
 def _world_size() -> int:

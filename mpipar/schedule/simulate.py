@@ -1,0 +1,141 @@
+"""The clock-free simulator of seed 001: when every job runs, and what that costs each worker.
+
+Greedy list scheduling, as the seed's recursion: of all jobs whose predecessor has
+finished, take the one that can start soonest — when both its predecessor and its
+worker are free — with ties broken by the strategy's priority n(s, b, d); it ends a
+duration later. Durations are one unit per job unless per-stage costs are given
+(`forward[s]`, `backward[s]`). Transfers are assumed hidden by prefetching.
+
+From the resulting timeline, per worker:
+
+    latency                 when the last job ends
+    activation_receives     jobs whose predecessor ran on another worker (an activation
+                            or a backward iterate arrives over the network)
+    weight_fetches          jobs run on weights another worker owns (fetched, released after)
+    peak_activations        most (s, b) activations held at once: from the start of F(s, b)
+                            to the end of B(s, b), on the worker that computes them
+    weights_owned           stages whose weights the worker is the source of truth for
+    idle_fraction           the bubble: 1 - busy time / latency
+
+Exercised by: python -m pytest tests/test_schedule.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mpipar.errors import ConfigError
+from mpipar.schedule.strategies import BACKWARD, FORWARD, Job, Shape, Strategy, predecessor
+
+
+@dataclass(frozen=True)
+class Slot:
+    job: Job
+    worker: int
+    weights: int  # the worker that owns the stage's weights
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    shape: Shape
+    slots: list[Slot]  # in order of start, then worker
+    by_worker: list[list[Slot]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.by_worker = [[slot for slot in self.slots if slot.worker == w] for w in range(self.shape.workers)]
+
+    @property
+    def latency(self) -> float:
+        return max(slot.end for slot in self.slots)
+
+    def activation_receives(self) -> list[int]:
+        where = {slot.job: slot.worker for slot in self.slots}
+        counts = [0] * self.shape.workers
+        for slot in self.slots:
+            before = predecessor(slot.job, self.shape)
+            if before is not None and where[before] != slot.worker:
+                counts[slot.worker] += 1
+        return counts
+
+    def weight_fetches(self) -> list[int]:
+        counts = [0] * self.shape.workers
+        for slot in self.slots:
+            counts[slot.worker] += slot.weights != slot.worker
+        return counts
+
+    def weights_owned(self) -> list[int]:
+        owned = [set() for _ in range(self.shape.workers)]
+        for slot in self.slots:
+            owned[slot.weights].add(slot.job.stage)
+        return [len(stages) for stages in owned]
+
+    def peak_activations(self) -> list[int]:
+        """Most activations held at once per worker (+1 at F's start, -1 at B's end)."""
+        peaks = []
+        for slots in self.by_worker:
+            events = sorted((slot.start if slot.job.direction == FORWARD else slot.end,
+                             1 if slot.job.direction == FORWARD else -1) for slot in slots)
+            held = peak = 0
+            for _, change in sorted(events, key=lambda e: (e[0], e[1])):  # frees before holds at one instant
+                held += change
+                peak = max(peak, held)
+            peaks.append(peak)
+        return peaks
+
+    def idle_fraction(self) -> list[float]:
+        return [1 - sum(s.end - s.start for s in slots) / self.latency for slots in self.by_worker]
+
+
+def simulate(strategy: Strategy, shape: Shape, forward: list[float] | None = None,
+             backward: list[float] | None = None) -> Timeline:
+    """Run the greedy schedule of `strategy` on `shape`; durations default to one unit."""
+    strategy.validate(shape)
+    forward = forward or [1.0] * shape.stages
+    backward = backward or [1.0] * shape.stages
+    place = {job: strategy.place(job, shape) for job in shape.jobs()}
+    for job, (weights, compute) in place.items():
+        if not (0 <= weights < shape.workers and 0 <= compute < shape.workers):
+            raise ConfigError(f"{strategy.name}: job {job} is placed on worker {(weights, compute)}, "
+                              f"outside 0..{shape.workers - 1}")
+        twin = Job(job.stage, job.batch, BACKWARD)
+        if job.direction == FORWARD and place[twin][1] != compute:
+            raise ConfigError(f"{strategy.name}: F{job.stage}b{job.batch} and its backward are computed on "
+                              f"different workers ({compute} and {place[twin][1]}); mpipar keeps a "
+                              "micro-batch's activations where they were made")
+    rank = {job: strategy.priority(job, shape) for job in place}
+    cap = [strategy.in_flight(w, shape) if strategy.in_flight else len(place) for w in range(shape.workers)]
+    finish: dict[Job, float] = {}
+    free = [0.0] * shape.workers
+    held = [0] * shape.workers  # micro-batches in flight on each worker (for `in_flight`)
+
+    def arrives(job: Job) -> bool:
+        """A forward that brings a micro-batch to this worker (its predecessor ran elsewhere)."""
+        before = predecessor(job, shape)
+        return job.direction == FORWARD and (before is None or place[before][1] != place[job][1])
+
+    def departs(job: Job) -> bool:
+        """A backward after which the micro-batch leaves this worker."""
+        return job.direction == BACKWARD and (job.stage == 0 or place[Job(job.stage - 1, job.batch, BACKWARD)][1]
+                                              != place[job][1])
+
+    def ready_at(job: Job) -> float:
+        before = predecessor(job, shape)
+        return max(free[place[job][1]], finish[before] if before is not None else 0.0)
+
+    waiting, slots = set(place), []
+    while waiting:
+        ready = [job for job in waiting if (predecessor(job, shape) in finish or predecessor(job, shape) is None)
+                 and not (arrives(job) and held[place[job][1]] >= cap[place[job][1]])]
+        if not ready:
+            raise ConfigError(f"{strategy.name}: no job can start (in-flight limits {cap}); the schedule is stuck")
+        job = min(ready, key=lambda j: (ready_at(j), rank[j], j))
+        weights, worker = place[job]
+        start = ready_at(job)
+        end = start + (forward if job.direction == FORWARD else backward)[job.stage]
+        finish[job], free[worker] = end, end
+        held[worker] += arrives(job) - departs(job)
+        slots.append(Slot(job, worker, weights, start, end))
+        waiting.remove(job)
+    return Timeline(shape, sorted(slots, key=lambda slot: (slot.start, slot.worker)))

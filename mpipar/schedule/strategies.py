@@ -1,0 +1,204 @@
+"""Jobs and strategies: a scheme is a placement w(s, b, d) and a priority n(s, b, d) (seed 001).
+
+A job is one stage s of one micro-batch b in one direction d (F forward, B backward).
+A strategy says, for every job, which worker holds the stage's weights and which
+computes it — w(s, b, d) = (w_weights, w_compute) — and how a worker breaks ties
+between jobs that are ready at once: the job with the smallest n(s, b, d) goes first.
+The dependencies are the same for every strategy (`predecessor`): F(s, b) needs
+F(s-1, b); B(S-1, b) needs F(S-1, b); B(s, b) needs B(s+1, b).
+
+    scheme   w(s, b, d)                 constraint      order
+    ddp      (b, b)                     W = B           depth first
+    fsdp     (s mod W, b)               W = B           depth first
+    gpipe    (s, s)                     W = S           all forwards, then backwards
+    1f1b     (s, s)                     W = S           backward first, at most S - w in flight
+    lpp      (h(s,b), h(s,b))           W = G R, R | S  depth or breadth first
+    fslpp    (h(s,s), h(s,b))           W = G R, R | S  depth or breadth first
+
+with h(s, b) = (R b mod W) + (s mod R): G groups of R workers, each group running
+all S stages of its micro-batches, each worker S/R of them.
+
+A new scheme is a `Strategy(name, place, priority, check)` passed to `register`, or a
+table of w and n per job in a TOML file (`load_table`), without touching mpipar.
+
+Exercised by: mpipar schedule show --scheme lpp --workers 4 --stages 8 --micro-batches 8 --loops 2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from mpipar.errors import ConfigError, unknown_name
+
+FORWARD, BACKWARD = "F", "B"
+
+
+class Job(NamedTuple):
+    stage: int
+    batch: int
+    direction: str  # FORWARD or BACKWARD
+
+    def __str__(self) -> str:
+        return f"{self.direction}{self.stage}b{self.batch}"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """W workers, S stages, B micro-batches, G loops (groups of R = W / G workers)."""
+
+    workers: int
+    stages: int
+    micro_batches: int
+    loops: int = 1
+
+    @property
+    def group_size(self) -> int:
+        return self.workers // self.loops
+
+    def jobs(self) -> list[Job]:
+        return [Job(s, b, d) for d in (FORWARD, BACKWARD) for b in range(self.micro_batches)
+                for s in range(self.stages)]
+
+
+def predecessor(job: Job, shape: Shape) -> Job | None:
+    """The one job that must finish before `job` can start (None for F(0, b))."""
+    s, b, d = job
+    if d == FORWARD:
+        return Job(s - 1, b, FORWARD) if s > 0 else None
+    return Job(s, b, FORWARD) if s == shape.stages - 1 else Job(s + 1, b, BACKWARD)
+
+
+Placement = Callable[[Job, Shape], tuple[int, int]]
+Priority = Callable[[Job, Shape], tuple]
+Check = Callable[[Shape], "str | None"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A scheme: `place(job, shape) -> (weights worker, compute worker)`, `priority(job,
+    shape)` (smaller first) and `check(shape)`, which returns why a shape cannot work, or
+    None. `in_flight(worker, shape)`, if given, caps the micro-batches whose activations a
+    worker holds at once: a forward waits until a backward frees a place (1F1B's warm-up)."""
+
+    name: str
+    place: Placement
+    priority: Priority
+    check: Check = lambda shape: None
+    in_flight: Callable[[int, Shape], int] | None = None
+
+    def validate(self, shape: Shape) -> None:
+        """Refuse a shape the strategy's constraints exclude, naming the constraint."""
+        if min(shape.workers, shape.stages, shape.micro_batches, shape.loops) < 1:
+            raise ConfigError(f"{self.name}: workers, stages, micro-batches and loops must be at least 1, got "
+                              f"W={shape.workers} S={shape.stages} B={shape.micro_batches} G={shape.loops}")
+        reason = self.check(shape)
+        if reason:
+            raise ConfigError(f"{self.name} cannot run W={shape.workers} S={shape.stages} "
+                              f"B={shape.micro_batches} G={shape.loops}: {reason}")
+
+
+def depth_first(job: Job, shape: Shape) -> tuple:
+    """The oldest micro-batch first, then the job furthest along its forward-backward path."""
+    return (job.batch, -_progress(job, shape))
+
+
+def breadth_first(job: Job, shape: Shape) -> tuple:
+    """The earliest point of the forward-backward path first, then the older micro-batch."""
+    return (_progress(job, shape), job.batch)
+
+
+def backward_first(job: Job, shape: Shape) -> tuple:
+    """1F1B: a ready backward before any forward, then the older micro-batch."""
+    return (job.direction == FORWARD, job.batch)
+
+
+def _progress(job: Job, shape: Shape) -> int:
+    """Position on the 2S-long path F0 .. F(S-1), B(S-1) .. B0."""
+    return job.stage if job.direction == FORWARD else 2 * shape.stages - 1 - job.stage
+
+
+def looped_worker(stage: int, batch: int, shape: Shape) -> int:
+    """h(s, b) = (R b mod W) + (s mod R)."""
+    r = shape.group_size
+    return (r * batch) % shape.workers + stage % r
+
+
+def _needs(condition: bool, text: str) -> str | None:
+    return None if condition else text
+
+
+def _looped_check(shape: Shape) -> str | None:
+    if shape.workers % shape.loops:
+        return f"W = G R needs the loops G={shape.loops} to divide the workers W={shape.workers}"
+    return _needs(shape.stages % shape.group_size == 0,
+                  f"each worker runs S/R stages: R = W/G = {shape.group_size} must divide S = {shape.stages}")
+
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register(strategy: Strategy) -> Strategy:
+    """Make `strategy` available by name (to `mpipar schedule` and `mpipar train`)."""
+    STRATEGIES[strategy.name] = strategy
+    return strategy
+
+
+def _one_per_batch(shape: Shape) -> str | None:
+    return _needs(shape.workers == shape.micro_batches,
+                  f"one worker per micro-batch: W = B, got W={shape.workers} B={shape.micro_batches}")
+
+
+def _one_per_stage(shape: Shape) -> str | None:
+    return _needs(shape.workers == shape.stages,
+                  f"one worker per stage: W = S, got W={shape.workers} S={shape.stages}")
+
+
+register(Strategy("ddp", lambda j, sh: (j.batch, j.batch), depth_first, _one_per_batch))
+register(Strategy("fsdp", lambda j, sh: (j.stage % sh.workers, j.batch), depth_first, _one_per_batch))
+register(Strategy("gpipe", lambda j, sh: (j.stage, j.stage), breadth_first, _one_per_stage))
+register(Strategy("1f1b", lambda j, sh: (j.stage, j.stage), backward_first, _one_per_stage,
+                  in_flight=lambda worker, sh: sh.stages - worker))
+for _order, _priority in (("", depth_first), ("-breadth", breadth_first)):
+    register(Strategy(f"lpp{_order}", lambda j, sh: (looped_worker(j.stage, j.batch, sh),) * 2, _priority,
+                      _looped_check))
+    register(Strategy(f"fslpp{_order}", lambda j, sh: (looped_worker(j.stage, j.stage, sh),
+                                                        looped_worker(j.stage, j.batch, sh)), _priority,
+                      _looped_check))
+
+
+def get_strategy(name: str) -> Strategy:
+    if name not in STRATEGIES:
+        raise unknown_name("schedule scheme", name, STRATEGIES)
+    return STRATEGIES[name]
+
+
+def load_table(path: str) -> Strategy:
+    """A strategy from a TOML file: `name`, `workers`, `stages`, `micro_batches` and one
+    `[[job]]` table per job with stage, batch, direction ("F"/"B"), weights, compute and
+    priority. The shape it was written for is the only one it accepts."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        table = tomllib.loads(Path(path).read_text())
+        shape = Shape(int(table["workers"]), int(table["stages"]), int(table["micro_batches"]))
+        rows = {Job(int(r["stage"]), int(r["batch"]), str(r["direction"])): (int(r["weights"]), int(r["compute"]),
+                                                                              int(r["priority"]))
+                for r in table["job"]}
+    except OSError as error:
+        raise ConfigError(f"cannot read schedule table {path}: {error.strerror}") from None
+    except (KeyError, TypeError, ValueError, tomllib.TOMLDecodeError) as error:
+        raise ConfigError(f"schedule table {path} is not valid: {error!r}") from None
+    missing = [str(job) for job in shape.jobs() if job not in rows]
+    if missing:
+        raise ConfigError(f"schedule table {path} gives no placement for {', '.join(missing[:5])}")
+
+    def check(asked: Shape) -> str | None:
+        return _needs(asked == shape, f"the table {path} is written for W={shape.workers} S={shape.stages} "
+                                      f"B={shape.micro_batches}")
+
+    return Strategy(str(table.get("name", Path(path).stem)), lambda j, sh: rows[j][:2],
+                    lambda j, sh: (rows[j][2],), check)

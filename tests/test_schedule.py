@@ -1,0 +1,108 @@
+"""Schedules as data: strategies, the clock-free simulator, diagrams (no MPI)."""
+
+import pytest
+from click.testing import CliRunner
+
+from mpipar.cli import cli
+from mpipar.errors import ConfigError
+from mpipar.schedule.simulate import simulate
+from mpipar.schedule.strategies import (BACKWARD, FORWARD, Job, Shape, Strategy, depth_first, get_strategy,
+                                        load_table, looped_worker, register)
+
+
+@pytest.mark.parametrize("workers,stages", [(2, 3), (4, 4), (6, 2)])
+def test_ddp_runs_every_stage_of_its_micro_batch_with_no_transfers(workers, stages):
+    timeline = simulate(get_strategy("ddp"), Shape(workers, stages, workers))
+    assert timeline.latency == 2 * stages  # a forward and a backward unit per stage
+    assert timeline.activation_receives() == timeline.weight_fetches() == [0] * workers
+    assert timeline.peak_activations() == timeline.weights_owned() == [stages] * workers
+
+
+@pytest.mark.parametrize("workers", [2, 4, 6])
+def test_fsdp_fetches_every_stage_it_does_not_own(workers):
+    timeline = simulate(get_strategy("fsdp"), Shape(workers, workers, workers))
+    assert timeline.latency == 2 * workers
+    assert timeline.weight_fetches() == [2 * (workers - 1)] * workers  # forward and backward each fetch
+    assert timeline.weights_owned() == [1] * workers
+    assert timeline.activation_receives() == [0] * workers
+
+
+@pytest.mark.parametrize("stages,batches", [(2, 2), (4, 8), (3, 7), (8, 4)])
+def test_gpipe_and_1f1b_latency_is_b_plus_s_minus_1(stages, batches):
+    for name in ("gpipe", "1f1b"):
+        timeline = simulate(get_strategy(name), Shape(stages, stages, batches))
+        assert timeline.latency == 2 * (batches + stages - 1), name
+        inner = [2 * batches] * (stages - 2)
+        assert timeline.activation_receives() == ([batches, *inner, batches] if stages > 1 else [0]), name
+        assert timeline.weights_owned() == [1] * stages
+    gpipe, one_f_one_b = (simulate(get_strategy(n), Shape(stages, stages, batches)) for n in ("gpipe", "1f1b"))
+    assert gpipe.peak_activations() == [batches] * stages  # every forward before any backward
+    assert one_f_one_b.peak_activations() == [min(batches, stages - w) for w in range(stages)]
+
+
+def test_looped_placement_interpolates_between_gpipe_and_ddp():
+    gpipe_like = Shape(workers=4, stages=4, micro_batches=6, loops=1)  # G = 1, R = W = S
+    assert all(looped_worker(s, b, gpipe_like) == s for s in range(4) for b in range(6))
+    ddp_like = Shape(workers=4, stages=5, micro_batches=4, loops=4)  # R = 1, W = B
+    assert all(looped_worker(s, b, ddp_like) == b for s in range(5) for b in range(4))
+
+
+@pytest.mark.parametrize("workers,stages,batches,loops", [(4, 8, 8, 2), (4, 8, 2, 2), (6, 6, 6, 2), (4, 4, 8, 2)])
+def test_lpp_keeps_s_over_r_stages_per_worker_and_fslpp_shards_them(workers, stages, batches, loops):
+    lpp = simulate(get_strategy("lpp"), Shape(workers, stages, batches, loops))
+    r = workers // loops
+    assert lpp.weights_owned() == [stages // r] * workers and lpp.weight_fetches() == [0] * workers
+    assert lpp.latency >= 2 * stages * batches / workers  # no worker can beat its share of the work
+    fslpp = simulate(get_strategy("fslpp"), Shape(workers, stages, batches, loops))
+    owners = {looped_worker(s, s, fslpp.shape) for s in range(stages)}
+    assert sum(fslpp.weights_owned()) == stages and {w for w, n in enumerate(fslpp.weights_owned()) if n} == owners
+    assert sum(fslpp.weight_fetches()) > 0
+
+
+@pytest.mark.parametrize("name,shape,constraint", [
+    ("gpipe", Shape(4, 8, 4), "W = S"),
+    ("1f1b", Shape(2, 3, 4), "W = S"),
+    ("ddp", Shape(4, 4, 8), "W = B"),
+    ("lpp", Shape(4, 5, 4, 2), "R = W/G = 2 must divide S = 5"),
+    ("fslpp", Shape(4, 8, 4, 3), "loops G=3 to divide the workers W=4"),
+])
+def test_shapes_outside_a_strategy_are_refused_with_the_constraint(name, shape, constraint):
+    with pytest.raises(ConfigError, match=constraint):
+        simulate(get_strategy(name), shape)
+
+
+def test_a_strategy_registered_from_python_runs():
+    # GPipe mirrored: stage s on worker S-1-s
+    mirrored = register(Strategy("mirrored-gpipe", lambda j, sh: (sh.stages - 1 - j.stage,) * 2, depth_first))
+    timeline = simulate(get_strategy("mirrored-gpipe"), Shape(3, 3, 4))
+    assert timeline.latency == 2 * (4 + 3 - 1) and mirrored.name == "mirrored-gpipe"
+    assert {slot.job.stage for slot in timeline.by_worker[0]} == {2}
+
+
+def test_a_strategy_from_a_table(tmp_path):
+    rows = [f'[[job]]\nstage = {s}\nbatch = {b}\ndirection = "{d}"\nweights = {s}\ncompute = {s}\npriority = {p}\n'
+            for p, (d, b, s) in enumerate((d, b, s) for d in "FB" for b in range(2) for s in range(2))]
+    path = tmp_path / "two.toml"
+    path.write_text('name = "hand-made"\nworkers = 2\nstages = 2\nmicro_batches = 2\n' + "".join(rows))
+    strategy = load_table(str(path))
+    assert simulate(strategy, Shape(2, 2, 2)).latency == 2 * (2 + 2 - 1)
+    with pytest.raises(ConfigError, match="written for W=2 S=2 B=2"):
+        simulate(strategy, Shape(2, 2, 4))
+    path.write_text('workers = 2\nstages = 2\nmicro_batches = 2\n' + "".join(rows[:-1]))
+    with pytest.raises(ConfigError, match="gives no placement for B1b1"):
+        load_table(str(path))
+
+
+def test_forward_and_backward_of_a_micro_batch_must_share_a_worker():
+    split = Strategy("split", lambda j, sh: (0, 0 if j.direction == FORWARD else 1), depth_first)
+    with pytest.raises(ConfigError, match="computed on different workers"):
+        simulate(split, Shape(2, 2, 2))
+
+
+def test_show_prints_the_diagram_and_the_costs():
+    result = CliRunner().invoke(cli, ["schedule", "show", "--scheme", "1f1b", "-W", "4", "-S", "4", "-B", "6"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[1].startswith("W0  | F0b0 F0b1 F0b2 F0b3 .... .... .... B0b0 F0b4")
+    assert "latency 18" in result.output
+    assert str(Job(3, 5, BACKWARD)) == "B3b5"
