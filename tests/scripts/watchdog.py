@@ -20,6 +20,7 @@ if comm.rank == 0:
         iall_reduce(comm, np.ones(1000), "ring").wait(timeout=2)
     except CommTimeout as timeout:
         print(timeout, flush=True)
+        time.sleep(1)  # let mpiexec forward the line: an abort can tear down the output path first
         MPI.COMM_WORLD.Abort(3)
 else:
     time.sleep(30)
