@@ -18,6 +18,7 @@ Exercised by: python -m pytest tests/test_mpi_train.py   (it starts mpiexec itse
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from typing import Callable, TypeVar
 
@@ -76,6 +77,7 @@ def abort_job(comm: MPI.Intracomm, status: int, message: str) -> None:
     sys.stderr.write(message)
     sys.stderr.flush()
     sys.stdout.flush()
+    time.sleep(0.5)  # let the launcher forward the message: the abort can tear down the output path first
     comm.Abort(status)
 
 
