@@ -67,6 +67,7 @@ class DataParallel:
         self.by_first = {unit.first: unit for unit in self.units}
         self.by_last = {unit.last: unit for unit in self.units}
         self.position = {id(layer): index for index, layer in enumerate(stage.layers)}
+        self.unit_leaves = [leaf_layers(stage.layers[unit.first:unit.last + 1]) for unit in self.units]
         self.p_store = self._shard_of(flat.data, P)
         self.g_store = self._shard_of(flat.grad, G)
         mask_store = self._shard_of(flat.decay_mask, OS)
@@ -192,25 +193,15 @@ class DataParallel:
             if self.sharding.parameters != "N":
                 self._drop_parameters(unit)
             if self.sharding.gradients != "N":
-                self._settle(unit, fresh_after=True)
+                self.flat.settle_grads(self.unit_leaves[unit.index], fresh_after=True)
                 self.flat.unbind(unit.start, unit.stop, params=False)
                 self.queue.post(self._reduce(unit, self.unit_grad, self.micro_batch, self.last_micro_batch))
                 self.reductions_posted += 1
             elif self.last_micro_batch:
-                self._settle(unit, fresh_after=False)
+                self.flat.settle_grads(self.unit_leaves[unit.index])
                 self.queue.post(self._finish(unit))
                 self.reductions_posted += 1
         self.poll()
-
-    def _settle(self, unit: Unit, fresh_after: bool) -> None:
-        """Zero the gradients of the unit's layers whose backward did not run (lazy zeroing,
-        model.py); with `fresh_after` the next micro-batch overwrites instead of adding."""
-        for position in range(unit.first, unit.last + 1):
-            for leaf in leaf_layers([self.stage.layers[position]]):
-                if leaf.fresh_grads:
-                    for grad in leaf.grads.values():
-                        grad.fill(0)
-                leaf.fresh_grads = fresh_after
 
     # -- parameters: gather, use, drop ---------------------------------------------------
     def _p_comm(self) -> Comm:

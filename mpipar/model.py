@@ -143,14 +143,16 @@ class FlatParams:
         for leaf in self.leaves:
             leaf.fresh_grads = True
 
-    def settle_grads(self):
-        """Zero the part of any layer whose backward did not run since `zero_grad`;
-        after this `grad` holds the accumulated gradient. Returns `grad`."""
-        for leaf in self.leaves:
+    def settle_grads(self, leaves: list[Layer] | None = None, fresh_after: bool = False):
+        """Zero the part of any layer (of `leaves`, default all) whose backward did not run
+        since `zero_grad`; after this `grad` holds the accumulated gradient. With
+        `fresh_after` those layers' next backward overwrites instead of adding (a sharded
+        engine reduces each micro-batch's gradient away). Returns `grad`."""
+        for leaf in self.leaves if leaves is None else leaves:
             if leaf.fresh_grads:
                 for grad in leaf.grads.values():
                     grad.fill(0)
-                leaf.fresh_grads = False
+            leaf.fresh_grads = fresh_after
         return self.grad
 
 

@@ -10,7 +10,7 @@ class FakeHandle:
         self.name, self.complete = name, False
         log.append(f"start {name}")
 
-    def test(self):
+    def test(self):  # Handle's polling method (not a test): complete yet?
         return self.complete
 
     def wait(self):
