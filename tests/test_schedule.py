@@ -20,7 +20,7 @@ def test_ddp_runs_every_stage_of_its_micro_batch_with_no_transfers(workers, stag
 
 @pytest.mark.parametrize("workers", [2, 4, 6])
 def test_fsdp_fetches_every_stage_it_does_not_own(workers):
-    timeline = simulate(get_strategy("fsdp"), Shape(workers, workers, workers))
+    timeline = simulate(get_strategy("fsdp-stage"), Shape(workers, workers, workers))
     assert timeline.latency == 2 * workers
     assert timeline.weight_fetches() == [2 * (workers - 1)] * workers  # forward and backward each fetch
     assert timeline.weights_owned() == [1] * workers

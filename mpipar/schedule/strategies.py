@@ -9,7 +9,7 @@ F(s-1, b); B(S-1, b) needs F(S-1, b); B(s, b) needs B(s+1, b).
 
     scheme   w(s, b, d)                 constraint      order
     ddp      (b, b)                     W = B           depth first
-    fsdp     (s mod W, b)               W = B           depth first
+    fsdp-stage (s mod W, b)             W = B           depth first
     gpipe    (s, s)                     W = S           all forwards, then backwards
     1f1b     (s, s)                     W = S           backward first, at most S - w in flight
     lpp      (h(s,b), h(s,b))           W = G R, R | S  depth or breadth first
@@ -80,19 +80,24 @@ class Strategy:
     """A scheme: `place(job, shape) -> (weights worker, compute worker)`, `priority(job,
     shape)` (smaller first) and `check(shape)`, which returns why a shape cannot work, or
     None. `in_flight(worker, shape)`, if given, caps the micro-batches whose activations a
-    worker holds at once: a forward waits until a backward frees a place (1F1B's warm-up)."""
+    worker holds at once: a forward waits until a backward frees a place (1F1B's warm-up).
+    Only a `looped` strategy reads the loops G; the others refuse G > 1."""
 
     name: str
     place: Placement
     priority: Priority
     check: Check = lambda shape: None
     in_flight: Callable[[int, Shape], int] | None = None
+    looped: bool = False
 
     def validate(self, shape: Shape) -> None:
         """Refuse a shape the strategy's constraints exclude, naming the constraint."""
         if min(shape.workers, shape.stages, shape.micro_batches, shape.loops) < 1:
             raise ConfigError(f"{self.name}: workers, stages, micro-batches and loops must be at least 1, got "
                               f"W={shape.workers} S={shape.stages} B={shape.micro_batches} G={shape.loops}")
+        if shape.loops != 1 and not self.looped:
+            raise ConfigError(f"{self.name} does not loop: loops G={shape.loops} is for the looped schedules "
+                              f"({', '.join(name for name, s in STRATEGIES.items() if s.looped)})")
         reason = self.check(shape)
         if reason:
             raise ConfigError(f"{self.name} cannot run W={shape.workers} S={shape.stages} "
@@ -156,16 +161,16 @@ def _one_per_stage(shape: Shape) -> str | None:
 
 
 register(Strategy("ddp", lambda j, sh: (j.batch, j.batch), depth_first, _one_per_batch))
-register(Strategy("fsdp", lambda j, sh: (j.stage % sh.workers, j.batch), depth_first, _one_per_batch))
+register(Strategy("fsdp-stage", lambda j, sh: (j.stage % sh.workers, j.batch), depth_first, _one_per_batch))
 register(Strategy("gpipe", lambda j, sh: (j.stage, j.stage), breadth_first, _one_per_stage))
 register(Strategy("1f1b", lambda j, sh: (j.stage, j.stage), backward_first, _one_per_stage,
                   in_flight=lambda worker, sh: sh.stages - worker))
 for _order, _priority in (("", depth_first), ("-breadth", breadth_first)):
     register(Strategy(f"lpp{_order}", lambda j, sh: (looped_worker(j.stage, j.batch, sh),) * 2, _priority,
-                      _looped_check))
+                      _looped_check, looped=True))
     register(Strategy(f"fslpp{_order}", lambda j, sh: (looped_worker(j.stage, j.stage, sh),
                                                         looped_worker(j.stage, j.batch, sh)), _priority,
-                      _looped_check))
+                      _looped_check, looped=True))
 
 
 def get_strategy(name: str) -> Strategy:
