@@ -173,7 +173,7 @@ class FloorRunner:
         self.labels = trainer.train_set.labels
         self.features = int(np.prod(self.images.shape[1:]))
         self.sampler = GlobalBatchSampler(len(self.labels), BATCH, SEED)
-        linears = [layer for layer in trainer.stage.layers if "weight" in layer.params]
+        linears = [layer for layer in trainer.stages[0].layers if "weight" in layer.params]
         self.net = NumpyMLP([layer.params["weight"] for layer in linears],
                             [layer.params["bias"] for layer in linears], BATCH)
 
@@ -261,7 +261,7 @@ def main() -> int:
     initial = floor_side.net.parameters(copy=True)
     mpipar_losses = [mpipar_side.step(s) for s in range(CHECK_STEPS)]
     floor_losses = [floor_side.step(s) for s in range(CHECK_STEPS)]
-    mpipar_params = [layer.params[name] for layer in trainer.stage.layers if "weight" in layer.params
+    mpipar_params = [layer.params[name] for layer in trainer.stages[0].layers if "weight" in layer.params
                      for name in ("weight", "bias")]
     update_error = max(float(np.abs((m - i) - (f - i)).max() / max(np.abs(m - i).max(), 1e-30))
                        for m, f, i in zip(mpipar_params, floor_side.net.parameters(), initial))

@@ -25,6 +25,8 @@ from mpipar.data import DATASETS
 from mpipar.errors import ConfigError, unknown_name
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, SCHEDULES
+from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
+from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy
 from mpipar.sharding import DDP_MODES, SCHEMES, Sharding, parse_sharding
 
 try:
@@ -61,7 +63,11 @@ class TrainConfig:
     warmup_steps: int = _option(0, "linear warm-up steps")
     step_size: int = _option(1000, "steps between decays for --schedule step")
     gamma: float = _option(0.1, "decay factor for --schedule step")
-    scheme: str | None = _option(None, f"data-parallel scheme: {', '.join(SCHEMES)} (default ddp)")
+    scheme: str | None = _option(None, f"data-parallel scheme: {', '.join(SCHEMES)} (default ddp); with --stages "
+                                       f"a schedule: {', '.join(STRATEGIES)}")
+    stages: int = _option(0, "pipeline stages S: run --scheme as a schedule of S stages over the ranks, "
+                             "--micro-batches then counting all of the step's micro-batches (0: data parallel)")
+    loops: int = _option(1, "groups G of R = ranks/G workers for the looped schedules (lpp, fslpp)")
     shard: str | None = _option(None, "scopes of parameters, gradients, optimizer state, e.g. I,G,G "
                                       "(each N, I or G; instead of --scheme)")
     ddp: str = _option("bucketed", "layers per communication unit: naive (all in one, reduced after "
@@ -84,6 +90,17 @@ class TrainConfig:
             raise ConfigError(f"--shard takes three letters P,G,OS such as I,G,G; got {self.shard!r}")
         return parse_sharding(self.shard or self.scheme or "ddp")
 
+    def strategy(self) -> Strategy:
+        """The schedule of a pipeline run (--stages): the strategy named by --scheme."""
+        if self.scheme is None:
+            raise ConfigError(f"--stages {self.stages} runs a schedule: name it with --scheme "
+                              f"({', '.join(STRATEGIES)})")
+        return get_strategy(self.scheme)
+
+    def schedule_shape(self, world_size: int) -> Shape:
+        """W workers (the ranks), S stages, B micro-batches of the whole step, G loops."""
+        return Shape(world_size, self.stages, self.micro_batches, self.loops)
+
     def validate(self, world_size: int) -> None:
         """Raise ConfigError with one sentence if this run cannot work on `world_size` ranks."""
         for name, valid in (("model", MODELS), ("data set", DATASETS), ("optimizer", OPTIMIZERS),
@@ -97,14 +114,10 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        sharding = self.sharding()
-        if self.device == "gpu" and (sharding != SCHEMES["ddp"] or self.ddp != "naive"):
-            raise ConfigError(f"--scheme {sharding} --ddp {self.ddp} communicates host buffers during forward and "
-                              "backward; on a GPU use --scheme ddp --ddp naive (gradients are summed through host "
-                              "memory after backward)")
-        if self.collective == "2d" and sharding != SCHEMES["ddp"]:
-            raise ConfigError(f"--collective 2d is an all-reduce only; --scheme {sharding} also needs "
-                              "reduce-scatter and all-gather: choose mpi, ring, hring or horing")
+        if self.stages:
+            self._validate_schedule(world_size)
+        else:
+            self._validate_data_parallel(world_size)
         if not self.bucket_mb > 0:
             raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         for name in ("max_steps", "warmup_steps", "weight_decay", "seed", "group_size"):
@@ -127,10 +140,45 @@ class TrainConfig:
                               "the transformer trains on --dataset text, the mlp and cnn on image data sets")
         if self.dataset == "text" and not self.text_file:
             raise ConfigError("--dataset text needs --text-file PATH (any UTF-8 text file)")
+
+    def _validate_data_parallel(self, world_size: int) -> None:
+        if self.scheme in STRATEGIES and self.scheme not in SCHEMES:
+            raise ConfigError(f"--scheme {self.scheme} is a pipeline schedule: give the number of stages with --stages S")
+        if self.loops != 1:
+            raise ConfigError(f"--loops {self.loops} is for the looped schedules: give --scheme lpp or fslpp "
+                              "and --stages S")
+        sharding = self.sharding()
+        if self.device == "gpu" and (sharding != SCHEMES["ddp"] or self.ddp != "naive"):
+            raise ConfigError(f"--scheme {sharding} --ddp {self.ddp} communicates host buffers during forward and "
+                              "backward; on a GPU use --scheme ddp --ddp naive (gradients are summed through host "
+                              "memory after backward)")
+        if self.collective == "2d" and sharding != SCHEMES["ddp"]:
+            raise ConfigError(f"--collective 2d is an all-reduce only; --scheme {sharding} also needs "
+                              "reduce-scatter and all-gather: choose mpi, ring, hring or horing")
         per_step = world_size * self.micro_batches
         if self.batch_size % per_step:
             raise ConfigError(f"--batch-size {self.batch_size} must be divisible by ranks x micro-batches "
                               f"= {world_size} x {self.micro_batches} = {per_step}")
+
+    def _validate_schedule(self, world_size: int) -> None:
+        if self.shard is not None:
+            raise ConfigError(f"--shard {self.shard} is for data parallelism; with --stages the schedule "
+                              f"--scheme decides where weights live")
+        if self.stages < 0 or self.stages > MAX_STAGES:
+            raise ConfigError(f"--stages must be between 1 and {MAX_STAGES}, got {self.stages}")
+        if self.micro_batches > MAX_MICRO_BATCHES:
+            raise ConfigError(f"--micro-batches must be at most {MAX_MICRO_BATCHES} with --stages, "
+                              f"got {self.micro_batches}")
+        if self.device == "gpu":
+            raise ConfigError(f"--scheme {self.scheme} --stages {self.stages} sends host buffers between ranks; "
+                              "on a GPU use --scheme ddp --ddp naive")
+        if self.collective == "2d":
+            raise ConfigError("--collective 2d is an all-reduce only; a schedule also reduces stage gradients "
+                              "to their owner: choose mpi, ring, hring or horing")
+        self.strategy().validate(self.schedule_shape(world_size))
+        if self.batch_size % self.micro_batches:
+            raise ConfigError(f"--batch-size {self.batch_size} must be divisible by the schedule's "
+                              f"{self.micro_batches} micro-batches")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

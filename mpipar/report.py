@@ -52,9 +52,9 @@ class Report:
     def start(self, trainer: Trainer) -> None:
         cfg = trainer.config
         print(f"mpipar: {cfg.model} on {cfg.dataset} ({len(trainer.train_set)} train / {len(trainer.test_set)} test), "
-              f"{trainer.stage.flat.size:,} parameters, {trainer.world_size} rank(s), scheme {trainer.engine.sharding}, "
-              f"{cfg.device} {cfg.dtype}, "
-              f"global batch {cfg.batch_size} in {cfg.micro_batches} micro-batch(es) per rank, "
+              f"{trainer.parameter_count:,} parameters, {trainer.world_size} rank(s), scheme {trainer.scheme_name}, "
+              f"{cfg.device} {cfg.dtype}, global batch {cfg.batch_size} in {cfg.micro_batches} micro-batch(es)"
+              f"{'' if cfg.stages else ' per rank'}, "
               f"{trainer.total_steps} steps", file=self.stream, flush=True)
 
     def step(self, result: StepResult, trainer: Trainer) -> None:

@@ -33,11 +33,14 @@ from mpipar.comms.topology import make_world
 from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, eval_slice, load_dataset, rank_slice, split_micro_batches
 from mpipar.data_parallel import DataParallel
+from mpipar.engine import Pipeline
 from mpipar.errors import NonFiniteLossError
 from mpipar.layers import SoftmaxCrossEntropy
-from mpipar.model import build_stages
+from mpipar.model import build_stages, partition
 from mpipar.models import build_model
 from mpipar.optim import make_schedule
+from mpipar.schedule.program import compile_programs
+from mpipar.schedule.replay import replay
 from mpipar.sharding import unit_bytes_for
 
 
@@ -70,6 +73,7 @@ class Trainer:
         # validation, which could otherwise stop some ranks before this collective call.
         self.counted = agree_on_setup(self.comm, lambda: make_world(config.group_size or None, self.comm))
         agree_on_setup(self.comm, self._setup)
+        self.engine = self._make_engine()  # collective (sub-communicators): only once every rank is set up
 
     def _setup(self) -> None:
         cfg = self.config
@@ -80,7 +84,16 @@ class Trainer:
         self.model = build_model(cfg.model, input_shape=self.train_set.input_shape,
                                  num_classes=self.train_set.num_classes, hidden=cfg.hidden,
                                  dropout=cfg.dropout, width=cfg.width, heads=cfg.heads, blocks=cfg.blocks)
-        (self.stage,) = build_stages(self.model, 1, self.backend, cfg.seed)
+        if cfg.stages:  # a schedule: every rank builds every stage, then keeps what its program needs
+            self.stages = build_stages(self.model, cfg.stages, self.backend, cfg.seed)
+            self.compiled = compile_programs(cfg.strategy(), cfg.schedule_shape(self.world_size))
+            replay(self.compiled.programs, self.compiled.shape, self.compiled.holders)  # sound, or refused here
+            self.scheme_name = (f"{cfg.scheme} over {cfg.stages} stages, {cfg.micro_batches} micro-batches"
+                                + (f", {cfg.loops} loops" if cfg.loops > 1 else ""))
+        else:
+            self.stages = build_stages(self.model, 1, self.backend, cfg.seed)
+            self.scheme_name = str(cfg.sharding())
+        self.parameter_count = sum(stage.flat.size for stage in self.stages)
         self.loss_fn = SoftmaxCrossEntropy()
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, cfg.seed)
         self.total_steps = self.sampler.steps_per_epoch * cfg.epochs
@@ -89,11 +102,20 @@ class Trainer:
         self.lr_at = make_schedule(cfg.schedule, cfg.lr, self.total_steps, warmup_steps=cfg.warmup_steps,
                                    step_size=cfg.step_size, gamma=cfg.gamma)
         self.cache = ActivationCache()
-        self.engine = DataParallel(self.counted, self.stage, cfg.sharding(), optimizer=cfg.optimizer,
-                                   optimizer_options=dict(momentum=cfg.momentum, weight_decay=cfg.weight_decay),
-                                   collective=cfg.collective, unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb))
         # [loss sum, correct predictions, predictions] of a step, summed over ranks in one message
         self.step_totals = np.zeros(3, dtype=np.float64)
+
+    def _make_engine(self) -> DataParallel | Pipeline:
+        cfg = self.config
+        options = dict(optimizer=cfg.optimizer, optimizer_options=dict(momentum=cfg.momentum,
+                                                                       weight_decay=cfg.weight_decay))
+        if cfg.stages:
+            first_layers = [layers.start for layers in partition(self.model, cfg.stages)]
+            return Pipeline(self.counted, self.stages, self.compiled, self.cache, self.loss_fn,
+                            input_shapes=[self.model.shapes[first] for first in first_layers],
+                            collective=cfg.collective, **options)
+        return DataParallel(self.counted, self.stages[0], cfg.sharding(), collective=cfg.collective,
+                            unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), **options)
 
     def _to_device(self, inputs, targets):
         xp = self.backend.xp
@@ -104,23 +126,14 @@ class Trainer:
         """One optimizer step on the global batch `step_in_epoch` of `epoch`."""
         start = time.perf_counter()
         cfg = self.config
-        local = rank_slice(self.sampler.global_batch_indices(epoch, step_in_epoch), self.rank, self.world_size)
-        micro_size = len(local) // cfg.micro_batches
+        indices = self.sampler.global_batch_indices(epoch, step_in_epoch)
         self.engine.start_step()
-        loss_sum, correct, predictions = 0.0, 0, 0
-        for micro_batch, indices in enumerate(split_micro_batches(local, cfg.micro_batches)):
-            inputs, targets = self._to_device(*self.train_set.batch(indices))
-            first_position = self.rank * len(local) + micro_batch * micro_size
-            ctx = self.cache.context(0, micro_batch, step=step, seed=cfg.seed,
-                                     sample_ids=np.arange(first_position, first_position + micro_size))
-            logits = self.engine.forward(inputs, ctx)
-            loss_sum += self.loss_fn.forward(logits, targets, ctx, cfg.batch_size)
-            self.engine.backward(self.loss_fn.backward(ctx), ctx, micro_batch,
-                                 last=micro_batch == cfg.micro_batches - 1)
-            self.cache.release(0, micro_batch)
-            correct += (logits.argmax(axis=-1) == targets).sum()
-            predictions += targets.size
-        self.step_totals[:] = (float(loss_sum), float(correct), predictions)
+        if cfg.stages:
+            micro_batches = split_micro_batches(indices, cfg.micro_batches)
+            self.step_totals[:] = self.engine.run_step(step, cfg.seed, lambda b: self._to_device(
+                *self.train_set.batch(micro_batches[b])), cfg.batch_size)
+        else:
+            self.step_totals[:] = self._data_parallel_micro_batches(step, indices)
         self.engine.finish_gradients()
         with self.counted.traffic.phase("metrics"):
             sum_across_ranks(self.counted, self.step_totals)
@@ -135,11 +148,34 @@ class Trainer:
         accuracy = float(self.step_totals[1] / self.step_totals[2])
         return StepResult(step, epoch, loss, accuracy, lr, time.perf_counter() - start)
 
+    def _data_parallel_micro_batches(self, step: int, indices) -> tuple[float, int, int]:
+        """This rank's slice of the global batch, micro-batch after micro-batch through the
+        data-parallel engine; returns (loss sum, correct predictions, predictions)."""
+        cfg = self.config
+        local = rank_slice(indices, self.rank, self.world_size)
+        micro_size = len(local) // cfg.micro_batches
+        loss_sum, correct, predictions = 0.0, 0, 0
+        for micro_batch, indices in enumerate(split_micro_batches(local, cfg.micro_batches)):
+            inputs, targets = self._to_device(*self.train_set.batch(indices))
+            first_position = self.rank * len(local) + micro_batch * micro_size
+            ctx = self.cache.context(0, micro_batch, step=step, seed=cfg.seed,
+                                     sample_ids=np.arange(first_position, first_position + micro_size))
+            logits = self.engine.forward(inputs, ctx)
+            loss_sum += self.loss_fn.forward(logits, targets, ctx, cfg.batch_size)
+            self.engine.backward(self.loss_fn.backward(ctx), ctx, micro_batch,
+                                 last=micro_batch == cfg.micro_batches - 1)
+            self.cache.release(0, micro_batch)
+            correct += (logits.argmax(axis=-1) == targets).sum()
+            predictions += targets.size
+        return float(loss_sum), float(correct), predictions
+
     def evaluate(self, epoch: int) -> EvalResult:
         """Loss and accuracy on the test set; each rank takes a contiguous slice of it."""
         part = eval_slice(len(self.test_set), self.rank, self.world_size)
         indices = np.arange(len(self.test_set))[part]
         totals = np.zeros(3, dtype=np.float64)  # loss sum, correct, predictions
+        if self.config.stages:  # every stage's weights on every rank, for the evaluation only
+            self.engine.gather_model()
         for start in range(0, len(indices), self.config.eval_batch):
             inputs, targets = self._to_device(*self.test_set.batch(indices[start:start + self.config.eval_batch]))
             ctx = Context(cache=None, key=(0, -1), training=False)
@@ -147,6 +183,8 @@ class Trainer:
             totals[0] += float(self.loss_fn.forward(logits, targets, ctx, len(self.test_set)))
             totals[1] += float((logits.argmax(axis=-1) == targets).sum())
             totals[2] += targets.size
+        if self.config.stages:
+            self.engine.release_model()
         with self.counted.traffic.phase("evaluate"):
             sum_across_ranks(self.counted, totals)
         return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)))
@@ -180,7 +218,7 @@ class Trainer:
                    "samples_per_s": step * cfg.batch_size / seconds if seconds else 0.0,
                    "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy,
                    "peak_activation_bytes": self.cache.peak_bytes,
-                   "parameter_count": self.stage.flat.size, "memory": self.engine.ledger.report(),
+                   "parameter_count": self.parameter_count, "memory": self.engine.ledger.report(),
                    "sent_bytes": {phase: {"intra": counts.intra_bytes, "inter": counts.inter_bytes,
                                           "library": counts.library_bytes}
                                   for phase, counts in self.counted.traffic.by_phase.items()}}

@@ -71,7 +71,7 @@ def test_units_pack_layers_from_the_last_one():
 def test_one_rank_ledger_holds_the_whole_model(scheme):
     trainer = Trainer(small_config(scheme=scheme, optimizer="adam", group_size=1, ddp="overlap"))
     trainer.run()
-    size, itemsize = trainer.stage.flat.size, 8
+    size, itemsize = trainer.stages[0].flat.size, 8
     assert trainer.engine.ledger.steady() == {"parameters": size * itemsize, "gradients": size * itemsize,
                                               "optimizer_state": 2 * size * itemsize}
     peaks = trainer.engine.ledger.report()["peak"]

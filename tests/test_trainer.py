@@ -17,13 +17,13 @@ SPLIT_CASES = {
 def trained_parameters(**overrides) -> np.ndarray:
     trainer = Trainer(small_config(**overrides))
     trainer.run()
-    return trainer.stage.flat.data.copy()
+    return trainer.stages[0].flat.data.copy()
 
 
 @pytest.mark.parametrize("case", sorted(SPLIT_CASES))
 def test_micro_batch_split_does_not_change_the_parameters(case):
     reference = trained_parameters(micro_batches=1, **SPLIT_CASES[case])
-    initial = Trainer(small_config(max_steps=1, **SPLIT_CASES[case])).stage.flat.data
+    initial = Trainer(small_config(max_steps=1, **SPLIT_CASES[case])).stages[0].flat.data
     assert not np.allclose(reference, initial)  # three steps really moved the parameters
     for micro_batches in (2, 4):
         split = trained_parameters(micro_batches=micro_batches, **SPLIT_CASES[case])
@@ -78,12 +78,12 @@ def test_fashion_mnist_mlp_reaches_85_percent_in_3_epochs():
 def test_nan_loss_stops_at_that_step_before_the_update():
     trainer = Trainer(small_config(optimizer="sgd", momentum=0.0, max_steps=5))
     trainer.train_step(0, 0, 0)
-    before = trainer.stage.flat.data.copy()
-    trainer.stage.flat.data[0] = np.nan
-    trainer.stage.flat.data[1:] = before[1:]
+    before = trainer.stages[0].flat.data.copy()
+    trainer.stages[0].flat.data[0] = np.nan
+    trainer.stages[0].flat.data[1:] = before[1:]
     with pytest.raises(NonFiniteLossError, match=r"step 1 \(epoch 0\): the training loss is nan"):
         trainer.train_step(1, 0, 1)
-    np.testing.assert_array_equal(trainer.stage.flat.data[1:], before[1:])
+    np.testing.assert_array_equal(trainer.stages[0].flat.data[1:], before[1:])
 
 
 @pytest.mark.parametrize("model", ["transformer", "cnn"])
@@ -97,7 +97,7 @@ def test_a_later_step_uses_only_its_own_gradient(tmp_path, model):
         options.update(dataset="text", text_file=str(text), seq_len=8, width=8, heads=2, blocks=1)
     trainer = Trainer(small_config(**options))
     trainer.train_step(0, 0, 0)
-    parameters_before_step_1 = trainer.stage.flat.data.copy()
+    parameters_before_step_1 = trainer.stages[0].flat.data.copy()
     trainer.train_step(1, 0, 1)
     reference = Trainer(small_config(**options))
     reference.stage.flat.data[:] = parameters_before_step_1
@@ -107,4 +107,4 @@ def test_a_later_step_uses_only_its_own_gradient(tmp_path, model):
     logits = reference.stage.forward(inputs, ctx)
     reference.loss_fn.forward(logits, targets, ctx, len(targets))
     reference.stage.backward(reference.loss_fn.backward(ctx), ctx)
-    np.testing.assert_allclose(trainer.stage.flat.grad, reference.stage.flat.grad, rtol=1e-12, atol=1e-18)
+    np.testing.assert_allclose(trainer.stages[0].flat.grad, reference.stage.flat.grad, rtol=1e-12, atol=1e-18)

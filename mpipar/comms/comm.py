@@ -83,6 +83,8 @@ class Comm:
         return self.mpi.Isend(buf, dest=dest, tag=tag)
 
     def irecv(self, buf, source: int, tag: int) -> MPI.Request:
+        """Post a receive into `buf`, counted (as a whole buffer) under the current phase."""
+        self.traffic.record_receive(buf.nbytes)
         return self.mpi.Irecv(buf, source=source, tag=tag)
 
     def next_sequence(self) -> int:

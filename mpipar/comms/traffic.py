@@ -2,8 +2,8 @@
 
 A Comm and all communicators derived from it share one Traffic object, so the
 counters describe everything this rank sent, whichever sub-communicator carried it.
-Counting happens where messages are posted (`Comm.isend`): our own algorithms'
-bytes are exact. A call into the MPI library's own collective (algorithm `mpi`) is
+Counting happens where messages are posted (`Comm.isend`, and `Comm.irecv` for what
+a rank receives): our own algorithms' bytes are exact. A call into the MPI library's own collective (algorithm `mpi`) is
 recorded separately as `library` bytes — the payload handed over, since how the
 library moves it is not ours to see.
 
@@ -24,7 +24,8 @@ from dataclasses import dataclass, fields
 
 @dataclass
 class Counts:
-    """What one rank sent: bytes and messages to its own group and to other groups."""
+    """What one rank sent: bytes and messages to its own group and to other groups; and what
+    its own receives took in."""
 
     intra_bytes: int = 0
     intra_messages: int = 0
@@ -32,6 +33,8 @@ class Counts:
     inter_messages: int = 0
     library_bytes: int = 0
     library_calls: int = 0
+    received_bytes: int = 0  # by this rank's own receives (point to point and our algorithms)
+    received_messages: int = 0
 
     def __add__(self, other: "Counts") -> "Counts":
         return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -64,6 +67,11 @@ class Traffic:
         else:
             counts.intra_bytes += nbytes
             counts.intra_messages += 1
+
+    def record_receive(self, nbytes: int) -> None:
+        counts = self.by_phase[self.current]
+        counts.received_bytes += nbytes
+        counts.received_messages += 1
 
     def record_library(self, nbytes: int) -> None:
         counts = self.by_phase[self.current]

@@ -12,7 +12,7 @@ From the resulting timeline, per worker:
     activation_receives     jobs whose predecessor ran on another worker (an activation
                             or a backward iterate arrives over the network)
     weight_fetches          jobs run on weights another worker owns (fetched, released after)
-    peak_activations        most (s, b) activations held at once: from the start of F(s, b)
+    peak_activations        most (s, b) activations held at once (or their bytes): from the start of F(s, b)
                             to the end of B(s, b), on the worker that computes them
     weights_owned           stages whose weights the worker is the source of truth for
     idle_fraction           the bubble: 1 - busy time / latency
@@ -72,14 +72,19 @@ class Timeline:
         return [len(stages) for stages in owned]
 
     def peak_activations(self) -> list[int]:
-        """Most activations held at once per worker (+1 at F's start, -1 at B's end)."""
+        """Most (s, b) activations held at once per worker."""
+        return self.peak_activation_bytes([1] * self.shape.stages)
+
+    def peak_activation_bytes(self, stage_bytes: list[int]) -> list[int]:
+        """Most activation bytes held at once per worker, one (s, b) weighing `stage_bytes[s]`:
+        held from the start of F(s, b) to the end of B(s, b); at one instant, frees come first."""
         peaks = []
         for slots in self.by_worker:
-            events = sorted((slot.start if slot.job.direction == FORWARD else slot.end,
-                             1 if slot.job.direction == FORWARD else -1) for slot in slots)
+            events = sorted((slot.start, 1, stage_bytes[slot.job.stage]) if slot.job.direction == FORWARD
+                            else (slot.end, -1, stage_bytes[slot.job.stage]) for slot in slots)
             held = peak = 0
-            for _, change in sorted(events, key=lambda e: (e[0], e[1])):  # frees before holds at one instant
-                held += change
+            for _, sign, nbytes in events:
+                held += sign * nbytes
                 peak = max(peak, held)
             peaks.append(peak)
         return peaks

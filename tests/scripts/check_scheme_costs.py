@@ -38,7 +38,7 @@ for name in TRIPLES:
     trainer = Trainer(TrainConfig(**shape, group_size=M, micro_batches=S, collective="ring", ddp="naive",
                                   hidden=(32, 34), dtype="float64", optimizer="adam", batch_size=16 * N,
                                   max_steps=1, epochs=1))
-    psi = trainer.stage.flat.size
+    psi = trainer.stages[0].flat.size
     assert psi == 3552 and psi % N == 0, psi
     expected = bytes_per_rank(sharding, psi, N, M, parameter_bytes=ITEM, gradient_bytes=ITEM, state_bytes=2 * ITEM)
     held = trainer.engine.ledger.steady()

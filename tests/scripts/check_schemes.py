@@ -4,7 +4,7 @@ Run by tests/test_data_parallel.py as `mpiexec -n N python check_schemes.py`. Fo
 every named scheme and the other valid triples, every group size 1, 2, 4 that
 divides N, 1 and 3 micro-batches, SGD with momentum and Adam: 3 float64 steps of
 `mpipar train` on N ranks must leave the parameters equal (rtol 1e-10) to plain
-training of the same global batches in one process — a loop written out below that
+training of the same global batches in one process — a loop written out (reference.py) that
 uses no part of the data-parallel engine. Collectives and unit sizes rotate over the
 cases so that every algorithm and both one-unit and per-layer units are exercised.
 Rank 0 prints every failure and the number of cases; exit status 1 on any failure.
@@ -17,14 +17,8 @@ import numpy as np
 from mpi4py import MPI
 
 import deadline
-from mpipar.backend import make_backend
-from mpipar.cache import ActivationCache
+from reference import one_process
 from mpipar.config import TrainConfig
-from mpipar.data import GlobalBatchSampler, load_dataset
-from mpipar.layers import SoftmaxCrossEntropy
-from mpipar.model import build_stages
-from mpipar.models import build_model
-from mpipar.optim import make_optimizer
 from mpipar.sharding import SCHEMES
 from mpipar.trainer import Trainer
 
@@ -36,32 +30,7 @@ COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=24 * world.size
               lr=0.05, log_every=1000)
 
 
-def one_process(options: dict) -> np.ndarray:
-    """Three steps of plain training on the whole global batch: forward, backward, update."""
-    config = TrainConfig(**COMMON, **options)
-    backend = make_backend("cpu", "float64")
-    train_set, _ = load_dataset(config.dataset)
-    model = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
-                        hidden=config.hidden, dropout=config.dropout)
-    (stage,) = build_stages(model, 1, backend, config.seed)
-    flat, loss_fn, cache = stage.flat, SoftmaxCrossEntropy(), ActivationCache()
-    optimizer = make_optimizer(config.optimizer, [flat.data], [flat.grad], [flat.decay_mask],
-                               momentum=config.momentum, weight_decay=config.weight_decay)
-    sampler = GlobalBatchSampler(len(train_set), config.batch_size, config.seed)
-    for step in range(config.max_steps):
-        inputs, targets = train_set.batch(sampler.global_batch_indices(0, step))
-        ctx = cache.context(0, 0, step=step, seed=config.seed, sample_ids=np.arange(config.batch_size))
-        loss_fn.forward(stage.forward(inputs, ctx), targets, ctx, config.batch_size)
-        flat.grad[:] = 0.0
-        flat.zero_grad()
-        stage.backward(loss_fn.backward(ctx), ctx)
-        flat.settle_grads()
-        cache.release(0, 0)
-        optimizer.step(config.lr)
-    return flat.data.copy()
-
-
-references = {name: one_process(options) for name, options in OPTIMIZERS.items()}
+references = {name: one_process(TrainConfig(**COMMON, **options)) for name, options in OPTIMIZERS.items()}
 failures, cases = [], 0
 group_sizes = [m for m in (1, 2, 4) if world.size % m == 0]
 for index, (triple, group_size, micro_batches, optimizer) in enumerate(

@@ -18,4 +18,4 @@ overrides = dict(pair.split("=", 1) for pair in pairs)
 trainer = Trainer(load_config(None, overrides))
 trainer.run()
 if trainer.rank == 0:
-    np.savez(out, params=trainer.stage.flat.data, counted_bytes=trainer.counted.traffic.read().library_bytes)
+    np.savez(out, params=trainer.stages[0].flat.data, counted_bytes=trainer.counted.traffic.read().library_bytes)

@@ -1,0 +1,116 @@
+"""The master test for schedules: every strategy on this world size equals one process in float64.
+
+Run by tests/test_pipeline.py as `mpiexec -n N python check_pipeline.py` (N = 2 or 4).
+For each strategy with a shape it accepts on N ranks, SGD with momentum and Adam,
+dropout on: 3 float64 steps of `mpipar train --scheme NAME --stages S` must leave
+the parameters equal (rtol 1e-10) to plain one-process training (reference.py).
+
+Each case also checks what the run measured against what the replay of its programs
+predicts, per rank:
+  - peak activation bytes (pebble cache) == the replayed timeline's peak storage, each
+    (stage, micro-batch) weighing what one micro-batch of that stage stashes;
+  - messages received per kind (activations, gradients, weights), counted by the comms
+    counters == the receives in the rank's program == the simulator's transfer counts,
+    and their bytes == count x the size of one such message.
+Rank 0 prints every failure and the number of cases; exit status 1 on any failure.
+"""
+
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import deadline
+from reference import one_process
+from mpipar.cache import ActivationCache
+from mpipar.config import TrainConfig
+from mpipar.schedule.program import FetchWeights, RecvActivation, RecvGradient
+from mpipar.schedule.replay import replay
+from mpipar.trainer import Trainer
+
+deadline.arm(300)
+world = MPI.COMM_WORLD
+W = world.size
+OPTIMIZERS = {"sgd": dict(optimizer="sgd", momentum=0.9, weight_decay=1e-3), "adam": dict(optimizer="adam")}
+COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=24, hidden=(32, 32, 32), dropout=0.1, lr=0.05,
+              log_every=1000)
+# (scheme, stages, micro-batches, loops): every strategy where it applies on W ranks
+CASES = {2: [("gpipe", 2, 1, 1), ("gpipe", 2, 4, 1), ("1f1b", 2, 3, 1), ("1f1b", 2, 6, 1), ("ddp", 3, 2, 1),
+             ("fsdp-stage", 3, 2, 1), ("lpp", 4, 4, 1), ("fslpp", 4, 6, 1), ("lpp", 3, 2, 2)],
+         4: [("gpipe", 4, 4, 1), ("1f1b", 4, 6, 1), ("lpp", 4, 4, 2), ("fslpp", 4, 4, 2), ("lpp-breadth", 8, 8, 2),
+             ("fslpp-breadth", 8, 6, 2), ("fslpp", 6, 2, 2), ("ddp", 3, 4, 1), ("fsdp-stage", 4, 4, 1)]}[W]
+KINDS = {"activations": RecvActivation, "gradients": RecvGradient, "weights": FetchWeights}
+
+
+def stage_bytes(trainer: Trainer) -> list[int]:
+    """What one micro-batch stashes in each stage, measured alone in a fresh cache."""
+    engine, cfg = trainer.engine, trainer.config
+    size = cfg.batch_size // cfg.micro_batches
+    inputs, targets = trainer._to_device(*trainer.train_set.batch(np.arange(size)))
+    engine.gather_model(phase="inspect")
+    measured, x = [], inputs
+    for s, stage in enumerate(trainer.stages):
+        cache = ActivationCache()
+        ctx = cache.context(s, 0, sample_ids=np.arange(size), seed=cfg.seed)
+        x = stage.forward(x.copy(), ctx)
+        if s == len(trainer.stages) - 1:
+            trainer.loss_fn.forward(x, targets, ctx, cfg.batch_size)
+        measured.append(cache.peak_bytes)
+    engine.release_model()
+    return measured
+
+
+def check_costs(trainer: Trainer, label: str) -> list[str]:
+    compiled, rank, problems = trainer.compiled, world.rank, []
+    timeline = replay(compiled.programs, compiled.shape, compiled.holders)
+    predicted = timeline.peak_activation_bytes(stage_bytes(trainer))[rank]
+    if trainer.cache.peak_bytes != predicted:
+        problems.append(f"{label}: peak activation bytes {trainer.cache.peak_bytes}, replay predicts {predicted}")
+    program = compiled.programs[rank]
+    receives = timeline.activation_receives()[rank]
+    fetches = timeline.weight_fetches()[rank]
+    if sum(isinstance(i, (RecvActivation, RecvGradient)) for i in program) != receives:
+        problems.append(f"{label}: the program's activation receives differ from the simulator's {receives}")
+    steps = trainer.config.max_steps
+    for phase, kind in KINDS.items():
+        expected = sum(isinstance(i, kind) for i in program) * steps
+        counts = trainer.counted.traffic.read(phase)
+        if counts.received_messages != expected:
+            problems.append(f"{label}: {counts.received_messages} {phase} messages received, programs say {expected}")
+    if trainer.counted.traffic.read("weights").received_messages != fetches * steps:
+        problems.append(f"{label}: weight fetches differ from the simulator's {fetches} per step")
+    size = trainer.config.batch_size // trainer.config.micro_batches
+    itemsize = 8
+    boundary = [size * int(np.prod(shape)) * itemsize for shape in trainer.engine.input_shapes]
+    expected_bytes = steps * sum(boundary[i.stage] if isinstance(i, RecvActivation) else boundary[i.stage + 1]
+                                 for i in program if isinstance(i, (RecvActivation, RecvGradient)))
+    got = trainer.counted.traffic.read("activations").received_bytes + trainer.counted.traffic.read(
+        "gradients").received_bytes
+    if got != expected_bytes:
+        problems.append(f"{label}: {got} activation and gradient bytes received, expected {expected_bytes}")
+    return problems
+
+
+references = {name: one_process(TrainConfig(**COMMON, **options)) for name, options in OPTIMIZERS.items()}
+failures, cases = [], 0
+for index, (scheme, stages, micro_batches, loops) in enumerate(CASES):
+    for optimizer, options in OPTIMIZERS.items():
+        collective = ("ring", "mpi")[(index + len(optimizer)) % 2]
+        label = f"rank {world.rank}: {scheme} S={stages} B={micro_batches} G={loops} {optimizer} {collective}"
+        trainer = Trainer(TrainConfig(**COMMON, **options, scheme=scheme, stages=stages, micro_batches=micro_batches,
+                                      loops=loops, collective=collective))
+        trainer.run()
+        got = trainer.engine.full_parameters()
+        cases += 1
+        if not np.allclose(got, references[optimizer], rtol=1e-10, atol=0):
+            worst = np.abs(got - references[optimizer]).max()
+            failures.append(f"{label}: differs from one process by up to {worst:.3g}")
+        if optimizer == "sgd":
+            failures += check_costs(trainer, label)
+everything = world.gather(failures, root=0)
+deadline.disarm()
+if world.rank == 0:
+    flat = [f for part in everything for f in part]
+    print("\n".join(flat) if flat else f"all {cases} schedule cases equal one process on {W} ranks, "
+                                       "with the predicted memory and messages")
+    sys.exit(1 if flat else 0)

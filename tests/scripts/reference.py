@@ -1,0 +1,42 @@
+"""Plain one-process training, written out without any engine: what every scheme must equal.
+
+`one_process(config)` runs `config.max_steps` steps of forward, backward and update on
+the whole global batch in one piece and returns the final parameters. It shares the
+layers, data and optimizer with mpipar, but none of the data-parallel or pipeline
+engines' code, so a mistake there cannot hide in the reference too.
+"""
+
+import numpy as np
+
+from mpipar.backend import make_backend
+from mpipar.cache import ActivationCache
+from mpipar.config import TrainConfig
+from mpipar.data import GlobalBatchSampler, load_dataset
+from mpipar.layers import SoftmaxCrossEntropy
+from mpipar.model import build_stages
+from mpipar.models import build_model
+from mpipar.optim import make_optimizer
+
+
+def one_process(config: TrainConfig) -> np.ndarray:
+    """The parameters after `config.max_steps` plain steps on the whole global batch."""
+    backend = make_backend("cpu", config.dtype)
+    train_set, _ = load_dataset(config.dataset)
+    model = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
+                        hidden=config.hidden, dropout=config.dropout)
+    (stage,) = build_stages(model, 1, backend, config.seed)
+    flat, loss_fn, cache = stage.flat, SoftmaxCrossEntropy(), ActivationCache()
+    optimizer = make_optimizer(config.optimizer, [flat.data], [flat.grad], [flat.decay_mask],
+                               momentum=config.momentum, weight_decay=config.weight_decay)
+    sampler = GlobalBatchSampler(len(train_set), config.batch_size, config.seed)
+    for step in range(config.max_steps):
+        inputs, targets = train_set.batch(sampler.global_batch_indices(0, step))
+        ctx = cache.context(0, 0, step=step, seed=config.seed, sample_ids=np.arange(config.batch_size))
+        loss_fn.forward(stage.forward(inputs, ctx), targets, ctx, config.batch_size)
+        flat.grad[:] = 0.0
+        flat.zero_grad()
+        stage.backward(loss_fn.backward(ctx), ctx)
+        flat.settle_grads()
+        cache.release(0, 0)
+        optimizer.step(config.lr)
+    return flat.data.copy()
