@@ -36,6 +36,9 @@ def test_two_ranks_equal_one_process(tmp_path, case):
     (["--batch-size", "63"], "--batch-size 63 must be divisible by ranks x micro-batches = 2 x 1 = 2"),
     (["--epochs", "abc"], "option 'epochs' in the command line must be int, got 'abc'"),
     (["--config", "/nonexistent.toml"], "cannot read config file /nonexistent.toml"),
+    (["--scheme", "gpipe", "--stages", "3"], "gpipe cannot run W=2 S=3 B=1 G=1: one worker per stage: W = S"),
+    (["--scheme", "lpp", "--stages", "3", "--loops", "3", "--micro-batches", "4"],
+     "lpp cannot run W=2 S=3 B=4 G=3: W = G R needs the loops G=3 to divide the workers W=2"),
 ])
 def test_bad_configuration_stops_every_rank_with_one_sentence(args, message):
     result = run_mpi(2, sys.executable, "-m", "mpipar", "train", *args, timeout=60)
