@@ -71,7 +71,7 @@ for round_index in range(args.rounds):
         rates[name].append(run(name, args.steps))
 if world.rank == 0:
     ceiling = statistics.median(rates["no-sync"])
-    psi = contenders["ddp"].stage.flat.size
+    psi = contenders["ddp"].stages[0].flat.size
     k = 4 * state_kinds("sgd", 0.9)
     print(f"{world.size} ranks, MLP 784-512-512-10 float32 ({psi:,} parameters), global batch 256, "
           f"collective {args.collective}, units of {args.bucket_mb} MB, group size {args.group_size}; "

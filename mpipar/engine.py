@@ -26,6 +26,7 @@ Exercised by: mpiexec -n 4 mpipar train --scheme 1f1b --stages 4 --micro-batches
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -41,6 +42,7 @@ from mpipar.optim import make_optimizer
 from mpipar.schedule.program import (Backward, Compiled, FetchWeights, Forward, OptimizerStep, RecvActivation,
                                      RecvGradient, ReduceGradients, ReleaseWeights, SendActivation, SendGradient,
                                      SendWeights)
+from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
 
 MicroBatch = tuple  # (inputs, targets) of one micro-batch: what `load(b)` returns
 
@@ -87,6 +89,7 @@ class Pipeline:
         self.sends: list[tuple] = []  # (request, buffer): the buffer must live until the send completes
         self.reductions: dict[int, tuple] = {}  # stage -> (handle, buffer the root receives into)
         self.totals = np.zeros(3)  # loss sum, correct predictions, predictions
+        self.job_times: list[tuple[Job, float, float]] = []  # (job, start, end) by perf_counter: the bubble
 
     def run_step(self, step: int, seed: int, load: Callable[[int], MicroBatch], batch_size: int) -> np.ndarray:
         """Run every instruction before the update; returns this rank's [loss sum, correct, predictions]."""
@@ -176,6 +179,7 @@ class Pipeline:
         ctx = self.cache.context(s, b, step=self.step_number, seed=self.seed,
                                  sample_ids=np.arange(b * size, (b + 1) * size))
         with self.ledger.phase("forward"):
+            start = time.perf_counter()
             y = self.stages[s].forward(x, ctx, after_layer=self.poll)
         if last:
             self.totals[0] += float(self.loss_fn.forward(y, targets, ctx, self.batch_size))
@@ -183,6 +187,7 @@ class Pipeline:
             self.totals[2] += targets.size
         else:
             self.local[("activation", s + 1, b)] = y
+        self.job_times.append((Job(s, b, FORWARD), start, time.perf_counter()))
 
     def _backward(self, i: Backward) -> None:
         s, b = i.stage, i.batch
@@ -190,8 +195,10 @@ class Pipeline:
         dy = self.loss_fn.backward(ctx) if s == len(self.stages) - 1 else self._input(("gradient", s, b))
         self._weights(s, b, "B")
         with self.ledger.phase("backward"):
+            start = time.perf_counter()
             dx = self.stages[s].backward(dy, ctx, after_layer=self.poll)
         self.cache.release(s, b)
+        self.job_times.append((Job(s, b, BACKWARD), start, time.perf_counter()))
         if s > 0:
             self.local[("gradient", s - 1, b)] = dx
 

@@ -7,7 +7,7 @@ from mpipar.cli import cli
 from mpipar.errors import ConfigError
 from mpipar.schedule.simulate import simulate
 from mpipar.schedule.strategies import (BACKWARD, FORWARD, Job, Shape, Strategy, depth_first, get_strategy,
-                                        load_table, looped_worker, register)
+                                        load_table, looped_worker, predecessor, register)
 
 
 @pytest.mark.parametrize("workers,stages", [(2, 3), (4, 4), (6, 2)])
@@ -106,3 +106,82 @@ def test_show_prints_the_diagram_and_the_costs():
     assert lines[1].startswith("W0  | F0b0 F0b1 F0b2 F0b3 .... .... .... B0b0 F0b4")
     assert "latency 18" in result.output
     assert str(Job(3, 5, BACKWARD)) == "B3b5"
+
+
+# Seed 001's table, row by row. Units: one job (one stage of one micro-batch, one direction)
+# takes one unit, so a latency L of the table (forward only, big-O) is 2L here with both
+# passes; transfers are counted per job (forward and backward each), storage in (s, b)
+# activations and in stages. Where the table's entry is big-O we check the exact figure
+# it stands for and say so; the seed's own mechanical formulas are checked on every row.
+def _seed_formulas_hold(strategy_name: str, shape: Shape):
+    strategy, timeline = get_strategy(strategy_name), simulate(get_strategy(strategy_name), shape)
+    place = {job: strategy.place(job, shape) for job in shape.jobs()}
+    workers = range(shape.workers)
+    receives = [sum(1 for j, (_, c) in place.items() if c == w and (before := predecessor(j, shape)) is not None
+                    and place[before][1] != w) for w in workers]
+    fetches = [sum(1 for j, (weights, c) in place.items() if c == w and weights != w) for w in workers]
+    assert timeline.activation_receives() == receives
+    assert timeline.weight_fetches() == fetches
+    # "peak activation storage <= the items the worker processes"
+    assert all(peak <= sum(1 for j, (_, c) in place.items() if c == w and j.direction == FORWARD)
+               for w, peak in zip(workers, timeline.peak_activations()))
+    return timeline
+
+
+@pytest.mark.parametrize("workers,stages", [(2, 3), (4, 4), (3, 5)])
+def test_seed_table_ddp_row(workers, stages):  # W = B: latency S, no transfers, storage S and S
+    timeline = _seed_formulas_hold("ddp", Shape(workers, stages, workers))
+    assert timeline.latency == 2 * stages
+    assert timeline.peak_activations() == timeline.weights_owned() == [stages] * workers
+
+
+@pytest.mark.parametrize("workers,stages", [(4, 4), (4, 3), (6, 5)])
+def test_seed_table_fsdp_row(workers, stages):  # W = B >= S: latency S, S - 1 weight fetches, weight storage 1
+    timeline = _seed_formulas_hold("fsdp-stage", Shape(workers, stages, workers))
+    assert timeline.latency == 2 * stages and timeline.activation_receives() == [0] * workers
+    owned = timeline.weights_owned()
+    assert max(owned) == 1 and timeline.weight_fetches() == [2 * (stages - n) for n in owned]
+
+
+@pytest.mark.parametrize("stages,batches", [(2, 4), (4, 8), (3, 7), (4, 2)])
+def test_seed_table_gpipe_row(stages, batches):  # W = S: latency B + S - 1, 2B activation transfers, 1 stage
+    timeline = _seed_formulas_hold("gpipe", Shape(stages, stages, batches))
+    assert timeline.latency == 2 * (batches + stages - 1)
+    # 2B on inner workers (B forward, B backward); the two ends receive in one direction only
+    assert timeline.activation_receives() == [batches] + [2 * batches] * (stages - 2) + [batches]
+    assert timeline.weights_owned() == [1] * stages
+    assert timeline.peak_activations() == [batches] * stages  # the table's S is 1F1B's bound; GPipe keeps B
+
+
+@pytest.mark.parametrize("workers,stages,batches,loops", [(4, 4, 8, 2), (6, 6, 12, 2), (8, 8, 16, 4), (9, 9, 9, 3),
+                                                          (4, 8, 8, 2), (4, 8, 16, 2)])
+def test_seed_table_lpp_first_row(workers, stages, batches, loops):  # B >= S >= W = GR
+    r = workers // loops
+    for name in ("lpp-breadth", "fslpp-breadth"):
+        timeline = _seed_formulas_hold(name, Shape(workers, stages, batches, loops))
+        # the table's B + S/G - 1 is the case S = W; in general each worker does S B / W jobs a pass
+        # and the loop adds R - 1 of fill, both ways
+        assert timeline.latency == 2 * (stages * batches // workers + r - 1), name
+        assert sum(timeline.activation_receives()) == 2 * (stages - 1) * batches  # S - 1 hops each way
+        if stages == workers:
+            assert max(timeline.activation_receives()) <= 2 * batches
+    assert simulate(get_strategy("lpp"), Shape(workers, stages, batches, loops)).weights_owned() == [stages // r] * workers
+
+
+@pytest.mark.parametrize("workers,stages,batches,loops", [(4, 8, 2, 2), (4, 4, 2, 2), (8, 8, 4, 4), (6, 12, 3, 3)])
+def test_seed_table_lpp_second_row(workers, stages, batches, loops):  # S >= W = GR >= B: latency S
+    for name in ("lpp", "fslpp"):
+        timeline = _seed_formulas_hold(name, Shape(workers, stages, batches, loops))
+        assert timeline.latency == 2 * stages, name  # one micro-batch per loop: its S stages, there and back
+
+
+@pytest.mark.parametrize("loops,stages,batches", [(2, 4, 8), (3, 9, 9), (2, 8, 8), (2, 2, 4)])
+def test_seed_table_fslpp_rows(loops, stages, batches):  # W = G^2: weights on G workers, S/G stages each
+    shape = Shape(loops * loops, stages, batches, loops)
+    timeline = _seed_formulas_hold("fslpp", shape)
+    owners = [w for w, n in enumerate(timeline.weights_owned()) if n]
+    assert owners == [(loops + 1) * k for k in range(loops)]  # h(s, s) = (G + 1)(s mod G)
+    assert all(timeline.weights_owned()[w] == stages // loops for w in owners)  # the table's 1 is S = G
+    assert timeline.latency == simulate(get_strategy("lpp"), shape).latency  # compute placed as LPP
+    non_owner = next(w for w in range(shape.workers) if w not in owners)
+    assert timeline.weight_fetches()[non_owner] == len(timeline.by_worker[non_owner])  # fetches for every job

@@ -100,11 +100,11 @@ def test_a_later_step_uses_only_its_own_gradient(tmp_path, model):
     parameters_before_step_1 = trainer.stages[0].flat.data.copy()
     trainer.train_step(1, 0, 1)
     reference = Trainer(small_config(**options))
-    reference.stage.flat.data[:] = parameters_before_step_1
-    assert not reference.stage.flat.grad.any()
+    reference.stages[0].flat.data[:] = parameters_before_step_1
+    assert not reference.stages[0].flat.grad.any()
     inputs, targets = reference.train_set.batch(reference.sampler.global_batch_indices(0, 1))
     ctx = reference.cache.context(0, 0, step=1, seed=0, sample_ids=np.arange(len(targets)))
-    logits = reference.stage.forward(inputs, ctx)
+    logits = reference.stages[0].forward(inputs, ctx)
     reference.loss_fn.forward(logits, targets, ctx, len(targets))
-    reference.stage.backward(reference.loss_fn.backward(ctx), ctx)
-    np.testing.assert_allclose(trainer.stages[0].flat.grad, reference.stage.flat.grad, rtol=1e-12, atol=1e-18)
+    reference.stages[0].backward(reference.loss_fn.backward(ctx), ctx)
+    np.testing.assert_allclose(trainer.stages[0].flat.grad, reference.stages[0].flat.grad, rtol=1e-12, atol=1e-18)

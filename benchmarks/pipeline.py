@@ -1,0 +1,94 @@
+"""The bubble of GPipe, 1F1B and a looped pipeline, measured against the replay's prediction.
+
+    mpiexec -n 4 python benchmarks/pipeline.py [--steps 12] [--warmup 3] [--json FILE]
+
+MLP 64-(512 x 8)-10 on the digits (float32, global batch 512, SGD momentum), cut into
+S stages of near-equal FLOPs. Contenders on W ranks:
+
+    gpipe   S = W, B micro-batches             1f1b   S = W, B micro-batches
+    lpp     S = 2W, G = 2 loops (breadth first, the order the seed's LPP latency describes)
+
+For each step every rank records when each of its jobs computed (Pipeline.job_times);
+the measured bubble of a rank is 1 - (time computing) / (the step's wall time, from
+the start of its first job to the update). The prediction replays the same Programs
+with the measured per-stage costs (median forward and backward time of each stage)
+and reports each worker's idle fraction. Rank 0 prints both per rank, the latency of a
+step measured and predicted, and samples/s. Medians over the timed steps.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+from mpi4py import MPI
+
+from mpipar.config import TrainConfig
+from mpipar.schedule.replay import replay
+from mpipar.schedule.strategies import FORWARD
+from mpipar.trainer import Trainer
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--warmup", type=int, default=3)
+parser.add_argument("--micro-batches", type=int, default=8)
+parser.add_argument("--json", default=None, help="also write the figures to this file")
+args = parser.parse_args()
+world = MPI.COMM_WORLD
+W = world.size
+common = dict(model="mlp", hidden=(512,) * 8, dataset="digits", optimizer="sgd", momentum=0.9, lr=0.01,
+              dtype="float32", epochs=1000, batch_size=512, micro_batches=args.micro_batches, collective="mpi")
+CONTENDERS = {"gpipe": dict(scheme="gpipe", stages=W), "1f1b": dict(scheme="1f1b", stages=W),
+              "lpp": dict(scheme="lpp-breadth", stages=2 * W, loops=2)}
+
+
+def one_step(trainer: Trainer, step: int) -> tuple[float, list]:
+    world.Barrier()
+    start = time.perf_counter()
+    trainer.train_step(step, 0, step % trainer.sampler.steps_per_epoch)
+    wall = time.perf_counter() - start
+    return wall, [(job, begin - start, end - start) for job, begin, end in trainer.engine.job_times]
+
+
+results = {}
+for name, options in CONTENDERS.items():
+    trainer = Trainer(TrainConfig(**common, **options))
+    for step in range(args.warmup):
+        one_step(trainer, step)
+    walls, busy, costs = [], [], {}
+    for step in range(args.warmup, args.warmup + args.steps):
+        wall, jobs = one_step(trainer, step)
+        walls.append(wall)
+        busy.append(sum(end - begin for _, begin, end in jobs))
+        for job, begin, end in jobs:
+            costs.setdefault((job.stage, job.direction), []).append(end - begin)
+    everyone = world.allgather(costs)
+    merged = {}
+    for part in everyone:
+        for key, values in part.items():
+            merged.setdefault(key, []).extend(values)
+    stages = trainer.config.stages
+    forward = [statistics.median(merged[(s, FORWARD)]) for s in range(stages)]
+    backward = [statistics.median(merged[(s, "B")]) for s in range(stages)]
+    compiled = trainer.compiled
+    predicted = replay(compiled.programs, compiled.shape, compiled.holders, forward, backward)
+    wall = statistics.median(walls)
+    measured_idle = 1 - statistics.median(busy) / wall
+    slowest = world.allreduce(wall, op=MPI.MAX)
+    idles = world.gather(measured_idle, root=0)
+    results[name] = {"scheme": trainer.scheme_name, "measured_idle": idles,
+                     "predicted_idle": predicted.idle_fraction(), "measured_step_s": slowest,
+                     "predicted_step_s": predicted.latency, "samples_per_s": common["batch_size"] / slowest,
+                     "forward_s": forward, "backward_s": backward}
+
+if world.rank == 0:
+    print(f"{W} ranks, MLP 64-(512x8)-10 float32, global batch {common['batch_size']} in {args.micro_batches} "
+          f"micro-batches; medians of {args.steps} steps")
+    for name, r in results.items():
+        print(f"{name:6} {r['scheme']}: step {r['measured_step_s'] * 1e3:.1f} ms measured, "
+              f"{r['predicted_step_s'] * 1e3:.1f} ms predicted (compute only); {r['samples_per_s']:.0f} samples/s")
+        print("       idle per rank, measured  " + " ".join(f"{x:6.1%}" for x in r["measured_idle"]))
+        print("       idle per rank, predicted " + " ".join(f"{x:6.1%}" for x in r["predicted_idle"]))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"ranks": W, "micro_batches": args.micro_batches, "results": results}, out, indent=1)
