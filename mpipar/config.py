@@ -165,7 +165,7 @@ class TrainConfig:
             raise ConfigError(f"--shard {self.shard} is for data parallelism; with --stages the schedule "
                               f"--scheme decides where weights live")
         if self.stages < 0 or self.stages > MAX_STAGES:
-            raise ConfigError(f"--stages must be between 1 and {MAX_STAGES}, got {self.stages}")
+            raise ConfigError(f"--stages must be between 0 (data parallel) and {MAX_STAGES}, got {self.stages}")
         if self.micro_batches > MAX_MICRO_BATCHES:
             raise ConfigError(f"--micro-batches must be at most {MAX_MICRO_BATCHES} with --stages, "
                               f"got {self.micro_batches}")
