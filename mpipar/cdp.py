@@ -1,0 +1,94 @@
+"""Cyclic Data Parallelism's update rules, and the plain loop that defines them (seed 000).
+
+With N micro-batches and the model cut into N stages, one training step is
+
+    theta_{t+1} = theta_t - (gamma_t / N) sum_i grad f_i(theta_hat_{i,t})
+    theta_hat_{i,t}^j = theta_t^j (fresh) or theta_{t-1}^j (one step old), by the rule:
+
+    dp       every stage fresh: ordinary mini-batch SGD, all micro-batches at once
+    cdp-v1   every stage one step old (a barrier after the N-th micro-batch; PipeDream-2BW)
+    cdp-v2   micro-batch i (1-based) sees stage j fresh when j >= N - i + 1: the last
+             micro-batch of a step updates each stage as its backward passes it and
+             hands the fresh parameters on, so later micro-batches see more fresh stages
+
+`reference_training` runs these rules as a plain single-process loop — no MPI, no
+scheduler, every micro-batch's gradient taken at the parameters the rule names —
+and is the oracle the cyclic engine must equal. theta_{-1} = theta_0. With momentum
+or Adam the averaged gradient feeds the optimizer as it would in DP.
+
+Exercised by: python -m pytest tests/test_cdp.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpipar.backend import make_backend
+from mpipar.cache import ActivationCache
+from mpipar.config import TrainConfig
+from mpipar.data import GlobalBatchSampler, load_dataset, split_micro_batches
+from mpipar.errors import unknown_name
+from mpipar.layers import SoftmaxCrossEntropy
+from mpipar.model import build_stages
+from mpipar.models import build_model
+from mpipar.optim import make_optimizer
+
+RULES = ("dp", "cdp-v1", "cdp-v2")
+
+
+def fresh_stages(rule: str, micro_batch: int, count: int) -> list[bool]:
+    """For micro-batch `micro_batch` (0-based) of `count`, which of the `count` stages
+    (0-based) it computes with this step's parameters; the others are a step old."""
+    if rule == "dp":
+        return [True] * count
+    if rule == "cdp-v1":
+        return [False] * count
+    if rule == "cdp-v2":  # 1-based j >= N - i + 1  <=>  0-based stage >= N - 1 - micro_batch
+        return [stage >= count - 1 - micro_batch for stage in range(count)]
+    raise unknown_name("CDP update rule", rule, RULES)
+
+
+def reference_training(config: TrainConfig, rule: str) -> list[np.ndarray]:
+    """The parameters of each stage after `config.max_steps` steps of `rule`, with
+    N = config.micro_batches micro-batches and stages, in one process."""
+    count = config.micro_batches
+    backend = make_backend("cpu", config.dtype)
+    train_set, _ = load_dataset(config.dataset, data_dir=config.data_dir)
+    model = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
+                        hidden=config.hidden, dropout=config.dropout)
+    stages = build_stages(model, count, backend, config.seed)
+    flats = [stage.flat for stage in stages]
+    optimizer = make_optimizer(config.optimizer, [f.data for f in flats], [f.grad for f in flats],
+                               [f.decay_mask for f in flats], momentum=config.momentum,
+                               weight_decay=config.weight_decay)
+    loss_fn, cache = SoftmaxCrossEntropy(), ActivationCache()
+    sampler = GlobalBatchSampler(len(train_set), config.batch_size, config.seed)
+    size = config.batch_size // count
+    current = [f.data.copy() for f in flats]
+    previous = [f.data.copy() for f in flats]  # theta_{-1} = theta_0
+    for step in range(config.max_steps):
+        epoch, position = divmod(step, sampler.steps_per_epoch)
+        for flat in flats:
+            flat.grad[:] = 0.0
+            flat.zero_grad()
+        for i, indices in enumerate(split_micro_batches(sampler.global_batch_indices(epoch, position), count)):
+            for flat, fresh, new, old in zip(flats, fresh_stages(rule, i, count), current, previous):
+                flat.data[:] = new if fresh else old
+            inputs, targets = train_set.batch(indices)
+            contexts = [cache.context(s, i, step=step, seed=config.seed, sample_ids=np.arange(i * size, (i + 1) * size))
+                        for s in range(count)]
+            x = inputs
+            for stage, ctx in zip(stages, contexts):
+                x = stage.forward(x, ctx)
+            loss_fn.forward(x, targets, contexts[-1], config.batch_size)
+            dy = loss_fn.backward(contexts[-1])
+            for stage, ctx in zip(reversed(stages), reversed(contexts)):
+                dy = stage.backward(dy, ctx)
+            for s in range(count):
+                cache.release(s, i)
+        for flat, new in zip(flats, current):
+            flat.settle_grads()
+            flat.data[:] = new
+        optimizer.step(config.lr)
+        previous, current = current, [f.data.copy() for f in flats]
+    return current
