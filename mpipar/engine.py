@@ -245,25 +245,21 @@ class Pipeline:
         self.pool.give(buffer)
 
     # -- the whole model, for evaluation and checks ----------------------------------------
-    def gather_model(self, phase: str = "evaluate") -> None:
-        """Every stage's weights on every rank, broadcast from a holder (collective)."""
-        for s, stage in enumerate(self.stages):
-            flat = stage.flat
-            weights = flat.data if s in self.held else np.empty(flat.size, dtype=self.dtype)
-            with self.comm.traffic.phase(phase):
-                broadcast(self.comm, weights, self.compiled.holders[s][0], self.collective)
-            flat.bind(0, flat.size, data=weights)
-
-    def release_model(self) -> None:
-        """Forget the weights `gather_model` brought to stages this rank does not hold."""
-        for s, stage in enumerate(self.stages):
-            if s not in self.held:
-                stage.flat.unbind(0, stage.flat.size, grads=False)
-
     def forward(self, x, ctx: Context, gather_phase: str = "evaluate"):
-        """The whole model on one batch (after `gather_model`): evaluation."""
-        for stage in self.stages:
+        """The whole model on one batch (evaluation; collective): each stage this rank does
+        not hold is broadcast from a holder, used, and forgotten, as ZeRO-3 gathers a unit."""
+        for s, stage in enumerate(self.stages):
+            flat, root = stage.flat, self.compiled.holders[s][0]
+            weights = flat.data if self.comm.rank == root else self._take("parameters", flat.size)
+            with self.comm.traffic.phase(gather_phase):
+                broadcast(self.comm, weights, root, self.collective)
+            if s not in self.held:
+                flat.bind(0, flat.size, data=weights)
             x = stage.forward(x, ctx)
+            if s not in self.held:
+                flat.unbind(0, flat.size, grads=False)
+            if self.comm.rank != root:
+                self._give("parameters", weights)
         return x
 
     def full_parameters(self) -> np.ndarray:

@@ -170,21 +170,25 @@ class Trainer:
         return float(loss_sum), float(correct), predictions
 
     def evaluate(self, epoch: int) -> EvalResult:
-        """Loss and accuracy on the test set; each rank takes a contiguous slice of it."""
+        """Loss and accuracy on the test set; each rank takes a contiguous slice of it.
+
+        Every rank runs the same number of batches, whatever its slice: a sharded engine
+        gathers weights collectively in each forward, so one extra batch on one rank
+        would leave it waiting for the others."""
         part = eval_slice(len(self.test_set), self.rank, self.world_size)
         indices = np.arange(len(self.test_set))[part]
+        batches = math.ceil(math.ceil(len(self.test_set) / self.world_size) / self.config.eval_batch)
         totals = np.zeros(3, dtype=np.float64)  # loss sum, correct, predictions
-        if self.config.stages:  # every stage's weights on every rank, for the evaluation only
-            self.engine.gather_model()
-        for start in range(0, len(indices), self.config.eval_batch):
-            inputs, targets = self._to_device(*self.test_set.batch(indices[start:start + self.config.eval_batch]))
+        for chunk in np.array_split(indices, batches) if batches else []:
+            padding = len(chunk) == 0  # a short slice still joins every batch, on one sample not counted
+            inputs, targets = self._to_device(*self.test_set.batch(chunk if not padding else np.arange(1)))
             ctx = Context(cache=None, key=(0, -1), training=False)
             logits = self.engine.forward(inputs, ctx, gather_phase="evaluate")
+            if padding:
+                continue
             totals[0] += float(self.loss_fn.forward(logits, targets, ctx, len(self.test_set)))
             totals[1] += float((logits.argmax(axis=-1) == targets).sum())
             totals[2] += targets.size
-        if self.config.stages:
-            self.engine.release_model()
         with self.counted.traffic.phase("evaluate"):
             sum_across_ranks(self.counted, totals)
         return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)))

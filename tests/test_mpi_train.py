@@ -1,5 +1,6 @@
 """`mpiexec -n 2 mpipar train`: equal to one process in float64, and no hangs on failure."""
 
+import json
 import sys
 
 import numpy as np
@@ -70,3 +71,22 @@ def test_exception_on_one_rank_aborts_the_job_with_its_traceback(through_cli):
     assert result.returncode != 0
     assert "mpipar: rank 1 of 2 failed; aborting the job" in result.stderr
     assert "RuntimeError: injected failure on rank 1" in result.stderr
+
+
+@pytest.mark.parametrize("scheme", [["--scheme", "zero3"], ["--scheme", "gpipe", "--stages", "2", "--micro-batches", "2"]])
+@pytest.mark.parametrize("eval_batch", ["50", "1"])
+def test_uneven_evaluation_slices_do_not_hang_a_sharded_run(tmp_path, scheme, eval_batch):
+    # 101 test samples on 2 ranks: slices of 51 and 50. Were the batches counted per slice, rank 0
+    # would run one more evaluation forward than rank 1 and wait alone in its weight gather.
+    for prefix, count in (("train", 100), ("t10k", 101)):
+        pixels = (np.arange(count * 64) % 251).astype(np.uint8).reshape(count, 8, 8)
+        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", pixels)
+        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", np.arange(count, dtype=np.uint8) % 10)
+    metrics = tmp_path / "run.jsonl"
+    result = run_mpi(2, sys.executable, "-m", "mpipar", "train", "--dataset", "kmnist", *scheme, "--eval-batch",
+                     eval_batch, "--batch-size", "20", "--max-steps", "1", "--epochs", "1", "--metrics", str(metrics),
+                     timeout=90, env_extra={"MPIPAR_DATA": str(tmp_path), "MPIPAR_COMM_TIMEOUT": "20"})
+    assert result.returncode == 0, result.stderr
+    evaluation = next(json.loads(line) for line in metrics.read_text().splitlines() if '"eval"' in line)
+    correct = evaluation["accuracy"] * 101  # every sample counted once, the padding of the short slice not
+    assert abs(correct - round(correct)) < 1e-9

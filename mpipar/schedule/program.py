@@ -221,9 +221,12 @@ def describe(instruction: Instruction) -> str:
     if isinstance(instruction, COMPUTE):
         return f"{name} {job_of(instruction)}"
     if isinstance(instruction, (SendWeights, FetchWeights, ReleaseWeights)):
-        peer = {SendWeights: " to {}", FetchWeights: " from {}"}.get(type(instruction), "")
-        return f"{name} {instruction.direction}{instruction.stage}b{instruction.batch}" + peer.format(
-            getattr(instruction, "dest", getattr(instruction, "source", None)))
+        job = f"{instruction.direction}{instruction.stage}b{instruction.batch}"
+        if isinstance(instruction, SendWeights):
+            return f"{name} {job} to {instruction.dest}"
+        if isinstance(instruction, FetchWeights):
+            return f"{name} {job} from {instruction.source}"
+        return f"{name} {job}"
     if isinstance(instruction, ReduceGradients):
         target = f"to {instruction.root}" if instruction.root is not None else "all-reduce"
         return f"{name} stage {instruction.stage} over {list(instruction.members)} ({target})"

@@ -15,8 +15,6 @@ predicts, per rank:
 Rank 0 prints every failure and the number of cases; exit status 1 on any failure.
 """
 
-import sys
-
 import numpy as np
 from mpi4py import MPI
 
@@ -44,19 +42,19 @@ KINDS = {"activations": RecvActivation, "gradients": RecvGradient, "weights": Fe
 
 def stage_bytes(trainer: Trainer) -> list[int]:
     """What one micro-batch stashes in each stage, measured alone in a fresh cache."""
-    engine, cfg = trainer.engine, trainer.config
+    cfg = trainer.config
     size = cfg.batch_size // cfg.micro_batches
     inputs, targets = trainer._to_device(*trainer.train_set.batch(np.arange(size)))
-    engine.gather_model(phase="inspect")
-    measured, x = [], inputs
+    weights, measured, x, offset = trainer.engine.full_parameters(), [], inputs, 0
     for s, stage in enumerate(trainer.stages):
         cache = ActivationCache()
         ctx = cache.context(s, 0, sample_ids=np.arange(size), seed=cfg.seed)
+        stage.flat.bind(0, stage.flat.size, data=weights[offset:offset + stage.flat.size])
+        offset += stage.flat.size
         x = stage.forward(x.copy(), ctx)
         if s == len(trainer.stages) - 1:
             trainer.loss_fn.forward(x, targets, ctx, cfg.batch_size)
         measured.append(cache.peak_bytes)
-    engine.release_model()
     return measured
 
 
@@ -80,7 +78,7 @@ def check_costs(trainer: Trainer, label: str) -> list[str]:
     if trainer.counted.traffic.read("weights").received_messages != fetches * steps:
         problems.append(f"{label}: weight fetches differ from the simulator's {fetches} per step")
     size = trainer.config.batch_size // trainer.config.micro_batches
-    itemsize = 8
+    itemsize = np.dtype(trainer.config.dtype).itemsize
     boundary = [size * int(np.prod(shape)) * itemsize for shape in trainer.engine.input_shapes]
     expected_bytes = steps * sum(boundary[i.stage] if isinstance(i, RecvActivation) else boundary[i.stage + 1]
                                  for i in program if isinstance(i, (RecvActivation, RecvGradient)))
@@ -107,10 +105,5 @@ for index, (scheme, stages, micro_batches, loops) in enumerate(CASES):
             failures.append(f"{label}: differs from one process by up to {worst:.3g}")
         if optimizer == "sgd":
             failures += check_costs(trainer, label)
-everything = world.gather(failures, root=0)
-deadline.disarm()
-if world.rank == 0:
-    flat = [f for part in everything for f in part]
-    print("\n".join(flat) if flat else f"all {cases} schedule cases equal one process on {W} ranks, "
-                                       "with the predicted memory and messages")
-    sys.exit(1 if flat else 0)
+deadline.finish(world, failures, f"all {cases} schedule cases equal one process on {W} ranks, "
+                                 "with the predicted memory and messages")

@@ -11,7 +11,6 @@ Rank 0 prints every failure and the number of cases; exit status 1 on any failur
 """
 
 import itertools
-import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -47,9 +46,4 @@ for index, (triple, group_size, micro_batches, optimizer) in enumerate(
         worst = np.abs(got - references[optimizer]).max()
         failures.append(f"rank {world.rank}: {triple} M={group_size} micro-batches {micro_batches} {optimizer} "
                         f"{collective} {mode}: differs from one process by up to {worst:.3g}")
-everything = world.gather(failures, root=0)
-deadline.disarm()
-if world.rank == 0:
-    flat = [f for part in everything for f in part]
-    print("\n".join(flat) if flat else f"all {cases} scheme cases equal one process on {world.size} rank(s)")
-    sys.exit(1 if flat else 0)
+deadline.finish(world, failures, f"all {cases} scheme cases equal one process on {world.size} rank(s)")
