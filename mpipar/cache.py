@@ -77,6 +77,7 @@ class ActivationCache:
         self.contexts: dict[tuple[int, int], Context] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.window_peak = 0  # the peak since a caller last reset it (the CDP engine: per time step)
         self.clock = 0
         # (clock, live bytes) after every save and pop; off by default because a
         # long run would grow it without bound.
@@ -110,6 +111,7 @@ class ActivationCache:
             else:
                 entry[2] += 1
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.window_peak = max(self.window_peak, self.live_bytes)
         self._tick()
 
     def _drop(self, arrays) -> None:

@@ -21,17 +21,21 @@ Exercised by: python -m pytest tests/test_cdp.py
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
-from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, load_dataset, split_micro_batches
 from mpipar.errors import unknown_name
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.model import build_stages
 from mpipar.models import build_model
 from mpipar.optim import make_optimizer
+
+if TYPE_CHECKING:
+    from mpipar.config import TrainConfig
 
 RULES = ("dp", "cdp-v1", "cdp-v2")
 

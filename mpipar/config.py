@@ -26,8 +26,11 @@ from mpipar.errors import ConfigError, unknown_name
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, SCHEDULES
 from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
+from mpipar.schedule.cyclic import LAYOUTS, check_layout
 from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy
 from mpipar.sharding import DDP_MODES, SCHEMES, Sharding, parse_sharding
+
+CDP_SCHEMES = ("cdp-v1", "cdp-v2")
 
 try:
     import tomllib
@@ -64,7 +67,10 @@ class TrainConfig:
     step_size: int = _option(1000, "steps between decays for --schedule step")
     gamma: float = _option(0.1, "decay factor for --schedule step")
     scheme: str | None = _option(None, f"data-parallel scheme: {', '.join(SCHEMES)} (default ddp); with --stages "
-                                       f"a schedule: {', '.join(STRATEGIES)}")
+                                       f"a schedule: {', '.join(STRATEGIES)}; or Cyclic Data Parallelism: "
+                                       f"{', '.join(CDP_SCHEMES)}")
+    cdp_layout: str = _option("dp", f"where Cyclic Data Parallelism runs its jobs: {', '.join(LAYOUTS)} "
+                                    "(N = --micro-batches stages and micro-batches)")
     stages: int = _option(0, "pipeline stages S: run --scheme as a schedule of S stages over the ranks, "
                              "--micro-batches then counting all of the step's micro-batches (0: data parallel)")
     loops: int = _option(1, "groups G of R = ranks/G workers for the looped schedules (lpp, fslpp)")
@@ -97,6 +103,11 @@ class TrainConfig:
                               f"({', '.join(STRATEGIES)})")
         return get_strategy(self.scheme)
 
+    @property
+    def cyclic(self) -> bool:
+        """Is this a Cyclic Data Parallelism run (the cyclic engine)?"""
+        return self.scheme in CDP_SCHEMES
+
     def schedule_shape(self, world_size: int) -> Shape:
         """W workers (the ranks), S stages, B micro-batches of the whole step, G loops."""
         return Shape(world_size, self.stages, self.micro_batches, self.loops)
@@ -114,7 +125,9 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.stages:
+        if self.cyclic:
+            self._validate_cyclic(world_size)
+        elif self.stages:
             self._validate_schedule(world_size)
         else:
             self._validate_data_parallel(world_size)
@@ -140,6 +153,26 @@ class TrainConfig:
                               "the transformer trains on --dataset text, the mlp and cnn on image data sets")
         if self.dataset == "text" and not self.text_file:
             raise ConfigError("--dataset text needs --text-file PATH (any UTF-8 text file)")
+
+    def _validate_cyclic(self, world_size: int) -> None:
+        count = self.micro_batches
+        if self.stages not in (0, count):
+            raise ConfigError(f"--scheme {self.scheme} cuts the model into N = --micro-batches = {count} stages; "
+                              f"drop --stages {self.stages}")
+        if count > MAX_STAGES:
+            raise ConfigError(f"--scheme {self.scheme} has as many stages as micro-batches: at most {MAX_STAGES}, "
+                              f"got --micro-batches {count}")
+        if self.shard is not None or self.loops != 1:
+            raise ConfigError(f"--scheme {self.scheme} places stage states by --cdp-layout; "
+                              "--shard and --loops do not apply")
+        if self.device == "gpu":
+            raise ConfigError(f"--scheme {self.scheme} sends host buffers between ranks; on a GPU use "
+                              "--scheme ddp --ddp naive")
+        if self.cdp_layout not in LAYOUTS:
+            raise unknown_name("CDP layout", self.cdp_layout, LAYOUTS)
+        check_layout(self.cdp_layout, self.scheme, count, world_size)
+        if self.batch_size % count:
+            raise ConfigError(f"--batch-size {self.batch_size} must be divisible by the {count} micro-batches")
 
     def _validate_data_parallel(self, world_size: int) -> None:
         if self.scheme in STRATEGIES and self.scheme not in SCHEMES:

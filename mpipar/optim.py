@@ -37,20 +37,28 @@ SCHEDULES = ("constant", "step", "cosine")
 class _PiecewiseOptimizer:
     """Pieces and the buffers every optimizer needs: one flat buffer per state kind."""
 
-    def __init__(self, params: Sequence, grads: Sequence, masks: Sequence, state_kinds: int) -> None:
+    def __init__(self, params: Sequence, grads: Sequence, masks: Sequence, state_kinds: int, state=None) -> None:
         if not len(params) == len(grads) == len(masks):
             raise ValueError(f"an optimizer needs as many gradients and masks as parameter pieces; got "
                              f"{len(params)}, {len(grads)}, {len(masks)}")
         self.params, self.grads, self.masks = list(params), list(grads), list(masks)
         self.steps = 0
-        self._buffers = [self._flat_state() for _ in range(state_kinds + 1)]  # the last one is workspace
+        total = sum(piece.size for piece in self.params)
+        xp = array_module(self.params[0]) if self.params else None
+        if state is None:
+            state = xp.zeros(state_kinds * total, dtype=self.params[0].dtype) if self.params else []
+        elif state.size != state_kinds * total:
+            raise ValueError(f"optimizer state of {state.size} elements given; this optimizer keeps "
+                             f"{state_kinds} x {total}")
+        # All state kinds live in one flat buffer (`state`), so the whole state of a stage
+        # can travel in one message (Cyclic Data Parallelism's ZeRO layout moves it).
+        self.state = state
+        workspace = xp.zeros(total, dtype=self.params[0].dtype) if self.params else []
+        self._buffers = [self._views(state[kind * total:(kind + 1) * total]) for kind in range(state_kinds)]
+        self._buffers.append(self._views(workspace))  # the last one is workspace
 
-    def _flat_state(self) -> list:
-        """A zeroed buffer as long as all pieces together, as one view per piece."""
-        if not self.params:
-            return []
-        xp = array_module(self.params[0])
-        buffer = xp.zeros(sum(piece.size for piece in self.params), dtype=self.params[0].dtype)
+    def _views(self, buffer) -> list:
+        """`buffer`, as long as all pieces together, as one view per piece."""
         views, offset = [], 0
         for piece in self.params:
             views.append(buffer[offset:offset + piece.size])
@@ -70,8 +78,9 @@ class _PiecewiseOptimizer:
 
 
 class SGD(_PiecewiseOptimizer):
-    def __init__(self, params, grads, masks, *, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
-        super().__init__(params, grads, masks, state_kinds=1 if momentum else 0)
+    def __init__(self, params, grads, masks, *, momentum: float = 0.0, weight_decay: float = 0.0,
+                 state=None) -> None:
+        super().__init__(params, grads, masks, state_kinds=1 if momentum else 0, state=state)
         self.momentum, self.weight_decay = momentum, weight_decay
 
     def step(self, lr: float) -> None:
@@ -91,8 +100,8 @@ class SGD(_PiecewiseOptimizer):
 
 class Adam(_PiecewiseOptimizer):
     def __init__(self, params, grads, masks, *, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = False) -> None:
-        super().__init__(params, grads, masks, state_kinds=2)
+                 eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = False, state=None) -> None:
+        super().__init__(params, grads, masks, state_kinds=2, state=state)
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay, self.decoupled = eps, weight_decay, decoupled
 
@@ -134,13 +143,15 @@ def _add_decay(xp, grad, params, decay_mask, coefficient: float, scratch) -> Non
 
 
 def make_optimizer(name: str, params: Sequence, grads: Sequence, masks: Sequence, *, momentum: float = 0.9,
-                   weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
-    """The optimizer called `name` (one of OPTIMIZERS) over the given pieces."""
+                   weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                   state=None):
+    """The optimizer called `name` (one of OPTIMIZERS) over the given pieces; `state`, if
+    given, is the flat buffer (state_kinds x all pieces) to keep its state in."""
     if name == "sgd":
-        return SGD(params, grads, masks, momentum=momentum, weight_decay=weight_decay)
+        return SGD(params, grads, masks, momentum=momentum, weight_decay=weight_decay, state=state)
     if name in ("adam", "adamw"):
         return Adam(params, grads, masks, betas=betas, eps=eps, weight_decay=weight_decay,
-                    decoupled=name == "adamw")
+                    decoupled=name == "adamw", state=state)
     raise unknown_name("optimizer", name, OPTIMIZERS)
 
 

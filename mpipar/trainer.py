@@ -32,6 +32,7 @@ from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across
 from mpipar.comms.topology import make_world
 from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, eval_slice, load_dataset, rank_slice, split_micro_batches
+from mpipar.cyclic import Cyclic
 from mpipar.data_parallel import DataParallel
 from mpipar.engine import Pipeline
 from mpipar.errors import NonFiniteLossError
@@ -84,7 +85,11 @@ class Trainer:
         self.model = build_model(cfg.model, input_shape=self.train_set.input_shape,
                                  num_classes=self.train_set.num_classes, hidden=cfg.hidden,
                                  dropout=cfg.dropout, width=cfg.width, heads=cfg.heads, blocks=cfg.blocks)
-        if cfg.stages:  # a schedule: every rank builds every stage, then keeps what its program needs
+        if cfg.cyclic:  # Cyclic Data Parallelism: N stages, N micro-batches, every rank builds every stage
+            self.stages = build_stages(self.model, cfg.micro_batches, self.backend, cfg.seed)
+            self.scheme_name = (f"{cfg.scheme}, {cfg.cdp_layout} layout, over {cfg.micro_batches} stages "
+                                f"and micro-batches")
+        elif cfg.stages:  # a schedule: every rank builds every stage, then keeps what its program needs
             self.stages = build_stages(self.model, cfg.stages, self.backend, cfg.seed)
             self.compiled = compile_programs(cfg.strategy(), cfg.schedule_shape(self.world_size))
             replay(self.compiled.programs, self.compiled.shape, self.compiled.holders)  # sound, or refused here
@@ -105,10 +110,15 @@ class Trainer:
         # [loss sum, correct predictions, predictions] of a step, summed over ranks in one message
         self.step_totals = np.zeros(3, dtype=np.float64)
 
-    def _make_engine(self) -> DataParallel | Pipeline:
+    def _make_engine(self) -> DataParallel | Pipeline | Cyclic:
         cfg = self.config
         options = dict(optimizer=cfg.optimizer, optimizer_options=dict(momentum=cfg.momentum,
                                                                        weight_decay=cfg.weight_decay))
+        if cfg.cyclic:
+            first_layers = [layers.start for layers in partition(self.model, cfg.micro_batches)]
+            return Cyclic(self.counted, self.stages, self.cache, self.loss_fn, layout=cfg.cdp_layout,
+                          rule=cfg.scheme, input_shapes=[self.model.shapes[first] for first in first_layers],
+                          **options)
         if cfg.stages:
             first_layers = [layers.start for layers in partition(self.model, cfg.stages)]
             return Pipeline(self.counted, self.stages, self.compiled, self.cache, self.loss_fn,
@@ -147,6 +157,42 @@ class Trainer:
         self.engine.step(lr)
         accuracy = float(self.step_totals[1] / self.step_totals[2])
         return StepResult(step, epoch, loss, accuracy, lr, time.perf_counter() - start)
+
+    def _epoch(self, epoch: int, step: int, report) -> int:
+        """The steps of one epoch, one after the other; returns the next step number."""
+        for step_in_epoch in range(self.sampler.steps_per_epoch):
+            if step >= self.total_steps:
+                break
+            result = self.train_step(step, epoch, step_in_epoch)
+            if report:
+                report.step(result, self)
+            step += 1
+        return step
+
+    def _cyclic_epoch(self, epoch: int, first_step: int, report) -> int:
+        """An epoch of Cyclic Data Parallelism as one run of the cyclic engine (its steps
+        overlap in time, so they cannot be taken one by one); the step losses are summed over
+        ranks once, at the end. Returns the next step number."""
+        cfg = self.config
+        steps = min(self.sampler.steps_per_epoch, self.total_steps - first_step)
+        if steps <= 0:
+            return first_step
+
+        def load(step: int, micro_batch: int):
+            indices = self.sampler.global_batch_indices(epoch, step - first_step)
+            return self._to_device(*self.train_set.batch(split_micro_batches(indices, cfg.micro_batches)[micro_batch]))
+
+        start = time.perf_counter()
+        totals = self.engine.run_steps(first_step, steps, load, seed=cfg.seed, batch_size=cfg.batch_size,
+                                       lr_at=self.lr_at)
+        seconds = (time.perf_counter() - start) / steps
+        with self.counted.traffic.phase("metrics"):
+            sum_across_ranks(self.counted, totals.reshape(-1))  # a view: totals is summed in place
+        for offset, (loss, correct, predictions) in enumerate(totals):
+            if report:
+                report.step(StepResult(first_step + offset, epoch, float(loss), float(correct / predictions),
+                                       self.lr_at(first_step + offset), seconds), self)
+        return first_step + steps
 
     def _data_parallel_micro_batches(self, step: int, indices) -> tuple[float, int, int]:
         """This rank's slice of the global batch, micro-batch after micro-batch through the
@@ -190,7 +236,7 @@ class Trainer:
             totals[1] += float((logits.argmax(axis=-1) == targets).sum())
             totals[2] += targets.size
         with self.counted.traffic.phase("evaluate"):
-            sum_across_ranks(self.counted, totals)
+            sum_across_ranks(self.counted, totals.reshape(-1))  # a view: totals is summed in place
         return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)))
 
     def run(self, report=None) -> dict:
@@ -205,13 +251,7 @@ class Trainer:
         started = time.perf_counter()
         step, evaluation = 0, None
         for epoch in range(cfg.epochs):
-            for step_in_epoch in range(self.sampler.steps_per_epoch):
-                if step >= self.total_steps:
-                    break
-                result = self.train_step(step, epoch, step_in_epoch)
-                if report:
-                    report.step(result, self)
-                step += 1
+            step = (self._cyclic_epoch if cfg.cyclic else self._epoch)(epoch, step, report)
             evaluation = self.evaluate(epoch)
             if report:
                 report.evaluation(evaluation, self)

@@ -1,7 +1,8 @@
 """Message tags: which kind of message, and for whom, packed into one MPI tag.
 
     tag = field * 8 + kind
-    point to point   field = stage * 4096 + micro_batch      (kind: activation, gradient, weights)
+    point to point   field = stage * 4096 + micro_batch      (kind: activation, gradient, weights,
+                                                             gradient sum, optimizer state)
     collectives      field = sequence number of the operation on its communicator, modulo 2^18
 
 A received message is matched by (communicator, source, tag), so two messages that
@@ -35,6 +36,8 @@ class Kind(IntEnum):
     ACTIVATION = 1
     GRADIENT = 2
     WEIGHTS = 3
+    GRADIENT_SUM = 4  # Cyclic Data Parallelism: a stage's partial gradient sum on its ring
+    OPTIMIZER_STATE = 5  # Cyclic Data Parallelism: a stage's optimizer state moving to its next user
 
 
 def p2p_tag(kind: Kind, stage: int, micro_batch: int) -> int:

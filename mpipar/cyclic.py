@@ -1,0 +1,262 @@
+"""Runs this rank's Cyclic Data Parallelism program over MPI (seed 000).
+
+`schedule/cyclic.py` writes one program per rank for a run of training steps; this
+engine executes its own, instruction by instruction, holding every item (a stage's
+input or output gradient of one micro-batch, a weight version, a partial gradient sum,
+an optimizer state) in one dictionary:
+
+    Receive    Irecv into a fresh buffer (a received input becomes an activation: never reused)
+    Compute    bind the stage to the weight version the rule names (and, in backward, to the
+               step's gradient sum), run it; pebbles go into the cache under the micro-batch
+    Update     a new buffer = the optimizer applied to the old version, the summed gradient and
+               the optimizer state (the old version may still be read by micro-batches in flight)
+    Send       Isend; the buffer is kept alive until the send completes
+    Drop       forget the item
+    EndTimeStep  let messages progress; record live activation bytes (the Fig. 4 timeline)
+
+Only point-to-point messages: no collective is called while training. Phases counted:
+activations, gradients (of micro-batches), weights, gradient-ring, optimizer-state.
+
+The trainer hands it whole runs of steps (an epoch): `run_steps` starts from each
+stage's persistent state at its home ranks and ends there, every update done, so
+evaluation sees the model the rule defines.
+
+Exercised by: mpiexec -n 4 mpipar train --scheme cdp-v2 --cdp-layout dp --micro-batches 4
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from mpipar.cache import ActivationCache, Context
+from mpipar.comms.collectives import broadcast
+from mpipar.comms.comm import Comm
+from mpipar.comms.tags import MAX_MICRO_BATCHES, Kind, p2p_tag
+from mpipar.errors import NonFiniteLossError
+from mpipar.ledger import MemoryLedger
+from mpipar.model import Stage
+from mpipar.optim import make_optimizer, state_kinds
+from mpipar.schedule.cyclic import (BACKWARD, Compute, CyclicPlan, Drop, EndTimeStep, Item, Receive, Send, Update,
+                                    compile_cyclic, home_ranks, optimizer_home, persistent_items)
+
+KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "g": Kind.GRADIENT_SUM,
+           "o": Kind.OPTIMIZER_STATE}
+PHASE_OF = {"x": "activations", "dy": "gradients", "w": "weights", "g": "gradient-ring", "o": "optimizer-state"}
+LEDGER_KIND = {"w": "parameters", "g": "gradients", "o": "optimizer_state"}
+
+Load = Callable[[int, int], tuple]  # (step, micro-batch) -> (inputs, targets)
+
+
+class Cyclic:
+    """One rank's part of training `stages` (all N of them, built on every rank) cyclically."""
+
+    def __init__(self, comm: Comm, stages: list[Stage], cache: ActivationCache, loss_fn, *, layout: str, rule: str,
+                 input_shapes: list[tuple[int, ...]], optimizer: str, optimizer_options: dict) -> None:
+        self.comm, self.stages, self.cache, self.loss_fn = comm, stages, cache, loss_fn
+        self.layout, self.rule, self.count = layout, rule, len(stages)
+        self.input_shapes = input_shapes  # per stage; the last entry is the model's output
+        self.optimizer_name, self.optimizer_options = optimizer, optimizer_options
+        self.kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
+        self.dtype = stages[0].flat.data.dtype
+        self.ledger = MemoryLedger()
+        self.store: dict[Item, np.ndarray] = {}
+        for item in persistent_items(rule, self.count, 0):
+            if comm.rank in self._homes(item):
+                flat = stages[item.stage].flat
+                self._keep(item, flat.data.copy() if item.kind == "w" else np.zeros(self._size(item), self.dtype))
+        for stage in stages:  # a stage is bound to an item's buffer for each job
+            stage.flat.drop_full(params=True, grads=True)
+        self.next_step = 0
+        self.plans: dict[tuple[int, int], CyclicPlan] = {}
+        self.timeline: list[tuple[int, int, int]] = []  # (time step, live activation bytes, peak within it)
+
+    # -- a run of steps --------------------------------------------------------------
+    def run_steps(self, first_step: int, steps: int, load: Load, *, seed: int, batch_size: int,
+                  lr_at: Callable[[int], float]) -> np.ndarray:
+        """Train steps [first_step, first_step + steps); returns this rank's [loss sum, correct,
+        predictions] per step. Every step before `first_step` must have been run."""
+        if first_step != self.next_step:
+            raise RuntimeError(f"CDP runs steps in order: expected step {self.next_step}, got {first_step}")
+        plan = self._plan(first_step, steps)
+        self.load, self.seed, self.batch_size, self.lr_at = load, seed, batch_size, lr_at
+        self.micro_size = batch_size // self.count
+        self.first_step, self.totals = first_step, np.zeros((steps, 3))
+        self.inbox: dict[Item, tuple[np.ndarray, MPI.Request]] = {}
+        self.sends: list[tuple[MPI.Request, np.ndarray]] = []
+        self.time_offset = len(self.timeline)
+        for instruction in plan.programs[self.comm.rank]:
+            self.handlers[type(instruction)](self, instruction)
+        for item in list(self.inbox):  # the state the next run starts from, brought home
+            self._take(item)
+        MPI.Request.Waitall([request for request, _ in self.sends])
+        self.sends.clear()
+        expected = self._persistent(first_step + steps)
+        if sorted(self.store) != sorted(expected):
+            raise RuntimeError(f"rank {self.comm.rank}: the run ended holding {sorted(self.store)}, "
+                               f"not the persistent state {sorted(expected)}")
+        self.next_step = first_step + steps
+        return self.totals
+
+    def _plan(self, first_step: int, steps: int) -> CyclicPlan:
+        # a plan depends on the first step only through the step numbers; epochs of equal
+        # length share one when the rule has reached its steady state (first step > 0)
+        key = (min(first_step, 1), steps)
+        if key not in self.plans:
+            self.plans[key] = compile_cyclic(self.layout, self.rule, self.count, min(first_step, 1), steps)
+        plan = self.plans[key]
+        self.step_shift = first_step - plan.first_step
+        return plan
+
+    def _persistent(self, step: int) -> list[Item]:
+        return [item for item in persistent_items(self.rule, self.count, step) if self.comm.rank in self._homes(item)]
+
+    def _homes(self, item: Item) -> tuple[int, ...]:
+        if item.kind == "o":
+            return (optimizer_home(self.layout, self.count, item.stage),)
+        return home_ranks(self.layout, self.count, item.stage)
+
+    # -- items -----------------------------------------------------------------------------
+    def _shifted(self, item: Item) -> Item:
+        """A plan's item, with its step (or update count) moved to this run's."""
+        if item.kind in ("x", "dy"):
+            return Item(item.kind, item.stage, item.index + self.step_shift * self.count)
+        return Item(item.kind, item.stage, item.index + self.step_shift) if item.kind in ("w", "g") else item
+
+    def _size(self, item: Item) -> tuple[int, ...]:
+        if item.kind == "x":
+            return (self.micro_size, *self.input_shapes[item.stage])
+        if item.kind == "dy":
+            return (self.micro_size, *self.input_shapes[item.stage + 1])
+        size = self.stages[item.stage].flat.size
+        return (size * self.kinds,) if item.kind == "o" else (size,)
+
+    def _keep(self, item: Item, buffer: np.ndarray) -> None:
+        self.store[item] = buffer
+        if item.kind in LEDGER_KIND:
+            self.ledger.hold(LEDGER_KIND[item.kind], buffer.nbytes)
+
+    def _take(self, item: Item) -> np.ndarray:
+        """The item, waiting for it if it is still arriving."""
+        if item in self.inbox:
+            buffer, request = self.inbox.pop(item)
+            request.Wait()
+            self._keep(item, buffer)
+        return self.store[item]
+
+    def _tag(self, item: Item) -> int:
+        return p2p_tag(KIND_OF[item.kind], item.stage, item.index % MAX_MICRO_BATCHES)
+
+    # -- instructions ------------------------------------------------------------------------
+    def _receive(self, instruction: Receive) -> None:
+        item = self._shifted(instruction.item)
+        buffer = np.empty(self._size(item), dtype=self.dtype)  # fresh: it may become an activation
+        with self.comm.traffic.phase(PHASE_OF[item.kind]):
+            self.inbox[item] = (buffer, self.comm.irecv(buffer, instruction.source, self._tag(item)))
+
+    def _send(self, instruction: Send) -> None:
+        item = self._shifted(instruction.item)
+        buffer = self._take(item)
+        self.sends.append((self.comm.isend(buffer, instruction.dest, self._tag(item), PHASE_OF[item.kind]), buffer))
+
+    def _drop(self, instruction: Drop) -> None:
+        item = self._shifted(instruction.item)
+        buffer = self.store.pop(item)
+        if item.kind in LEDGER_KIND:
+            self.ledger.free(LEDGER_KIND[item.kind], buffer.nbytes)
+
+    def _compute(self, instruction: Compute) -> None:
+        job = instruction.job
+        step, s, i = job.step + self.step_shift, job.stage, job.micro_batch
+        g, last = step * self.count + i, s == self.count - 1
+        flat, stage = self.stages[s].flat, self.stages[s]
+        flat.bind(0, flat.size, data=self._take(Item("w", s, instruction.version + self.step_shift)))
+        if job.direction == BACKWARD:
+            self._backward(step, s, g, flat, stage, instruction.new_gradient)
+        else:
+            inputs, targets = self.load(step, i) if s == 0 or last else (None, None)
+            x = inputs if s == 0 else self._take(Item("x", s, g))
+            ctx = self.cache.context(s, g, step=step, seed=self.seed,
+                                     sample_ids=np.arange(i * self.micro_size, (i + 1) * self.micro_size))
+            with self.ledger.phase("forward"):
+                y = stage.forward(x, ctx)
+            if last:
+                loss = float(self.loss_fn.forward(y, targets, ctx, self.batch_size))
+                if not np.isfinite(loss):
+                    raise NonFiniteLossError(f"step {step}, micro-batch {i}: the training loss is {loss} "
+                                             f"(rank {self.comm.rank}); try a lower --lr")
+                self.totals[step - self.first_step] += (loss, float((y.argmax(axis=-1) == targets).sum()),
+                                                        targets.size)
+            else:
+                self._keep(Item("x", s + 1, g), y)
+        flat.unbind(0, flat.size)
+
+    def _backward(self, step: int, s: int, g: int, flat, stage: Stage, new_gradient: bool) -> None:
+        gradient = Item("g", s, step)
+        if new_gradient:
+            self._keep(gradient, np.zeros(flat.size, dtype=self.dtype))
+        flat.bind(0, flat.size, grad=self._take(gradient))
+        for leaf in flat.leaves:  # add to the sum so far
+            leaf.fresh_grads = False
+        ctx = self.cache.contexts[(s, g)]
+        dy = self.loss_fn.backward(ctx) if s == self.count - 1 else self._take(Item("dy", s, g))
+        with self.ledger.phase("backward"):
+            dx = stage.backward(dy, ctx)
+        self.cache.release(s, g)
+        if s > 0:
+            self._keep(Item("dy", s - 1, g), dx)
+
+    def _update(self, instruction: Update) -> None:
+        s, step = instruction.stage, instruction.step + self.step_shift
+        with self.ledger.phase("update"):
+            weights = self._take(Item("w", s, step)).copy()  # micro-batches in flight may still read the old
+            self._keep(Item("w", s, step + 1), weights)
+            optimizer = make_optimizer(self.optimizer_name, [weights], [self._take(Item("g", s, step))],
+                                       [self.stages[s].flat.decay_mask], state=self._take(Item("o", s, 0)),
+                                       **self.optimizer_options)
+            optimizer.steps = step  # Adam's bias correction counts the updates so far
+            optimizer.step(self.lr_at(step))
+
+    def _end_time_step(self, instruction: EndTimeStep) -> None:
+        self.timeline.append((instruction.time + self.time_offset, self.cache.live_bytes, self.cache.window_peak))
+        self.cache.window_peak = self.cache.live_bytes
+        if self.sends:
+            MPI.Request.Testall([request for request, _ in self.sends])
+        if self.inbox:
+            MPI.Request.Testall([request for _, request in self.inbox.values()])
+
+    handlers = {Receive: _receive, Send: _send, Drop: _drop, Compute: _compute, Update: _update,
+                EndTimeStep: _end_time_step}
+
+    # -- the whole model, for evaluation and checks ----------------------------------------------
+    def _latest(self, stage: int) -> tuple[np.ndarray | None, int]:
+        """This rank's copy of the stage's newest weights (None if it has none), and a home rank that has it."""
+        item = Item("w", stage, self.next_step)
+        return self.store.get(item), home_ranks(self.layout, self.count, stage)[0]
+
+    def forward(self, x, ctx: Context, gather_phase: str = "evaluate"):
+        """The whole model on one batch with the newest weights (evaluation; collective when
+        some rank lacks a stage: it is broadcast from a home rank, used and forgotten)."""
+        for s, stage in enumerate(self.stages):
+            weights, root = self._latest(s)
+            if self.comm.size > 1 and len(home_ranks(self.layout, self.count, s)) < self.comm.size:
+                weights = weights if weights is not None else np.empty(stage.flat.size, dtype=self.dtype)
+                with self.comm.traffic.phase(gather_phase):
+                    broadcast(self.comm, weights, root, "mpi")
+            stage.flat.bind(0, stage.flat.size, data=weights)
+            x = stage.forward(x, ctx)
+            stage.flat.unbind(0, stage.flat.size)
+        return x
+
+    def full_parameters(self) -> np.ndarray:
+        """The whole model's newest parameters, on every rank (collective: for checks)."""
+        parts = []
+        for s, stage in enumerate(self.stages):
+            weights, root = self._latest(s)
+            weights = weights.copy() if weights is not None else np.empty(stage.flat.size, dtype=self.dtype)
+            with self.comm.traffic.phase("inspect"):
+                broadcast(self.comm, weights, root, "mpi")
+            parts.append(weights)
+        return np.concatenate(parts)
