@@ -16,7 +16,11 @@ scheduler, every micro-batch's gradient taken at the parameters the rule names â
 and is the oracle the cyclic engine must equal. theta_{-1} = theta_0. With momentum
 or Adam the averaged gradient feeds the optimizer as it would in DP.
 
-Exercised by: python -m pytest tests/test_cdp.py
+`activation_timeline` measures the other claim, memory: it runs the cyclic engine on
+one rank (the `single` layout) over a model of N equal stages and returns the live
+activation bytes per time step, for CDP or for DP (all micro-batches at once).
+
+Exercised by: python -m pytest tests/test_cdp.py;  mpipar cdp memory --micro-batches 4
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.data import GlobalBatchSampler, load_dataset, split_micro_batches
 from mpipar.errors import unknown_name
-from mpipar.layers import SoftmaxCrossEntropy
-from mpipar.model import build_stages
+from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
+from mpipar.model import Sequential, build_stages
 from mpipar.models import build_model
 from mpipar.optim import make_optimizer
 
@@ -96,3 +100,39 @@ def reference_training(config: TrainConfig, rule: str) -> list[np.ndarray]:
         optimizer.step(config.lr)
         previous, current = current, [f.data.copy() for f in flats]
     return current
+
+
+def equal_stage_model(count: int, width: int, classes: int) -> Sequential:
+    """N stages of [ReLU, Linear]: each stashes one micro-batch x width activation (the
+    ReLU's output, which the Linear keeps as its input); the loss adds micro-batch x
+    classes on the last stage."""
+    layers = []
+    for stage in range(count):
+        layers += [ReLU(), Linear(width, classes if stage == count - 1 else width)]
+    return Sequential(layers, input_shape=(width,))
+
+
+def activation_timeline(rule: str, count: int, *, width: int = 256, classes: int = 10, micro_batch: int = 16,
+                        steps: int = 3, seed: int = 0) -> tuple[list[tuple[int, int, int]], int]:
+    """Train `steps` steps of `rule` on one rank over N = `count` equal stages (random data);
+    returns the engine's timeline [(time step, live activation bytes at its end, peak within
+    it)] and the bytes one micro-batch stashes in the whole model."""
+    from mpi4py import MPI
+
+    from mpipar.comms.topology import make_world
+    from mpipar.cyclic import Cyclic
+
+    backend = make_backend("cpu", "float64")
+    model = equal_stage_model(count, width, classes)
+    stages = build_stages(model, count, backend, seed, boundaries=list(range(2, 2 * count, 2)))
+    rng = np.random.default_rng(seed)
+    data = rng.standard_normal((steps, count, micro_batch, width))
+    labels = rng.integers(0, classes, (steps, count, micro_batch))
+    cache = ActivationCache()
+    engine = Cyclic(make_world(None, MPI.COMM_SELF), stages, cache, SoftmaxCrossEntropy(), layout="single", rule=rule,
+                    input_shapes=[(width,)] * count + [(classes,)], optimizer="sgd",
+                    optimizer_options=dict(momentum=0.9))
+    engine.run_steps(0, steps, lambda step, i: (data[step, i], labels[step, i]), seed=seed,
+                     batch_size=count * micro_batch, lr_at=lambda step: 0.01)
+    one_micro_batch = micro_batch * (count * width + classes) * np.dtype(np.float64).itemsize
+    return engine.timeline, one_micro_batch
