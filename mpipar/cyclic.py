@@ -197,9 +197,7 @@ class Cyclic:
         gradient = Item("g", s, step)
         if new_gradient:
             self._keep(gradient, np.zeros(flat.size, dtype=self.dtype))
-        flat.bind(0, flat.size, grad=self._take(gradient))
-        for leaf in flat.leaves:  # add to the sum so far
-            leaf.fresh_grads = False
+        flat.bind(0, flat.size, grad=self._take(gradient))  # layers add into the sum so far
         ctx = self.cache.contexts[(s, g)]
         dy = self.loss_fn.backward(ctx) if s == self.count - 1 else self._take(Item("dy", s, g))
         with self.ledger.phase("backward"):

@@ -75,3 +75,32 @@ def test_info():
     result = mpipar("info")
     assert result.returncode == 0, result.stderr
     assert "MPI:" in result.stdout and "world size: 1" in result.stdout and "backend: numpy" in result.stdout
+
+
+def test_cdp_memory_prints_measured_peaks_against_the_seeds_ratio():
+    result = mpipar("cdp", "memory", "-N", "2", "-N", "4")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("N=2: peak activations DP 2.01, CDP 1.50 micro-batches of the model; CDP/DP 0.747")
+    assert "(seed: (N+1)/2N = 0.625)" in result.stdout
+    cdp_line = next(line for line in lines if line.startswith("  CDP") and len(line.split()) > 20)
+    assert cdp_line.split()[-2] == "0.25"  # the last micro-batch drains alone at the end
+
+
+def test_cdp_messages_lists_sends_per_rank_and_time_step():
+    result = mpipar("cdp", "messages", "--layout", "dp", "-N", "3", "--steps", "4")
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.lstrip()[:1].isdigit() and "|" in line]
+    assert len(rows) == 3
+    assert "most messages from one rank in one steady-state time step: 2" in result.stdout
+    result = mpipar("cdp", "messages", "--layout", "mp", "-N", "0")
+    assert result.returncode == 2 and "--micro-batches must be at least 1" in result.stderr
+
+
+def test_cdp_trains_through_the_cli_on_one_rank():
+    result = mpipar("train", "--scheme", "cdp-v2", "--cdp-layout", "single", "--micro-batches", "3",
+                    "--batch-size", "48", "--epochs", "2", "--lr", "0.003")
+    assert result.returncode == 0, result.stderr
+    assert "scheme cdp-v2, single layout, over 3 stages and micro-batches" in result.stdout
+    accuracy = float(result.stdout.split("test accuracy")[-1].split()[0].strip("%:,"))
+    assert accuracy > 80

@@ -1,4 +1,4 @@
-"""The `mpipar` command: train, info, data, bench, simulate, estimate, schedule. Also what happens when something fails.
+"""The `mpipar` command: train, info, data, bench, simulate, estimate, schedule, cdp. Also what happens when something fails.
 
 A user-facing error (bad configuration, missing data, a NaN loss) is one sentence
 on stderr and exit status 2. When every rank is known to have hit the same error
@@ -18,6 +18,7 @@ import traceback
 import click
 
 from mpipar.cli.bench import bench
+from mpipar.cli.cdp import cdp
 from mpipar.cli.data import data
 from mpipar.cli.estimate import estimate
 from mpipar.cli.info import info
@@ -34,6 +35,7 @@ def cli() -> None:
 
 
 cli.add_command(train)
+cli.add_command(cdp)
 cli.add_command(info)
 cli.add_command(data)
 cli.add_command(bench)

@@ -1,0 +1,105 @@
+"""`mpipar cdp`: the evidence behind Cyclic Data Parallelism's claims, no MPI launcher needed.
+
+    mpipar cdp memory -N 2 -N 4 -N 8 --png cdp_memory.png
+    mpipar cdp messages --layout dp --micro-batches 4
+
+`memory` trains a few steps of a model of N equal stages on one rank with the cyclic
+engine, once with CDP (micro-batches 2 time steps apart) and once with DP (all at
+once), and prints the live activation memory per time step as the pebble cache
+measured it, in micro-batches of the whole model, with the peaks and their ratio
+against the seed's (N+1)/(2N); `--png` draws it like the seed's Fig. 4.
+`messages` compiles a layout's programs and prints, per rank and time step, how many
+messages it sends, and the most in any steady-state time step.
+
+Exercised by: python -m pytest tests/test_cli.py -k cdp
+"""
+
+from __future__ import annotations
+
+import io
+
+import click
+
+from mpipar.cdp import activation_timeline
+from mpipar.errors import ConfigError
+from mpipar.files import write_atomically
+from mpipar.schedule.cyclic import LAYOUTS, compile_cyclic
+
+
+@click.group()
+def cdp() -> None:
+    """Cyclic Data Parallelism: measured memory and message counts."""
+
+
+@cdp.command("memory")
+@click.option("--micro-batches", "-N", "counts", type=int, multiple=True, default=(4,), show_default=True,
+              help="N, stages and micro-batches (repeat for several)")
+@click.option("--steps", type=int, default=3, show_default=True, help="training steps to run")
+@click.option("--png", default=None, help="also draw the timelines into this PNG file (needs matplotlib)")
+def memory(counts: tuple[int, ...], steps: int, png: str | None) -> None:
+    """Live activation memory per time step, DP vs CDP, on one rank."""
+    if any(count < 1 for count in counts) or steps < 1:
+        raise ConfigError(f"--micro-batches and --steps must be at least 1, got {list(counts)} and {steps}")
+    curves = {}
+    for count in counts:
+        for rule in ("dp", "cdp-v2"):
+            timeline, one_micro_batch = activation_timeline(rule, count, steps=steps)
+            curves[(count, rule)] = [(time, peak / one_micro_batch) for time, _, peak in timeline if time >= 0]
+        dp_peak = max(value for _, value in curves[(count, "dp")])
+        cdp_peak = max(value for _, value in curves[(count, "cdp-v2")])
+        click.echo(f"N={count}: peak activations DP {dp_peak:.2f}, CDP {cdp_peak:.2f} micro-batches of the model; "
+                   f"CDP/DP {cdp_peak / dp_peak:.3f} (seed: (N+1)/2N = {(count + 1) / (2 * count):.3f})")
+        for rule, name in (("dp", "DP "), ("cdp-v2", "CDP")):
+            click.echo(f"  {name} per time step: " + " ".join(f"{value:.2f}" for _, value in curves[(count, rule)]))
+    if png:
+        _draw(curves, png)
+        click.echo(f"drawn into {png}")
+
+
+def _draw(curves: dict, path: str) -> None:
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise ConfigError("--png needs matplotlib: pip install 'mpipar[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4))
+    colours = plt.get_cmap("tab10")
+    for index, count in enumerate(sorted({count for count, _ in curves})):
+        for rule, style, name in (("dp", "-", "DP"), ("cdp-v2", "--", "CDP")):
+            times, values = zip(*curves[(count, rule)])
+            # per worker, as the seed's Fig. 4: the total over N workers divided by N
+            axes.step(times, [value / count for value in values], style, where="post", color=colours(index),
+                      label=f"{name}, N={count}")
+    axes.set_xlabel("time step (one stage's forward or backward)")
+    axes.set_ylabel("activations per worker\n(micro-batches of the model)")
+    axes.set_title("Activation memory, DP vs Cyclic DP (measured by the pebble cache)")
+    axes.legend(fontsize=8, ncol=2)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    write_atomically(path, buffer.getvalue())
+
+
+@cdp.command("messages")
+@click.option("--layout", type=click.Choice(LAYOUTS), default="dp", show_default=True)
+@click.option("--rule", type=click.Choice(["cdp-v1", "cdp-v2"]), default="cdp-v2", show_default=True)
+@click.option("--micro-batches", "-N", "count", type=int, default=4, show_default=True, help="N")
+@click.option("--steps", type=int, default=3, show_default=True, help="training steps")
+def messages(layout: str, rule: str, count: int, steps: int) -> None:
+    """Messages each rank sends at the end of each time step."""
+    if count < 1 or steps < 3:
+        raise ConfigError(f"--micro-batches must be at least 1 and --steps at least 3, got {count} and {steps}")
+    plan = compile_cyclic(layout, rule, count, 0, steps)
+    per_rank = plan.sends_per_time_step()
+    end = max(max(sends) for sends in per_rank)
+    click.echo(f"CDP {layout} layout, {rule}, N={count}, {steps} steps: messages sent at the end of each time step")
+    click.echo("rank | " + " ".join(f"{t % 100:>2}" for t in range(end + 1)))
+    for rank, sends in enumerate(per_rank):
+        click.echo(f"{rank:>4} | " + " ".join(f"{sends.get(t, 0):>2}" for t in range(end + 1)))
+    steady = range(2 * count, 2 * count * (steps - 1))  # after the first step, before the last one drains
+    worst = max(sends.get(t, 0) for sends in per_rank for t in steady)
+    click.echo(f"most messages from one rank in one steady-state time step: {worst}; "
+               f"in all: {sum(sum(sends.values()) for sends in per_rank)}")
