@@ -90,8 +90,11 @@ def test_cdp_memory_prints_measured_peaks_against_the_seeds_ratio():
 def test_cdp_messages_lists_sends_per_rank_and_time_step():
     result = mpipar("cdp", "messages", "--layout", "dp", "-N", "3", "--steps", "4")
     assert result.returncode == 0, result.stderr
-    rows = [line for line in result.stdout.splitlines() if line.lstrip()[:1].isdigit() and "|" in line]
-    assert len(rows) == 3
+    timetable, sends = result.stdout.split("messages each rank sends at the end of each time step")
+    stage_rows = [line for line in timetable.splitlines() if line.lstrip()[:1].isdigit()]
+    assert [row.split()[2] for row in stage_rows] == ["F0@0", ".", "."]  # micro-batch 0 starts on rank 0
+    assert stage_rows[0].split()[6] == "F2@2"  # micro-batch 2 starts 4 time steps later, on rank 2
+    assert len([line for line in sends.splitlines() if line.lstrip()[:1].isdigit()]) == 3
     assert "most messages from one rank in one steady-state time step: 2" in result.stdout
     result = mpipar("cdp", "messages", "--layout", "mp", "-N", "0")
     assert result.returncode == 2 and "--micro-batches must be at least 1" in result.stderr

@@ -8,7 +8,8 @@ engine, once with CDP (micro-batches 2 time steps apart) and once with DP (all a
 once), and prints the live activation memory per time step as the pebble cache
 measured it, in micro-batches of the whole model, with the peaks and their ratio
 against the seed's (N+1)/(2N); `--png` draws it like the seed's Fig. 4.
-`messages` compiles a layout's programs and prints, per rank and time step, how many
+`messages` compiles a layout's programs and prints the timetable (which job each stage
+serves at each time step, and on which rank), then per rank and time step how many
 messages it sends, and the most in any steady-state time step.
 
 Exercised by: python -m pytest tests/test_cli.py -k cdp
@@ -23,7 +24,7 @@ import click
 from mpipar.cdp import activation_timeline
 from mpipar.errors import ConfigError
 from mpipar.files import write_atomically
-from mpipar.schedule.cyclic import LAYOUTS, compile_cyclic
+from mpipar.schedule.cyclic import LAYOUTS, Compute, compile_cyclic, job_time
 
 
 @click.group()
@@ -89,13 +90,21 @@ def _draw(curves: dict, path: str) -> None:
 @click.option("--micro-batches", "-N", "count", type=int, default=4, show_default=True, help="N")
 @click.option("--steps", type=int, default=3, show_default=True, help="training steps")
 def messages(layout: str, rule: str, count: int, steps: int) -> None:
-    """Messages each rank sends at the end of each time step."""
+    """The timetable, and the messages each rank sends at the end of each time step."""
     if count < 1 or steps < 3:
         raise ConfigError(f"--micro-batches must be at least 1 and --steps at least 3, got {count} and {steps}")
     plan = compile_cyclic(layout, rule, count, 0, steps)
     per_rank = plan.sends_per_time_step()
     end = max(max(sends) for sends in per_rank)
-    click.echo(f"CDP {layout} layout, {rule}, N={count}, {steps} steps: messages sent at the end of each time step")
+    cells = {(i.job.stage, job_time(rule, count, i.job)): f"{i.job.direction}{i.job.global_batch(count)}@{rank}"
+             for rank, program in enumerate(plan.programs) for i in program if isinstance(i, Compute)}
+    width = max(len(cell) for cell in cells.values())
+    click.echo(f"CDP {layout} layout, {rule}, N={count}, {steps} steps: the timetable "
+               "(F or B, micro-batch, @ the rank computing it)")
+    click.echo("stage | " + " ".join(f"{t:>{width}}" for t in range(end + 1)))
+    for stage in range(count):
+        click.echo(f"{stage:>5} | " + " ".join(f"{cells.get((stage, t), '.'):>{width}}" for t in range(end + 1)))
+    click.echo("messages each rank sends at the end of each time step")
     click.echo("rank | " + " ".join(f"{t % 100:>2}" for t in range(end + 1)))
     for rank, sends in enumerate(per_rank):
         click.echo(f"{rank:>4} | " + " ".join(f"{sends.get(t, 0):>2}" for t in range(end + 1)))

@@ -1,0 +1,86 @@
+"""DP against Cyclic Data Parallelism on N ranks: samples/s and peak memory per rank.
+
+    mpiexec -n 4 python benchmarks/cdp.py [--steps 24] [--rounds 5] [--json FILE]
+
+MLP 784-(512 x 3)-10 on Fashion-MNIST (float32, global batch 256, SGD momentum): four
+Linear layers, so N = 4 stages of which three have equal cost. Contenders on N = W ranks:
+
+    ddp      --scheme ddp (all-reduce of the gradient, one micro-batch per rank)
+    cdp-v1   --scheme cdp-v1 --cdp-layout dp (point-to-point gradient ring, N micro-batches)
+    cdp-v2   --scheme cdp-v2 --cdp-layout dp
+
+A round is `--steps` training steps from a barrier to the last rank's end (for CDP one
+run of the cyclic engine, warm-up and drain included, as in an epoch); samples/s is
+the median over `--rounds` timed rounds after one untimed. Per rank: the pebble cache's
+peak activation bytes and the ledger's peak model-state bytes (parameters, gradients,
+optimizer state, in-flight copies included); the table shows the largest rank and the
+sum over ranks, and messages sent (or collective calls handed to the MPI
+library) per step by the busiest rank. Rank 0 prints the table.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+from mpi4py import MPI
+
+from mpipar.config import TrainConfig
+from mpipar.data import split_micro_batches
+from mpipar.trainer import Trainer
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=24)
+parser.add_argument("--rounds", type=int, default=5)
+parser.add_argument("--json", default=None, help="also write the figures to this file")
+args = parser.parse_args()
+world = MPI.COMM_WORLD
+W = world.size
+common = dict(model="mlp", hidden=(512,) * 3, dataset="fashion-mnist", optimizer="sgd", momentum=0.9, lr=0.01,
+              dtype="float32", epochs=1000, batch_size=256, collective="mpi")
+CONTENDERS = {"ddp": dict(scheme="ddp"), "cdp-v1": dict(scheme="cdp-v1", cdp_layout="dp", micro_batches=W),
+              "cdp-v2": dict(scheme="cdp-v2", cdp_layout="dp", micro_batches=W)}
+
+
+def timed_round(trainer: Trainer, first: int) -> float:
+    world.Barrier()
+    start = time.perf_counter()
+    if trainer.config.cyclic:
+        def load(step: int, i: int):
+            indices = trainer.sampler.global_batch_indices(0, step % trainer.sampler.steps_per_epoch)
+            return trainer._to_device(*trainer.train_set.batch(split_micro_batches(indices, W)[i]))
+
+        trainer.engine.run_steps(first, args.steps, load, seed=0, batch_size=trainer.config.batch_size,
+                                 lr_at=trainer.lr_at)
+    else:
+        for step in range(first, first + args.steps):
+            trainer.train_step(step, 0, step % trainer.sampler.steps_per_epoch)
+    world.Barrier()
+    return time.perf_counter() - start
+
+
+results = {}
+for name, options in CONTENDERS.items():
+    trainer = Trainer(TrainConfig(**common, **options))
+    seconds = [timed_round(trainer, args.steps * r) for r in range(args.rounds + 1)][1:]
+    messages = sum(c.intra_messages + c.inter_messages + c.library_calls
+                   for phase, c in trainer.counted.traffic.by_phase.items() if phase not in ("metrics", "setup"))
+    ledger = trainer.engine.ledger.report()["peak"]
+    model_state = max(peaks["total"] for peaks in ledger.values())
+    gathered = world.gather((trainer.cache.peak_bytes, model_state, messages), root=0)
+    if world.rank == 0:
+        results[name] = {"samples_per_s": args.steps * common["batch_size"] / statistics.median(seconds),
+                         "peak_activation_bytes": [g[0] for g in gathered],
+                         "peak_model_state_bytes": [g[1] for g in gathered],
+                         "messages_per_step_per_rank": max(g[2] for g in gathered) / (args.steps * (args.rounds + 1))}
+if world.rank == 0:
+    print(f"{W} ranks, MLP 784-(512x3)-10, float32, batch 256, {args.steps} steps a round, median of {args.rounds}")
+    print(f"{'scheme':<8}{'samples/s':>11}{'act. peak (max rank)':>22}{'act. (sum)':>12}{'state peak (max)':>18}"
+          f"{'msgs/step':>12}")
+    for name, r in results.items():
+        print(f"{name:<8}{r['samples_per_s']:>11.0f}{max(r['peak_activation_bytes']) / 2**20:>18.2f} MiB"
+              f"{sum(r['peak_activation_bytes']) / 2**20:>8.2f} MiB{max(r['peak_model_state_bytes']) / 2**20:>14.2f} MiB"
+              f"{r['messages_per_step_per_rank']:>12.1f}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
