@@ -1,6 +1,6 @@
 """Runs this rank's Cyclic Data Parallelism program over MPI (seed 000).
 
-`schedule/cyclic.py` writes one program per rank for a run of training steps; this
+`schedule/cyclic_compiler.py` writes one program per rank for a run of training steps; this
 engine executes its own, instruction by instruction, holding every item (a stage's
 input or output gradient of one micro-batch, a weight version, a partial gradient sum,
 an optimizer state) in one dictionary:
@@ -40,7 +40,8 @@ from mpipar.ledger import MemoryLedger
 from mpipar.model import Stage
 from mpipar.optim import make_optimizer, state_kinds
 from mpipar.schedule.cyclic import (BACKWARD, Compute, CyclicPlan, Drop, EndTimeStep, Item, Receive, Send, Update,
-                                    compile_cyclic, home_ranks, optimizer_home, persistent_items)
+                                    home_ranks, optimizer_home, persistent_items)
+from mpipar.schedule.cyclic_compiler import compile_cyclic
 
 KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "g": Kind.GRADIENT_SUM,
            "o": Kind.OPTIMIZER_STATE}

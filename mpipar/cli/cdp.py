@@ -24,7 +24,8 @@ import click
 from mpipar.cdp import activation_timeline
 from mpipar.errors import ConfigError
 from mpipar.files import write_atomically
-from mpipar.schedule.cyclic import LAYOUTS, Compute, compile_cyclic, job_time
+from mpipar.schedule.cyclic import LAYOUTS, Compute, job_time
+from mpipar.schedule.cyclic_compiler import compile_cyclic
 
 
 @click.group()
