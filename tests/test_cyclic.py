@@ -1,6 +1,7 @@
 """Cyclic Data Parallelism run for real: the timetable, the programs, the engine on every
 layout against the reference rules, memory and messages (seed 000)."""
 
+import json
 import sys
 
 import numpy as np
@@ -121,3 +122,18 @@ def test_every_layout_equals_its_reference_rule_over_mpi(ranks, cases):
     result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_cdp.py"), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"all {cases} CDP cases equal their reference rule on {ranks} ranks" in result.stdout
+
+
+def test_cdp_learns_the_digits_through_the_cli_on_two_ranks(tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    result = run_mpi(2, sys.executable, "-m", "mpipar", "train", "--scheme", "cdp-v2", "--cdp-layout", "zero",
+                     "--micro-batches", "2", "--epochs", "3", "--lr", "0.003", "--metrics", str(metrics), timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "scheme cdp-v2, zero layout, over 2 stages and micro-batches" in result.stdout
+    done = json.loads(metrics.read_text().splitlines()[-1])
+    assert done["event"] == "done" and done["test_accuracy"] > 0.85
+    sent = done["sent_bytes"]
+    # zero passes each stage's weights and optimizer state to its next user, and the gradient sums
+    assert sent["weights"]["intra"] > 0 and sent["optimizer-state"]["intra"] > 0 and sent["gradient-ring"]["intra"] > 0
+    assert "activations" not in sent  # rank i computes micro-batch i through every stage
+    assert all(sent[phase]["library"] == 0 for phase in ("weights", "optimizer-state", "gradient-ring"))

@@ -207,5 +207,8 @@ def check_layout(layout: str, rule: str, count: int, world_size: int) -> None:
         fits = ", ".join(f"{n * (n + 1) // 2} ranks with N={n}" for n in range(1, 6))
         raise ConfigError(f"--cdp-layout mp with N = {count} stages and micro-batches needs N(N+1)/2 = {needed} "
                           f"ranks, got {world_size}; the pyramid fits {fits}, ...")
-    what = "one rank" if layout == "single" else f"one rank per micro-batch and stage: N = {count}"
-    raise ConfigError(f"--cdp-layout {layout} runs on {what} ({needed} ranks), got {world_size}")
+    if layout == "single":
+        raise ConfigError(f"--cdp-layout single runs on one rank, got {world_size}; on {world_size} ranks use "
+                          f"--cdp-layout dp --micro-batches {world_size}")
+    raise ConfigError(f"--cdp-layout {layout} runs on one rank per micro-batch and stage: N = {count} "
+                      f"({needed} ranks), got {world_size}; on {world_size} ranks give --micro-batches {world_size}")
