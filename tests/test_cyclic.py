@@ -79,6 +79,16 @@ def test_single_layout_equals_the_reference_rule_across_an_epoch_boundary(rule, 
     np.testing.assert_allclose(trainer.engine.full_parameters(), expected, rtol=1e-10, atol=0)
 
 
+@pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])
+def test_the_cnn_of_the_accuracy_study_follows_the_rule_exactly(rule):
+    config = small_config(model="cnn", scheme=rule, cdp_layout="single", micro_batches=4, batch_size=64,
+                          optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=5e-4, max_steps=3)
+    trainer = Trainer(config)
+    trainer.run()
+    expected = np.concatenate(reference_training(config, rule))
+    np.testing.assert_allclose(trainer.engine.full_parameters(), expected, rtol=1e-10, atol=1e-15)
+
+
 @pytest.mark.parametrize("count", [2, 4, 8])
 def test_single_layout_keeps_about_n_plus_1_over_2n_of_dps_activations(count):
     """Seed 000, Table 1: (N+1)/2 micro-batches of activations instead of N (equal stages)."""
