@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import deadline
+from stash import stage_stash
 from mpipar.cdp import reference_training
 from mpipar.config import TrainConfig
 from mpipar.schedule.cyclic import LAYOUTS, Send, ranks_for
@@ -88,24 +89,6 @@ def check_balance(trainer: Trainer, records: list, label: str) -> list[str]:
     if len(set(per_step[1:])) != 1:
         problems.append(f"{label}: rank {world.rank}'s peak changes from step to step: {per_step}")
     return problems
-
-
-def stage_stash(trainer: Trainer) -> list[int]:
-    """What one micro-batch stashes in each stage alone (a fresh cache per stage)."""
-    from mpipar.cache import ActivationCache
-    cfg, size = trainer.config, trainer.config.batch_size // trainer.config.micro_batches
-    inputs, targets = trainer._to_device(*trainer.train_set.batch(np.arange(size)))
-    measured, x = [], inputs
-    for s, stage in enumerate(trainer.stages):
-        cache = ActivationCache()
-        ctx = cache.context(s, 0, sample_ids=np.arange(size), seed=cfg.seed)
-        stage.flat.bind(0, stage.flat.size, data=np.zeros(stage.flat.size))
-        x = stage.forward(x.copy(), ctx)
-        stage.flat.unbind(0, stage.flat.size)
-        if s == len(trainer.stages) - 1:
-            trainer.loss_fn.forward(x, targets, ctx, cfg.batch_size)
-        measured.append(cache.peak_bytes)
-    return measured
 
 
 failures, cases = [], 0

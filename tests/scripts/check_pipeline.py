@@ -19,8 +19,8 @@ import numpy as np
 from mpi4py import MPI
 
 import deadline
+from stash import stage_stash
 from reference import one_process
-from mpipar.cache import ActivationCache
 from mpipar.config import TrainConfig
 from mpipar.schedule.program import FetchWeights, RecvActivation, RecvGradient
 from mpipar.schedule.replay import replay
@@ -40,28 +40,10 @@ CASES = {2: [("gpipe", 2, 1, 1), ("gpipe", 2, 4, 1), ("1f1b", 2, 3, 1), ("1f1b",
 KINDS = {"activations": RecvActivation, "gradients": RecvGradient, "weights": FetchWeights}
 
 
-def stage_bytes(trainer: Trainer) -> list[int]:
-    """What one micro-batch stashes in each stage, measured alone in a fresh cache."""
-    cfg = trainer.config
-    size = cfg.batch_size // cfg.micro_batches
-    inputs, targets = trainer._to_device(*trainer.train_set.batch(np.arange(size)))
-    weights, measured, x, offset = trainer.engine.full_parameters(), [], inputs, 0
-    for s, stage in enumerate(trainer.stages):
-        cache = ActivationCache()
-        ctx = cache.context(s, 0, sample_ids=np.arange(size), seed=cfg.seed)
-        stage.flat.bind(0, stage.flat.size, data=weights[offset:offset + stage.flat.size])
-        offset += stage.flat.size
-        x = stage.forward(x.copy(), ctx)
-        if s == len(trainer.stages) - 1:
-            trainer.loss_fn.forward(x, targets, ctx, cfg.batch_size)
-        measured.append(cache.peak_bytes)
-    return measured
-
-
 def check_costs(trainer: Trainer, label: str) -> list[str]:
     compiled, rank, problems = trainer.compiled, world.rank, []
     timeline = replay(compiled.programs, compiled.shape, compiled.holders)
-    predicted = timeline.peak_activation_bytes(stage_bytes(trainer))[rank]
+    predicted = timeline.peak_activation_bytes(stage_stash(trainer))[rank]
     if trainer.cache.peak_bytes != predicted:
         problems.append(f"{label}: peak activation bytes {trainer.cache.peak_bytes}, replay predicts {predicted}")
     program = compiled.programs[rank]
