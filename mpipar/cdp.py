@@ -117,10 +117,11 @@ def activation_timeline(rule: str, count: int, *, width: int = 256, classes: int
     """Train `steps` steps of `rule` on one rank over N = `count` equal stages (random data);
     returns the engine's timeline [(time step, live activation bytes at its end, peak within
     it)] and the bytes one micro-batch stashes in the whole model."""
-    from mpi4py import MPI  # here, not at the top: the reference loop needs no MPI, and
+    # imported here: the reference loop above needs no MPI, and mpipar.cyclic imports this module
+    from mpi4py import MPI
 
     from mpipar.comms.topology import make_world
-    from mpipar.cyclic import Cyclic  # mpipar.cyclic imports this module's rules
+    from mpipar.cyclic import Cyclic
 
     backend = make_backend("cpu", "float64")
     model = equal_stage_model(count, width, classes)
