@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +88,12 @@ class TrainConfig:
     eval_batch: int = _option(1000, "evaluation batch size per rank")
     log_every: int = _option(50, "steps between log lines when output is not a terminal")
     metrics: str | None = _option(None, "write metrics as JSON lines to this file")
+    memory_profile: int = _option(0, "1: measure the bytes the array allocator holds (tracemalloc or the CuPy "
+                                     "pool) and log them per step; costs some speed, so off by default")
+    memory_limit: str | None = _option(None, "stop before the first step if the predicted peak per rank exceeds "
+                                             "this size, e.g. 2GB or 512MiB")
+    comm_timeout: float = _option(0.0, "seconds any communication may wait before the job is stopped "
+                                       "(0: $MPIPAR_COMM_TIMEOUT, else 300)")
 
     def sharding(self) -> Sharding:
         """The (P, G, OS) scopes this run uses."""
@@ -133,7 +140,11 @@ class TrainConfig:
             self._validate_data_parallel(world_size)
         if not self.bucket_mb > 0:
             raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
-        for name in ("max_steps", "warmup_steps", "weight_decay", "seed", "group_size"):
+        if self.memory_profile not in (0, 1):
+            raise ConfigError(f"--memory-profile is 0 or 1, got {self.memory_profile}")
+        if self.memory_limit is not None:
+            parse_size(self.memory_limit, "--memory-limit")
+        for name in ("max_steps", "warmup_steps", "weight_decay", "seed", "group_size", "comm_timeout"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         if not 0 < self.lr < math.inf:
@@ -212,6 +223,19 @@ class TrainConfig:
         if self.batch_size % self.micro_batches:
             raise ConfigError(f"--batch-size {self.batch_size} must be divisible by the schedule's "
                               f"{self.micro_batches} micro-batches")
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str, option: str) -> int:
+    """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912 (a number, then B, KB..TB or KiB..TiB)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(f"{option} takes a positive size such as 2GB, 512MiB or 2000000000 (bytes); got {text!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
