@@ -67,7 +67,7 @@ def reference_training(config: TrainConfig, rule: str) -> list[np.ndarray]:
     stages = build_stages(model, count, backend, config.seed)
     flats = [stage.flat for stage in stages]
     optimizer = make_optimizer(config.optimizer, [f.data for f in flats], [f.grad for f in flats],
-                               [f.decay_mask for f in flats], momentum=config.momentum,
+                               [f.decay_spans(0, f.size) for f in flats], momentum=config.momentum,
                                weight_decay=config.weight_decay)
     loss_fn, cache = SoftmaxCrossEntropy(), ActivationCache()
     sampler = GlobalBatchSampler(len(train_set), config.batch_size, config.seed)

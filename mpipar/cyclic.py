@@ -61,15 +61,17 @@ class Cyclic:
         self.input_shapes = input_shapes  # per stage; the last entry is the model's output
         self.optimizer_name, self.optimizer_options = optimizer, optimizer_options
         self.kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
-        self.dtype = stages[0].flat.data.dtype
+        self.dtype = stages[0].flat.dtype
         self.ledger = MemoryLedger()
         self.store: dict[Item, np.ndarray] = {}
+        # the stages arrive laid out, not allocated: each is bound to an item's buffer for each
+        # job, and a rank builds only the state items it is home to
         for item in persistent_items(rule, self.count, 0):
             if comm.rank in self._homes(item):
                 flat = stages[item.stage].flat
-                self._keep(item, flat.data.copy() if item.kind == "w" else np.zeros(self._size(item), self.dtype))
-        for stage in stages:  # a stage is bound to an item's buffer for each job
-            stage.flat.drop_full(params=True, grads=True)
+                self._keep(item, flat.initial(0, flat.size) if item.kind == "w"
+                           else np.zeros(self._size(item), self.dtype))
+        self.decay = [stage.flat.decay_spans(0, stage.flat.size) for stage in stages]
         self.next_step = 0
         self.plans: dict[tuple[int, int], CyclicPlan] = {}
         self.timeline: list[tuple[int, int, int]] = []  # (time step, live activation bytes, peak within it)
@@ -213,7 +215,7 @@ class Cyclic:
             weights = self._take(Item("w", s, step)).copy()  # micro-batches in flight may still read the old
             self._keep(Item("w", s, step + 1), weights)
             optimizer = make_optimizer(self.optimizer_name, [weights], [self._take(Item("g", s, step))],
-                                       [self.stages[s].flat.decay_mask], state=self._take(Item("o", s, 0)),
+                                       [self.decay[s]], state=self._take(Item("o", s, 0)),
                                        **self.optimizer_options)
             optimizer.steps = step  # Adam's bias correction counts the updates so far
             optimizer.step(self.lr_at(step))

@@ -30,15 +30,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpipar.backend import array_module, to_host
+from mpipar.backend import to_host
 from mpipar.comms.chain import Chain, ChainQueue
 from mpipar.comms.collectives import iall_gather, iall_reduce, ireduce_scatter
 from mpipar.comms.comm import Comm, ScratchPool
+from mpipar.comms.routes import block_offsets
 from mpipar.comms.world import sum_across_ranks
 from mpipar.ledger import MemoryLedger
 from mpipar.model import LayerHook, Stage, leaf_layers
 from mpipar.optim import make_optimizer
 from mpipar.sharding import Layout, Sharding, Unit, make_units
+
+REDUCTIONS_IN_FLIGHT = 2  # units whose full gradient may wait for its reduction at once (sharded G)
 
 class DataParallel:
     """One rank's part of data-parallel training of `stage` under `sharding`."""
@@ -56,7 +59,7 @@ class DataParallel:
                              self.inter.rank if self.inter else 0, self.inter.size if self.inter else 1)
         self.ledger, self.queue, self.pool = MemoryLedger(), ChainQueue(), ScratchPool()
         self.traffic = comm.traffic
-        self.host = isinstance(flat.data, np.ndarray)  # False on a GPU: DDP naive only (config.py)
+        self.host = flat.backend.xp is np  # False on a GPU: DDP naive only (config.py)
         P, G, OS = sharding.triple
         self.units, stored = [], {"P": 0, "G": 0}
         for index, (first, last, start, stop) in enumerate(make_units(stage, unit_bytes)):
@@ -68,25 +71,27 @@ class DataParallel:
         self.by_last = {unit.last: unit for unit in self.units}
         self.position = {id(layer): index for index, layer in enumerate(stage.layers)}
         self.unit_leaves = [leaf_layers(stage.layers[unit.first:unit.last + 1]) for unit in self.units]
-        self.p_store = self._shard_of(flat.data, P)
-        self.g_store = self._shard_of(flat.grad, G)
-        mask_store = self._shard_of(flat.decay_mask, OS)
-        flat.drop_full(params=P != "N", grads=G != "N")
-        flat.decay_mask = None  # the optimizer's pieces of it are all that is kept
-        self.optimizer = make_optimizer(optimizer, *self._optimizer_pieces(mask_store), **optimizer_options)
+        # Build only what this rank keeps: the whole stage where a scope is N, else each
+        # unit's block, generated alone (the stage arrives laid out but not allocated).
+        flat.materialize(params=P == "N", grads=G == "N")
+        self.p_store = flat.data if P == "N" else self._initial_blocks(P, stored["P"])
+        self.g_store = flat.grad if G == "N" else flat.backend.xp.zeros(stored["G"], dtype=flat.dtype)
+        self.optimizer = make_optimizer(optimizer, *self._optimizer_pieces(), **optimizer_options)
         self.ledger.hold("parameters", self.p_store.nbytes)
         self.ledger.hold("gradients", self.g_store.nbytes)
         self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
+        self.ledger.hold("workspace", self.optimizer.workspace_bytes)
         self.gathered: dict[int, tuple] = {}  # unit index -> (full parameters, gather in flight)
-        self.micro_batch, self.last_micro_batch, self.reductions_posted = 0, True, 0
+        self.micro_batch, self.last_micro_batch, self.completed_before_step = 0, True, 0
 
     # -- storage -----------------------------------------------------------------
-    def _shard_of(self, full, scope: str):
-        """This rank's `scope` blocks of every unit of the full buffer, concatenated."""
-        if scope == "N":
-            return full
-        xp = array_module(full)
-        return xp.concatenate([full[u.start + u.blocks[scope][0]:u.start + u.blocks[scope][1]] for u in self.units])
+    def _initial_blocks(self, scope: str, total: int):
+        """This rank's `scope` blocks of every unit of the initial parameters, concatenated."""
+        store = self.flat.backend.xp.empty(total, dtype=self.flat.dtype)
+        for unit in self.units:
+            start, stop = unit.blocks[scope]
+            self.flat.initial(unit.start + start, unit.start + stop, out=store[unit.offsets["P"]:][:stop - start])
+        return store
 
     def _slice(self, unit: Unit, store: str, inner: str) -> slice:
         """Where `unit`'s `inner` block lies in the P or G storage (`store`), which holds
@@ -97,33 +102,35 @@ class DataParallel:
         start, stop = unit.blocks[inner]
         return slice(base + start - outer_start, base + stop - outer_start)
 
-    def _optimizer_pieces(self, mask_store) -> tuple[list, list, list]:
-        """Parameters, gradients and decay masks of every unit's OS block, as views; units
-        whose blocks touch in all three are merged into one piece."""
+    def _optimizer_pieces(self) -> tuple[list, list, list]:
+        """Parameters and gradients of every unit's OS block, as views, with the spans of
+        each where weight decay applies; units whose blocks touch in both are merged."""
         OS = self.sharding.optimizer_state
-        merged: list[list[slice]] = []
-        mask_start = 0
+        merged: list[list] = []  # [parameter slice, gradient slice, decay spans]
         for unit in self.units:
-            mask = slice(mask_start, mask_start + unit.length(OS))
-            mask_start = mask.stop
-            spans = [self._slice(unit, "P", OS), self._slice(unit, "G", OS), mask]
-            if merged and all(old.stop == new.start for old, new in zip(merged[-1], spans)):
-                merged[-1] = [slice(old.start, new.stop) for old, new in zip(merged[-1], spans)]
+            p, g = self._slice(unit, "P", OS), self._slice(unit, "G", OS)
+            start, stop = unit.blocks[OS]
+            decay = self.flat.decay_spans(unit.start + start, unit.start + stop)
+            if merged and merged[-1][0].stop == p.start and merged[-1][1].stop == g.start:
+                shift = merged[-1][0].stop - merged[-1][0].start
+                merged[-1] = [slice(merged[-1][0].start, p.stop), slice(merged[-1][1].start, g.stop),
+                              merged[-1][2] + [(a + shift, b + shift) for a, b in decay]]
             else:
-                merged.append(spans)
+                merged.append([p, g, decay])
         return ([self.p_store[p] for p, _, _ in merged], [self.g_store[g] for _, g, _ in merged],
-                [mask_store[m] for _, _, m in merged])
+                [decay for _, _, decay in merged])
 
     # -- one step ----------------------------------------------------------------
     def start_step(self) -> None:
         """Gradients start again from zero (lazily: each layer's first backward overwrites)."""
         self.flat.zero_grad()
-        self.reductions_posted = 0
+        self.completed_before_step = self.queue.completed
 
     @property
     def reductions_done(self) -> int:
-        """Gradient reductions of this step that have completed so far."""
-        return self.reductions_posted - len(self.queue)
+        """Gradient reductions of this step that have completed so far (counted by the queue
+        as each finishes, so a reduction not yet posted cannot count)."""
+        return self.queue.completed - self.completed_before_step
 
     def forward(self, x, ctx, gather_phase: str = "forward-gather"):
         """Forward of one micro-batch (or an evaluation batch, with its own `gather_phase`)."""
@@ -152,6 +159,13 @@ class DataParallel:
             for unit in self.units:
                 self.queue.post(self._publish(unit))
             self.queue.drain()
+        self._release_scratch()
+
+    def _release_scratch(self) -> None:
+        """Between steps a rank holds its model state and nothing else: spare buffers go."""
+        self.pool.clear()
+        for comm in {id(c): c for c in (self.world, self.intra, self.inter) if c is not None}.values():
+            comm.scratch.clear()
 
     def poll(self) -> None:
         """Let every communication in flight progress (called between layers)."""
@@ -182,8 +196,7 @@ class DataParallel:
             if unit.index > 0:
                 self._start_gather(self.units[unit.index - 1], "backward-gather")
         if self.sharding.gradients != "N":  # this micro-batch's full gradient, reduced after the unit
-            grad = self.pool.take(unit.size, self.g_store.dtype)
-            self.ledger.hold("gradients", grad.nbytes)
+            grad = self._take("gradients", unit.size)
             self.flat.bind(unit.start, unit.stop, grad=grad)
             self.unit_grad = grad
 
@@ -195,12 +208,13 @@ class DataParallel:
             if self.sharding.gradients != "N":
                 self.flat.settle_grads(self.unit_leaves[unit.index], fresh_after=True)
                 self.flat.unbind(unit.start, unit.stop, params=False)
+                # A unit's full gradient lives until its reduction has moved it away: at most
+                # REDUCTIONS_IN_FLIGHT of them at once, or a slow network would let every unit's pile up.
+                self.queue.drain(keep=REDUCTIONS_IN_FLIGHT - 1)
                 self.queue.post(self._reduce(unit, self.unit_grad, self.micro_batch, self.last_micro_batch))
-                self.reductions_posted += 1
             elif self.last_micro_batch:
                 self.flat.settle_grads(self.unit_leaves[unit.index])
                 self.queue.post(self._finish(unit))
-                self.reductions_posted += 1
         self.poll()
 
     # -- parameters: gather, use, drop ---------------------------------------------------
@@ -210,8 +224,7 @@ class DataParallel:
     def _start_gather(self, unit: Unit, phase: str) -> None:
         if unit.index in self.gathered:
             return
-        full = self.pool.take(unit.size, self.p_store.dtype)
-        self.ledger.hold("parameters", full.nbytes)
+        full = self._take("parameters", unit.size)
         mine = self.p_store[self._slice(unit, "P", self.sharding.parameters)]
         self.gathered[unit.index] = (full, self._start(phase, iall_gather, self._p_comm(), mine, full))
 
@@ -224,17 +237,16 @@ class DataParallel:
     def _drop_parameters(self, unit: Unit) -> None:
         full, _ = self.gathered.pop(unit.index)
         self.flat.unbind(unit.start, unit.stop, grads=False)
-        self.ledger.free("parameters", full.nbytes)
-        self.pool.give(full)
+        self._give("parameters", full)
 
-    def _start(self, phase: str, operation, comm: Comm, *buffers):
+    def _start(self, phase: str, operation, comm: Comm, *buffers, **options):
         """Start a non-blocking collective whose bytes count under `phase`."""
         with self.traffic.phase(phase):
-            return operation(comm, *buffers, self.collective)
+            return operation(comm, *buffers, self.collective, **options)
 
     # -- gradients: to G's scope after each micro-batch, to OS's scope after the last ------
-    def _take(self, kind: str, size: int, dtype):
-        buffer = self.pool.take(size, dtype)
+    def _take(self, kind: str, size: int):
+        buffer = self.pool.take(size, self.flat.dtype)
         self.ledger.hold(kind, buffer.nbytes)
         return buffer
 
@@ -243,24 +255,23 @@ class DataParallel:
         self.pool.give(buffer)
 
     def _reduce(self, unit: Unit, grad, micro_batch: int, last: bool) -> Chain:
-        """This micro-batch's full gradient of `unit` to G's scope, added into the accumulator."""
+        """This micro-batch's full gradient of `unit` to G's scope, added into the accumulator.
+        The full gradient is scratch for the reduce-scatter and holds the reduced block at
+        this rank's place, so no second buffer of the unit's size exists."""
         G = self.sharding.gradients
-        block = self._take("gradients", unit.length(G), grad.dtype)
-        if G == "G" and self.sharding.nested:  # in the group, then across groups
-            middle = self._take("gradients", unit.length("I"), grad.dtype)
-            yield self._start("backward-reduce", ireduce_scatter, self.intra, grad, middle)
-            self._give("gradients", grad)
-            yield self._start("backward-reduce", ireduce_scatter, self.inter, middle, block)
-            self._give("gradients", middle)
-        else:
-            yield self._start("backward-reduce", ireduce_scatter, self.intra if G == "I" else self.world, grad, block)
-            self._give("gradients", grad)
+        hops = ([self.intra, self.inter] if G == "G" and self.sharding.nested  # in the group, then across
+                else [self.intra if G == "I" else self.world])
         accumulator = self.g_store[self._slice(unit, "G", G)]
-        if micro_batch == 0:
-            accumulator[...] = block
-        else:
-            accumulator += block
-        self._give("gradients", block)
+        send = grad
+        for hop, comm in enumerate(hops):
+            offsets = block_offsets(send.size, comm.size)
+            mine = send[offsets[comm.rank]:offsets[comm.rank + 1]]
+            recv = accumulator if hop == len(hops) - 1 and micro_batch == 0 else mine
+            yield self._start("backward-reduce", ireduce_scatter, comm, send, recv, send_is_scratch=True)
+            send = recv
+        if micro_batch > 0:
+            accumulator += send
+        self._give("gradients", grad)
         if last:
             yield from self._finish(unit)
 
@@ -277,13 +288,11 @@ class DataParallel:
             yield self._start("update-reduce", iall_reduce, self.world if G == "N" else self.inter, held)
             return
         # G wider than OS: reduce-scatter (N->G over the world, N->I in the group, I->G across
-        # groups) into a temporary, then into OS's block of the accumulator
+        # groups) in place: the rest of the accumulator is scratch, OS's block receives the sum
         comm, scope = {("N", "G"): (self.world, "G"), ("N", "I"): (self.intra, "I"),
                        ("I", "G"): (self.inter, "G")}[(G, OS)]
-        block = self._take("gradients", unit.length(scope), held.dtype)
-        yield self._start("update-reduce", ireduce_scatter, comm, held, block)
-        self.g_store[self._slice(unit, "G", scope)] = block
-        self._give("gradients", block)
+        yield self._start("update-reduce", ireduce_scatter, comm, held, self.g_store[self._slice(unit, "G", scope)],
+                          send_is_scratch=True)
         if (G, OS) == ("N", "I"):  # summed in the group so far: now across groups
             yield self._start("update-reduce", iall_reduce, self.inter, self.g_store[self._slice(unit, "G", "I")])
 

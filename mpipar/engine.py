@@ -48,7 +48,7 @@ MicroBatch = tuple  # (inputs, targets) of one micro-batch: what `load(b)` retur
 
 
 class Pipeline:
-    """One rank's part of training `stages` (all S of them, built on every rank) by `compiled`."""
+    """One rank's part of training `stages` (all S of them laid out; this rank builds those it keeps) by `compiled`."""
 
     def __init__(self, comm: Comm, stages: list[Stage], compiled: Compiled, cache: ActivationCache, loss_fn, *,
                  input_shapes: list[tuple[int, ...]], optimizer: str, optimizer_options: dict,
@@ -59,19 +59,20 @@ class Pipeline:
         self.program = compiled.programs[rank]
         self.held = [s for s in range(count) if rank in compiled.holders[s]]
         self.ledger, self.pool = MemoryLedger(), ScratchPool()
-        self.dtype = stages[0].flat.data.dtype
-        for s, stage in enumerate(stages):
+        self.dtype = stages[0].flat.dtype
+        for s, stage in enumerate(stages):  # built here, and only what this rank keeps
             keep_grads = rank in compiled.members[s]
+            stage.flat.materialize(params=s in self.held, grads=keep_grads)
             self.ledger.hold("parameters", stage.flat.nbytes if s in self.held else 0)
             self.ledger.hold("gradients", stage.flat.nbytes if keep_grads else 0)
-            stage.flat.drop_full(params=s not in self.held, grads=not keep_grads)
         # one communicator per stage's reduction group, made in stage order on every rank
         self.stage_comms = {s: comm.subset(list(compiled.members[s])) for s in range(count)
                             if len(compiled.members[s]) > 1}
         flats = [stages[s].flat for s in self.held]
         self.optimizer = make_optimizer(optimizer, [f.data for f in flats], [f.grad for f in flats],
-                                        [f.decay_mask for f in flats], **optimizer_options)
+                                        [f.decay_spans(0, f.size) for f in flats], **optimizer_options)
         self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
+        self.ledger.hold("workspace", self.optimizer.workspace_bytes)
         self.handlers: dict[type, Callable] = {
             RecvActivation: self._recv_activation, RecvGradient: self._recv_gradient, FetchWeights: self._fetch,
             Forward: self._forward, Backward: self._backward, SendActivation: self._send_activation,
@@ -87,7 +88,7 @@ class Pipeline:
         self.local: dict[tuple, object] = {}  # outputs waiting for their send or a job on this rank
         self.fetched: dict[tuple, np.ndarray] = {}
         self.sends: list[tuple] = []  # (request, buffer): the buffer must live until the send completes
-        self.reductions: dict[int, tuple] = {}  # stage -> (handle, buffer the root receives into)
+        self.reductions: dict[int, object] = {}  # stage -> its reduction's handle
         self.totals = np.zeros(3)  # loss sum, correct predictions, predictions
         self.job_times: list[tuple[Job, float, float]] = []  # (job, start, end) by perf_counter: the bubble
 
@@ -105,11 +106,7 @@ class Pipeline:
             MPI.Request.Waitall([request for request, _ in self.sends])
             self.sends.clear()
             for s in sorted(self.reductions):
-                handle, summed = self.reductions.pop(s)
-                handle.wait()
-                if summed is not None:
-                    self.stages[s].flat.grad[...] = summed
-                    self._give("gradients", summed)
+                self.reductions.pop(s).wait()
         if self.inbox or self.local or self.fetched:
             raise RuntimeError(f"rank {self.comm.rank}: the step left messages unused: "
                                f"{sorted(self.inbox) + sorted(self.local) + sorted(self.fetched)}")
@@ -121,10 +118,13 @@ class Pipeline:
                 if len(self.compiled.members[s]) == 1:
                     self.stages[s].flat.settle_grads()
             self.optimizer.step(lr)
+        self.pool.clear()  # between steps a rank holds its model state and nothing else
+        for comm in (self.comm, *self.stage_comms.values()):
+            comm.scratch.clear()
 
     def poll(self, _layer=None) -> None:
         """Between layers: let reductions and messages in flight progress."""
-        for handle, _ in self.reductions.values():
+        for handle in self.reductions.values():
             handle.test()
         pending = [request for _, request in self.inbox.values()]
         if pending:
@@ -229,11 +229,11 @@ class Pipeline:
         comm = self.stage_comms[i.stage]
         with self.comm.traffic.phase("stage-reduce"):
             if i.root is None:
-                self.reductions[i.stage] = (iall_reduce(comm, grad, self.collective), None)
-            else:
+                self.reductions[i.stage] = iall_reduce(comm, grad, self.collective)
+            else:  # in place: the owner's gradient receives the sum; the others' is scratch, unused after
                 root = i.members.index(i.root)
-                summed = self._take("gradients", grad.size) if comm.rank == root else None
-                self.reductions[i.stage] = (ireduce(comm, grad, summed, root, self.collective), summed)
+                self.reductions[i.stage] = ireduce(comm, grad, grad if comm.rank == root else None, root,
+                                                   self.collective, send_is_scratch=True)
 
     def _take(self, kind: str, size: int) -> np.ndarray:
         buffer = self.pool.take(size, self.dtype)

@@ -1,4 +1,4 @@
-"""The memory ledger: bytes of parameters, gradients and optimizer state a rank holds.
+"""The memory ledger: bytes of parameters, gradients, optimizer state and workspace a rank holds.
 
 The data-parallel engine records every buffer of model state it allocates or frees
 — persistent shards as well as the full copies of a unit that exist only while the
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-KINDS = ("parameters", "gradients", "optimizer_state")
+KINDS = ("parameters", "gradients", "optimizer_state", "workspace")
 
 
 class MemoryLedger:

@@ -72,70 +72,108 @@ class Segment:
     shape: tuple[int, ...]
 
 
+INIT_CHUNK = 1 << 16  # values drawn at a time: the only host float64 memory initialisation needs
+
+
 class FlatParams:
     """The parameters of some layers as one contiguous buffer (`data`) and its twin (`grad`).
 
-    One run uses one floating dtype, so one buffer per dtype is one buffer. Each
-    parameter is initialised on the host in float64 from a generator seeded by
-    (seed, leaf index, parameter number) and then cast: identical on every rank and
-    independent of how the model is cut into stages. `decay_mask` is 1 where weight
-    decay applies, so an optimizer working on any slice knows which entries decay.
+    One run uses one floating dtype, so one buffer per dtype is one buffer. Parameter k
+    of leaf layer i is drawn from its own generator, seeded by (seed, i, k), in chunks of
+    INIT_CHUNK values cast to the run's dtype as they are drawn: identical on every rank,
+    independent of how the model is cut into stages or shards, and never a float64 copy
+    of the whole. `initial(start, stop)` generates any range of the flat buffer alone,
+    which is how a sharded engine builds only its shard; `materialize` builds the whole.
+    With `materialize=False` the stage knows its layout (segments, dtype) and nothing is
+    allocated until an engine asks.
     """
 
-    def __init__(self, layers: list[Layer], backend: Backend, seed: int) -> None:
+    def __init__(self, layers: list[Layer], backend: Backend, seed: int, materialize: bool = True) -> None:
         owned = [(leaf, number, spec) for leaf in leaf_layers(layers)
                  for number, spec in enumerate(leaf.param_specs())]
-        self.size = sum(math.prod(spec.shape) for _, _, spec in owned)
-        host_data = np.empty(self.size, dtype=np.float64)
-        host_decay = np.zeros(self.size, dtype=np.float64)
+        self.backend, self.seed, self.dtype = backend, seed, backend.dtype
         self.segments: list[Segment] = []
         offset = 0
-        for leaf, number, spec in owned:
+        for leaf, _, spec in owned:
             size = math.prod(spec.shape)
-            rng = np.random.default_rng([seed, leaf.index, number])
-            host_data[offset:offset + size] = np.asarray(spec.init(rng, spec.shape), dtype=np.float64).ravel()
-            host_decay[offset:offset + size] = float(spec.decay)
             self.segments.append(Segment(leaf.name, spec.name, offset, size, spec.shape))
             offset += size
+        self.size = offset
+        self._streams = [(leaf.index, number, spec) for leaf, number, spec in owned]
         self.leaves = list(dict.fromkeys(leaf for leaf, _, _ in owned))
         self._owners = [(leaf, spec.name, segment) for (leaf, _, spec), segment in zip(owned, self.segments)]
-        self.data = backend.asarray(host_data)
-        self.grad = backend.xp.zeros_like(self.data)
-        self.decay_mask = backend.asarray(host_decay)
-        self.bind(0, self.size, self.data, self.grad)
+        self._owners_in: dict[tuple[int, int], list] = {}
+        self.data = self.grad = None
+        if materialize:
+            self.materialize(params=True, grads=True)
+
+    def initial(self, start: int, stop: int, out=None):
+        """Elements [start, stop) of the initial parameters, written into `out` (default: a new array)."""
+        out = self.backend.xp.empty(stop - start, dtype=self.dtype) if out is None else out
+        for segment, (leaf_index, number, spec) in zip(self.segments, self._streams):
+            low, high = max(start, segment.offset), min(stop, segment.offset + segment.size)
+            if low >= high:
+                continue
+            rng = np.random.default_rng([self.seed, leaf_index, number])
+            position = segment.offset  # flat index of the stream's next value
+            while position < high:  # values before `low` are drawn only to advance the stream
+                count = min(INIT_CHUNK, high - position)
+                values = spec.init(rng, count)
+                first = max(low, position)
+                out[first - start:position + count - start] = self.backend.asarray(values[first - position:])
+                position += count
+        return out
+
+    def materialize(self, params: bool, grads: bool) -> None:
+        """Allocate the whole stage's parameters (initialised) and/or gradients, and bind the layers to them."""
+        if params:
+            self.data = self.initial(0, self.size)
+        if grads:
+            self.grad = self.backend.xp.zeros(self.size, dtype=self.dtype)
+        self.bind(0, self.size, self.data if params else None, self.grad if grads else None)
+
+    def decay_spans(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """Where weight decay applies among elements [start, stop), relative to `start`."""
+        spans = []
+        for segment, (_, _, spec) in zip(self.segments, self._streams):
+            low, high = max(start, segment.offset), min(stop, segment.offset + segment.size)
+            if spec.decay and low < high:
+                if spans and spans[-1][1] == low - start:
+                    spans[-1] = (spans[-1][0], high - start)
+                else:
+                    spans.append((low - start, high - start))
+        return spans
+
+    def _owners_between(self, start: int, stop: int) -> list:
+        """The (layer, name, segment) of every parameter starting in [start, stop); found once per range."""
+        key = (start, stop)
+        if key not in self._owners_in:
+            self._owners_in[key] = [owner for owner in self._owners if start <= owner[2].offset < stop]
+        return self._owners_in[key]
 
     def bind(self, start: int, stop: int, data=None, grad=None) -> None:
         """Point the layers whose parameters fill elements [start, stop) at `data` and/or
         `grad`: buffers of stop - start elements holding that range (a gathered unit of a
         sharded model). None leaves that side as it is."""
-        for leaf, name, segment in self._owners:
-            if start <= segment.offset < stop:
-                local = slice(segment.offset - start, segment.offset - start + segment.size)
-                if data is not None:
-                    leaf.params[name] = data[local].reshape(segment.shape)
-                if grad is not None:
-                    leaf.grads[name] = grad[local].reshape(segment.shape)
+        for leaf, name, segment in self._owners_between(start, stop):
+            local = slice(segment.offset - start, segment.offset - start + segment.size)
+            if data is not None:
+                leaf.params[name] = data[local].reshape(segment.shape)
+            if grad is not None:
+                leaf.grads[name] = grad[local].reshape(segment.shape)
 
     def unbind(self, start: int, stop: int, params: bool = True, grads: bool = True) -> None:
         """Forget the views of elements [start, stop), so the buffer behind them can be freed."""
-        for leaf, name, segment in self._owners:
-            if start <= segment.offset < stop:
-                if params:
-                    leaf.params[name] = None
-                if grads:
-                    leaf.grads[name] = None
-
-    def drop_full(self, params: bool, grads: bool) -> None:
-        """Free the full buffers a sharded engine does not keep (its shards replace them)."""
-        self.unbind(0, self.size, params, grads)
-        if params:
-            self.data = None
-        if grads:
-            self.grad = None
+        for leaf, name, _ in self._owners_between(start, stop):
+            if params:
+                leaf.params[name] = None
+            if grads:
+                leaf.grads[name] = None
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        """Bytes of the whole stage's parameters (allocated or not)."""
+        return self.size * self.dtype.itemsize
 
     def zero_grad(self) -> None:
         """Start the gradients again from zero, lazily: each layer's first backward
@@ -163,10 +201,11 @@ class Stage:
     computing the input gradient nobody would read.
     """
 
-    def __init__(self, index: int, layers: list[Layer], backend: Backend, seed: int) -> None:
+    def __init__(self, index: int, layers: list[Layer], backend: Backend, seed: int,
+                 materialize: bool = True) -> None:
         self.index = index
         self.layers = layers
-        self.flat = FlatParams(layers, backend, seed)
+        self.flat = FlatParams(layers, backend, seed, materialize)
         if index == 0:
             for layer in layers:
                 if hasattr(layer, "needs_input_grad"):
@@ -244,7 +283,8 @@ def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
 
 
 def build_stages(model: Sequential, num_stages: int, backend: Backend, seed: int,
-                 boundaries: list[int] | None = None) -> list[Stage]:
-    """The model's stages, each with its parameters initialised and bound."""
-    return [Stage(index, [model.layers[i] for i in layer_range], backend, seed)
+                 boundaries: list[int] | None = None, materialize: bool = True) -> list[Stage]:
+    """The model's stages, each with its parameters initialised and bound (with
+    `materialize=False`: laid out only, for an engine that builds just what it keeps)."""
+    return [Stage(index, [model.layers[i] for i in layer_range], backend, seed, materialize)
             for index, layer_range in enumerate(partition(model, num_stages, boundaries))]

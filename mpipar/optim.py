@@ -1,23 +1,25 @@
 """Optimizers and learning-rate schedules, working on flat pieces.
 
 An optimizer is handed lists of pieces: flat parameter arrays, their gradients and
-their decay masks. A whole stage is one piece; a rank's shard of a sharded stage is
-one piece per sharding unit (its block of each unit, see sharding.py) unless those
-blocks happen to be contiguous. State lives in one flat buffer per kind (momentum,
-moments), allocated once, of which each piece gets a view; updates are in place;
-scalars are Python floats so a float32 run stays float32 (NumPy 2 would promote on a
-numpy.float64 scalar).
+where in each piece weight decay applies (`decay`: a list of (start, stop) spans per
+piece; weights decay, biases and norm gains do not). A whole stage is one piece; a
+rank's shard of a sharded stage is one piece per sharding unit (its block of each
+unit, see sharding.py) unless those blocks happen to be contiguous. State lives in
+one flat buffer per kind (momentum, moments), allocated once, of which each piece
+gets a view; updates are in place; scalars are Python floats so a float32 run stays
+float32 (NumPy 2 would promote on a numpy.float64 scalar).
 
-    SGD    v = mu v + (g + wd m p);            p -= lr v           (mu = 0: p -= lr (g + wd m p))
-    Adam   g' = g + wd m p;  m1 = b1 m1 + (1-b1) g';  m2 = b2 m2 + (1-b2) g'^2
+    SGD    v = mu v + (g + wd p);            p -= lr v           (mu = 0: p -= lr (g + wd p))
+    Adam   g' = g + wd p;  m1 = b1 m1 + (1-b1) g';  m2 = b2 m2 + (1-b2) g'^2
            p -= lr (m1 / (1-b1^t)) / (sqrt(m2 / (1-b2^t)) + eps)
-    AdamW  as Adam on g alone, then the decoupled decay p -= lr wd m p
+    AdamW  as Adam on g alone, then the decoupled decay p -= lr wd p
 
-(m is the decay mask: weights decay, biases and norm gains do not.) The gradient
-buffer doubles as workspace — coupled weight decay is added into it — because it is
-overwritten by the next backward anyway; that saves a full-size copy per step.
-`state_bytes` is the optimizer state proper (seed 004's K per parameter);
-`workspace_bytes` the one scratch buffer the update works in.
+(wd applies inside the decay spans only.) The update runs over each piece in chunks
+of CHUNK elements, so its only workspace is one chunk (`workspace_bytes`), whatever
+the model's size: a full-size scratch buffer would cost as much memory as the
+parameters of a ZeRO-3 rank. The gradient buffer is overwritten with g + wd p by
+coupled decay, because the next backward overwrites it anyway. `state_bytes` is the
+optimizer state proper (seed 004's K per parameter).
 
 Exercised by: python -m pytest tests/test_optim.py
 """
@@ -32,16 +34,25 @@ from mpipar.errors import ConfigError, unknown_name
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
+CHUNK = 1 << 16  # elements updated at a time: big enough that NumPy's call overhead vanishes
+
+Spans = list[tuple[int, int]]  # [start, stop) ranges of a piece
+
+
+def _chunks(size: int):
+    for start in range(0, size, CHUNK):
+        yield slice(start, min(size, start + CHUNK))
 
 
 class _PiecewiseOptimizer:
     """Pieces and the buffers every optimizer needs: one flat buffer per state kind."""
 
-    def __init__(self, params: Sequence, grads: Sequence, masks: Sequence, state_kinds: int, state=None) -> None:
-        if not len(params) == len(grads) == len(masks):
-            raise ValueError(f"an optimizer needs as many gradients and masks as parameter pieces; got "
-                             f"{len(params)}, {len(grads)}, {len(masks)}")
-        self.params, self.grads, self.masks = list(params), list(grads), list(masks)
+    def __init__(self, params: Sequence, grads: Sequence, decay: Sequence[Spans], state_kinds: int,
+                 state=None) -> None:
+        if not len(params) == len(grads) == len(decay):
+            raise ValueError(f"an optimizer needs as many gradients and decay spans as parameter pieces; got "
+                             f"{len(params)}, {len(grads)}, {len(decay)}")
+        self.params, self.grads, self.decay = list(params), list(grads), [list(spans) for spans in decay]
         self.steps = 0
         total = sum(piece.size for piece in self.params)
         xp = array_module(self.params[0]) if self.params else None
@@ -53,9 +64,9 @@ class _PiecewiseOptimizer:
         # All state kinds live in one flat buffer (`state`), so the whole state of a stage
         # can travel in one message (Cyclic Data Parallelism's ZeRO layout moves it).
         self.state = state
-        workspace = xp.zeros(total, dtype=self.params[0].dtype) if self.params else []
-        self._buffers = [self._views(state[kind * total:(kind + 1) * total]) for kind in range(state_kinds)]
-        self._buffers.append(self._views(workspace))  # the last one is workspace
+        largest = max((piece.size for piece in self.params), default=0)
+        self.workspace = xp.empty(min(CHUNK, largest), dtype=self.params[0].dtype) if self.params else None
+        self._state_views = [self._views(state[kind * total:(kind + 1) * total]) for kind in range(state_kinds)]
 
     def _views(self, buffer) -> list:
         """`buffer`, as long as all pieces together, as one view per piece."""
@@ -66,42 +77,58 @@ class _PiecewiseOptimizer:
         return views
 
     def _state(self, kind: int) -> list:
-        return self._buffers[kind]
+        return self._state_views[kind]
+
+    def _decayed(self, piece: int):
+        """The chunks of piece `piece` where weight decay applies."""
+        for start, stop in self.decay[piece]:
+            for part in _chunks(stop - start):
+                yield slice(start + part.start, start + part.stop)
+
+    def _add_decay(self, piece: int, coefficient: float) -> None:
+        """grad += coefficient * params inside the decay spans."""
+        p, g = self.params[piece], self.grads[piece]
+        for span in self._decayed(piece):
+            scratch = self.workspace[:span.stop - span.start]
+            array_module(p).multiply(p[span], coefficient, out=scratch)
+            g[span] += scratch
 
     @property
     def state_bytes(self) -> int:
-        return sum(piece.nbytes for buffer in self._buffers[:-1] for piece in buffer)
+        return sum(piece.nbytes for views in self._state_views for piece in views)
 
     @property
     def workspace_bytes(self) -> int:
-        return sum(piece.nbytes for piece in self._buffers[-1])
+        return 0 if self.workspace is None else self.workspace.nbytes
 
 
 class SGD(_PiecewiseOptimizer):
-    def __init__(self, params, grads, masks, *, momentum: float = 0.0, weight_decay: float = 0.0,
+    def __init__(self, params, grads, decay, *, momentum: float = 0.0, weight_decay: float = 0.0,
                  state=None) -> None:
-        super().__init__(params, grads, masks, state_kinds=1 if momentum else 0, state=state)
+        super().__init__(params, grads, decay, state_kinds=1 if momentum else 0, state=state)
         self.momentum, self.weight_decay = momentum, weight_decay
 
     def step(self, lr: float) -> None:
-        """One update. The gradient buffers are workspace: they hold g + wd m p afterwards."""
+        """One update. The gradient buffers are workspace: they hold g + wd p afterwards."""
         self.steps += 1
         velocities = self._state(0) if self.momentum else self.grads
-        for p, g, mask, velocity, scratch in zip(self.params, self.grads, self.masks, velocities, self._buffers[-1]):
+        for piece, (p, g, velocity) in enumerate(zip(self.params, self.grads, velocities)):
             xp = array_module(p)
             if self.weight_decay:
-                _add_decay(xp, g, p, mask, self.weight_decay, scratch=scratch)
-            if self.momentum:
-                velocity *= self.momentum
-                velocity += g
-            xp.multiply(velocity, lr, out=scratch)
-            p -= scratch
+                self._add_decay(piece, self.weight_decay)
+            for chunk in _chunks(p.size):
+                scratch = self.workspace[:chunk.stop - chunk.start]
+                if self.momentum:
+                    velocity[chunk] *= self.momentum
+                    velocity[chunk] += g[chunk]
+                xp.multiply(velocity[chunk], lr, out=scratch)
+                p[chunk] -= scratch
 
 
 class Adam(_PiecewiseOptimizer):
-    def __init__(self, params, grads, masks, *, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params, grads, decay, *, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = False, state=None) -> None:
-        super().__init__(params, grads, masks, state_kinds=2, state=state)
+        super().__init__(params, grads, decay, state_kinds=2, state=state)
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay, self.decoupled = eps, weight_decay, decoupled
 
@@ -110,47 +137,46 @@ class Adam(_PiecewiseOptimizer):
         self.steps += 1
         bias1 = 1.0 - self.beta1**self.steps
         bias2 = 1.0 - self.beta2**self.steps
-        for p, g, mask, m1, m2, scratch in zip(self.params, self.grads, self.masks, self._state(0),
-                                               self._state(1), self._buffers[-1]):
+        for piece, (p, g, m1, m2) in enumerate(zip(self.params, self.grads, self._state(0), self._state(1))):
             xp = array_module(p)
             if self.weight_decay and not self.decoupled:
-                _add_decay(xp, g, p, mask, self.weight_decay, scratch=scratch)
-            m1 *= self.beta1
-            xp.multiply(g, 1.0 - self.beta1, out=scratch)
-            m1 += scratch
-            m2 *= self.beta2
-            xp.multiply(g, g, out=scratch)
-            scratch *= 1.0 - self.beta2
-            m2 += scratch
+                self._add_decay(piece, self.weight_decay)
             if self.weight_decay and self.decoupled:
-                xp.multiply(p, mask, out=scratch)
-                scratch *= lr * self.weight_decay
-                p -= scratch
-            # p -= (lr / bias1) * m1 / (sqrt(m2 / bias2) + eps), computed in the scratch buffer
-            xp.sqrt(m2, out=scratch)
-            scratch *= 1.0 / math.sqrt(bias2)
-            scratch += self.eps
-            xp.divide(m1, scratch, out=scratch)
-            scratch *= lr / bias1
-            p -= scratch
+                # p -= lr wd p before the Adam step: the moments do not read p, so each
+                # element sees the same operations in the same order as the textbook update
+                for span in self._decayed(piece):
+                    scratch = self.workspace[:span.stop - span.start]
+                    xp.multiply(p[span], lr * self.weight_decay, out=scratch)
+                    p[span] -= scratch
+            for chunk in _chunks(p.size):
+                scratch = self.workspace[:chunk.stop - chunk.start]
+                gc, a, b = g[chunk], m1[chunk], m2[chunk]
+                a *= self.beta1
+                xp.multiply(gc, 1.0 - self.beta1, out=scratch)
+                a += scratch
+                b *= self.beta2
+                xp.multiply(gc, gc, out=scratch)
+                scratch *= 1.0 - self.beta2
+                b += scratch
+                # p -= (lr / bias1) * m1 / (sqrt(m2 / bias2) + eps), computed in the scratch chunk
+                xp.sqrt(b, out=scratch)
+                scratch *= 1.0 / math.sqrt(bias2)
+                scratch += self.eps
+                xp.divide(a, scratch, out=scratch)
+                scratch *= lr / bias1
+                p[chunk] -= scratch
 
 
-def _add_decay(xp, grad, params, decay_mask, coefficient: float, scratch) -> None:
-    """grad += coefficient * mask * params, using `scratch` instead of temporaries."""
-    xp.multiply(params, decay_mask, out=scratch)
-    scratch *= coefficient
-    grad += scratch
-
-
-def make_optimizer(name: str, params: Sequence, grads: Sequence, masks: Sequence, *, momentum: float = 0.9,
+def make_optimizer(name: str, params: Sequence, grads: Sequence, decay: Sequence[Spans], *, momentum: float = 0.9,
                    weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                    state=None):
-    """The optimizer called `name` (one of OPTIMIZERS) over the given pieces; `state`, if
-    given, is the flat buffer (state_kinds x all pieces) to keep its state in."""
+    """The optimizer called `name` (one of OPTIMIZERS) over the given pieces, with weight
+    decay inside each piece's `decay` spans; `state`, if given, is the flat buffer
+    (state_kinds x all pieces) to keep its state in."""
     if name == "sgd":
-        return SGD(params, grads, masks, momentum=momentum, weight_decay=weight_decay, state=state)
+        return SGD(params, grads, decay, momentum=momentum, weight_decay=weight_decay, state=state)
     if name in ("adam", "adamw"):
-        return Adam(params, grads, masks, betas=betas, eps=eps, weight_decay=weight_decay,
+        return Adam(params, grads, decay, betas=betas, eps=eps, weight_decay=weight_decay,
                     decoupled=name == "adamw", state=state)
     raise unknown_name("optimizer", name, OPTIMIZERS)
 

@@ -202,7 +202,7 @@ def make_units(stage: Stage, unit_bytes: float) -> list[tuple[int, int, int, int
         segments = [s for s in stage.flat.segments if s.layer in names]
         if segments:
             spans.append((position, segments[0].offset, segments[-1].offset + segments[-1].size))
-    itemsize = np.dtype(stage.flat.data.dtype).itemsize
+    itemsize = stage.flat.dtype.itemsize
     units: list[list] = []
     for position, start, stop in reversed(spans):
         if units and (units[-1][3] - units[-1][2]) * itemsize < unit_bytes:

@@ -85,18 +85,19 @@ class Trainer:
         self.model = build_model(cfg.model, input_shape=self.train_set.input_shape,
                                  num_classes=self.train_set.num_classes, hidden=cfg.hidden,
                                  dropout=cfg.dropout, width=cfg.width, heads=cfg.heads, blocks=cfg.blocks)
-        if cfg.cyclic:  # Cyclic Data Parallelism: N stages, N micro-batches, every rank builds every stage
-            self.stages = build_stages(self.model, cfg.micro_batches, self.backend, cfg.seed)
+        # Stages are laid out here and built by the engine, which allocates only what this rank keeps.
+        if cfg.cyclic:  # Cyclic Data Parallelism: N stages, N micro-batches
+            self.stages = build_stages(self.model, cfg.micro_batches, self.backend, cfg.seed, materialize=False)
             self.scheme_name = (f"{cfg.scheme}, {cfg.cdp_layout} layout, over {cfg.micro_batches} stages "
                                 f"and micro-batches")
-        elif cfg.stages:  # a schedule: every rank builds every stage, then keeps what its program needs
-            self.stages = build_stages(self.model, cfg.stages, self.backend, cfg.seed)
+        elif cfg.stages:  # a schedule: a rank keeps the stages its program holds
+            self.stages = build_stages(self.model, cfg.stages, self.backend, cfg.seed, materialize=False)
             self.compiled = compile_programs(cfg.strategy(), cfg.schedule_shape(self.world_size))
             replay(self.compiled.programs, self.compiled.shape, self.compiled.holders)  # sound, or refused here
             self.scheme_name = (f"{cfg.scheme} over {cfg.stages} stages, {cfg.micro_batches} micro-batches"
                                 + (f", {cfg.loops} loops" if cfg.loops > 1 else ""))
         else:
-            self.stages = build_stages(self.model, 1, self.backend, cfg.seed)
+            self.stages = build_stages(self.model, 1, self.backend, cfg.seed, materialize=False)
             self.scheme_name = str(cfg.sharding())
         self.parameter_count = sum(stage.flat.size for stage in self.stages)
         self.loss_fn = SoftmaxCrossEntropy()

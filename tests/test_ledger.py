@@ -18,9 +18,10 @@ def test_peaks_are_kept_per_phase_and_kind():
         ledger.free("gradients", 300)
         ledger.free("parameters", 200)
     report = ledger.report()
-    assert report["steady"] == {"parameters": 100, "gradients": 0, "optimizer_state": 50}
-    assert report["peak"]["forward"] == {"parameters": 500, "gradients": 0, "optimizer_state": 50, "total": 550}
-    assert report["peak"]["backward"] == {"parameters": 300, "gradients": 300, "optimizer_state": 50,
+    assert report["steady"] == {"parameters": 100, "gradients": 0, "optimizer_state": 50, "workspace": 0}
+    assert report["peak"]["forward"] == {"parameters": 500, "gradients": 0, "optimizer_state": 50, "workspace": 0,
+                                         "total": 550}
+    assert report["peak"]["backward"] == {"parameters": 300, "gradients": 300, "optimizer_state": 50, "workspace": 0,
                                           "total": 650}
     assert ledger.current == "setup"  # phases nest and end
 

@@ -79,13 +79,13 @@ def test_lazy_zero_grad_matches_explicit_zeroing_and_leaves_nothing_stale():
     assert np.abs(lazy).min() < 7.0 and np.abs(lazy).max() > 0
 
 
-def test_decay_mask_marks_weights_not_biases():
+def test_decay_spans_mark_weights_not_biases():
     model = build_model("mlp", input_shape=(4,), num_classes=3, hidden=(5,))
     (stage,) = build_stages(model, 1, F64, seed=0)
-    by_name = {(seg.layer, seg.name): seg for seg in stage.flat.segments}
-    for (layer, name), seg in by_name.items():
-        expected = 1.0 if name == "weight" else 0.0
-        assert (stage.flat.decay_mask[seg.offset:seg.offset + seg.size] == expected).all(), (layer, name)
+    weights = [(seg.offset, seg.offset + seg.size) for seg in stage.flat.segments if seg.name == "weight"]
+    assert stage.flat.decay_spans(0, stage.flat.size) == weights  # 4x5 weight, bias, 5x3 weight, bias
+    # any range: the part of each weight inside it, relative to the range's start
+    assert stage.flat.decay_spans(10, 30) == [(0, 10), (15, 20)]
 
 
 def test_same_seed_same_initialisation_different_seed_different():

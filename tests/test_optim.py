@@ -6,19 +6,32 @@ import numpy as np
 import pytest
 
 from mpipar.errors import ConfigError
+from mpipar import optim
 from mpipar.optim import make_optimizer, make_schedule, state_kinds
 
 rng = np.random.default_rng(0)
 START = rng.standard_normal(20)
 GRADS = [rng.standard_normal(20) for _ in range(4)]
 MASK = (np.arange(20) % 2).astype(np.float64)
+ODD = [(i, i + 1) for i in range(1, 20, 2)]  # where MASK is 1, as decay spans
+
+
+def spans(mask):
+    return [(int(i), int(i) + 1) for i in np.flatnonzero(mask)]
+
+
+@pytest.fixture(params=[optim.CHUNK, 3], ids=["one-chunk", "chunks-of-3"], autouse=True)
+def chunk(request, monkeypatch):
+    """Every test runs with the real chunk size and with chunks of 3, whose edges cut pieces and spans."""
+    monkeypatch.setattr(optim, "CHUNK", request.param)
+    return request.param
 
 
 def run(name, **options):
     params, grad = START.copy(), np.zeros(20)
     # two pieces, as a rank's shard of two sharding units: the update must not care
-    optimizer = make_optimizer(name, [params[:7], params[7:]], [grad[:7], grad[7:]], [MASK[:7], MASK[7:]],
-                               **options)
+    optimizer = make_optimizer(name, [params[:7], params[7:]], [grad[:7], grad[7:]], [spans(MASK[:7]),
+                               spans(MASK[7:])], **options)
     for step, g in enumerate(GRADS):
         grad[:] = g
         optimizer.step(0.1 / (step + 1))
@@ -64,19 +77,19 @@ def test_adam(name, wd):
 def test_float32_stays_float32():
     params, grad = START.astype(np.float32), GRADS[0].astype(np.float32)
     for name in ("sgd", "adam", "adamw"):
-        optimizer = make_optimizer(name, [params], [grad], [MASK.astype(np.float32)], weight_decay=0.1)
+        optimizer = make_optimizer(name, [params], [grad], [ODD], weight_decay=0.1)
         optimizer.step(0.01)
-        state = [piece for buffer in optimizer._buffers for piece in buffer]
-        assert params.dtype == np.float32 and all(array.dtype == np.float32 for array in state)
+        assert params.dtype == np.float32 and optimizer.state.dtype == np.float32
+        assert optimizer.workspace.dtype == np.float32
 
 
 @pytest.mark.parametrize("name,momentum,kinds", [("sgd", 0.0, 0), ("sgd", 0.9, 1), ("adam", 0.9, 2)])
-def test_state_bytes_count_the_state_buffers(name, momentum, kinds):
+def test_state_bytes_count_the_state_buffers(name, momentum, kinds, chunk):
     pieces = [np.zeros(5), np.zeros(15)]
-    optimizer = make_optimizer(name, pieces, [np.zeros(5), np.zeros(15)], [np.ones(5), np.ones(15)],
+    optimizer = make_optimizer(name, pieces, [np.zeros(5), np.zeros(15)], [[(0, 5)], [(0, 15)]],
                                momentum=momentum)
     assert optimizer.state_bytes == kinds * 20 * 8 == state_kinds(name, momentum) * 20 * 8
-    assert optimizer.workspace_bytes == 20 * 8
+    assert optimizer.workspace_bytes == min(chunk, 15) * 8  # one chunk, not a copy of the parameters
 
 
 def test_schedules():
@@ -93,6 +106,6 @@ def test_schedules():
 
 def test_unknown_names_list_the_valid_ones():
     with pytest.raises(ConfigError, match="unknown optimizer 'lion'; valid optimizers are: adam, adamw, sgd"):
-        make_optimizer("lion", [START.copy()], [np.zeros(20)], [MASK])
+        make_optimizer("lion", [START.copy()], [np.zeros(20)], [ODD])
     with pytest.raises(ConfigError, match="valid schedules are: constant, cosine, step"):
         make_schedule("linear", 1.0, 10)

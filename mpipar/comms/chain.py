@@ -18,6 +18,7 @@ collectives in posting order, and their local work runs in posting order too.
     queue.post(chain_generator)   # starts its first collective now
     queue.poll()                  # between layers: progress, no blocking
     queue.drain()                 # before the optimizer: everything finished
+    queue.drain(keep=1)           # finish the oldest until at most one is left (a memory bound)
 
 Exercised by: python -m pytest tests/test_chain.py
 """
@@ -50,11 +51,14 @@ class _Running:
 class ChainQueue:
     def __init__(self) -> None:
         self.running: deque[_Running] = deque()
+        self.completed = 0  # chains finished since the queue was made
 
     def post(self, chain: Chain) -> None:
         """Start `chain`: its first collective is posted before this returns."""
         running = _Running(chain)
-        if not running.finished:
+        if running.finished:
+            self.completed += 1
+        else:
             self.running.append(running)
 
     def poll(self) -> None:
@@ -62,19 +66,20 @@ class ChainQueue:
         for running in self.running:
             running.handle.test()
         while self.running and self.running[0].handle.test():
-            head = self.running[0]
-            head.advance()
-            if head.finished:
-                self.running.popleft()
+            self._advance_head()
 
-    def drain(self) -> None:
-        """Finish every chain, in posting order."""
-        while self.running:
-            head = self.running[0]
-            head.handle.wait()
-            head.advance()
-            if head.finished:
-                self.running.popleft()
+    def drain(self, keep: int = 0) -> None:
+        """Finish chains, in posting order, until at most `keep` are left running."""
+        while len(self.running) > keep:
+            self.running[0].handle.wait()
+            self._advance_head()
+
+    def _advance_head(self) -> None:
+        head = self.running[0]
+        head.advance()
+        if head.finished:
+            self.running.popleft()
+            self.completed += 1
 
     def __len__(self) -> int:
         return len(self.running)

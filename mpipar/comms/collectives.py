@@ -169,7 +169,8 @@ def all_reduce(comm: Comm, buf: np.ndarray, algorithm: str = "ring") -> None:
 
 # -- reduce-scatter and all-gather ---------------------------------------------------------
 
-def _reduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str) -> Steps:
+def _reduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str,
+                    send_is_scratch: bool = False) -> Steps:
     _check_buffers("reduce-scatter", send, recv)
     layout = _layout(comm, algorithm, "reduce-scatter")
     offsets = block_offsets(send.size, comm.size)
@@ -177,31 +178,57 @@ def _reduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: s
     if recv.size != mine.stop - mine.start:
         raise ValueError(f"reduce-scatter: rank {comm.rank}'s block of {send.size} has "
                          f"{mine.stop - mine.start} elements, the output has {recv.size}")
+    aliased = np.shares_memory(send, recv)
+    if aliased and not (send_is_scratch and _starts_at(recv, send[mine])):
+        raise ValueError("reduce-scatter: an output inside the input must be this rank's own block of it, "
+                         "and the input must be given as scratch (send_is_scratch=True)")
     if comm.size == 1:
         recv[...] = send
         return iter(())
     if algorithm == "mpi":
         counts = np.diff(offsets).tolist()
+        if aliased:  # MPI forbids overlapping buffers: the library writes a block of its own first
+            block = np.empty_like(recv)
+            return _then_copy(_library(comm, comm.mpi.Ireduce_scatter(send, block, counts, op=MPI.SUM),
+                                       send.nbytes), block, recv)
         return _library(comm, comm.mpi.Ireduce_scatter(send, recv, counts, op=MPI.SUM), send.nbytes)
-    return _reduce_into(comm, send, recv, reduce_scatter_steps(algorithm, layout, comm.rank), _tag(comm))
+    return _reduce_into(comm, send, recv, reduce_scatter_steps(algorithm, layout, comm.rank), _tag(comm),
+                        send_is_scratch)
 
 
-def _reduce_into(comm: Comm, send: np.ndarray, recv: np.ndarray, steps: list[Step], stamp: Stamp) -> Steps:
-    work = comm.scratch.take(send.size, send.dtype)  # partial sums land here; the input stays as it was
+def _starts_at(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.size == b.size
+
+
+def _then_copy(steps: Steps, source: np.ndarray, target: np.ndarray) -> Steps:
+    yield from steps
+    target[...] = source
+
+
+def _reduce_into(comm: Comm, send: np.ndarray, recv: np.ndarray, steps: list[Step], stamp: Stamp,
+                 send_is_scratch: bool) -> Steps:
+    # Partial sums of the blocks this rank passes on need somewhere to live: the input
+    # itself when the caller is done with it (no copy of a whole unit), else a work array.
+    work = send if send_is_scratch else comm.scratch.take(send.size, send.dtype)
     sums = _blocks(work, comm.size)
     sums[comm.rank] = recv  # my own block's last addition writes straight into the output
     yield from _reduce(comm, steps, _blocks(send, comm.size), sums, stamp)
-    comm.scratch.give(work)
+    if not send_is_scratch:
+        comm.scratch.give(work)
 
 
-def ireduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = "ring") -> Handle:
-    """Start recv <- block `comm.rank` of the sum of `send` over all ranks."""
-    return Handle(_reduce_scatter(comm, send, recv, algorithm),
+def ireduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = "ring",
+                    send_is_scratch: bool = False) -> Handle:
+    """Start recv <- block `comm.rank` of the sum of `send` over all ranks. With
+    `send_is_scratch` the input's contents may be overwritten (it holds partial sums), and
+    `recv` may be this rank's own block of `send`: no work array of the input's size."""
+    return Handle(_reduce_scatter(comm, send, recv, algorithm, send_is_scratch),
                   f"reduce-scatter ({algorithm}, {send.nbytes} bytes)", comm.rank)
 
 
-def reduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = "ring") -> None:
-    ireduce_scatter(comm, send, recv, algorithm).wait()
+def reduce_scatter(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = "ring",
+                   send_is_scratch: bool = False) -> None:
+    ireduce_scatter(comm, send, recv, algorithm, send_is_scratch).wait()
 
 
 def _all_gather(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str) -> Steps:
@@ -239,21 +266,29 @@ def all_gather(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str = 
 
 # -- reduce and broadcast -----------------------------------------------------------------
 
-def _reduce_to_root(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int, algorithm: str) -> Steps:
+def _reduce_to_root(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int, algorithm: str,
+                    send_is_scratch: bool) -> Steps:
     _check_root(comm, root, "reduce")
     _check_buffers("reduce", send, recv if comm.rank == root else None)
     if comm.rank == root and (recv is None or recv.size != send.size):
         raise ValueError(f"reduce: the root's output must have the input's {send.size} elements")
+    in_place = comm.rank == root and np.shares_memory(send, recv)
+    if in_place and not (send_is_scratch and _starts_at(send, recv)):
+        raise ValueError("reduce: the root may reduce into its input only when it is the very same buffer, "
+                         "given as scratch (send_is_scratch=True)")
     _layout(comm, algorithm, "reduce")
     if comm.size == 1:
         recv[...] = send
         return iter(())
     if algorithm == "mpi":
-        return _library(comm, comm.mpi.Ireduce(send, recv if comm.rank == root else None, op=MPI.SUM, root=root),
-                        send.nbytes)
+        request = comm.mpi.Ireduce(MPI.IN_PLACE if in_place else send, recv if comm.rank == root else None,
+                                   op=MPI.SUM, root=root)
+        return _library(comm, request, send.nbytes)
     offsets = block_offsets(send.size, comm.size)
-    mine = np.empty(offsets[comm.rank + 1] - offsets[comm.rank], dtype=send.dtype)
-    return _reduce_scatter_then_send(comm, _reduce_scatter(comm, send, mine, algorithm), mine, recv, root, _tag(comm))
+    mine = send[offsets[comm.rank]:offsets[comm.rank + 1]] if send_is_scratch else \
+        np.empty(offsets[comm.rank + 1] - offsets[comm.rank], dtype=send.dtype)
+    return _reduce_scatter_then_send(comm, _reduce_scatter(comm, send, mine, algorithm, send_is_scratch), mine,
+                                     recv, root, _tag(comm))
 
 
 def _reduce_scatter_then_send(comm: Comm, reduce_scatter: Steps, mine: np.ndarray, recv: np.ndarray | None,
@@ -261,16 +296,20 @@ def _reduce_scatter_then_send(comm: Comm, reduce_scatter: Steps, mine: np.ndarra
     yield from reduce_scatter
     if comm.rank == root:
         blocks = _blocks(recv, comm.size)
-        blocks[root][...] = mine
+        if not np.shares_memory(blocks[root], mine):
+            blocks[root][...] = mine
         others = [k for k in range(comm.size) if k != root]
         yield [comm.irecv(blocks[k], k, stamp.tag) for k in others], others
     else:
         yield [comm.isend(mine, root, stamp.tag, stamp.phase)], [root]
 
 
-def ireduce(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int = 0, algorithm: str = "ring") -> Handle:
-    """Start recv <- sum of send over all ranks, on `root` only (recv may be None elsewhere)."""
-    return Handle(_reduce_to_root(comm, send, recv, root, algorithm),
+def ireduce(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int = 0, algorithm: str = "ring",
+            send_is_scratch: bool = False) -> Handle:
+    """Start recv <- sum of send over all ranks, on `root` only (recv may be None elsewhere).
+    With `send_is_scratch` the input may be overwritten, and the root's `recv` may be its
+    `send` (an in-place reduce: no second buffer of the input's size)."""
+    return Handle(_reduce_to_root(comm, send, recv, root, algorithm, send_is_scratch),
                   f"reduce ({algorithm}, root {root}, {send.nbytes} bytes)", comm.rank)
 
 

@@ -23,22 +23,28 @@ from mpipar.errors import ConfigError
 
 
 class ScratchPool:
-    """Work arrays kept for reuse: a large operation then does not pay fresh page
-    faults every time. `take` hands out an array nobody else holds (so operations in
-    flight at once never share one); `give` returns it. At most two free arrays of
-    each (size, dtype) are kept."""
+    """Work arrays kept for reuse within a step: a large operation then does not pay
+    fresh page faults every time. `take` hands out an array nobody else holds (so
+    operations in flight at once never share one); `give` returns it. At most one
+    free array of each (size, dtype) is kept, and `clear` (at the end of every step)
+    lets them all go: between steps a rank holds its model state and nothing else."""
 
     def __init__(self) -> None:
-        self.free: dict[tuple[int, str], list[np.ndarray]] = {}
+        self.free: dict[tuple[int, str], np.ndarray] = {}
 
     def take(self, size: int, dtype) -> np.ndarray:
-        spare = self.free.get((size, np.dtype(dtype).str))
-        return spare.pop() if spare else np.empty(size, dtype=dtype)
+        spare = self.free.pop((size, np.dtype(dtype).str), None)
+        return spare if spare is not None else np.empty(size, dtype=dtype)
 
     def give(self, array: np.ndarray) -> None:
-        spare = self.free.setdefault((array.size, array.dtype.str), [])
-        if len(spare) < 2:
-            spare.append(array)
+        self.free.setdefault((array.size, array.dtype.str), array)
+
+    def clear(self) -> None:
+        self.free.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.free.values())
 
 
 class Comm:

@@ -30,12 +30,15 @@ from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.errors import ShapeError
 
-Init = Callable[[np.random.Generator, tuple], np.ndarray]
+# (generator, count) -> the next `count` values of the parameter's stream, float64, in C
+# order: drawing in pieces gives the same numbers as drawing the whole parameter at once,
+# so a rank can generate just its shard's part without ever holding the whole parameter
+Init = Callable[[np.random.Generator, int], np.ndarray]
 
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter: its name in the layer, shape, initialiser (host, float64) and
+    """One parameter: its name in the layer, shape, initialiser (a stream of host float64 values) and
     whether weight decay applies to it (weights yes; biases and norm gains no)."""
 
     name: str
@@ -46,15 +49,15 @@ class ParamSpec:
 
 def uniform_init(bound: float) -> Init:
     """U(-bound, bound), PyTorch's default for Linear and Conv2d with bound = 1/sqrt(fan_in)."""
-    return lambda rng, shape: rng.uniform(-bound, bound, size=shape)
+    return lambda rng, count: rng.uniform(-bound, bound, size=count)
 
 
 def normal_init(std: float) -> Init:
-    return lambda rng, shape: rng.normal(0.0, std, size=shape)
+    return lambda rng, count: rng.normal(0.0, std, size=count)
 
 
 def constant_init(value: float) -> Init:
-    return lambda rng, shape: np.full(shape, value, dtype=np.float64)
+    return lambda rng, count: np.full(count, value, dtype=np.float64)
 
 
 class Layer:

@@ -26,7 +26,7 @@ def one_process(config: TrainConfig) -> np.ndarray:
                         hidden=config.hidden, dropout=config.dropout)
     (stage,) = build_stages(model, 1, backend, config.seed)
     flat, loss_fn, cache = stage.flat, SoftmaxCrossEntropy(), ActivationCache()
-    optimizer = make_optimizer(config.optimizer, [flat.data], [flat.grad], [flat.decay_mask],
+    optimizer = make_optimizer(config.optimizer, [flat.data], [flat.grad], [flat.decay_spans(0, flat.size)],
                                momentum=config.momentum, weight_decay=config.weight_decay)
     sampler = GlobalBatchSampler(len(train_set), config.batch_size, config.seed)
     for step in range(config.max_steps):
