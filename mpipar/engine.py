@@ -120,7 +120,8 @@ class Pipeline:
             self.optimizer.step(lr)
         self.pool.clear()  # between steps a rank holds its model state and nothing else
         for comm in (self.comm, *self.stage_comms.values()):
-            comm.scratch.clear()
+            if comm is not None:  # None: a stage whose reduction group this rank is not in
+                comm.scratch.clear()
 
     def poll(self, _layer=None) -> None:
         """Between layers: let reductions and messages in flight progress."""

@@ -1,4 +1,4 @@
-"""Handle: a communication in progress, advanced by polling.
+"""Handle: a communication in progress, advanced by polling; and the polite wait every blocking wait uses.
 
 Every algorithm in mpipar is written as a generator that posts the messages of one
 step and yields their MPI requests with the peer of each; whatever follows the
@@ -9,30 +9,110 @@ calls it between layers so reductions progress during backward — and `wait()`
 finishes it. Non-blocking work only moves when MPI is entered; `test()` is that
 entry.
 
-`wait()` has a watchdog: after `timeout` seconds (default $MPIPAR_COMM_TIMEOUT or
-600) it raises CommTimeout naming this rank, the operation and the peers it is
-still waiting for, instead of hanging forever.
+Waiting (`Handle.wait`, `wait_requests`) tests the requests again and again, and
+between two tests leaves the core to others: sched_yield for the first
+milliseconds, then short sleeps growing to LONGEST_SLEEP. With more ranks than
+cores the rank being waited for then gets the core instead of the waiting one.
+A watchdog raises CommTimeout after `timeout` seconds, naming this rank, the
+operation and the peers whose messages are still open, instead of hanging forever.
+The timeout defaults to `default_timeout()`: set_default_timeout (the trainer's
+--comm-timeout), else $MPIPAR_COMM_TIMEOUT, else 300 s.
 
-Exercised by: python -m pytest tests/test_collectives.py -k nonblocking
+Exercised by: python -m pytest tests/test_waits.py tests/test_harness.py
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Generator
+from typing import Callable, Generator
 
 from mpi4py import MPI
 
+from mpipar.errors import ConfigError
+
 Steps = Generator[tuple[list, list[int]], None, None]  # (requests, peer of each)
+
+DEFAULT_TIMEOUT = 300.0  # seconds: far beyond any step, soon enough that a hung job does not burn hours
+# The pauses between tests, chosen by measurement (docs/collectives.md, "Waiting"). For the
+# first YIELD_FOR seconds a wait only yields: on an idle core sched_yield returns at once, so a
+# wait as short as a step's messages costs no latency; past that the peer is busy for a while,
+# and sleeps (from FIRST_SLEEP, doubling to LONGEST_SLEEP) stop even the yielding loop's cost.
+YIELD_FOR = 0.002
+FIRST_SLEEP = 50e-6
+LONGEST_SLEEP = 0.001
+
+_yield_core: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))  # not on every OS
+_default_timeout = 0.0  # 0: not set
 
 
 class CommTimeout(RuntimeError):
     """A communication did not complete within the watchdog's time."""
 
 
+def set_default_timeout(seconds: float) -> None:
+    """The watchdog's time for waits given none; 0 means not set (then $MPIPAR_COMM_TIMEOUT, else 300 s)."""
+    global _default_timeout
+    if not seconds >= 0:
+        raise ConfigError(f"the communication timeout must be 0 (not set) or a number of seconds, not {seconds}")
+    _default_timeout = float(seconds)
+
+
 def default_timeout() -> float:
-    return float(os.environ.get("MPIPAR_COMM_TIMEOUT", "600"))
+    """Seconds a wait lasts before CommTimeout: set_default_timeout, else $MPIPAR_COMM_TIMEOUT, else 300."""
+    if _default_timeout:
+        return _default_timeout
+    text = os.environ.get("MPIPAR_COMM_TIMEOUT", "")
+    try:
+        seconds = float(text or 0)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ConfigError(f"MPIPAR_COMM_TIMEOUT must be a number of seconds (0: not set), not {text!r}")
+    return seconds or DEFAULT_TIMEOUT
+
+
+def wait_requests(requests: list[MPI.Request], what: str, peers: list[int], timeout: float | None = None,
+                  rank: int | None = None) -> None:
+    """Block until every request has completed, leaving the core to others meanwhile.
+
+    `peers[i]` is the rank at the other end of `requests[i]`. Completed requests become
+    MPI.REQUEST_NULL in the list (Testsome updates it in place). After `timeout` seconds
+    (default: default_timeout()) raise CommTimeout naming `rank` (default: this rank of
+    COMM_WORLD), `what` and the peers of the requests still open."""
+    seconds = default_timeout() if timeout is None else timeout
+    if not _wait_until(lambda: _completed(requests), seconds):
+        raise _timed_out(MPI.COMM_WORLD.rank if rank is None else rank, what, seconds, requests, peers)
+
+
+def _completed(requests: list[MPI.Request]) -> bool:
+    # Testsome, not Testall: a Testall that is not complete changes nothing, while Testsome
+    # nulls each request that has completed, so the watchdog names only the open ones.
+    MPI.Request.Testsome(requests)
+    return not any(requests)
+
+
+def _wait_until(done: Callable[[], bool], seconds: float) -> bool:
+    """Call `done` until it returns True (then True) or `seconds` have passed (then False)."""
+    start = time.monotonic()
+    sleep = FIRST_SLEEP
+    while not done():
+        waited = time.monotonic() - start
+        if waited > seconds:
+            return False
+        if waited < YIELD_FOR:
+            _yield_core()
+        else:
+            time.sleep(sleep)
+            sleep = min(2 * sleep, LONGEST_SLEEP)
+    return True
+
+
+def _timed_out(rank: int, what: str, seconds: float, requests: list[MPI.Request], peers: list[int]) -> CommTimeout:
+    open_peers = sorted({peer for request, peer in zip(requests, peers) if request})
+    waiting_for = ("the MPI library's collective" if open_peers == [-1]
+                   else f"messages to or from rank(s) {open_peers}")
+    return CommTimeout(f"rank {rank}: {what} still waits after {seconds:g} s for {waiting_for}")
 
 
 class Handle:
@@ -53,7 +133,7 @@ class Handle:
         if self._failure is not None:
             raise self._failure
         while not self.done:
-            if self._requests and not MPI.Request.Testall(self._requests):
+            if self._requests and not _completed(self._requests):
                 return False
             try:
                 self._requests, self._peers = next(self._steps)
@@ -65,14 +145,7 @@ class Handle:
         return True
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until complete, or raise CommTimeout after `timeout` seconds."""
-        deadline = time.monotonic() + (default_timeout() if timeout is None else timeout)
-        polls = 0
-        while not self.test():
-            polls += 1
-            if polls % 1024 == 0 and time.monotonic() > deadline:
-                peers = sorted({peer for request, peer in zip(self._requests, self._peers) if request})
-                waiting_for = ("the MPI library's collective" if peers == [-1]
-                               else f"messages to or from rank(s) {peers}")
-                raise CommTimeout(f"rank {self.rank}: {self.name} still waits after "
-                                  f"{timeout if timeout is not None else default_timeout():.0f} s for {waiting_for}")
+        """Block until complete, or raise CommTimeout after `timeout` seconds (default: default_timeout())."""
+        seconds = default_timeout() if timeout is None else timeout
+        if not _wait_until(self.test, seconds):
+            raise _timed_out(self.rank, self.name, seconds, self._requests, self._peers)
