@@ -313,8 +313,9 @@ def ireduce(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int = 0
                   f"reduce ({algorithm}, root {root}, {send.nbytes} bytes)", comm.rank)
 
 
-def reduce(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int = 0, algorithm: str = "ring") -> None:
-    ireduce(comm, send, recv, root, algorithm).wait()
+def reduce(comm: Comm, send: np.ndarray, recv: np.ndarray | None, root: int = 0, algorithm: str = "ring",
+           send_is_scratch: bool = False) -> None:
+    ireduce(comm, send, recv, root, algorithm, send_is_scratch).wait()
 
 
 def _broadcast(comm: Comm, buf: np.ndarray, root: int, algorithm: str) -> Steps:

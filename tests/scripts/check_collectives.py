@@ -155,6 +155,33 @@ for algorithm in C.ALGORITHMS[:-1]:
         except ValueError as error:
             expect("own block" in str(error), f"unexpected error: {error}")
 
+# In place, with the input as scratch (how the engines reduce a gradient they are done
+# with): a reduce-scatter into this rank's own block of its input, and a reduce whose
+# root receives into its input. No work array of the input's size exists then.
+for algorithm in C.ALGORITHMS[:-1]:
+    length = 1000 * N + 3
+    offsets = block_offsets(length, N)
+    mine = slice(offsets[rank], offsets[rank + 1])
+    expected = np.empty(mine.stop - mine.start)
+    C.reduce_scatter(comm, data(length, 12), expected, "mpi")
+    buf = data(length, 12)
+    C.reduce_scatter(comm, buf, buf[mine], algorithm, send_is_scratch=True)
+    expect(np.array_equal(buf[mine], expected), f"in-place reduce-scatter {algorithm} differs from mpi")
+    if N > 1:
+        try:
+            C.reduce_scatter(comm, data(length, 12), data(length, 12)[mine], algorithm)
+            C.reduce_scatter(comm, buf, buf[mine], algorithm)
+            expect(False, f"reduce-scatter {algorithm} accepted an output inside an input not given as scratch")
+        except ValueError as error:
+            expect("send_is_scratch" in str(error), f"unexpected error: {error}")
+    root = 1 % N
+    expected = np.empty(length)
+    C.reduce(comm, data(length, 13), expected, root, "mpi")
+    buf = data(length, 13)
+    C.reduce(comm, buf, buf if rank == root else None, root, algorithm, send_is_scratch=True)
+    if rank == root:
+        expect(np.array_equal(buf, expected), f"in-place reduce {algorithm} differs from mpi")
+
 # A subset communicator: the odd ranks alone.
 odd = Comm(world, tuple(r // 2 for r in range(N))).subset([r for r in range(N) if r % 2 == 1])
 if odd is not None:
