@@ -73,14 +73,13 @@ class DataParallel:
         self.unit_leaves = [leaf_layers(stage.layers[unit.first:unit.last + 1]) for unit in self.units]
         # Build only what this rank keeps: the whole stage where a scope is N, else each
         # unit's block, generated alone (the stage arrives laid out but not allocated).
-        flat.materialize(params=P == "N", grads=G == "N")
-        self.p_store = flat.data if P == "N" else self._initial_blocks(P, stored["P"])
-        self.g_store = flat.grad if G == "N" else flat.backend.xp.zeros(stored["G"], dtype=flat.dtype)
-        self.optimizer = make_optimizer(optimizer, *self._optimizer_pieces(), **optimizer_options)
+        # Gradients and optimizer state start at the first step that needs them, so
+        # building the engine costs the parameters and nothing else.
+        self.p_store = flat.materialize(params=True, grads=False) if P == "N" \
+            else self._initial_blocks(P, stored["P"])
+        self.gradient_elements, self.g_store, self.optimizer = stored["G"], None, None
+        self.optimizer_factory = lambda: make_optimizer(optimizer, *self._optimizer_pieces(), **optimizer_options)
         self.ledger.hold("parameters", self.p_store.nbytes)
-        self.ledger.hold("gradients", self.g_store.nbytes)
-        self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
-        self.ledger.hold("workspace", self.optimizer.workspace_bytes)
         self.gathered: dict[int, tuple] = {}  # unit index -> (full parameters, gather in flight)
         self.micro_batch, self.last_micro_batch, self.completed_before_step = 0, True, 0
 
@@ -123,6 +122,12 @@ class DataParallel:
     # -- one step ----------------------------------------------------------------
     def start_step(self) -> None:
         """Gradients start again from zero (lazily: each layer's first backward overwrites)."""
+        if self.g_store is None:
+            if self.sharding.gradients == "N":
+                self.g_store = self.flat.materialize(params=False, grads=True)
+            else:
+                self.g_store = self.flat.backend.xp.zeros(self.gradient_elements, dtype=self.flat.dtype)
+            self.ledger.hold("gradients", self.g_store.nbytes)
         self.flat.zero_grad()
         self.completed_before_step = self.queue.completed
 
@@ -155,6 +160,10 @@ class DataParallel:
     def step(self, lr: float) -> None:
         """Update this rank's OS blocks and publish the parameters to P's scope."""
         with self.ledger.phase("update"):
+            if self.optimizer is None:
+                self.optimizer = self.optimizer_factory()
+                self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
+                self.ledger.hold("workspace", self.optimizer.workspace_bytes)
             self.optimizer.step(lr)
             for unit in self.units:
                 self.queue.post(self._publish(unit))
@@ -196,9 +205,8 @@ class DataParallel:
             if unit.index > 0:
                 self._start_gather(self.units[unit.index - 1], "backward-gather")
         if self.sharding.gradients != "N":  # this micro-batch's full gradient, reduced after the unit
-            grad = self._take("gradients", unit.size)
-            self.flat.bind(unit.start, unit.stop, grad=grad)
-            self.unit_grad = grad
+            self.unit_grad = self._take("gradients", unit.size)
+            self.flat.bind(unit.start, unit.stop, grad=self.unit_grad)
 
     def _after_backward(self, layer) -> None:
         unit = self.by_first.get(self.position[id(layer)])
@@ -212,6 +220,7 @@ class DataParallel:
                 # REDUCTIONS_IN_FLIGHT of them at once, or a slow network would let every unit's pile up.
                 self.queue.drain(keep=REDUCTIONS_IN_FLIGHT - 1)
                 self.queue.post(self._reduce(unit, self.unit_grad, self.micro_batch, self.last_micro_batch))
+                self.unit_grad = None  # the reduction owns it now, and frees it
             elif self.last_micro_batch:
                 self.flat.settle_grads(self.unit_leaves[unit.index])
                 self.queue.post(self._finish(unit))

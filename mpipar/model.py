@@ -119,18 +119,21 @@ class FlatParams:
             while position < high:  # values before `low` are drawn only to advance the stream
                 count = min(INIT_CHUNK, high - position)
                 values = spec.init(rng, count)
-                first = max(low, position)
-                out[first - start:position + count - start] = self.backend.asarray(values[first - position:])
+                if position + count > low:
+                    first = max(low, position)
+                    out[first - start:position + count - start] = self.backend.asarray(values[first - position:])
                 position += count
         return out
 
-    def materialize(self, params: bool, grads: bool) -> None:
-        """Allocate the whole stage's parameters (initialised) and/or gradients, and bind the layers to them."""
-        if params:
-            self.data = self.initial(0, self.size)
+    def materialize(self, params: bool, grads: bool):
+        """Allocate the whole stage's parameters (initialised) and/or gradients, and bind the
+        layers to them. Returns the buffer made (the parameters if both)."""
         if grads:
             self.grad = self.backend.xp.zeros(self.size, dtype=self.dtype)
+        if params:
+            self.data = self.initial(0, self.size)
         self.bind(0, self.size, self.data if params else None, self.grad if grads else None)
+        return self.data if params else self.grad
 
     def decay_spans(self, start: int, stop: int) -> list[tuple[int, int]]:
         """Where weight decay applies among elements [start, stop), relative to `start`."""

@@ -25,26 +25,26 @@ from mpipar.errors import ConfigError
 class ScratchPool:
     """Work arrays kept for reuse within a step: a large operation then does not pay
     fresh page faults every time. `take` hands out an array nobody else holds (so
-    operations in flight at once never share one); `give` returns it. At most one
-    free array of each (size, dtype) is kept, and `clear` (at the end of every step)
-    lets them all go: between steps a rank holds its model state and nothing else."""
+    operations in flight at once never share one); `give` returns it. One spare array
+    is kept — the last one given, which the next take of a unit of the same size reuses
+    — so the pool adds at most one buffer to a rank's peak; `clear` (at the end of every
+    step) lets it go: between steps a rank holds its model state and nothing else."""
 
     def __init__(self) -> None:
-        self.free: dict[tuple[int, str], np.ndarray] = {}
+        self.spare: np.ndarray | None = None
 
     def take(self, size: int, dtype) -> np.ndarray:
-        spare = self.free.pop((size, np.dtype(dtype).str), None)
-        return spare if spare is not None else np.empty(size, dtype=dtype)
+        spare = self.spare
+        if spare is not None and spare.size == size and spare.dtype == np.dtype(dtype):
+            self.spare = None
+            return spare
+        return np.empty(size, dtype=dtype)
 
     def give(self, array: np.ndarray) -> None:
-        self.free.setdefault((array.size, array.dtype.str), array)
+        self.spare = array
 
     def clear(self) -> None:
-        self.free.clear()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(array.nbytes for array in self.free.values())
+        self.spare = None
 
 
 class Comm:
