@@ -38,10 +38,9 @@ from mpipar.comms.routes import block_offsets
 from mpipar.comms.world import sum_across_ranks
 from mpipar.ledger import MemoryLedger
 from mpipar.model import LayerHook, Stage, leaf_layers
-from mpipar.optim import make_optimizer
+from mpipar.optim import make_optimizer, state_kinds
+from mpipar.peak import REDUCTIONS_IN_FLIGHT, ActivationBytes, Peak, data_parallel_peak
 from mpipar.sharding import Layout, Sharding, Unit, make_units
-
-REDUCTIONS_IN_FLIGHT = 2  # units whose full gradient may wait for its reduction at once (sharded G)
 
 class DataParallel:
     """One rank's part of data-parallel training of `stage` under `sharding`."""
@@ -79,9 +78,17 @@ class DataParallel:
             else self._initial_blocks(P, stored["P"])
         self.gradient_elements, self.g_store, self.optimizer = stored["G"], None, None
         self.optimizer_factory = lambda: make_optimizer(optimizer, *self._optimizer_pieces(), **optimizer_options)
+        self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
         self.ledger.hold("parameters", self.p_store.nbytes)
         self.gathered: dict[int, tuple] = {}  # unit index -> (full parameters, gather in flight)
         self.micro_batch, self.last_micro_batch, self.completed_before_step = 0, True, 0
+
+    def predicted_peak(self, training: ActivationBytes, evaluation: ActivationBytes | None = None) -> Peak:
+        """The most this rank should hold at once (peak.py), from its real units."""
+        return data_parallel_peak(self.sharding, self.flat.size, max(unit.size for unit in self.units),
+                                  self.world.size, len(self.world.group_layout()[0]),
+                                  itemsize=self.flat.dtype.itemsize, state_kinds=self.state_kinds,
+                                  training=training, evaluation=evaluation)
 
     # -- storage -----------------------------------------------------------------
     def _initial_blocks(self, scope: str, total: int):

@@ -60,9 +60,12 @@ class Report:
     def step(self, result: StepResult, trainer: Trainer) -> None:
         batch = trainer.config.batch_size
         self.window_samples += batch
+        memory = trainer.memory
         self._write_metrics("step", {"step": result.step, "epoch": result.epoch, "loss": result.loss,
                                      "accuracy": result.accuracy, "lr": result.lr,
-                                     "samples_per_s": batch / result.seconds if result.seconds else None})
+                                     "samples_per_s": batch / result.seconds if result.seconds else None,
+                                     **({"mem_live_bytes": memory.live_bytes(), "mem_peak_bytes": memory.peak_bytes()}
+                                        if memory else {})})
         done = result.step + 1
         if self.interactive or done % self.log_every == 0 or done == trainer.total_steps:
             elapsed = time.perf_counter() - self.window_start
@@ -99,5 +102,20 @@ class Report:
         print(f"model state on rank 0: parameters {human_bytes(held['parameters'])}, gradients "
               f"{human_bytes(held['gradients'])}, optimizer state {human_bytes(held['optimizer_state'])}; "
               f"at most {human_bytes(peak)} ({phase})", file=self.stream, flush=True)
+        self._memory_line(summary["memory_per_rank"])
         if self.metrics:
             self.metrics.close()
+
+    def _memory_line(self, per_rank: dict) -> None:
+        """Measured peaks over ranks (largest, smallest, which rank) beside the prediction."""
+        def spread(values: list[int]) -> str:
+            top = max(range(len(values)), key=values.__getitem__)
+            return f"max {human_bytes(values[top])} (rank {top}), min {human_bytes(min(values))}"
+
+        predicted = per_rank["predicted_peak_bytes"]
+        parts = [f"peak resident memory per rank {spread(per_rank['peak_rss_bytes'])}"]
+        if per_rank["allocator_peak_bytes"] is not None:
+            parts.append(f"array allocator peak {spread(per_rank['allocator_peak_bytes'])}")
+        parts.append(f"predicted peak {human_bytes(predicted)}" if predicted is not None
+                     else "no peak prediction for this scheme yet")
+        print("memory: " + "; ".join(parts), file=self.stream, flush=True)

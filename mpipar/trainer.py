@@ -29,20 +29,24 @@ import numpy as np
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
 from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
+from mpipar.comms.handle import set_default_timeout
 from mpipar.comms.topology import make_world
-from mpipar.config import TrainConfig
+from mpipar.config import TrainConfig, parse_size
 from mpipar.data import GlobalBatchSampler, eval_slice, load_dataset, rank_slice, split_micro_batches
 from mpipar.cyclic import Cyclic
 from mpipar.data_parallel import DataParallel
 from mpipar.engine import Pipeline
-from mpipar.errors import NonFiniteLossError
+from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.model import build_stages, partition
 from mpipar.models import build_model
+from mpipar.memory import make_probe, peak_rss_bytes, rss_bytes
 from mpipar.optim import make_schedule
+from mpipar.peak import ActivationBytes, Peak, activation_bytes, data_parallel_peak
+from mpipar.report import human_bytes
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
-from mpipar.sharding import unit_bytes_for
+from mpipar.sharding import SCHEMES, unit_bytes_for
 
 
 @dataclass
@@ -70,11 +74,20 @@ class Trainer:
         self.comm = comm if comm is not None else world()
         self.rank, self.world_size = self.comm.rank, self.comm.size
         abort_on_uncaught_exception(self.comm)
+        set_default_timeout(config.comm_timeout)
+        # With --memory-profile the allocator is watched from here; the data set is
+        # left out of the figures (the baseline is set once it is loaded, in _setup).
+        self.memory = make_probe(config.device) if config.memory_profile else None
+        if self.memory:
+            self.memory.start()
         # The counted communicator every training message goes through; made before
         # validation, which could otherwise stop some ranks before this collective call.
         self.counted = agree_on_setup(self.comm, lambda: make_world(config.group_size or None, self.comm))
         agree_on_setup(self.comm, self._setup)
         self.engine = self._make_engine()  # collective (sub-communicators): only once every rank is set up
+        self.predicted = self._predicted_peak()
+        if config.memory_limit is not None:
+            self._check_memory_limit(parse_size(config.memory_limit, "--memory-limit"))
 
     def _setup(self) -> None:
         cfg = self.config
@@ -82,6 +95,8 @@ class Trainer:
         self.backend = make_backend(cfg.device, cfg.dtype)
         self.train_set, self.test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
                                                      text_file=cfg.text_file, seq_len=cfg.seq_len)
+        if self.memory:
+            self.memory.set_baseline()
         self.model = build_model(cfg.model, input_shape=self.train_set.input_shape,
                                  num_classes=self.train_set.num_classes, hidden=cfg.hidden,
                                  dropout=cfg.dropout, width=cfg.width, heads=cfg.heads, blocks=cfg.blocks)
@@ -108,8 +123,47 @@ class Trainer:
         self.lr_at = make_schedule(cfg.schedule, cfg.lr, self.total_steps, warmup_steps=cfg.warmup_steps,
                                    step_size=cfg.step_size, gamma=cfg.gamma)
         self.cache = ActivationCache()
+        self.activations = self._activation_bytes()
         # [loss sum, correct predictions, predictions] of a step, summed over ranks in one message
         self.step_totals = np.zeros(3, dtype=np.float64)
+
+    def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
+        """What a training micro-batch and an evaluation batch cost in activations (a dry run)."""
+        cfg = self.config
+        per_rank = 1 if cfg.stages or cfg.cyclic else self.world_size
+        train = self._to_device(*self.train_set.batch(np.arange(cfg.batch_size // per_rank // cfg.micro_batches)))
+        test = self._to_device(*self.test_set.batch(np.arange(min(cfg.eval_batch, len(self.test_set)))))
+        return tuple(activation_bytes(self.stages, inputs, targets, self.loss_fn, cfg.seed)
+                     for inputs, targets in (train, test))
+
+    def _predicted_peak(self) -> Peak | None:
+        """The engine's prediction of this rank's peak (data-parallel schemes; None otherwise)."""
+        if not isinstance(self.engine, DataParallel):
+            return None
+        return self.engine.predicted_peak(*self.activations)
+
+    def _check_memory_limit(self, limit: int) -> None:
+        """Stop on every rank before the first step if the prediction does not fit; name what would."""
+        if self.predicted is None:
+            raise ConfigError("--memory-limit needs a prediction of the peak, which only the data-parallel "
+                              "schemes make so far; drop --memory-limit for this scheme")
+        if self.predicted.total <= limit:
+            return
+        engine = self.engine
+        fits = []
+        for name, sharding in SCHEMES.items():
+            peak = data_parallel_peak(sharding, engine.flat.size, max(unit.size for unit in engine.units),
+                                      self.world_size, len(engine.world.group_layout()[0]),
+                                      itemsize=engine.flat.dtype.itemsize, state_kinds=engine.state_kinds,
+                                      training=self.activations[0], evaluation=self.activations[1])
+            if peak.total <= limit:
+                fits.append(f"{name} ({human_bytes(peak.total)})")
+        advice = (f"; {' or '.join(fits)} fit" if fits else
+                  "; no data-parallel scheme fits on this many ranks: add ranks or shrink the model or batch")
+        error = ConfigError(f"{self.scheme_name} needs {human_bytes(self.predicted.total)} per rank at its peak, "
+                            f"limit {human_bytes(limit)}{advice}")
+        error.on_every_rank = True  # the prediction is the same on every rank
+        raise error
 
     def _make_engine(self) -> DataParallel | Pipeline | Cyclic:
         cfg = self.config
@@ -240,6 +294,17 @@ class Trainer:
             sum_across_ranks(self.counted, totals.reshape(-1))  # a view: totals is summed in place
         return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)))
 
+    def _memory_per_rank(self) -> dict:
+        """Every rank's peak resident memory and, with --memory-profile, the allocator's peak
+        (collective: one counted sum of a slot per rank), next to the predicted peak."""
+        figures = np.zeros((self.world_size, 2))
+        figures[self.rank] = (peak_rss_bytes(), self.memory.peak_bytes() if self.memory else -1)
+        with self.counted.traffic.phase("metrics"):
+            sum_across_ranks(self.counted, figures.reshape(-1))
+        return {"peak_rss_bytes": figures[:, 0].astype(int).tolist(),
+                "allocator_peak_bytes": figures[:, 1].astype(int).tolist() if self.memory else None,
+                "predicted_peak_bytes": int(self.predicted.total) if self.predicted else None}
+
     def run(self, report=None) -> dict:
         """Train for the configured epochs (or max steps), evaluating after each epoch.
 
@@ -259,7 +324,8 @@ class Trainer:
             if step >= self.total_steps:
                 break
         seconds = time.perf_counter() - started
-        summary = {"steps": step, "seconds": seconds,
+        summary = {"memory_per_rank": self._memory_per_rank(),
+                   "steps": step, "seconds": seconds,
                    "samples_per_s": step * cfg.batch_size / seconds if seconds else 0.0,
                    "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy,
                    "peak_activation_bytes": self.cache.peak_bytes,
