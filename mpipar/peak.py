@@ -108,3 +108,8 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
     for stage in stages:
         cache.release(stage.index, 0)
     return ActivationBytes(stashed, largest)
+
+
+def evaluation_bytes(training: ActivationBytes, micro_batch: int, eval_batch: int) -> ActivationBytes:
+    """An evaluation batch stashes nothing; its outputs scale with the batch from the dry run's."""
+    return ActivationBytes(0, math.ceil(training.largest_output * eval_batch / micro_batch))

@@ -42,7 +42,7 @@ from mpipar.model import build_stages, partition
 from mpipar.models import build_model
 from mpipar.memory import make_probe, peak_rss_bytes, rss_bytes
 from mpipar.optim import make_schedule
-from mpipar.peak import ActivationBytes, Peak, activation_bytes, data_parallel_peak
+from mpipar.peak import ActivationBytes, Peak, activation_bytes, data_parallel_peak, evaluation_bytes
 from mpipar.report import human_bytes
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
@@ -128,13 +128,14 @@ class Trainer:
         self.step_totals = np.zeros(3, dtype=np.float64)
 
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
-        """What a training micro-batch and an evaluation batch cost in activations (a dry run)."""
+        """What a training micro-batch and an evaluation batch cost in activations (a dry run
+        of one micro-batch; evaluation scales its outputs)."""
         cfg = self.config
         per_rank = 1 if cfg.stages or cfg.cyclic else self.world_size
-        train = self._to_device(*self.train_set.batch(np.arange(cfg.batch_size // per_rank // cfg.micro_batches)))
-        test = self._to_device(*self.test_set.batch(np.arange(min(cfg.eval_batch, len(self.test_set)))))
-        return tuple(activation_bytes(self.stages, inputs, targets, self.loss_fn, cfg.seed)
-                     for inputs, targets in (train, test))
+        size = cfg.batch_size // per_rank // cfg.micro_batches
+        training = activation_bytes(self.stages, *self._to_device(*self.train_set.batch(np.arange(size))),
+                                    self.loss_fn, cfg.seed)
+        return training, evaluation_bytes(training, size, min(cfg.eval_batch, len(self.test_set)))
 
     def _predicted_peak(self) -> Peak | None:
         """The engine's prediction of this rank's peak (data-parallel schemes; None otherwise)."""

@@ -1,0 +1,11 @@
+"""Memory measured from the allocator: every data-parallel scheme against Table 1 and its predicted peak."""
+
+import sys
+
+from conftest import SCRIPTS, run_mpi
+
+
+def test_every_scheme_holds_table_1_and_stays_under_its_predicted_peak():
+    result = run_mpi(4, sys.executable, str(SCRIPTS / "check_memory.py"), timeout=450)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "8 schemes hold what Table 1 says, within their predicted peaks" in result.stdout
