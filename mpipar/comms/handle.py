@@ -81,8 +81,39 @@ def wait_requests(requests: list[MPI.Request], what: str, peers: list[int], time
     (default: default_timeout()) raise CommTimeout naming `rank` (default: this rank of
     COMM_WORLD), `what` and the peers of the requests still open."""
     seconds = default_timeout() if timeout is None else timeout
-    if not _wait_until(lambda: _completed(requests), seconds):
-        raise _timed_out(MPI.COMM_WORLD.rank if rank is None else rank, what, seconds, requests, peers)
+    patience = _Patience(seconds)
+    while any(requests):
+        if MPI.Request.Testsome(requests):
+            patience.restart()
+        elif not patience.pause():
+            raise _timed_out(MPI.COMM_WORLD.rank if rank is None else rank, what, seconds, requests, peers)
+
+
+class _Patience:
+    """The pauses between the tests of one wait, and its deadline.
+
+    Each pause yields the core for the first YIELD_FOR seconds since the wait began or
+    last saw progress, then sleeps, from FIRST_SLEEP doubling to LONGEST_SLEEP: progress
+    means the peers are active, and the next message is likely to come soon."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.restart()
+
+    def restart(self) -> None:
+        self.since, self.sleep = time.monotonic(), FIRST_SLEEP
+
+    def pause(self) -> bool:
+        """Pause before the next test; False (without pausing) once the deadline has passed."""
+        now = time.monotonic()
+        if now > self.deadline:
+            return False
+        if now - self.since < YIELD_FOR:
+            _yield_core()
+        else:
+            time.sleep(self.sleep)
+            self.sleep = min(2 * self.sleep, LONGEST_SLEEP)
+        return True
 
 
 def _completed(requests: list[MPI.Request]) -> bool:
@@ -90,22 +121,6 @@ def _completed(requests: list[MPI.Request]) -> bool:
     # nulls each request that has completed, so the watchdog names only the open ones.
     MPI.Request.Testsome(requests)
     return not any(requests)
-
-
-def _wait_until(done: Callable[[], bool], seconds: float) -> bool:
-    """Call `done` until it returns True (then True) or `seconds` have passed (then False)."""
-    start = time.monotonic()
-    sleep = FIRST_SLEEP
-    while not done():
-        waited = time.monotonic() - start
-        if waited > seconds:
-            return False
-        if waited < YIELD_FOR:
-            _yield_core()
-        else:
-            time.sleep(sleep)
-            sleep = min(2 * sleep, LONGEST_SLEEP)
-    return True
 
 
 def _timed_out(rank: int, what: str, seconds: float, requests: list[MPI.Request], peers: list[int]) -> CommTimeout:
@@ -147,5 +162,11 @@ class Handle:
     def wait(self, timeout: float | None = None) -> None:
         """Block until complete, or raise CommTimeout after `timeout` seconds (default: default_timeout())."""
         seconds = default_timeout() if timeout is None else timeout
-        if not _wait_until(self.test, seconds):
-            raise _timed_out(self.rank, self.name, seconds, self._requests, self._peers)
+        patience = _Patience(seconds)
+        step = self._requests
+        while not self.test():
+            if self._requests is not step:  # a step completed and the next one was posted: progress
+                patience.restart()
+                step = self._requests
+            elif not patience.pause():
+                raise _timed_out(self.rank, self.name, seconds, self._requests, self._peers)
