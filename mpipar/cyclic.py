@@ -10,7 +10,7 @@ an optimizer state) in one dictionary:
                step's gradient sum), run it; pebbles go into the cache under the micro-batch
     Update     a new buffer = the optimizer applied to the old version, the summed gradient and
                the optimizer state (the old version may still be read by micro-batches in flight)
-    Send       Isend; the buffer is kept alive until the send completes
+    Send       Isend; the outbox keeps the buffer until the send completes, and no longer
     Drop       forget the item
     EndTimeStep  let messages progress; record live activation bytes (the Fig. 4 timeline)
 
@@ -34,6 +34,8 @@ from mpi4py import MPI
 from mpipar.cache import ActivationCache, Context
 from mpipar.comms.collectives import broadcast
 from mpipar.comms.comm import Comm
+from mpipar.comms.handle import wait_requests
+from mpipar.comms.outbox import Outbox
 from mpipar.comms.tags import MAX_MICRO_BATCHES, Kind, p2p_tag
 from mpipar.errors import NonFiniteLossError
 from mpipar.ledger import MemoryLedger
@@ -49,6 +51,15 @@ PHASE_OF = {"x": "activations", "dy": "gradients", "w": "weights", "g": "gradien
 LEDGER_KIND = {"w": "parameters", "g": "gradients", "o": "optimizer_state"}
 
 Load = Callable[[int, int], tuple]  # (step, micro-batch) -> (inputs, targets)
+
+
+def _describe(item: Item) -> str:
+    """An item in words, for the stall watchdog's message."""
+    what = {"x": "the activation", "dy": "the gradient", "w": "the weights", "g": "the gradient sum",
+            "o": "the optimizer state"}[item.kind]
+    index = {"x": "micro-batch {} (counted over the run)", "dy": "micro-batch {} (counted over the run)",
+             "w": "after {} updates", "g": "of step {}", "o": ""}[item.kind].format(item.index)
+    return f"{what} of stage {item.stage} {index}".rstrip()
 
 
 class Cyclic:
@@ -87,15 +98,14 @@ class Cyclic:
         self.load, self.seed, self.batch_size, self.lr_at = load, seed, batch_size, lr_at
         self.micro_size = batch_size // self.count
         self.first_step, self.totals = first_step, np.zeros((steps, 3))
-        self.inbox: dict[Item, tuple[np.ndarray, MPI.Request]] = {}
-        self.sends: list[tuple[MPI.Request, np.ndarray]] = []
+        self.inbox: dict[Item, tuple[np.ndarray, MPI.Request, int]] = {}  # buffer, request, source
+        self.outbox = Outbox()  # sends in flight: each buffer lives until its send completes
         self.time_offset = len(self.timeline)
         for instruction in plan.programs[self.comm.rank]:
             self.handlers[type(instruction)](self, instruction)
         for item in list(self.inbox):  # the state the next run starts from, brought home
             self._take(item)
-        MPI.Request.Waitall([request for request, _ in self.sends])
-        self.sends.clear()
+        self.outbox.wait_all(f"the sends of steps {first_step}..{first_step + steps - 1}")
         expected = self._persistent(first_step + steps)
         if sorted(self.store) != sorted(expected):
             raise RuntimeError(f"rank {self.comm.rank}: the run ended holding {sorted(self.store)}, "
@@ -144,8 +154,8 @@ class Cyclic:
     def _take(self, item: Item) -> np.ndarray:
         """The item, waiting for it if it is still arriving."""
         if item in self.inbox:
-            buffer, request = self.inbox.pop(item)
-            request.Wait()
+            buffer, request, source = self.inbox.pop(item)
+            wait_requests([request], f"the receive of {_describe(item)}", [source], rank=self.comm.rank)
             self._keep(item, buffer)
         return self.store[item]
 
@@ -157,12 +167,13 @@ class Cyclic:
         item = self._shifted(instruction.item)
         buffer = np.empty(self._size(item), dtype=self.dtype)  # fresh: it may become an activation
         with self.comm.traffic.phase(PHASE_OF[item.kind]):
-            self.inbox[item] = (buffer, self.comm.irecv(buffer, instruction.source, self._tag(item)))
+            self.inbox[item] = (buffer, self.comm.irecv(buffer, instruction.source, self._tag(item)), instruction.source)
 
     def _send(self, instruction: Send) -> None:
         item = self._shifted(instruction.item)
         buffer = self._take(item)
-        self.sends.append((self.comm.isend(buffer, instruction.dest, self._tag(item), PHASE_OF[item.kind]), buffer))
+        self.outbox.post(self.comm.isend(buffer, instruction.dest, self._tag(item), PHASE_OF[item.kind]), buffer,
+                         instruction.dest)
 
     def _drop(self, instruction: Drop) -> None:
         item = self._shifted(instruction.item)
@@ -223,10 +234,9 @@ class Cyclic:
     def _end_time_step(self, instruction: EndTimeStep) -> None:
         self.timeline.append((instruction.time + self.time_offset, self.cache.live_bytes, self.cache.window_peak))
         self.cache.window_peak = self.cache.live_bytes
-        if self.sends:
-            MPI.Request.Testall([request for request, _ in self.sends])
+        self.outbox.progress()
         if self.inbox:
-            MPI.Request.Testall([request for _, request in self.inbox.values()])
+            MPI.Request.Testall([request for _, request, _ in self.inbox.values()])
 
     handlers = {Receive: _receive, Send: _send, Drop: _drop, Compute: _compute, Update: _update,
                 EndTimeStep: _end_time_step}

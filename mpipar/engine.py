@@ -6,7 +6,7 @@ executes the rank's own, instruction by instruction:
     RecvActivation / RecvGradient / FetchWeights   Irecv into a fresh buffer, posted a job ahead
     Forward / Backward                             wait for those, run the stage (pebbles in the cache
                                                    under (stage, micro-batch)); the last stage adds the loss
-    SendActivation / SendGradient / SendWeights    Isend, completed before the update
+    SendActivation / SendGradient / SendWeights    Isend; the buffer is released as soon as the send completes
     ReleaseWeights                                 forget the fetched copy
     ReduceGradients                                non-blocking reduce to the stage's owner, or
                                                    all-reduce among its holders, polled between layers
@@ -35,6 +35,8 @@ from mpi4py import MPI
 from mpipar.cache import ActivationCache, Context
 from mpipar.comms.collectives import broadcast, iall_reduce, ireduce
 from mpipar.comms.comm import Comm, ScratchPool
+from mpipar.comms.handle import wait_requests
+from mpipar.comms.outbox import Outbox
 from mpipar.comms.tags import Kind, p2p_tag
 from mpipar.ledger import MemoryLedger
 from mpipar.model import Stage
@@ -87,7 +89,7 @@ class Pipeline:
         self.inbox: dict[tuple, tuple] = {}  # message -> (buffer, request)
         self.local: dict[tuple, object] = {}  # outputs waiting for their send or a job on this rank
         self.fetched: dict[tuple, np.ndarray] = {}
-        self.sends: list[tuple] = []  # (request, buffer): the buffer must live until the send completes
+        self.outbox = Outbox()  # sends in flight: each buffer lives until its send completes
         self.reductions: dict[int, object] = {}  # stage -> its reduction's handle
         self.totals = np.zeros(3)  # loss sum, correct predictions, predictions
         self.job_times: list[tuple[Job, float, float]] = []  # (job, start, end) by perf_counter: the bubble
@@ -103,8 +105,7 @@ class Pipeline:
     def finish_gradients(self) -> None:
         """Complete every send and every stage reduction (in stage order on every rank)."""
         with self.ledger.phase("backward"):
-            MPI.Request.Waitall([request for request, _ in self.sends])
-            self.sends.clear()
+            self.outbox.wait_all(f"the sends of step {self.step_number}")
             for s in sorted(self.reductions):
                 self.reductions.pop(s).wait()
         if self.inbox or self.local or self.fetched:
@@ -127,15 +128,16 @@ class Pipeline:
         """Between layers: let reductions and messages in flight progress."""
         for handle in self.reductions.values():
             handle.test()
-        pending = [request for _, request in self.inbox.values()]
+        pending = [request for _, request, _ in self.inbox.values()]
         if pending:
             MPI.Request.Testall(pending)
+        self.outbox.progress()
 
     # -- receives, posted ahead --------------------------------------------------------
     def _post(self, key: tuple, shape: tuple, source: int, tag: int, phase: str) -> None:
         buffer = np.empty(shape, dtype=self.dtype)  # fresh: the stage may keep it as an activation
         with self.comm.traffic.phase(phase):
-            self.inbox[key] = (buffer, self.comm.irecv(buffer, source, tag))
+            self.inbox[key] = (buffer, self.comm.irecv(buffer, source, tag), source)
 
     def _recv_activation(self, i: RecvActivation) -> None:
         self._post(("activation", i.stage, i.batch), self._batch_shape(i.stage), i.source,
@@ -149,14 +151,16 @@ class Pipeline:
         buffer = self._take("parameters", self.stages[i.stage].flat.size)
         with self.comm.traffic.phase("weights"):
             self.inbox[("weights", i.stage, i.batch, i.direction)] = (
-                buffer, self.comm.irecv(buffer, i.source, p2p_tag(Kind.WEIGHTS, i.stage, i.batch)))
+                buffer, self.comm.irecv(buffer, i.source, p2p_tag(Kind.WEIGHTS, i.stage, i.batch)), i.source)
 
     def _batch_shape(self, stage: int) -> tuple:
         return (self.batch_size // self.compiled.shape.micro_batches, *self.input_shapes[stage])
 
     def _arrived(self, key: tuple):
-        buffer, request = self.inbox.pop(key)
-        request.Wait()
+        buffer, request, source = self.inbox.pop(key)
+        kind, stage, batch = key[:3]
+        wait_requests([request], f"the receive of the {kind} of stage {stage}, micro-batch {batch} at step "
+                                 f"{self.step_number}", [source], rank=self.comm.rank)
         return buffer
 
     def _input(self, key: tuple):
@@ -211,7 +215,8 @@ class Pipeline:
     # -- sends -------------------------------------------------------------------------
     def _send(self, buffer, dest: int, tag: int, phase: str) -> None:
         buffer = np.ascontiguousarray(buffer)
-        self.sends.append((self.comm.isend(buffer, dest, tag, phase), buffer))
+        self.outbox.post(self.comm.isend(buffer, dest, tag, phase), buffer, dest)
+        self.outbox.progress()
 
     def _send_activation(self, i: SendActivation) -> None:
         self._send(self.local.pop(("activation", i.stage + 1, i.batch)), i.dest,

@@ -1,0 +1,67 @@
+"""Outbox: sends in flight, each kept with the buffer it reads until it has completed.
+
+MPI reads a send's buffer until the send completes, so the buffer must stay alive and
+unchanged until then. An engine posts each send here and calls `progress()` now and
+then (between layers, say): completed sends are dropped with their buffers, so the
+outbox holds only what is really in flight, not every send of the step.
+
+    outbox = Outbox(comm.rank)
+    outbox.post(comm.isend(activation, dest, tag), activation, dest)
+    outbox.progress()                          # non-blocking: forget completed sends
+    outbox.wait_buffer(weights, "send of the weights of stage 1")   # before overwriting them
+    outbox.wait_all("sends of step 5")         # before the step ends
+
+Exercised by: python -m pytest tests/test_waits.py -k outbox
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from mpipar.comms.handle import wait_requests
+
+
+class Outbox:
+    def __init__(self, rank: int | None = None) -> None:
+        self.rank = rank  # named by the watchdog; None: this rank of COMM_WORLD
+        self._requests: list[MPI.Request] = []
+        self._buffers: list = []
+        self._peers: list[int] = []
+        self.high_water = 0  # the most sends outstanding at once since creation
+
+    def post(self, request: MPI.Request, buffer, peer: int) -> None:
+        """Keep `buffer` alive until `request` (a send to rank `peer` that reads it) completes."""
+        self._requests.append(request)
+        self._buffers.append(buffer)
+        self._peers.append(peer)
+        self.high_water = max(self.high_water, len(self._requests))
+
+    def progress(self) -> None:
+        """Let sends progress without blocking; forget the completed ones and their buffers."""
+        if self._requests and MPI.Request.Testsome(self._requests):
+            self._forget_completed()
+
+    def wait_all(self, what: str) -> None:
+        """Block until every send has completed (CommTimeout after the default timeout)."""
+        wait_requests(self._requests, what, self._peers, rank=self.rank)
+        self._requests, self._buffers, self._peers = [], [], []
+
+    def wait_buffer(self, buffer, what: str) -> None:
+        """Block until every send that reads `buffer` (or memory it shares) has completed,
+        so that the caller may overwrite it; other sends stay in flight."""
+        readers = [i for i, sent in enumerate(self._buffers) if sent is buffer or np.shares_memory(sent, buffer)]
+        if readers:
+            wait_requests([self._requests[i] for i in readers], what, [self._peers[i] for i in readers],
+                          rank=self.rank)
+            self._forget_completed()
+
+    def _forget_completed(self) -> None:
+        # One pass over the list: Testsome has nulled each completed request in place.
+        kept = [i for i, request in enumerate(self._requests) if request]
+        self._requests = [self._requests[i] for i in kept]
+        self._buffers = [self._buffers[i] for i in kept]
+        self._peers = [self._peers[i] for i in kept]
+
+    def __len__(self) -> int:
+        return len(self._requests)
