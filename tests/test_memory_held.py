@@ -9,3 +9,9 @@ def test_every_scheme_holds_table_1_and_stays_under_its_predicted_peak():
     result = run_mpi(4, sys.executable, str(SCRIPTS / "check_memory.py"), timeout=450)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "8 schemes hold what Table 1 says, within their predicted peaks" in result.stdout
+
+
+def test_cyclic_data_parallelism_memory_does_not_grow_over_an_epoch():
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "check_cdp_memory.py"), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "CDP live bytes flat over an epoch" in result.stdout
