@@ -34,11 +34,12 @@ from mpipar.errors import ConfigError
 Steps = Generator[tuple[list, list[int]], None, None]  # (requests, peer of each)
 
 DEFAULT_TIMEOUT = 300.0  # seconds: far beyond any step, soon enough that a hung job does not burn hours
-# The pauses between tests, chosen by measurement (docs/collectives.md, "Waiting"). For the
-# first YIELD_FOR seconds a wait only yields: on an idle core sched_yield returns at once, so a
-# wait as short as a step's messages costs no latency; past that the peer is busy for a while,
-# and sleeps (from FIRST_SLEEP, doubling to LONGEST_SLEEP) stop even the yielding loop's cost.
-YIELD_FOR = 0.002
+# The pauses between tests, chosen by measurement (docs/collectives.md, "Waiting"). For the first
+# YIELD_FOR seconds a wait only yields: with more ranks than cores that hands the core to a rank
+# with work at once, and on an idle core sched_yield returns at once, so short waits cost no
+# latency. Longer waits (a straggler, evaluation on one rank, a hang) sleep, FIRST_SLEEP doubling
+# to LONGEST_SLEEP, which then adds at most 10% to the wait and costs the core almost nothing.
+YIELD_FOR = 0.010
 FIRST_SLEEP = 50e-6
 LONGEST_SLEEP = 0.001
 
