@@ -9,7 +9,7 @@ CPU: NumPy reports every data buffer it allocates to tracemalloc, in its own dom
 (`np.lib.tracemalloc_domain`). Live bytes are tracemalloc's *total* over all domains,
 not NumPy's domain alone, for two measured reasons:
 
-- cost: the total is one O(1) call (2-4 µs); NumPy's domain alone needs a snapshot
+- cost: the total is one O(1) call (1.6-3.7 µs); NumPy's domain alone needs a snapshot
   filtered by DomainFilter, whose cost grows with the number of traces: 10-12 ms with
   tracing started after the imports (~3,000 traces), 0.2-0.5 s with it started before
   them (~55,000 traces), against a step of 2-3 ms for the default MLP on digits;
@@ -19,14 +19,15 @@ not NumPy's domain alone, for two measured reasons:
 What the total adds is the Python objects allocated since the baseline and still
 alive. In a run of 69 steps plus 3 evaluations (`hidden=(1024,)*8`, digits, baseline
 before the Trainer is built) the total was 119.917 MB against 119.533 MB in NumPy's
-domain (exactly the bytes of the owning arrays alive): 0.38 MB apart, the same after
-each step. Only allocations made while tracing count: an array allocated before
+domain (exactly the bytes of the owning arrays alive): 0.37-0.38 MB apart after every
+step, not growing. Only allocations made while tracing count: an array allocated before
 `start()` and freed after it does not lower the figures, and one allocated before
 `set_baseline()` and freed after it makes live bytes negative by its size.
 
-Tracing every allocation costs speed: it is for --memory-profile runs only (the
-figures are in docs/memory.md). tracemalloc is one per process, so is its peak: use
-one probe per process.
+Tracing every allocation costs speed, per allocation rather than per byte: 45% of the
+default MLP's samples/s and 10% of a 1024-1024-1024 MLP's (docs/memory.md), far more
+than a default may cost, so the probe is for --memory-profile runs. tracemalloc is one
+per process, and so is its peak: use one probe per process.
 
 GPU (CuPy): live bytes are the default memory pool's used bytes; the peak is their
 running maximum, kept by a cupy.cuda.MemoryHook after each allocation from the pool.
