@@ -100,6 +100,7 @@ def test_a_later_step_uses_only_its_own_gradient(tmp_path, model):
     parameters_before_step_1 = trainer.stages[0].flat.data.copy()
     trainer.train_step(1, 0, 1)
     reference = Trainer(small_config(**options))
+    reference.stages[0].flat.materialize(params=True, grads=True)  # a trainer builds them at its first step
     reference.stages[0].flat.data[:] = parameters_before_step_1
     assert not reference.stages[0].flat.grad.any()
     inputs, targets = reference.train_set.batch(reference.sampler.global_batch_indices(0, 1))

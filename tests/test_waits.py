@@ -40,12 +40,12 @@ def test_a_wait_that_never_completes_times_out_naming_it_and_leaves_the_core_mea
 
 
 def test_outbox_forgets_completed_sends_and_their_buffers_as_it_goes():
-    result = run_mpi(2, sys.executable, str(SCRIPTS / "check_outbox.py"), "stream", timeout=60)
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "check_outbox.py"), "stream", timeout=90)
     assert result.returncode == 0 and "outbox ok" in result.stdout, result.stdout + result.stderr
 
 
 def test_outbox_wait_buffer_waits_only_for_the_sends_that_read_that_buffer():
-    result = run_mpi(2, sys.executable, str(SCRIPTS / "check_outbox.py"), "buffer", timeout=60)
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "check_outbox.py"), "buffer", timeout=90)
     assert result.returncode == 0 and "outbox ok" in result.stdout, result.stdout + result.stderr
 
 

@@ -8,7 +8,7 @@ Usage: check_outbox.py stream|buffer
           few sends at any time, not all of them, and let every buffer go.
   buffer  rank 0 sends one buffer and a view of another; rank 1 receives only the
           view's message until told to go on. wait_buffer on the second buffer must
-          return, on the first it must time out naming rank 1.
+          return, on the first it must time out (after 2 s) naming rank 1.
 Rank 0 prints "outbox ok" or the failures of both ranks, and exits 1 on failure.
 """
 
@@ -79,15 +79,18 @@ def buffer() -> None:
     half = second[:size // 2]  # a view: the send reads second's memory without being second
     outbox.post(comm.Isend(first, 1, tag=1), first, 1)
     outbox.post(comm.Isend(half, 1, tag=2), half, 1)
-    outbox.wait_buffer(np.empty(3), "sends of an unrelated buffer")  # none: returns at once
-    outbox.wait_buffer(second, "sends of the second buffer")
+    set_default_timeout(2)  # a wait for the wrong sends fails, rather than hanging until rank 1 goes on
+    for buffer, what in ((np.empty(3), "sends of an unrelated buffer"), (second, "sends of the second buffer")):
+        try:
+            outbox.wait_buffer(buffer, what)
+        except CommTimeout as timeout:
+            failures.append(f"rank 0: wait_buffer waited for another buffer's send: {timeout}")
     expect(len(outbox) == 1, f"{len(outbox)} sends left after waiting for the second buffer, expected 1")
-    set_default_timeout(1)
     try:
         outbox.wait_buffer(first, "send of the first buffer")
         failures.append("rank 0: wait_buffer(first) returned though rank 1 had not received it")
     except CommTimeout as timeout:
-        expected = "rank 0: send of the first buffer still waits after 1 s for messages to or from rank(s) [1]"
+        expected = "rank 0: send of the first buffer still waits after 2 s for messages to or from rank(s) [1]"
         expect(str(timeout) == expected, f"watchdog said {str(timeout)!r}, expected {expected!r}")
     set_default_timeout(0)
     comm.Send(np.empty(0), 1, tag=GO)
