@@ -1,0 +1,63 @@
+"""A real training run in which one rank stops, for good, just before its first point-to-point send.
+
+The other rank then waits for a message that never comes. Its watchdog must raise
+CommTimeout after --comm-timeout (3 s here), and the trainer's error path must abort the
+job, so that every rank ends, the stalled one included, long before the stall would.
+
+Usage: check_stall.py RUN STALLED_RANK
+  RUN  pipeline   1F1B, 2 stages on 2 ranks, 4 micro-batches: rank 0 sends activations, rank 1 gradients
+       cdp-dp     cdp-v2, dp layout, 2 stages and micro-batches on 2 ranks: rank 0 sends gradient sums,
+                  rank 1 weights
+       cdp-pp     cdp-v2, pp layout: rank 0 sends activations, rank 1 gradients
+Run with: OPENBLAS_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python tests/scripts/check_stall.py pipeline 1
+(tests/test_stall.py runs them and reads the output.)
+
+The stalled rank prints `rank R stalls at T instead of INSTRUCTION` (T: time.time()) so that
+the test can tell how long after the stall the job ended. Should the job still be running
+after 40 s, the deadline prints every rank's stack and exits 1.
+"""
+
+import sys
+import time
+
+from mpi4py import MPI
+
+import deadline
+from mpipar.config import TrainConfig
+from mpipar.cyclic import Cyclic
+from mpipar.engine import Pipeline
+from mpipar.schedule.cyclic import Send
+from mpipar.trainer import Trainer
+
+COMM_TIMEOUT = 3.0  # seconds: the watchdog's time, as --comm-timeout
+STALL = 600.0  # seconds the stalled rank sleeps: far beyond the timeout and the test's patience
+
+deadline.arm(40)
+run, stalled_rank = sys.argv[1], int(sys.argv[2])
+common = dict(dataset="synthetic", hidden=(16, 16), batch_size=16, max_steps=2, epochs=1, log_every=1000,
+              comm_timeout=COMM_TIMEOUT)
+configs = {"pipeline": dict(scheme="1f1b", stages=2, micro_batches=4),
+           "cdp-dp": dict(scheme="cdp-v2", cdp_layout="dp", micro_batches=2),
+           "cdp-pp": dict(scheme="cdp-v2", cdp_layout="pp", micro_batches=2)}
+config = TrainConfig(**configs[run], **common)
+
+
+def stall_before(send):
+    """`send`, except that on the stalled rank it sleeps instead, for good."""
+
+    def stalling_send(engine, instruction):
+        if MPI.COMM_WORLD.rank == stalled_rank:
+            print(f"rank {stalled_rank} stalls at {time.time():.3f} instead of {instruction}", flush=True)
+            time.sleep(STALL)
+        send(engine, instruction)
+
+    return stalling_send
+
+
+# every point-to-point send of the two engines goes through one of these
+Pipeline._send_activation = stall_before(Pipeline._send_activation)
+Pipeline._send_gradient = stall_before(Pipeline._send_gradient)
+Cyclic.handlers[Send] = stall_before(Cyclic.handlers[Send])
+
+Trainer(config).run()
+print(f"rank {MPI.COMM_WORLD.rank}: training finished, though rank {stalled_rank} never sent", flush=True)

@@ -1,0 +1,41 @@
+"""A point-to-point stall ends every rank: one rank of a real training run stops before a send,
+and the job ends within seconds of the 3 s --comm-timeout, the waiting rank naming what it
+waited for (the message, its stage, micro-batch and step) and the peer that never sent.
+
+Run: OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_stall.py
+"""
+
+import re
+import sys
+import time
+
+import pytest
+
+from conftest import SCRIPTS, run_mpi
+
+COMM_TIMEOUT = 3  # as tests/scripts/check_stall.py sets it
+# From the stall to the end of mpiexec: the timeout, then the traceback, the abort's half-second
+# pause for the output and the launcher's teardown, with room for a loaded machine.
+ENDS_WITHIN = COMM_TIMEOUT + 12
+
+
+@pytest.mark.parametrize("run, stalled, waiting, operation", [
+    ("pipeline", 0, 1, "the receive of the activation of stage 1, micro-batch 0 at step 0"),
+    ("pipeline", 1, 0, "the receive of the gradient of stage 0, micro-batch 0 at step 0"),
+    ("cdp-dp", 1, 0, "the receive of the weights of stage 1 after 1 updates"),
+    ("cdp-pp", 0, 1, "the receive of the activation of stage 1 micro-batch 0 (counted over the run)"),
+])
+def test_a_rank_stalled_before_a_send_ends_every_rank_naming_the_wait_and_the_peer(run, stalled, waiting, operation):
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "check_stall.py"), run, str(stalled), timeout=120)
+    ended = time.time()
+    output = result.stdout + result.stderr
+    stall = re.search(rf"rank {stalled} stalls at ([\d.]+)", result.stdout)
+    assert stall, f"rank {stalled} never reached its first send:\n{output}"
+    after = ended - float(stall.group(1))
+    assert after < ENDS_WITHIN, (f"the job ended {after:.1f} s after rank {stalled} stalled, not within "
+                                 f"{ENDS_WITHIN} s of the {COMM_TIMEOUT} s timeout:\n{output}")
+    assert result.returncode != 0, output
+    assert (f"CommTimeout: rank {waiting}: {operation} still waits after {COMM_TIMEOUT} s "
+            f"for messages to or from rank(s) [{stalled}]") in result.stderr, output
+    assert f"mpipar: rank {waiting} of 2 failed; aborting the job" in result.stderr, output
+    assert "training finished" not in result.stdout, output
