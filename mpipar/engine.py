@@ -40,7 +40,8 @@ from mpipar.comms.outbox import Outbox
 from mpipar.comms.tags import Kind, p2p_tag
 from mpipar.ledger import MemoryLedger
 from mpipar.model import Stage
-from mpipar.optim import make_optimizer
+from mpipar.optim import make_optimizer, state_kinds
+from mpipar.peak import ActivationBytes, Peak, pipeline_peak
 from mpipar.schedule.program import (Backward, Compiled, FetchWeights, Forward, OptimizerStep, RecvActivation,
                                      RecvGradient, ReduceGradients, ReleaseWeights, SendActivation, SendGradient,
                                      SendWeights)
@@ -73,6 +74,7 @@ class Pipeline:
         flats = [stages[s].flat for s in self.held]
         self.optimizer = make_optimizer(optimizer, [f.data for f in flats], [f.grad for f in flats],
                                         [f.decay_spans(0, f.size) for f in flats], **optimizer_options)
+        self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
         self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
         self.ledger.hold("workspace", self.optimizer.workspace_bytes)
         self.handlers: dict[type, Callable] = {
@@ -80,6 +82,14 @@ class Pipeline:
             Forward: self._forward, Backward: self._backward, SendActivation: self._send_activation,
             SendGradient: self._send_gradient, SendWeights: self._send_weights, ReleaseWeights: self._release,
             ReduceGradients: self._reduce}
+
+    def predicted_peak(self, training: ActivationBytes, evaluation: ActivationBytes | None = None,
+                       rank: int | None = None) -> Peak:
+        """The most `rank` (this one by default) should hold at once (peak.py): any rank's
+        peak can be predicted anywhere, as the programs are the same on every rank."""
+        return pipeline_peak(self.comm.rank if rank is None else rank, self.compiled,
+                             [stage.flat.size for stage in self.stages], itemsize=self.dtype.itemsize,
+                             state_kinds=self.state_kinds, training=training, evaluation=evaluation)
 
     # -- one step ------------------------------------------------------------------
     def start_step(self) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 from mpipar.cache import ActivationCache
 from mpipar.model import Stage, leaf_layers
 from mpipar.optim import CHUNK
+from mpipar.schedule.program import Backward, Compiled, FetchWeights, Forward
 from mpipar.sharding import Sharding, sharing_ranks
 
 REDUCTIONS_IN_FLIGHT = 2  # sharded gradient units that may wait for their reduction at once
@@ -37,13 +38,19 @@ REDUCTIONS_IN_FLIGHT = 2  # sharded gradient units that may wait for their reduc
 
 @dataclass(frozen=True)
 class ActivationBytes:
-    """What a batch costs in activations: bytes stashed for backward, and the largest layer output."""
+    """What one micro-batch costs in activations, stage by stage: the bytes each stage
+    stashes for its backward (its input included, when a layer keeps it), the bytes of
+    each stage's input (what crosses a stage boundary), and each stage's largest output."""
 
-    stashed: int
-    largest_output: int
+    stashed: tuple[int, ...]
+    inputs: tuple[int, ...]
+    largest_output: tuple[int, ...]
 
-    def training(self) -> int:
-        return self.stashed + 3 * self.largest_output  # output, its gradient and the gradient below
+    def training(self, stages: list[int] | None = None) -> int:
+        """Stashes of `stages` (all by default) plus what a layer has in flight in them:
+        its output, that output's gradient and the gradient below (three of the largest)."""
+        stages = range(len(self.stashed)) if stages is None else stages
+        return sum(self.stashed[s] for s in stages) + 3 * max(self.largest_output[s] for s in stages)
 
 
 @dataclass(frozen=True)
@@ -84,15 +91,63 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
 
 
+def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, itemsize: int, state_kinds: int,
+                  training: ActivationBytes, evaluation: ActivationBytes | None = None) -> Peak:
+    """The peak of one rank of the pipeline engine running `compiled`'s program for `rank`.
+
+    The stashes come from the replayed timeline: a rank runs its program in a fixed order,
+    so which (stage, micro-batch) stashes are alive together does not depend on timing.
+    Messages are bounded by the program: receives are posted one job ahead (an activation
+    and a gradient), a send's buffer lives until the receiver posts its receive (at most
+    one per micro-batch in flight here), fetched weights one job ahead plus the pool's spare (a
+    stage broadcast for evaluation: the one in use and the spare of another size),
+    and every stage reduction this rank joins may be in flight with one block of scratch.
+    The last stage loads its micro-batch's inputs with the targets, and holds them through its forward."""
+    held = [s for s in range(len(stage_sizes)) if rank in compiled.holders[s]]
+    members = [s for s in range(len(stage_sizes)) if rank in compiled.members[s]]
+    computed = sorted({i.stage for i in compiled.programs[rank] if isinstance(i, (Forward, Backward))})
+    held_size = sum(stage_sizes[s] for s in held)
+    steady = {"parameters": held_size * itemsize,
+              "gradients": sum(stage_sizes[s] for s in members) * itemsize,
+              "optimizer_state": state_kinds * held_size * itemsize,
+              "workspace": min(CHUNK, max((stage_sizes[s] for s in held), default=0)) * itemsize}
+    in_flight = compiled.timeline.peak_activations()[rank]
+    boundary = max((nbytes for s in computed for nbytes in (training.inputs[s], _output_bytes(training, s))),
+                   default=0)
+    fetched = max((stage_sizes[i.stage] for i in compiled.programs[rank] if isinstance(i, FetchWeights)), default=0)
+    scratch = sum(math.ceil(stage_sizes[s] / len(compiled.members[s])) for s in members
+                  if len(compiled.members[s]) > 1)
+    stashes = compiled.timeline.peak_activation_bytes(list(training.stashed))[rank]
+    last = len(stage_sizes) - 1
+    loaded = training.inputs[0] if last in computed and last > 0 else 0  # the last stage loads a whole micro-batch
+    step = {"activations": stashes + (3 * max(training.largest_output[s] for s in computed) if computed else 0),
+            "loaded inputs": loaded,
+            "received buffers": 2 * boundary, "sends in flight": in_flight * boundary,
+            "fetched weights": 3 * fetched * itemsize, "collective scratch": scratch * itemsize}
+    if evaluation is not None:  # each stage in turn, broadcast from a holder into a pool buffer
+        evaluating = {"broadcast stages": 2 * max(stage_sizes) * itemsize, "evaluation": evaluation.training()}
+        if sum(evaluating.values()) > sum(step.values()):
+            step = evaluating
+    return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
+
+
+def _output_bytes(training: ActivationBytes, stage: int) -> int:
+    """What stage `stage` sends on: the next stage's input (the last stage sends nothing)."""
+    return training.inputs[stage + 1] if stage + 1 < len(training.inputs) else 0
+
+
 def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 0) -> ActivationBytes:
-    """Run one batch forward through every stage, layer by layer, with zeros for weights,
-    and count what the cache stashes and the largest output. Only one layer's parameters
-    exist at a time, so a sharded rank can measure without building the model."""
-    cache = ActivationCache()
-    x, largest = inputs, 0
+    """Run one micro-batch forward through every stage, layer by layer, with zeros for
+    weights, each stage in a cache of its own (as on a pipeline rank, whose received input
+    is its own buffer), and count what each stashes. Only one layer's parameters exist at
+    a time, so a sharded rank can measure without building the model."""
+    x, stashed, boundary, largest = inputs, [], [], []
     for stage in stages:
+        cache = ActivationCache()
         ctx = cache.context(stage.index, 0, sample_ids=np.arange(len(inputs)), seed=seed)
         xp = stage.flat.backend.xp
+        x, most = x.copy(), 0
+        boundary.append(x.nbytes)
         for layer in stage.layers:
             names = {leaf.name for leaf in leaf_layers([layer])}
             segments = [s for s in stage.flat.segments if s.layer in names]
@@ -100,16 +155,28 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
                 start, stop = segments[0].offset, segments[-1].offset + segments[-1].size
                 stage.flat.bind(start, stop, data=xp.zeros(stop - start, dtype=stage.flat.dtype))
             x = layer.forward(x, ctx)
-            largest = max(largest, x.nbytes)
+            most = max(most, x.nbytes)
             if segments:
                 stage.flat.unbind(start, stop, grads=False)
-    loss_fn.forward(x, targets, ctx, len(inputs))
-    stashed = cache.peak_bytes
-    for stage in stages:
+        if stage is stages[-1]:
+            loss_fn.forward(x, targets, ctx, len(inputs))
+        stashed.append(cache.peak_bytes)
+        largest.append(most)
         cache.release(stage.index, 0)
-    return ActivationBytes(stashed, largest)
+    return ActivationBytes(tuple(stashed), tuple(boundary), tuple(largest))
+
+
+def dry_run(stages: list[Stage], train_set, loss_fn, micro_batch: int, eval_batch: int, seed: int,
+            to_device=lambda inputs, targets: (inputs, targets)) -> tuple[ActivationBytes, ActivationBytes]:
+    """What a training micro-batch and an evaluation batch cost (a dry run of the first
+    `micro_batch` samples of `train_set`; evaluation scales its outputs)."""
+    training = activation_bytes(stages, *to_device(*train_set.batch(np.arange(micro_batch))), loss_fn, seed)
+    return training, evaluation_bytes(training, micro_batch, eval_batch)
 
 
 def evaluation_bytes(training: ActivationBytes, micro_batch: int, eval_batch: int) -> ActivationBytes:
-    """An evaluation batch stashes nothing; its outputs scale with the batch from the dry run's."""
-    return ActivationBytes(0, math.ceil(training.largest_output * eval_batch / micro_batch))
+    """An evaluation batch stashes nothing; its inputs and outputs scale with the batch
+    from the dry run's."""
+    def scale(sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(math.ceil(nbytes * eval_batch / micro_batch) for nbytes in sizes)
+    return ActivationBytes((0,) * len(training.stashed), scale(training.inputs), scale(training.largest_output))

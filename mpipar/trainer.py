@@ -42,8 +42,8 @@ from mpipar.model import build_stages, partition
 from mpipar.models import build_model
 from mpipar.memory import make_probe, peak_rss_bytes, rss_bytes
 from mpipar.optim import make_schedule
-from mpipar.peak import ActivationBytes, Peak, activation_bytes, data_parallel_peak, evaluation_bytes
-from mpipar.report import human_bytes
+from mpipar.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
+from mpipar.units import format_bytes
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
 from mpipar.sharding import SCHEMES, unit_bytes_for
@@ -128,42 +128,48 @@ class Trainer:
         self.step_totals = np.zeros(3, dtype=np.float64)
 
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
-        """What a training micro-batch and an evaluation batch cost in activations (a dry run
-        of one micro-batch; evaluation scales its outputs)."""
+        """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
         cfg = self.config
         per_rank = 1 if cfg.stages or cfg.cyclic else self.world_size
-        size = cfg.batch_size // per_rank // cfg.micro_batches
-        training = activation_bytes(self.stages, *self._to_device(*self.train_set.batch(np.arange(size))),
-                                    self.loss_fn, cfg.seed)
-        return training, evaluation_bytes(training, size, min(cfg.eval_batch, len(self.test_set)))
+        return dry_run(self.stages, self.train_set, self.loss_fn, cfg.batch_size // per_rank // cfg.micro_batches,
+                       min(cfg.eval_batch, len(self.test_set)), cfg.seed, self._to_device)
 
     def _predicted_peak(self) -> Peak | None:
-        """The engine's prediction of this rank's peak (data-parallel schemes; None otherwise)."""
-        if not isinstance(self.engine, DataParallel):
+        """The engine's prediction of this rank's peak (None for CDP, which makes none yet)."""
+        if isinstance(self.engine, Cyclic):
             return None
         return self.engine.predicted_peak(*self.activations)
 
     def _check_memory_limit(self, limit: int) -> None:
-        """Stop on every rank before the first step if the prediction does not fit; name what would."""
+        """Stop on every rank before the first step if the prediction does not fit; name what would.
+        Every rank can predict every rank's peak, so all reach the same verdict without a message."""
         if self.predicted is None:
-            raise ConfigError("--memory-limit needs a prediction of the peak, which only the data-parallel "
-                              "schemes make so far; drop --memory-limit for this scheme")
-        if self.predicted.total <= limit:
-            return
-        engine = self.engine
-        fits = []
-        for name, sharding in SCHEMES.items():
-            peak = data_parallel_peak(sharding, engine.flat.size, max(unit.size for unit in engine.units),
-                                      self.world_size, len(engine.world.group_layout()[0]),
-                                      itemsize=engine.flat.dtype.itemsize, state_kinds=engine.state_kinds,
-                                      training=self.activations[0], evaluation=self.activations[1])
-            if peak.total <= limit:
-                fits.append(f"{name} ({human_bytes(peak.total)})")
-        advice = (f"; {' or '.join(fits)} fit" if fits else
-                  "; no data-parallel scheme fits on this many ranks: add ranks or shrink the model or batch")
-        error = ConfigError(f"{self.scheme_name} needs {human_bytes(self.predicted.total)} per rank at its peak, "
-                            f"limit {human_bytes(limit)}{advice}")
-        error.on_every_rank = True  # the prediction is the same on every rank
+            raise ConfigError("--memory-limit needs a prediction of the peak, which the data-parallel schemes "
+                              "and the pipelines make, not yet CDP; drop --memory-limit for this scheme")
+        if isinstance(self.engine, Pipeline):
+            peaks = [self.engine.predicted_peak(*self.activations, rank=r).total for r in range(self.world_size)]
+            worst = max(range(self.world_size), key=peaks.__getitem__)
+            if peaks[worst] <= limit:
+                return
+            message = (f"{self.scheme_name} needs {format_bytes(peaks[worst])} on rank {worst} at its peak, limit "
+                       f"{format_bytes(limit)}; more stages, or smaller micro-batches, need less")
+        else:
+            if self.predicted.total <= limit:
+                return
+            engine, fits = self.engine, []
+            for name, sharding in SCHEMES.items():
+                peak = data_parallel_peak(sharding, engine.flat.size, max(unit.size for unit in engine.units),
+                                          self.world_size, len(engine.world.group_layout()[0]),
+                                          itemsize=engine.flat.dtype.itemsize, state_kinds=engine.state_kinds,
+                                          training=self.activations[0], evaluation=self.activations[1])
+                if peak.total <= limit:
+                    fits.append(f"{name} ({format_bytes(peak.total)})")
+            advice = (f"; {' or '.join(fits)} fit" if fits else
+                      "; no data-parallel scheme fits on this many ranks: add ranks or shrink the model or batch")
+            message = (f"{self.scheme_name} needs {format_bytes(self.predicted.total)} per rank at its peak, "
+                       f"limit {format_bytes(limit)}{advice}")
+        error = ConfigError(message)
+        error.on_every_rank = True  # the same verdict on every rank: each exits, none is left waiting
         raise error
 
     def _make_engine(self) -> DataParallel | Pipeline | Cyclic:

@@ -1,4 +1,5 @@
-"""Memory measured from the allocator: every data-parallel scheme against Table 1 and its predicted peak."""
+"""Memory measured from the allocator: every data-parallel scheme against Table 1 and its predicted
+peak, pipelines against the replay of their programs, CDP flat over an epoch."""
 
 import sys
 
@@ -15,3 +16,9 @@ def test_cyclic_data_parallelism_memory_does_not_grow_over_an_epoch():
     result = run_mpi(2, sys.executable, str(SCRIPTS / "check_cdp_memory.py"), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "CDP live bytes flat over an epoch" in result.stdout
+
+
+def test_pipeline_peaks_stay_under_the_replay_and_1f1b_does_not_grow_with_micro_batches():
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "check_pipeline_memory.py"), timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "pipeline peaks within their predictions: 1F1B flat in B, GPipe grows" in result.stdout

@@ -9,6 +9,7 @@ import pytest
 from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.data import write_idx
 from mpipar.trainer import Trainer
+from mpipar.units import format_bytes
 
 CASES = {
     "sgd-dropout": dict(optimizer="sgd", momentum=0.9, dropout=0.3),
@@ -90,3 +91,22 @@ def test_uneven_evaluation_slices_do_not_hang_a_sharded_run(tmp_path, scheme, ev
     evaluation = next(json.loads(line) for line in metrics.read_text().splitlines() if '"eval"' in line)
     correct = evaluation["accuracy"] * 101  # every sample counted once, the padding of the short slice not
     assert abs(correct - round(correct)) < 1e-9
+
+
+def test_memory_limit_stops_every_rank_naming_the_peak_and_the_schemes_that_fit():
+    model = ["--model", "mlp", "--hidden", "512,512,512", "--dataset", "synthetic", "--batch-size", "64", "--ddp",
+             "overlap"]
+    estimate = run_mpi(1, sys.executable, "-m", "mpipar", "estimate", *model, "--world-size", "2", "--group-size",
+                       "2", "--precision", "float32", "--json", timeout=60)
+    peaks = {name: row["peak"] for name, row in json.loads(estimate.stdout)["schemes"].items()}
+    limit = (peaks["ddp"] + peaks["zero3"]) / 2  # between what ddp and zero3 need
+    assert peaks["zero3"] < limit < peaks["ddp"]
+    result = run_mpi(2, sys.executable, "-m", "mpipar", "train", *model, "--group-size", "2", "--scheme", "ddp",
+                     "--memory-limit", f"{limit:.0f}B", timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error:")]
+    assert len(lines) == 2 and lines[0] == lines[1], result.stderr
+    fitting = [f"{name} ({format_bytes(peak)})" for name, peak in peaks.items() if peak <= limit]
+    assert (f"needs {format_bytes(peaks['ddp'])} per rank at its peak, limit {format_bytes(limit)}; "
+            f"{' or '.join(fitting)} fit") in lines[0], lines[0]
+    assert "zero3" in lines[0] and "Abort" not in result.stderr

@@ -9,6 +9,13 @@ and inter-group), in bytes, for every scheme. `--precision mixed` is the paper's
 setting: 2-byte parameters and gradients, a 4-byte master copy plus the optimizer's
 4-byte state; float32 and float64 are what mpipar trains in (no master copy).
 
+In float32 and float64 it also prints the predicted peak per rank (peak.py): Table 1
+plus what a step holds on top, with units of --ddp/--bucket-mb. With --model the
+activations come from a dry run of one micro-batch of --batch-size (global) on the
+data set, and the figure is the one `mpipar train --memory-limit` checks; with
+--params there is no model to run, so activations are left out and every unit is
+taken to be one bucket.
+
 Exercised by: python -m pytest tests/test_estimate.py
 """
 
@@ -22,24 +29,46 @@ import click
 from mpipar.errors import ConfigError
 from mpipar.estimate import PHASES, estimate_all
 from mpipar.optim import OPTIMIZERS, state_kinds
+from mpipar.peak import ActivationBytes, data_parallel_peak, dry_run
+from mpipar.sharding import DDP_MODES, SCHEMES, make_units, unit_bytes_for
 from mpipar.units import format_bytes
 
 PRECISIONS = ("mixed", "float32", "float64")
 
 
-def model_parameter_count(model: str, dataset: str, hidden: str) -> int:
-    """Parameters of a built-in model on a data set's input shape, without allocating them."""
+def built_model(model: str, dataset: str, hidden: str, dtype: str):
+    """(the training set, the evaluation batch `mpipar train` uses by default, one laid-out
+    stage of a built-in model, its loss): nothing is allocated for the parameters."""
+    from mpipar.backend import make_backend
     from mpipar.config import TrainConfig, coerce
     from mpipar.data import load_dataset
-    from mpipar.model import leaf_layers
+    from mpipar.layers import SoftmaxCrossEntropy
+    from mpipar.model import build_stages
     from mpipar.models import build_model
 
     config = TrainConfig(model=model, dataset=dataset, hidden=coerce("hidden", hidden, "--hidden"))
-    train_set, _ = load_dataset(config.dataset, data_dir=config.data_dir)
+    train_set, test_set = load_dataset(config.dataset, data_dir=config.data_dir)
     built = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
                         hidden=config.hidden, dropout=0.0, width=config.width, heads=config.heads,
                         blocks=config.blocks)
-    return sum(math.prod(spec.shape) for leaf in leaf_layers(built.layers) for spec in leaf.param_specs())
+    stage = build_stages(built, 1, make_backend("cpu", dtype), config.seed, materialize=False)[0]
+    return train_set, min(config.eval_batch, len(test_set)), stage, SoftmaxCrossEntropy()
+
+
+def predicted_peaks(count: float, built, world_size: int, group_size: int, micro_batches: int, batch_size: int,
+                    ddp: str, bucket_mb: float, itemsize: int, kinds: int) -> dict[str, float]:
+    """Scheme -> predicted peak bytes per rank; `built` is built_model's result or None (--params)."""
+    if built is None:
+        unit = count if ddp == "naive" else min(count, bucket_mb * 1e6 / itemsize)
+        training = evaluation = ActivationBytes((0,), (0,), (0,))
+    else:
+        train_set, eval_batch, stage, loss = built
+        unit = max(stop - start for _, _, start, stop in make_units(stage, unit_bytes_for(ddp, bucket_mb)))
+        micro_batch = max(1, batch_size // world_size // micro_batches)
+        training, evaluation = dry_run([stage], train_set, loss, micro_batch, eval_batch, seed=0)
+    return {name: data_parallel_peak(sharding, math.ceil(count), math.ceil(unit), world_size, group_size,
+                                     itemsize=itemsize, state_kinds=kinds, training=training,
+                                     evaluation=evaluation).total for name, sharding in SCHEMES.items()}
 
 
 def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -> tuple[int, int]:
@@ -59,35 +88,57 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
 @click.option("--world-size", type=int, required=True, help="ranks N")
 @click.option("--group-size", type=int, required=True, help="ranks per group M")
 @click.option("--micro-batches", type=int, default=1, show_default=True, help="micro-batches per step s")
+@click.option("--batch-size", type=int, default=64, show_default=True, help="global batch (for --model's activations)")
+@click.option("--ddp", default="bucketed", show_default=True, help=f"units: one of {', '.join(DDP_MODES)}")
+@click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="unit size for --ddp bucketed")
 @click.option("--optimizer", default="adam", show_default=True, help=f"one of {', '.join(OPTIMIZERS)}")
 @click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum (0: no state)")
 @click.option("--precision", default="mixed", show_default=True, help=f"one of {', '.join(PRECISIONS)}")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def estimate(params: float | None, model: str | None, dataset: str, hidden: str, world_size: int, group_size: int,
-             micro_batches: int, optimizer: str, momentum: float, precision: str, as_json: bool) -> None:
-    """Seed 004's Tables 1 and 2 in bytes: memory per rank and traffic per step of every scheme."""
+             micro_batches: int, batch_size: int, ddp: str, bucket_mb: float, optimizer: str, momentum: float,
+             precision: str, as_json: bool) -> None:
+    """Seed 004's Tables 1 and 2 in bytes, and the predicted peak: memory per rank and traffic per step."""
     if (params is None) == (model is None):
         raise ConfigError("give either --params COUNT or --model NAME")
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if micro_batches < 1 or world_size < 1:
-        raise ConfigError("--world-size and --micro-batches must be at least 1")
-    count = params if params is not None else model_parameter_count(model, dataset, hidden)
+    if ddp not in DDP_MODES:
+        raise ConfigError(f"--ddp must be one of {', '.join(DDP_MODES)}, got {ddp!r}")
+    if micro_batches < 1 or world_size < 1 or batch_size < 1 or not bucket_mb > 0:
+        raise ConfigError("--world-size, --micro-batches, --batch-size and --bucket-mb must be positive")
+    built = None if model is None else built_model(model, dataset, hidden, "float64" if precision == "float64"
+                                                    else "float32")
+    count = params if params is not None else built[2].flat.size
     element, k = state_bytes_per_parameter(precision, optimizer, momentum)
     rows = estimate_all(count, world_size, group_size, micro_batches, parameter_bytes=element,
                         gradient_bytes=element, state_bytes=k)
+    peaks = {} if precision == "mixed" else predicted_peaks(
+        count, built, world_size, group_size, micro_batches, batch_size, ddp, bucket_mb, element,
+        state_kinds(optimizer, momentum))
     if as_json:
         click.echo(json.dumps({"parameters": count, "world_size": world_size, "group_size": group_size,
                                "micro_batches": micro_batches, "element_bytes": element, "state_bytes": k,
-                               "schemes": {row.name: {"memory": vars(row.memory), "traffic": {
-                                   phase: vars(row.traffic[phase]) for phase in PHASES}} for row in rows}}))
+                               "schemes": {row.name: {"memory": vars(row.memory), "peak": peaks.get(row.name),
+                                                      "traffic": {phase: vars(row.traffic[phase])
+                                                                  for phase in PHASES}} for row in rows}}))
         return
     click.echo(f"Psi = {count:.4g} parameters, N = {world_size} ranks, M = {group_size} per group "
                f"(g = {world_size // group_size}), s = {micro_batches} micro-batches, {precision} "
                f"({element} B per parameter and gradient, K = {k} B of {optimizer} state)")
-    click.echo(f"{'scheme':<10}{'P':>10}{'G':>10}{'OS':>10}{'per rank':>11}{'intra/step':>13}{'inter/step':>13}")
+    click.echo(f"{'scheme':<10}{'P':>10}{'G':>10}{'OS':>10}{'per rank':>11}{'peak':>10}"
+               f"{'intra/step':>13}{'inter/step':>13}")
     for row in rows:
         memory = row.memory
+        peak = format_bytes(peaks[row.name]) if peaks else "-"
         click.echo(f"{row.name:<10}{format_bytes(memory.parameters):>10}{format_bytes(memory.gradients):>10}"
-                   f"{format_bytes(memory.optimizer_state):>10}{format_bytes(memory.total):>11}"
+                   f"{format_bytes(memory.optimizer_state):>10}{format_bytes(memory.total):>11}{peak:>10}"
                    f"{format_bytes(row.intra):>13}{format_bytes(row.inter):>13}")
+    if not peaks:
+        click.echo("peak: predicted for what mpipar trains in; give --precision float32 or float64")
+    elif built is None:
+        click.echo(f"peak: Table 1 plus a step's transients, units of {bucket_mb:g} MB, activations left out "
+                   "(give --model to count them)")
+    else:
+        click.echo(f"peak: Table 1 plus a step's transients (--ddp {ddp}), activations of a batch of {batch_size} "
+                   f"from a dry run: what `mpipar train --memory-limit` checks")

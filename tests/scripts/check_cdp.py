@@ -21,7 +21,6 @@ import numpy as np
 from mpi4py import MPI
 
 import deadline
-from stash import stage_stash
 from mpipar.cdp import reference_training
 from mpipar.config import TrainConfig
 from mpipar.schedule.cyclic import LAYOUTS, Send, ranks_for
@@ -78,7 +77,7 @@ def check_balance(trainer: Trainer, records: list, label: str) -> list[str]:
     first_run = engine.timeline[:records[0][2]]
     live = np.array([entry[1] for entry in first_run])
     peaks = np.array([entry[2] for entry in first_run])
-    everything = world.allgather((live, peaks, max(stage_stash(trainer))))
+    everything = world.allgather((live, peaks, max(trainer.activations[0].stashed)))
     total = sum(part[0] for part in everything)
     steady = total[1 + 2 * count: 1 + 2 * count * 2]  # entry 0 is time step -1; the second step's time steps
     problems = []

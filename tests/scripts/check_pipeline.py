@@ -19,7 +19,6 @@ import numpy as np
 from mpi4py import MPI
 
 import deadline
-from stash import stage_stash
 from reference import one_process
 from mpipar.config import TrainConfig
 from mpipar.schedule.program import FetchWeights, RecvActivation, RecvGradient
@@ -43,7 +42,7 @@ KINDS = {"activations": RecvActivation, "gradients": RecvGradient, "weights": Fe
 def check_costs(trainer: Trainer, label: str) -> list[str]:
     compiled, rank, problems = trainer.compiled, world.rank, []
     timeline = replay(compiled.programs, compiled.shape, compiled.holders)
-    predicted = timeline.peak_activation_bytes(stage_stash(trainer))[rank]
+    predicted = timeline.peak_activation_bytes(list(trainer.activations[0].stashed))[rank]
     if trainer.cache.peak_bytes != predicted:
         problems.append(f"{label}: peak activation bytes {trainer.cache.peak_bytes}, replay predicts {predicted}")
     program = compiled.programs[rank]
