@@ -36,7 +36,7 @@ def measure(scheme: str, micro_batches: int) -> None:
     trainer.memory.reset_peak()
     for step in range(3):
         trainer.train_step(step, 0, step)
-    peak = trainer.memory.peak_bytes()
+    live, peak = trainer.memory.live_bytes(), trainer.memory.peak_bytes()
     predicted = trainer.engine.predicted_peak(trainer.activations[0])  # training only: these steps evaluate nothing
     label = f"rank {world.rank} {scheme} B={micro_batches}"
     if peak > 1.1 * predicted.total:
@@ -46,7 +46,8 @@ def measure(scheme: str, micro_batches: int) -> None:
     peaks[scheme, micro_batches] = peak
     stashes[scheme, micro_batches] = trainer.compiled.timeline.peak_activation_bytes(
         list(trainer.activations[0].stashed))[world.rank]
-    print(f"{label}: peak {peak / MB:.2f} MB, predicted {predicted.total / MB:.2f} MB: " + ", ".join(
+    print(f"{label}: steady state {sum(predicted.steady.values()) / MB:.2f} MB, live after a step {live / MB:.2f} MB, "
+          f"peak {peak / MB:.2f} MB, predicted {predicted.total / MB:.2f} MB: " + ", ".join(
         f"{name} {nbytes / MB:.2f}" for name, nbytes in {**predicted.steady, **predicted.transients}.items()), flush=True)
     del trainer
     gc.collect()
