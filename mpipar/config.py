@@ -80,6 +80,8 @@ class TrainConfig:
     ddp: str = _option("bucketed", "layers per communication unit: naive (all in one, reduced after "
                                    "backward), overlap (one per layer), bucketed (units of --bucket-mb)")
     bucket_mb: float = _option(25.0, "communication unit size in MB for --ddp bucketed")
+    prefetch: int = _option(1, "units of parameters gathered ahead of their use by the P-sharded schemes "
+                               "(0: gather each when needed; each unit ahead costs one unit of memory)")
     collective: str = _option("mpi", f"algorithm of every collective: {', '.join(ALGORITHMS)} (2d: ddp only)")
     group_size: int = _option(0, "ranks per group for hierarchical collectives (0: the ranks of a node)")
     dtype: str = _option("float32", f"floating dtype: {', '.join(DTYPES)}")
@@ -144,7 +146,8 @@ class TrainConfig:
             raise ConfigError(f"--memory-profile is 0 or 1, got {self.memory_profile}")
         if self.memory_limit is not None:
             parse_size(self.memory_limit, "--memory-limit")
-        for name in ("max_steps", "warmup_steps", "weight_decay", "seed", "group_size", "comm_timeout"):
+        for name in ("max_steps", "warmup_steps", "weight_decay", "seed", "group_size", "comm_timeout",
+                     "prefetch"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         if not 0 < self.lr < math.inf:

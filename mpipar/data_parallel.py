@@ -46,8 +46,9 @@ class DataParallel:
     """One rank's part of data-parallel training of `stage` under `sharding`."""
 
     def __init__(self, comm: Comm, stage: Stage, sharding: Sharding, *, optimizer: str, optimizer_options: dict,
-                 collective: str = "ring", unit_bytes: float = 25e6) -> None:
+                 collective: str = "ring", unit_bytes: float = 25e6, prefetch: int = 1) -> None:
         self.world, self.stage, self.sharding, self.collective = comm, stage, sharding, collective
+        self.prefetch = prefetch  # units gathered ahead of the one in use
         self.flat = flat = stage.flat
         if sharding.nested:
             self.intra, self.inter = comm.hierarchy()
@@ -88,7 +89,7 @@ class DataParallel:
         return data_parallel_peak(self.sharding, self.flat.size, max(unit.size for unit in self.units),
                                   self.world.size, len(self.world.group_layout()[0]),
                                   itemsize=self.flat.dtype.itemsize, state_kinds=self.state_kinds,
-                                  training=training, evaluation=evaluation)
+                                  training=training, evaluation=evaluation, prefetch=self.prefetch)
 
     # -- storage -----------------------------------------------------------------
     def _initial_blocks(self, scope: str, total: int):
@@ -194,8 +195,8 @@ class DataParallel:
         unit = self.by_first.get(self.position[id(layer)])
         if unit is not None and self.sharding.parameters != "N":
             self._use_parameters(unit, self.gather_phase)
-            if unit.index + 1 < len(self.units):
-                self._start_gather(self.units[unit.index + 1], self.gather_phase)
+            for ahead in self.units[unit.index + 1:unit.index + 1 + self.prefetch]:
+                self._start_gather(ahead, self.gather_phase)
 
     def _after_forward(self, layer) -> None:
         unit = self.by_last.get(self.position[id(layer)])
@@ -209,8 +210,8 @@ class DataParallel:
             return
         if self.sharding.parameters != "N":
             self._use_parameters(unit, "backward-gather")
-            if unit.index > 0:
-                self._start_gather(self.units[unit.index - 1], "backward-gather")
+            for ahead in reversed(self.units[max(0, unit.index - self.prefetch):unit.index]):
+                self._start_gather(ahead, "backward-gather")
         if self.sharding.gradients != "N":  # this micro-batch's full gradient, reduced after the unit
             self.unit_grad = self._take("gradients", unit.size)
             self.flat.bind(unit.start, unit.stop, grad=self.unit_grad)

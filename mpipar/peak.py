@@ -3,7 +3,7 @@
 Seed 004's Table 1 is the steady state between steps. A step also holds buffers that
 live only while they are used, and each has an owner in the engines and a bound:
 
-    gathered units      P sharded: the unit being computed and the next one, prefetched (2 units)
+    gathered units      P sharded: the unit being computed and the --prefetch units after it
     unit gradients      G sharded: the unit whose backward runs, plus at most REDUCTIONS_IN_FLIGHT
                         waiting for their reduce-scatter (data_parallel.py)
     spare               the scratch pool keeps one buffer of a unit for the next take (comms/comm.py)
@@ -67,7 +67,7 @@ class Peak:
 
 def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, world_size: int, group_size: int, *,
                        itemsize: int, state_kinds: int, training: ActivationBytes,
-                       evaluation: ActivationBytes | None = None) -> Peak:
+                       evaluation: ActivationBytes | None = None, prefetch: int = 1) -> Peak:
     """The peak of one rank of the data-parallel engine (per rank sizes rounded up)."""
     P, G, OS = sharding.triple
     share = {scope: sharing_ranks(scope, world_size, group_size) for scope in "NIG"}
@@ -76,7 +76,7 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
               "optimizer_state": state_kinds * math.ceil(parameters / share[OS]) * itemsize,
               "workspace": min(CHUNK, math.ceil(parameters / share[OS])) * itemsize}
     unit = largest_unit * itemsize
-    gathered = 2 * unit if P != "N" else 0
+    gathered = (1 + prefetch) * unit if P != "N" else 0
     if G != "N":
         gradients = (REDUCTIONS_IN_FLIGHT + 1) * unit
         ring = group_size if sharding.nested else world_size  # the first reduce-scatter's ranks

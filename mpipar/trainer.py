@@ -161,7 +161,8 @@ class Trainer:
                 peak = data_parallel_peak(sharding, engine.flat.size, max(unit.size for unit in engine.units),
                                           self.world_size, len(engine.world.group_layout()[0]),
                                           itemsize=engine.flat.dtype.itemsize, state_kinds=engine.state_kinds,
-                                          training=self.activations[0], evaluation=self.activations[1])
+                                          training=self.activations[0], evaluation=self.activations[1],
+                                          prefetch=engine.prefetch)
                 if peak.total <= limit:
                     fits.append(f"{name} ({format_bytes(peak.total)})")
             advice = (f"; {' or '.join(fits)} fit" if fits else
@@ -187,7 +188,7 @@ class Trainer:
                             input_shapes=[self.model.shapes[first] for first in first_layers],
                             collective=cfg.collective, **options)
         return DataParallel(self.counted, self.stages[0], cfg.sharding(), collective=cfg.collective,
-                            unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), **options)
+                            unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), prefetch=cfg.prefetch, **options)
 
     def _to_device(self, inputs, targets):
         xp = self.backend.xp

@@ -56,7 +56,7 @@ def built_model(model: str, dataset: str, hidden: str, dtype: str):
 
 
 def predicted_peaks(count: float, built, world_size: int, group_size: int, micro_batches: int, batch_size: int,
-                    ddp: str, bucket_mb: float, itemsize: int, kinds: int) -> dict[str, float]:
+                    ddp: str, bucket_mb: float, prefetch: int, itemsize: int, kinds: int) -> dict[str, float]:
     """Scheme -> predicted peak bytes per rank; `built` is built_model's result or None (--params)."""
     if built is None:
         unit = count if ddp == "naive" else min(count, bucket_mb * 1e6 / itemsize)
@@ -68,7 +68,8 @@ def predicted_peaks(count: float, built, world_size: int, group_size: int, micro
         training, evaluation = dry_run([stage], train_set, loss, micro_batch, eval_batch, seed=0)
     return {name: data_parallel_peak(sharding, math.ceil(count), math.ceil(unit), world_size, group_size,
                                      itemsize=itemsize, state_kinds=kinds, training=training,
-                                     evaluation=evaluation).total for name, sharding in SCHEMES.items()}
+                                     evaluation=evaluation, prefetch=prefetch).total
+            for name, sharding in SCHEMES.items()}
 
 
 def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -> tuple[int, int]:
@@ -91,13 +92,14 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
 @click.option("--batch-size", type=int, default=64, show_default=True, help="global batch (for --model's activations)")
 @click.option("--ddp", default="bucketed", show_default=True, help=f"units: one of {', '.join(DDP_MODES)}")
 @click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="unit size for --ddp bucketed")
+@click.option("--prefetch", type=int, default=1, show_default=True, help="units gathered ahead (P sharded)")
 @click.option("--optimizer", default="adam", show_default=True, help=f"one of {', '.join(OPTIMIZERS)}")
 @click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum (0: no state)")
 @click.option("--precision", default="mixed", show_default=True, help=f"one of {', '.join(PRECISIONS)}")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def estimate(params: float | None, model: str | None, dataset: str, hidden: str, world_size: int, group_size: int,
-             micro_batches: int, batch_size: int, ddp: str, bucket_mb: float, optimizer: str, momentum: float,
-             precision: str, as_json: bool) -> None:
+             micro_batches: int, batch_size: int, ddp: str, bucket_mb: float, prefetch: int, optimizer: str,
+             momentum: float, precision: str, as_json: bool) -> None:
     """Seed 004's Tables 1 and 2 in bytes, and the predicted peak: memory per rank and traffic per step."""
     if (params is None) == (model is None):
         raise ConfigError("give either --params COUNT or --model NAME")
@@ -105,8 +107,9 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: str,
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if ddp not in DDP_MODES:
         raise ConfigError(f"--ddp must be one of {', '.join(DDP_MODES)}, got {ddp!r}")
-    if micro_batches < 1 or world_size < 1 or batch_size < 1 or not bucket_mb > 0:
-        raise ConfigError("--world-size, --micro-batches, --batch-size and --bucket-mb must be positive")
+    if micro_batches < 1 or world_size < 1 or batch_size < 1 or not bucket_mb > 0 or prefetch < 0:
+        raise ConfigError("--world-size, --micro-batches, --batch-size and --bucket-mb must be positive, "
+                          "--prefetch not negative")
     built = None if model is None else built_model(model, dataset, hidden, "float64" if precision == "float64"
                                                     else "float32")
     count = params if params is not None else built[2].flat.size
@@ -114,7 +117,7 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: str,
     rows = estimate_all(count, world_size, group_size, micro_batches, parameter_bytes=element,
                         gradient_bytes=element, state_bytes=k)
     peaks = {} if precision == "mixed" else predicted_peaks(
-        count, built, world_size, group_size, micro_batches, batch_size, ddp, bucket_mb, element,
+        count, built, world_size, group_size, micro_batches, batch_size, ddp, bucket_mb, prefetch, element,
         state_kinds(optimizer, momentum))
     if as_json:
         click.echo(json.dumps({"parameters": count, "world_size": world_size, "group_size": group_size,

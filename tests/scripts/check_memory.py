@@ -10,6 +10,7 @@ the baseline, so it is left out). Checked per rank:
     zero3 while Trainer() runs  at most a quarter of the model plus one unit (+10%), and
                                 the gathered parameters bitwise equal one process's build
     zero3 peak / ddp peak       at most 0.45
+    zero3 --prefetch 0 and 3    each under its prediction, and 3 peaks at least two units above 0
 
 Nothing here reads the ledger: the numbers come from what NumPy allocated.
 """
@@ -32,10 +33,10 @@ MB = 1e6
 failures, peaks = [], {}
 
 
-def config(scheme: str) -> TrainConfig:
+def config(scheme: str, prefetch: int = 1) -> TrainConfig:
     return TrainConfig(model="mlp", hidden=(1024,) * 8, dataset="synthetic", optimizer="adam", group_size=2,
                        batch_size=64, dtype="float32", max_steps=3, ddp="overlap", scheme=scheme,
-                       collective="ring", memory_profile=1, log_every=1000)
+                       collective="ring", memory_profile=1, log_every=1000, prefetch=prefetch)
 
 
 def one_process_parameters(trainer) -> np.ndarray:
@@ -79,6 +80,27 @@ for scheme, sharding in SCHEMES.items():
               flush=True)
     del trainer, engine, memory
     gc.collect()
+
+# Prefetch depth costs what it says: each unit gathered ahead is one more unit at the peak.
+depth_peaks = {}
+for prefetch in (0, 3):
+    trainer = Trainer(config("zero3", prefetch))
+    trainer.memory.reset_peak()
+    for step in range(2):
+        trainer.train_step(step, 0, step)
+    depth_peaks[prefetch], predicted = trainer.memory.peak_bytes(), trainer.predicted.total
+    if depth_peaks[prefetch] > 1.1 * predicted:
+        failures.append(f"rank {world.rank} zero3 --prefetch {prefetch}: peak {depth_peaks[prefetch] / MB:.1f} MB, "
+                        f"predicted {predicted / MB:.1f} MB (+10% allowed)")
+    unit_bytes = max(unit.size for unit in trainer.engine.units) * 4
+    if world.rank == 0:
+        print(f"zero3 --prefetch {prefetch}: peak {depth_peaks[prefetch] / MB:.1f} MB, predicted "
+              f"{predicted / MB:.1f} MB (one unit {unit_bytes / MB:.1f} MB)", flush=True)
+    del trainer
+    gc.collect()
+if depth_peaks[3] - depth_peaks[0] < 2 * unit_bytes:
+    failures.append(f"rank {world.rank} zero3: --prefetch 3 peaks {(depth_peaks[3] - depth_peaks[0]) / MB:.1f} MB "
+                    f"above --prefetch 0, less than two units ({2 * unit_bytes / MB:.1f} MB): is it gathering ahead?")
 
 # Construction is exact: a fresh zero3 build, gathered, equals one process's build bit for bit.
 fresh = Trainer(config("zero3"))

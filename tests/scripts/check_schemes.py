@@ -5,8 +5,9 @@ every named scheme and the other valid triples, every group size 1, 2, 4 that
 divides N, 1 and 3 micro-batches, SGD with momentum and Adam: 3 float64 steps of
 `mpipar train` on N ranks must leave the parameters equal (rtol 1e-10) to plain
 training of the same global batches in one process — a loop written out (reference.py) that
-uses no part of the data-parallel engine. Collectives and unit sizes rotate over the
-cases so that every algorithm and both one-unit and per-layer units are exercised.
+uses no part of the data-parallel engine. Collectives, unit sizes and prefetch depths
+(0, 1, 3 units gathered ahead) rotate over the cases so that every algorithm, one-unit
+and per-layer units, and every depth are exercised.
 Rank 0 prints every failure and the number of cases; exit status 1 on any failure.
 """
 
@@ -36,14 +37,16 @@ for index, (triple, group_size, micro_batches, optimizer) in enumerate(
         itertools.product(TRIPLES, group_sizes, (1, 3), OPTIMIZERS)):
     collective = ("ring", "mpi", "hring", "horing")[index % 4]
     mode = ("overlap", "naive", "bucketed")[index % 3]
+    prefetch = (1, 0, 3)[(index + index // 3) % 3]  # units gathered ahead: every depth with every unit size
     shape = dict(scheme=triple) if triple in SCHEMES else dict(shard=triple)
     trainer = Trainer(TrainConfig(**COMMON, **OPTIMIZERS[optimizer], **shape, group_size=group_size,
-                                  micro_batches=micro_batches, collective=collective, ddp=mode, bucket_mb=0.002))
+                                  micro_batches=micro_batches, collective=collective, ddp=mode, bucket_mb=0.002,
+                                  prefetch=prefetch))
     trainer.run()
     got = trainer.engine.full_parameters()
     cases += 1
     if not np.allclose(got, references[optimizer], rtol=1e-10, atol=0):
         worst = np.abs(got - references[optimizer]).max()
         failures.append(f"rank {world.rank}: {triple} M={group_size} micro-batches {micro_batches} {optimizer} "
-                        f"{collective} {mode}: differs from one process by up to {worst:.3g}")
+                        f"{collective} {mode} prefetch {prefetch}: differs from one process by up to {worst:.3g}")
 deadline.finish(world, failures, f"all {cases} scheme cases equal one process on {world.size} rank(s)")
