@@ -34,7 +34,7 @@ from mpipar.errors import ConfigError
 Steps = Generator[tuple[list, list[int]], None, None]  # (requests, peer of each)
 
 DEFAULT_TIMEOUT = 300.0  # seconds: far beyond any step, soon enough that a hung job does not burn hours
-# The pauses between tests, chosen by measurement (docs/collectives.md, "Waiting"). For the first
+# The pauses between tests, chosen by measurement (docs/peak.md, "Waiting"; docs/performance.md). For the first
 # YIELD_FOR seconds a wait only yields: with more ranks than cores that hands the core to a rank
 # with work at once, and on an idle core sched_yield returns at once, so short waits cost no
 # latency. Longer waits (a straggler, evaluation on one rank, a hang) sleep, FIRST_SLEEP doubling
