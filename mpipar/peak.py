@@ -30,10 +30,13 @@ import numpy as np
 from mpipar.cache import ActivationCache
 from mpipar.model import Stage, leaf_layers
 from mpipar.optim import CHUNK
+from mpipar.schedule.cyclic import (FORWARD, Compute, Drop, EndTimeStep, Item, Receive, Send, Update, home_ranks,
+                                    optimizer_home, persistent_items)
 from mpipar.schedule.program import Backward, Compiled, FetchWeights, Forward
 from mpipar.sharding import Sharding, sharing_ranks
 
-REDUCTIONS_IN_FLIGHT = 2  # sharded gradient units that may wait for their reduction at once
+REDUCTIONS_IN_FLIGHT = 1  # sharded gradient units that may wait for their reduction while the next computes
+SEND_LIFETIME = 3  # time steps a CDP send's buffer may live: posted, received, its completion seen
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,70 @@ def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, item
         if sum(evaluating.values()) > sum(step.values()):
             step = evaluating
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
+
+
+def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[int], *, itemsize: int,
+                state_kinds: int, training: ActivationBytes, evaluation: ActivationBytes | None = None) -> Peak:
+    """The peak of one rank of the CDP engine running `program` (its part of a CyclicPlan).
+
+    The program says when every item comes and goes on this rank: a receive or a job
+    makes one, a Drop forgets it; an update makes the next weight version. Walking it
+    gives the most item bytes alive at once, and the stashes of the micro-batches between
+    their forward and backward here (an input item is also counted in its stage's stash
+    while both live: a bound). A send's buffer outlives its Drop until the send completes:
+    posted at the end of a time step, received in the next, and seen complete by the sender
+    at its next poll, it is counted for SEND_LIFETIME time steps."""
+    count = len(stage_sizes)
+    weights = [size * itemsize for size in stage_sizes]
+    size_of = {"x": lambda s: training.inputs[s], "dy": lambda s: _output_bytes(training, s),
+               "w": weights.__getitem__, "g": weights.__getitem__, "o": lambda s: state_kinds * weights[s]}
+    alive = {item: size_of[item.kind](item.stage) for item in persistent_items(rule, count, 0)
+             if rank in (home_ranks(layout, count, item.stage) if item.kind == "w"
+                         else (optimizer_home(layout, count, item.stage),))}
+    steady = {"home state": sum(alive.values())}
+    stashed, most = 0, steady["home state"]
+    sent_per_time_step, sent = [], 0
+    updated = set()
+    for instruction in program:
+        made = None
+        if isinstance(instruction, Receive):
+            made = instruction.item
+        elif isinstance(instruction, Compute):
+            job = instruction.job
+            forward, g = job.direction == FORWARD, job.global_batch(count)
+            stashed += training.stashed[job.stage] if forward else -training.stashed[job.stage]
+            if forward and job.stage + 1 < count:
+                made = Item("x", job.stage + 1, g)
+            elif not forward and job.stage > 0:
+                made = Item("dy", job.stage - 1, g)
+            if not forward and instruction.new_gradient:
+                alive[Item("g", job.stage, job.step)] = weights[job.stage]
+        elif isinstance(instruction, Update):
+            made = Item("w", instruction.stage, instruction.step + 1)
+            updated.add(instruction.stage)
+        elif isinstance(instruction, Send):
+            sent += size_of[instruction.item.kind](instruction.item.stage)
+        elif isinstance(instruction, Drop):
+            alive.pop(instruction.item, None)
+        elif isinstance(instruction, EndTimeStep):
+            sent_per_time_step.append(sent)
+            sent = 0
+        if made is not None:
+            alive[made] = size_of[made.kind](made.stage)
+        most = max(most, sum(alive.values()) + stashed)
+    sends = max((sum(sent_per_time_step[t:t + SEND_LIFETIME]) for t in range(len(sent_per_time_step))), default=0)
+    computed = range(count)  # every rank may compute every stage (dp, zero); a bound for pp and mp
+    step = {"items and stashes": most - steady["home state"],
+            "layer outputs": 3 * max(training.largest_output[s] for s in computed),
+            "loaded inputs": training.inputs[0],
+            "sends in flight": sends,
+            "spare weights": sum(weights[s] for s in updated),
+            "workspace": min(CHUNK * itemsize, max((weights[s] for s in updated), default=0))}
+    if evaluation is not None:  # each stage in turn, broadcast from a home rank
+        evaluating = {"broadcast stages": 2 * max(weights), "evaluation": evaluation.training()}
+        if sum(evaluating.values()) > sum(step.values()):
+            step = evaluating
+    return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes > 0})
 
 
 def _output_bytes(training: ActivationBytes, stage: int) -> int:

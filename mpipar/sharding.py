@@ -194,8 +194,9 @@ def unit_bytes_for(mode: str, bucket_mb: float) -> float:
 
 def make_units(stage: Stage, unit_bytes: float) -> list[tuple[int, int, int, int]]:
     """(first layer, last layer, start, stop) of each unit, in forward order. Layers are
-    packed from the last one backwards (the order gradients appear in) until a unit
-    holds at least `unit_bytes` of parameters."""
+    packed from the last one backwards (the order gradients appear in) while the unit
+    stays within `unit_bytes` of parameters: a cap, so that a sharded scheme's transients
+    (a few units) are bounded by it; a layer larger than the cap is a unit of its own."""
     spans = []
     for position, layer in enumerate(stage.layers):
         names = {leaf.name for leaf in leaf_layers([layer])}
@@ -205,7 +206,7 @@ def make_units(stage: Stage, unit_bytes: float) -> list[tuple[int, int, int, int
     itemsize = stage.flat.dtype.itemsize
     units: list[list] = []
     for position, start, stop in reversed(spans):
-        if units and (units[-1][3] - units[-1][2]) * itemsize < unit_bytes:
+        if units and (units[-1][3] - start) * itemsize <= unit_bytes:
             units[-1][0], units[-1][2] = position, start
         else:
             units.append([position, position, start, stop])

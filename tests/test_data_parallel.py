@@ -57,10 +57,12 @@ def test_units_pack_layers_from_the_last_one():
     assert [(first, last) for first, last, _, _ in per_layer] == [(p, p) for p in linear_positions]
     assert make_units(stage, unit_bytes_for("naive", 25)) == [(linear_positions[0], linear_positions[-1], 0,
                                                                stage.flat.size)]
-    # units close at 33 * 32 * 8 bytes: the last two layers (330 + 1056 float64 elements) share one
-    last_two = make_units(stage, 33 * 32 * 8)
+    # a cap of (330 + 1056) float64 elements holds the last two layers, not the first (2080) as well
+    last_two = make_units(stage, (330 + 1056) * 8)
     assert [(first, last) for first, last, _, _ in last_two] == [(linear_positions[0], linear_positions[0]),
                                                                  (linear_positions[1], linear_positions[2])]
+    # one byte less and each layer is a unit of its own
+    assert len(make_units(stage, (330 + 1056) * 8 - 1)) == 3
     # together the units cover the flat buffer exactly, in order
     edges = [(start, stop) for _, _, start, stop in per_layer]
     assert edges[0][0] == 0 and edges[-1][1] == stage.flat.size
