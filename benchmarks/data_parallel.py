@@ -17,7 +17,7 @@ in alternating timed rounds inside one job so that machine noise hits them all:
 
 Rank 0 prints samples/s (global batch per second), the ratio to no-sync, the model
 state each rank holds (ledger) beside seed 004's Table 1, and the peak during a step.
-Targets: ddp >= 85% of no-sync, zero3 >= 60%.
+Targets: ddp >= 85% of no-sync, zero3 >= 75% (issue 14: no regression after the memory work).
 """
 
 import argparse
@@ -94,7 +94,7 @@ if world.rank == 0:
                      f"{peak / 1024:10.0f}")
             figures[name].update(held=held, peak=peak, table_1=vars(table))
         print(line)
-    for name, target in (("ddp", 0.85), ("zero3", 0.60)):
+    for name, target in (("ddp", 0.85), ("zero3", 0.75)):
         ratio = figures[name]["of_no_sync"]
         print(f"{'PASS' if ratio >= target else 'FAIL'}: {name} reaches {ratio:.1%} of no-sync (target >= {target:.0%})")
     if args.json:
