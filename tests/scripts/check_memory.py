@@ -1,6 +1,6 @@
 """What every data-parallel scheme really holds, measured from the allocator.
 
-Run by tests/test_memory_held.py as `mpiexec -n 4 python check_memory.py`. For each of
+Run by tests/test_memory_held.py as `mpiexec -n 4 python check_memory.py` (and -n 8). For each of
 the 8 schemes, an MLP 784-1024x8-10 in float32 with Adam, groups of 2, one unit per
 layer, trains 3 steps with --memory-profile (tracemalloc; the data set is loaded before
 the baseline, so it is left out). Checked per rank:
