@@ -6,12 +6,15 @@ input or output gradient of one micro-batch, a weight version, a partial gradien
 an optimizer state) in one dictionary:
 
     Receive    Irecv into a fresh buffer (a received input becomes an activation: never reused)
-    Compute    bind the stage to the weight version the rule names (and, in backward, to the
-               step's gradient sum), run it; pebbles go into the cache under the micro-batch
-    Update     a new buffer = the optimizer applied to the old version, the summed gradient and
-               the optimizer state (the old version may still be read by micro-batches in flight)
+    Compute    point the stage at the weight version the rule names (and, in backward, at the
+               step's gradient sum) unless it already is, run it; pebbles go into the cache
+    Update     the stage's optimizer, built at its first update here and then pointed at each
+               update's buffers (state that arrived from another rank is handed to it), steps
+               the old version in place; if a later job here reads, sends or keeps the old
+               version, it is first copied into a buffer this rank is done with: a version it
+               only drops from now on, else the stage's spare, else a new buffer
     Send       Isend; the outbox keeps the buffer until the send completes, and no longer
-    Drop       forget the item
+    Drop       forget the item (a rank that updates the stage keeps one weight buffer as its spare)
     EndTimeStep  let messages progress; record live activation bytes (the Fig. 4 timeline)
 
 Only point-to-point messages: no collective is called while training. Phases counted:
@@ -26,6 +29,7 @@ Exercised by: mpiexec -n 4 mpipar train --scheme cdp-v2 --cdp-layout dp --micro-
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Callable
 
 import numpy as np
@@ -40,9 +44,9 @@ from mpipar.comms.tags import MAX_MICRO_BATCHES, Kind, p2p_tag
 from mpipar.errors import NonFiniteLossError
 from mpipar.ledger import MemoryLedger
 from mpipar.model import Stage
-from mpipar.optim import make_optimizer, state_kinds
-from mpipar.schedule.cyclic import (BACKWARD, Compute, CyclicPlan, Drop, EndTimeStep, Item, Receive, Send, Update,
-                                    home_ranks, optimizer_home, persistent_items)
+from mpipar.optim import CHUNK, make_optimizer, state_kinds
+from mpipar.schedule.cyclic import (BACKWARD, Compute, CyclicInstruction, CyclicPlan, Drop, EndTimeStep, Item,
+                                    Receive, Send, Update, home_ranks, optimizer_home, persistent_items)
 from mpipar.schedule.cyclic_compiler import compile_cyclic
 
 KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "g": Kind.GRADIENT_SUM,
@@ -51,6 +55,27 @@ PHASE_OF = {"x": "activations", "dy": "gradients", "w": "weights", "g": "gradien
 LEDGER_KIND = {"w": "parameters", "g": "gradients", "o": "optimizer_state"}
 
 Load = Callable[[int, int], tuple]  # (step, micro-batch) -> (inputs, targets)
+
+
+def _weight_buffers(program: tuple[CyclicInstruction, ...]) -> dict[tuple[int, int], tuple[bool, Item | None]]:
+    """For each update (stage, step) of `program`: may it overwrite the old version (whose
+    next use is its Drop), and which version of the stage, if any, is also only dropped
+    afterwards (its buffer can take the old version's copy instead of a new one)."""
+    dropped_next: dict[int, set[Item]] = defaultdict(set)  # per stage, walking back from the end
+    plan = {}
+    for instruction in reversed(program):
+        if isinstance(instruction, Update):
+            old, done = Item("w", instruction.stage, instruction.step), dropped_next[instruction.stage]
+            plan[(instruction.stage, instruction.step)] = (old in done, min(done - {old}, default=None))
+            done -= {old, Item("w", instruction.stage, instruction.step + 1)}  # it reads one, makes the other
+            continue
+        item = Item("w", instruction.job.stage, instruction.version) if isinstance(instruction, Compute) \
+            else getattr(instruction, "item", None)
+        if item is not None and item.kind == "w" and isinstance(instruction, Drop):
+            dropped_next[item.stage].add(item)
+        elif item is not None and item.kind == "w":  # a use: a read, a Send, a Receive
+            dropped_next[item.stage].discard(item)
+    return plan
 
 
 def _describe(item: Item) -> str:
@@ -83,8 +108,14 @@ class Cyclic:
                 self._keep(item, flat.initial(0, flat.size) if item.kind == "w"
                            else np.zeros(self._size(item), self.dtype))
         self.decay = [stage.flat.decay_spans(0, stage.flat.size) for stage in stages]
+        self.optimizers: dict[int, object] = {}  # per stage this rank updates
+        self.workspace: np.ndarray | None = None  # their scratch, shared: updates never overlap
+        self.bound: list[tuple] = [(None, None)] * self.count  # the (weights, gradient) each stage's layers view
+        self.taken_over: set[Item] = set()  # versions an update took the buffer of: their Drop is done
+        self.spares: dict[int, np.ndarray] = {}  # per stage, a dropped version's buffer for the next copy
         self.next_step = 0
         self.plans: dict[tuple[int, int], CyclicPlan] = {}
+        self.weight_plans: dict[tuple[int, int], dict] = {}  # per plan: _weight_buffers of this rank's program
         self.timeline: list[tuple[int, int, int]] = []  # (time step, live activation bytes, peak within it)
 
     # -- a run of steps --------------------------------------------------------------
@@ -119,7 +150,8 @@ class Cyclic:
         key = (min(first_step, 1), steps)
         if key not in self.plans:
             self.plans[key] = compile_cyclic(self.layout, self.rule, self.count, min(first_step, 1), steps)
-        plan = self.plans[key]
+            self.weight_plans[key] = _weight_buffers(self.plans[key].programs[self.comm.rank])
+        plan, self.weight_plan = self.plans[key], self.weight_plans[key]
         self.step_shift = first_step - plan.first_step
         return plan
 
@@ -177,18 +209,48 @@ class Cyclic:
 
     def _drop(self, instruction: Drop) -> None:
         item = self._shifted(instruction.item)
+        if item in self.taken_over:  # an update gave its buffer to another version
+            self.taken_over.remove(item)
+            return
         buffer = self.store.pop(item)
         if item.kind in LEDGER_KIND:
-            self.ledger.free(LEDGER_KIND[item.kind], buffer.nbytes)
+            self._let_go(item.stage, buffer)
+            # a rank that updates a stage keeps one dropped version for its next copy of an old
+            # one (still counted), except in zero, where all of a stage's buffers leave with it
+            if item.kind == "w" and item.stage in self.optimizers and item.stage not in self.spares \
+                    and self.layout != "zero":
+                self.spares[item.stage] = buffer
+            else:
+                self.ledger.free(LEDGER_KIND[item.kind], buffer.nbytes)
+
+    def _let_go(self, s: int, buffer: np.ndarray) -> None:
+        """Neither stage s's layers nor its optimizer keep a dropped buffer alive."""
+        weights, gradient = self.bound[s]
+        if buffer is weights or buffer is gradient:
+            self.stages[s].flat.unbind(0, self.stages[s].flat.size, params=buffer is weights, grads=buffer is gradient)
+            self.bound[s] = (None if buffer is weights else weights, None if buffer is gradient else gradient)
+        if s in self.optimizers:
+            optimizer = self.optimizers[s]
+            optimizer.unbind(params=buffer is optimizer.params[0], grads=buffer is optimizer.grads[0],
+                             state=buffer is optimizer.state)
+
+    def _bind(self, s: int, weights: np.ndarray | None = None, gradient: np.ndarray | None = None) -> None:
+        """Point stage s's layers at these buffers unless they view them already (a bind makes a
+        view per parameter). Only the engine binds its stages: `bound` is what they view."""
+        bound, flat = self.bound[s], self.stages[s].flat
+        if (weights is None or weights is bound[0]) and (gradient is None or gradient is bound[1]):
+            return
+        flat.bind(0, flat.size, data=weights, grad=gradient)
+        self.bound[s] = (bound[0] if weights is None else weights, bound[1] if gradient is None else gradient)
 
     def _compute(self, instruction: Compute) -> None:
         job = instruction.job
         step, s, i = job.step + self.step_shift, job.stage, job.micro_batch
         g, last = step * self.count + i, s == self.count - 1
-        flat, stage = self.stages[s].flat, self.stages[s]
-        flat.bind(0, flat.size, data=self._take(Item("w", s, instruction.version + self.step_shift)))
+        stage = self.stages[s]
+        self._bind(s, weights=self._take(Item("w", s, instruction.version + self.step_shift)))
         if job.direction == BACKWARD:
-            self._backward(step, s, g, flat, stage, instruction.new_gradient)
+            self._backward(step, s, g, stage, instruction.new_gradient)
         else:
             inputs, targets = self.load(step, i) if s == 0 or last else (None, None)
             x = inputs if s == 0 else self._take(Item("x", s, g))
@@ -205,13 +267,12 @@ class Cyclic:
                                                         targets.size)
             else:
                 self._keep(Item("x", s + 1, g), y)
-        flat.unbind(0, flat.size)
 
-    def _backward(self, step: int, s: int, g: int, flat, stage: Stage, new_gradient: bool) -> None:
+    def _backward(self, step: int, s: int, g: int, stage: Stage, new_gradient: bool) -> None:
         gradient = Item("g", s, step)
         if new_gradient:
-            self._keep(gradient, np.zeros(flat.size, dtype=self.dtype))
-        flat.bind(0, flat.size, grad=self._take(gradient))  # layers add into the sum so far
+            self._keep(gradient, np.zeros(stage.flat.size, dtype=self.dtype))
+        self._bind(s, gradient=self._take(gradient))  # layers add into the sum so far
         ctx = self.cache.contexts[(s, g)]
         dy = self.loss_fn.backward(ctx) if s == self.count - 1 else self._take(Item("dy", s, g))
         with self.ledger.phase("backward"):
@@ -222,14 +283,47 @@ class Cyclic:
 
     def _update(self, instruction: Update) -> None:
         s, step = instruction.stage, instruction.step + self.step_shift
+        old, new = Item("w", s, step), Item("w", s, step + 1)
+        overwrite, done = self.weight_plan[(instruction.stage, instruction.step)]
         with self.ledger.phase("update"):
-            weights = self._take(Item("w", s, step)).copy()  # micro-batches in flight may still read the old
-            self._keep(Item("w", s, step + 1), weights)
-            optimizer = make_optimizer(self.optimizer_name, [weights], [self._take(Item("g", s, step))],
-                                       [self.decay[s]], state=self._take(Item("o", s, 0)),
-                                       **self.optimizer_options)
+            weights = self._take(old)
+            self.outbox.wait_buffer(weights, f"the sends of {_describe(old)}")  # the update overwrites it
+            if overwrite:
+                del self.store[old]
+                self.taken_over.add(old)
+            else:  # a later job here reads, sends or keeps the old version: it moves aside first
+                self.store[old] = self._aside(s, done, weights)
+                self.store[old][:] = weights
+            self.store[new] = weights
+            optimizer = self._optimizer(s, weights, self._take(Item("g", s, step)), self._take(Item("o", s, 0)))
             optimizer.steps = step  # Adam's bias correction counts the updates so far
             optimizer.step(self.lr_at(step))
+
+    def _aside(self, s: int, done: Item | None, weights: np.ndarray) -> np.ndarray:
+        """A buffer for stage s's old version: that of version `done`, which this rank only drops
+        from now on, else the stage's spare, else a new one."""
+        if done is None and s not in self.spares:
+            self.ledger.hold("parameters", weights.nbytes)
+            return np.empty_like(weights)
+        if done is not None:
+            done = self._shifted(done)
+            self.taken_over.add(done)
+        buffer = self.spares.pop(s) if done is None else self.store.pop(done)
+        self.outbox.wait_buffer(buffer, f"the sends of a buffer of stage {s}")  # it is about to be overwritten
+        return buffer
+
+    def _optimizer(self, s: int, weights: np.ndarray, gradient: np.ndarray, state: np.ndarray):
+        """Stage s's optimizer on this rank, pointed at this update's buffers (built at the first)."""
+        if s not in self.optimizers:
+            if self.workspace is None:
+                largest = max(self.stages[stage].flat.size for stage, _ in self.weight_plan)
+                self.workspace = np.empty(min(CHUNK, largest), dtype=self.dtype)
+                self.ledger.hold("workspace", self.workspace.nbytes)
+            self.optimizers[s] = make_optimizer(self.optimizer_name, [weights], [gradient], [self.decay[s]],
+                                                state=state, workspace=self.workspace, **self.optimizer_options)
+        else:
+            self.optimizers[s].bind([weights], [gradient], state)
+        return self.optimizers[s]
 
     def _end_time_step(self, instruction: EndTimeStep) -> None:
         self.timeline.append((instruction.time + self.time_offset, self.cache.live_bytes, self.cache.window_peak))
@@ -251,14 +345,15 @@ class Cyclic:
         """The whole model on one batch with the newest weights (evaluation; collective when
         some rank lacks a stage: it is broadcast from a home rank, used and forgotten)."""
         for s, stage in enumerate(self.stages):
-            weights, root = self._latest(s)
+            held, root = self._latest(s)
+            weights = held if held is not None else np.empty(stage.flat.size, dtype=self.dtype)
             if self.comm.size > 1 and len(home_ranks(self.layout, self.count, s)) < self.comm.size:
-                weights = weights if weights is not None else np.empty(stage.flat.size, dtype=self.dtype)
                 with self.comm.traffic.phase(gather_phase):
                     broadcast(self.comm, weights, root, "mpi")
-            stage.flat.bind(0, stage.flat.size, data=weights)
+            self._bind(s, weights=weights)
             x = stage.forward(x, ctx)
-            stage.flat.unbind(0, stage.flat.size)
+            if held is None:
+                self._let_go(s, weights)
         return x
 
     def full_parameters(self) -> np.ndarray:

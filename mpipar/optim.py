@@ -19,7 +19,9 @@ of CHUNK elements, so its only workspace is one chunk (`workspace_bytes`), whate
 the model's size: a full-size scratch buffer would cost as much memory as the
 parameters of a ZeRO-3 rank. The gradient buffer is overwritten with g + wd p by
 coupled decay, because the next backward overwrites it anyway. `state_bytes` is the
-optimizer state proper (seed 004's K per parameter).
+optimizer state proper (seed 004's K per parameter). An engine whose buffers change
+between updates (the cyclic engine: weight versions, gradients and state that arrive
+from other ranks) builds its optimizer once and `bind`s it to each update's buffers.
 
 Exercised by: python -m pytest tests/test_optim.py
 """
@@ -48,32 +50,65 @@ class _PiecewiseOptimizer:
     """Pieces and the buffers every optimizer needs: one flat buffer per state kind."""
 
     def __init__(self, params: Sequence, grads: Sequence, decay: Sequence[Spans], state_kinds: int,
-                 state=None) -> None:
+                 state=None, workspace=None) -> None:
         if not len(params) == len(grads) == len(decay):
             raise ValueError(f"an optimizer needs as many gradients and decay spans as parameter pieces; got "
                              f"{len(params)}, {len(grads)}, {len(decay)}")
         self.params, self.grads, self.decay = list(params), list(grads), [list(spans) for spans in decay]
-        self.steps = 0
-        total = sum(piece.size for piece in self.params)
+        self.sizes = [piece.size for piece in self.params]  # every buffer bound later has these
+        self.state_kinds, self.steps = state_kinds, 0
+        self.itemsize = self.params[0].dtype.itemsize if self.params else 0
         xp = array_module(self.params[0]) if self.params else None
         if state is None:
-            state = xp.zeros(state_kinds * total, dtype=self.params[0].dtype) if self.params else []
-        elif state.size != state_kinds * total:
-            raise ValueError(f"optimizer state of {state.size} elements given; this optimizer keeps "
-                             f"{state_kinds} x {total}")
+            state = xp.zeros(state_kinds * sum(self.sizes), dtype=self.params[0].dtype) if self.params else []
+        self._bind_state(state)
+        needed = min(CHUNK, max(self.sizes, default=0))
+        if workspace is None:
+            workspace = xp.empty(needed, dtype=self.params[0].dtype) if self.params else None
+        elif len(workspace) < needed:
+            raise ValueError(f"a workspace of {len(workspace)} elements given; this optimizer needs {needed}")
+        self.workspace = workspace
+
+    def _bind_state(self, state) -> None:
         # All state kinds live in one flat buffer (`state`), so the whole state of a stage
         # can travel in one message (Cyclic Data Parallelism's ZeRO layout moves it).
+        total = sum(self.sizes)
+        if len(state) != self.state_kinds * total:
+            raise ValueError(f"optimizer state of {len(state)} elements given; this optimizer keeps "
+                             f"{self.state_kinds} x {total}")
         self.state = state
-        largest = max((piece.size for piece in self.params), default=0)
-        self.workspace = xp.empty(min(CHUNK, largest), dtype=self.params[0].dtype) if self.params else None
-        self._state_views = [self._views(state[kind * total:(kind + 1) * total]) for kind in range(state_kinds)]
+        self._state_views = [self._views(state[kind * total:(kind + 1) * total]) for kind in range(self.state_kinds)]
+
+    def bind(self, params: Sequence | None = None, grads: Sequence | None = None, state=None) -> None:
+        """Work on other buffers of the same pieces from now on: `params` and/or `grads` (one
+        buffer per piece, as given to the constructor) and/or `state` (one flat buffer of all
+        state kinds, laid out as `state`: state that has arrived from another rank). None
+        leaves that side as it is. The workspace and decay spans stay: an engine whose
+        buffers change between updates builds its optimizer once."""
+        for what, pieces in (("parameter", params), ("gradient", grads)):
+            if pieces is not None and [piece.size for piece in pieces] != self.sizes:
+                raise ValueError(f"{what} pieces of {[piece.size for piece in pieces]} elements given; this "
+                                 f"optimizer's pieces have {self.sizes}")
+        self.params = self.params if params is None else list(params)
+        self.grads = self.grads if grads is None else list(grads)
+        if state is not None and state is not self.state:
+            self._bind_state(state)
+
+    def unbind(self, params: bool = True, grads: bool = True, state: bool = True) -> None:
+        """Let go of those buffers, so that the optimizer keeps none of them alive; `bind`
+        others before the next step."""
+        unbound = [None] * len(self.sizes)
+        self.params = unbound if params else self.params
+        self.grads = unbound if grads else self.grads
+        if state:
+            self.state, self._state_views = None, [unbound] * self.state_kinds
 
     def _views(self, buffer) -> list:
         """`buffer`, as long as all pieces together, as one view per piece."""
         views, offset = [], 0
-        for piece in self.params:
-            views.append(buffer[offset:offset + piece.size])
-            offset += piece.size
+        for size in self.sizes:
+            views.append(buffer[offset:offset + size])
+            offset += size
         return views
 
     def _state(self, kind: int) -> list:
@@ -95,7 +130,7 @@ class _PiecewiseOptimizer:
 
     @property
     def state_bytes(self) -> int:
-        return sum(piece.nbytes for views in self._state_views for piece in views)
+        return self.state_kinds * sum(self.sizes) * self.itemsize
 
     @property
     def workspace_bytes(self) -> int:
@@ -104,8 +139,8 @@ class _PiecewiseOptimizer:
 
 class SGD(_PiecewiseOptimizer):
     def __init__(self, params, grads, decay, *, momentum: float = 0.0, weight_decay: float = 0.0,
-                 state=None) -> None:
-        super().__init__(params, grads, decay, state_kinds=1 if momentum else 0, state=state)
+                 state=None, workspace=None) -> None:
+        super().__init__(params, grads, decay, state_kinds=1 if momentum else 0, state=state, workspace=workspace)
         self.momentum, self.weight_decay = momentum, weight_decay
 
     def step(self, lr: float) -> None:
@@ -127,8 +162,9 @@ class SGD(_PiecewiseOptimizer):
 
 class Adam(_PiecewiseOptimizer):
     def __init__(self, params, grads, decay, *, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = False, state=None) -> None:
-        super().__init__(params, grads, decay, state_kinds=2, state=state)
+                 eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = False, state=None,
+                 workspace=None) -> None:
+        super().__init__(params, grads, decay, state_kinds=2, state=state, workspace=workspace)
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay, self.decoupled = eps, weight_decay, decoupled
 
@@ -169,15 +205,18 @@ class Adam(_PiecewiseOptimizer):
 
 def make_optimizer(name: str, params: Sequence, grads: Sequence, decay: Sequence[Spans], *, momentum: float = 0.9,
                    weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                   state=None):
+                   state=None, workspace=None):
     """The optimizer called `name` (one of OPTIMIZERS) over the given pieces, with weight
     decay inside each piece's `decay` spans; `state`, if given, is the flat buffer
-    (state_kinds x all pieces) to keep its state in."""
+    (state_kinds x all pieces) to keep its state in; `workspace`, if given, the scratch
+    buffer (one chunk, or the largest piece if smaller): optimizers that never step at the
+    same time can share one."""
     if name == "sgd":
-        return SGD(params, grads, decay, momentum=momentum, weight_decay=weight_decay, state=state)
+        return SGD(params, grads, decay, momentum=momentum, weight_decay=weight_decay, state=state,
+                   workspace=workspace)
     if name in ("adam", "adamw"):
         return Adam(params, grads, decay, betas=betas, eps=eps, weight_decay=weight_decay,
-                    decoupled=name == "adamw", state=state)
+                    decoupled=name == "adamw", state=state, workspace=workspace)
     raise unknown_name("optimizer", name, OPTIMIZERS)
 
 

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
+from mpipar import cyclic
 from mpipar.cdp import activation_timeline, reference_training
+from mpipar.optim import make_optimizer
 from mpipar.errors import ConfigError
 from mpipar.schedule.cyclic import BACKWARD, FORWARD, Compute, CyclicJob, check_layout, job_time
 from mpipar.schedule.cyclic_compiler import _Compiler, compile_cyclic
@@ -87,6 +89,28 @@ def test_the_cnn_of_the_accuracy_study_follows_the_rule_exactly(rule):
     trainer.run()
     expected = np.concatenate(reference_training(config, rule))
     np.testing.assert_allclose(trainer.engine.full_parameters(), expected, rtol=1e-10, atol=1e-15)
+
+
+@pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])
+def test_updates_build_each_optimizer_once_and_keep_at_most_two_versions_of_a_stage(rule, monkeypatch):
+    """The hot path: one optimizer per stage for the whole training, each update in place;
+    the old version is copied only for a later reader, into a buffer the rank is done with."""
+    built = []
+    monkeypatch.setattr(cyclic, "make_optimizer", lambda *args, **options: built.append(args[0]) or
+                        make_optimizer(*args, **options))
+    config = small_config(**OPTIONS, hidden=(16,) * 3, scheme=rule, cdp_layout="single", micro_batches=3,
+                          batch_size=360, optimizer="adam", epochs=3, max_steps=8)
+    trainer = Trainer(config)
+    trainer.run()
+    assert len(built) == 3 and len(trainer.engine.plans) == 2  # 8 steps, 3 runs, 2 plans: built once
+    model = sum(stage.flat.nbytes for stage in trainer.stages)
+    held = max(peaks["parameters"] for peaks in trainer.engine.ledger.report()["peak"].values())
+    # v1: the newest version and the one the next step reads, never a third (a copy per update made
+    # three); v2 reads the last stage fresh only, so it updates in place
+    last = trainer.stages[-1].flat.nbytes
+    assert held == (2 * model if rule == "cdp-v1" else 2 * model - last)
+    expected = np.concatenate(reference_training(config, rule))
+    np.testing.assert_allclose(trainer.engine.full_parameters(), expected, rtol=1e-10, atol=0)
 
 
 @pytest.mark.parametrize("count", [2, 4, 8])

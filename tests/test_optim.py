@@ -92,6 +92,33 @@ def test_state_bytes_count_the_state_buffers(name, momentum, kinds, chunk):
     assert optimizer.workspace_bytes == min(chunk, 15) * 8  # one chunk, not a copy of the parameters
 
 
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_an_optimizer_bound_to_other_buffers_steps_as_one_built_over_them(name):
+    """An engine whose buffers change between updates (the cyclic engine: state that arrived
+    from another rank) builds its optimizer once and binds it; nothing else changes."""
+    state = np.zeros(state_kinds(name, 0.9) * 20)
+    moved, params = state.copy(), START.copy()
+    shared = np.empty(optim.CHUNK)  # two optimizers that never step at once share one workspace
+    built = make_optimizer(name, [params], [GRADS[0].copy()], [ODD], weight_decay=0.1, state=state, workspace=shared)
+    other = make_optimizer(name, [START.copy()], [GRADS[0].copy()], [ODD], workspace=shared)
+    assert built.workspace is other.workspace is shared
+    built.step(0.1)
+    moved[:] = state  # the state travels to another buffer, the parameters to another copy
+    built.unbind()
+    assert built.params == built.grads == [None] and built.state is None
+    copy = params.copy()
+    built.bind([copy], [GRADS[1].copy()], moved)
+    built.step(0.1)
+    reference = make_optimizer(name, [START.copy()], [GRADS[0].copy()], [ODD], weight_decay=0.1)
+    reference.step(0.1)
+    reference.grads[0][:] = GRADS[1]
+    reference.step(0.1)
+    np.testing.assert_array_equal(copy, reference.params[0])
+    np.testing.assert_array_equal(moved, reference.state)
+    with pytest.raises(ValueError, match="pieces of"):
+        built.bind([np.zeros(19)])
+
+
 def test_schedules():
     warm_cosine = make_schedule("cosine", 1.0, 110, warmup_steps=10)
     assert [warm_cosine(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
