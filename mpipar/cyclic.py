@@ -29,7 +29,6 @@ Exercised by: mpiexec -n 4 mpipar train --scheme cdp-v2 --cdp-layout dp --micro-
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Callable
 
 import numpy as np
@@ -45,9 +44,10 @@ from mpipar.errors import NonFiniteLossError
 from mpipar.ledger import MemoryLedger
 from mpipar.model import Stage
 from mpipar.optim import CHUNK, make_optimizer, state_kinds
-from mpipar.schedule.cyclic import (BACKWARD, Compute, CyclicInstruction, CyclicPlan, Drop, EndTimeStep, Item,
-                                    Receive, Send, Update, home_ranks, optimizer_home, persistent_items)
-from mpipar.schedule.cyclic_compiler import compile_cyclic
+from mpipar.peak import ActivationBytes, Peak, cyclic_peak
+from mpipar.schedule.cyclic import (BACKWARD, Compute, Drop, EndTimeStep, Item, Receive, Send, Update, home_ranks,
+                                    optimizer_home, persistent_items)
+from mpipar.schedule.cyclic_compiler import compile_cyclic, weight_buffers
 
 KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "g": Kind.GRADIENT_SUM,
            "o": Kind.OPTIMIZER_STATE}
@@ -55,27 +55,6 @@ PHASE_OF = {"x": "activations", "dy": "gradients", "w": "weights", "g": "gradien
 LEDGER_KIND = {"w": "parameters", "g": "gradients", "o": "optimizer_state"}
 
 Load = Callable[[int, int], tuple]  # (step, micro-batch) -> (inputs, targets)
-
-
-def _weight_buffers(program: tuple[CyclicInstruction, ...]) -> dict[tuple[int, int], tuple[bool, Item | None]]:
-    """For each update (stage, step) of `program`: may it overwrite the old version (whose
-    next use is its Drop), and which version of the stage, if any, is also only dropped
-    afterwards (its buffer can take the old version's copy instead of a new one)."""
-    dropped_next: dict[int, set[Item]] = defaultdict(set)  # per stage, walking back from the end
-    plan = {}
-    for instruction in reversed(program):
-        if isinstance(instruction, Update):
-            old, done = Item("w", instruction.stage, instruction.step), dropped_next[instruction.stage]
-            plan[(instruction.stage, instruction.step)] = (old in done, min(done - {old}, default=None))
-            done -= {old, Item("w", instruction.stage, instruction.step + 1)}  # it reads one, makes the other
-            continue
-        item = Item("w", instruction.job.stage, instruction.version) if isinstance(instruction, Compute) \
-            else getattr(instruction, "item", None)
-        if item is not None and item.kind == "w" and isinstance(instruction, Drop):
-            dropped_next[item.stage].add(item)
-        elif item is not None and item.kind == "w":  # a use: a read, a Send, a Receive
-            dropped_next[item.stage].discard(item)
-    return plan
 
 
 def _describe(item: Item) -> str:
@@ -114,8 +93,9 @@ class Cyclic:
         self.taken_over: set[Item] = set()  # versions an update took the buffer of: their Drop is done
         self.spares: dict[int, np.ndarray] = {}  # per stage, a dropped version's buffer for the next copy
         self.next_step = 0
-        self.plans: dict[tuple[int, int], CyclicPlan] = {}
-        self.weight_plans: dict[tuple[int, int], dict] = {}  # per plan: _weight_buffers of this rank's program
+        # per (first step, steps): the plan's first step, this rank's program, its weight_buffers;
+        # only this rank's program is kept (a plan of every rank's grows with ranks x steps)
+        self.programs: dict[tuple[int, int], tuple[int, tuple, dict]] = {}
         self.timeline: list[tuple[int, int, int]] = []  # (time step, live activation bytes, peak within it)
 
     # -- a run of steps --------------------------------------------------------------
@@ -125,14 +105,14 @@ class Cyclic:
         predictions] per step. Every step before `first_step` must have been run."""
         if first_step != self.next_step:
             raise RuntimeError(f"CDP runs steps in order: expected step {self.next_step}, got {first_step}")
-        plan = self._plan(first_step, steps)
+        program = self._program(first_step, steps)
         self.load, self.seed, self.batch_size, self.lr_at = load, seed, batch_size, lr_at
         self.micro_size = batch_size // self.count
         self.first_step, self.totals = first_step, np.zeros((steps, 3))
         self.inbox: dict[Item, tuple[np.ndarray, MPI.Request, int]] = {}  # buffer, request, source
         self.outbox = Outbox()  # sends in flight: each buffer lives until its send completes
         self.time_offset = len(self.timeline)
-        for instruction in plan.programs[self.comm.rank]:
+        for instruction in program:
             self.handlers[type(instruction)](self, instruction)
         for item in list(self.inbox):  # the state the next run starts from, brought home
             self._take(item)
@@ -144,16 +124,24 @@ class Cyclic:
         self.next_step = first_step + steps
         return self.totals
 
-    def _plan(self, first_step: int, steps: int) -> CyclicPlan:
+    def _program(self, first_step: int, steps: int) -> tuple:
         # a plan depends on the first step only through the step numbers; epochs of equal
         # length share one when the rule has reached its steady state (first step > 0)
         key = (min(first_step, 1), steps)
-        if key not in self.plans:
-            self.plans[key] = compile_cyclic(self.layout, self.rule, self.count, min(first_step, 1), steps)
-            self.weight_plans[key] = _weight_buffers(self.plans[key].programs[self.comm.rank])
-        plan, self.weight_plan = self.plans[key], self.weight_plans[key]
-        self.step_shift = first_step - plan.first_step
-        return plan
+        if key not in self.programs:
+            plan = compile_cyclic(self.layout, self.rule, self.count, min(first_step, 1), steps)
+            program = plan.programs[self.comm.rank]
+            self.programs[key] = (plan.first_step, program, weight_buffers(program))
+        plan_first_step, program, self.weight_plan = self.programs[key]
+        self.step_shift = first_step - plan_first_step
+        return program
+
+    def predicted_peak(self, training: ActivationBytes, evaluation: ActivationBytes | None = None, *,
+                       steps: int) -> Peak:
+        """The most this rank should hold at once over a run of `steps` steps (peak.py)."""
+        return cyclic_peak(self._program(0, steps), self.comm.rank, self.layout, self.rule,
+                           [stage.flat.size for stage in self.stages], itemsize=self.dtype.itemsize,
+                           state_kinds=self.kinds, training=training, evaluation=evaluation)
 
     def _persistent(self, step: int) -> list[Item]:
         return [item for item in persistent_items(self.rule, self.count, step) if self.comm.rank in self._homes(item)]

@@ -112,10 +112,8 @@ class Report:
             top = max(range(len(values)), key=values.__getitem__)
             return f"max {human_bytes(values[top])} (rank {top}), min {human_bytes(min(values))}"
 
-        predicted = per_rank["predicted_peak_bytes"]
         parts = [f"peak resident memory per rank {spread(per_rank['peak_rss_bytes'])}"]
         if per_rank["allocator_peak_bytes"] is not None:
             parts.append(f"array allocator peak {spread(per_rank['allocator_peak_bytes'])}")
-        parts.append(f"predicted peak {human_bytes(predicted)}" if predicted is not None
-                     else "no peak prediction for this scheme yet")
+        parts.append(f"predicted peak {spread(per_rank['predicted_peak_bytes'])}")
         print("memory: " + "; ".join(parts), file=self.stream, flush=True)

@@ -36,8 +36,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from mpipar.comms.routes import block_offsets
 from mpipar.errors import ConfigError, unknown_name
 from mpipar.model import Stage, leaf_layers

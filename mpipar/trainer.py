@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from mpi4py import MPI
 
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
@@ -40,7 +41,7 @@ from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.model import build_stages, partition
 from mpipar.models import build_model
-from mpipar.memory import make_probe, peak_rss_bytes, rss_bytes
+from mpipar.memory import make_probe, peak_rss_bytes
 from mpipar.optim import make_schedule
 from mpipar.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
 from mpipar.units import format_bytes
@@ -134,19 +135,24 @@ class Trainer:
         return dry_run(self.stages, self.train_set, self.loss_fn, cfg.batch_size // per_rank // cfg.micro_batches,
                        min(cfg.eval_batch, len(self.test_set)), cfg.seed, self._to_device)
 
-    def _predicted_peak(self) -> Peak | None:
-        """The engine's prediction of this rank's peak (None for CDP, which makes none yet)."""
+    def _predicted_peak(self) -> Peak:
+        """The engine's prediction of this rank's peak (for CDP: over the first epoch's program)."""
         if isinstance(self.engine, Cyclic):
-            return None
+            return self.engine.predicted_peak(*self.activations,
+                                              steps=min(self.sampler.steps_per_epoch, self.total_steps))
         return self.engine.predicted_peak(*self.activations)
 
     def _check_memory_limit(self, limit: int) -> None:
         """Stop on every rank before the first step if the prediction does not fit; name what would.
-        Every rank can predict every rank's peak, so all reach the same verdict without a message."""
-        if self.predicted is None:
-            raise ConfigError("--memory-limit needs a prediction of the peak, which the data-parallel schemes "
-                              "and the pipelines make, not yet CDP; drop --memory-limit for this scheme")
-        if isinstance(self.engine, Pipeline):
+        A pipeline rank predicts every rank's peak from the programs; CDP ranks keep only their own
+        program, so they agree on the largest by one small collective. Every rank reaches the same verdict."""
+        if isinstance(self.engine, Cyclic):
+            need, worst = self.comm.allreduce((self.predicted.total, self.rank), op=MPI.MAX)
+            if need <= limit:
+                return
+            message = (f"{self.scheme_name} needs {format_bytes(need)} on rank {worst} at its peak, limit "
+                       f"{format_bytes(limit)}; more micro-batches (stages), or smaller ones, need less")
+        elif isinstance(self.engine, Pipeline):
             peaks = [self.engine.predicted_peak(*self.activations, rank=r).total for r in range(self.world_size)]
             worst = max(range(self.world_size), key=peaks.__getitem__)
             if peaks[worst] <= limit:
@@ -303,15 +309,16 @@ class Trainer:
         return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)))
 
     def _memory_per_rank(self) -> dict:
-        """Every rank's peak resident memory and, with --memory-profile, the allocator's peak
-        (collective: one counted sum of a slot per rank), next to the predicted peak."""
-        figures = np.zeros((self.world_size, 2))
-        figures[self.rank] = (peak_rss_bytes(), self.memory.peak_bytes() if self.memory else -1)
+        """Every rank's peak resident memory, with --memory-profile the allocator's peak, and
+        its predicted peak (collective: one counted sum of a slot per rank)."""
+        figures = np.zeros((self.world_size, 3))
+        figures[self.rank] = (peak_rss_bytes(), self.memory.peak_bytes() if self.memory else -1,
+                              self.predicted.total)
         with self.counted.traffic.phase("metrics"):
             sum_across_ranks(self.counted, figures.reshape(-1))
         return {"peak_rss_bytes": figures[:, 0].astype(int).tolist(),
                 "allocator_peak_bytes": figures[:, 1].astype(int).tolist() if self.memory else None,
-                "predicted_peak_bytes": int(self.predicted.total) if self.predicted else None}
+                "predicted_peak_bytes": figures[:, 2].astype(int).tolist()}
 
     def run(self, report=None) -> dict:
         """Train for the configured epochs (or max steps), evaluating after each epoch.

@@ -76,7 +76,7 @@ def test_single_layout_equals_the_reference_rule_across_an_epoch_boundary(rule, 
                           epochs=3, max_steps=6)
     trainer = Trainer(config)
     trainer.run()
-    assert trainer.engine.next_step == 6 and len(trainer.engine.plans) == 2
+    assert trainer.engine.next_step == 6 and len(trainer.engine.programs) == 2
     expected = np.concatenate(reference_training(config, rule))
     np.testing.assert_allclose(trainer.engine.full_parameters(), expected, rtol=1e-10, atol=0)
 
@@ -102,7 +102,7 @@ def test_updates_build_each_optimizer_once_and_keep_at_most_two_versions_of_a_st
                           batch_size=360, optimizer="adam", epochs=3, max_steps=8)
     trainer = Trainer(config)
     trainer.run()
-    assert len(built) == 3 and len(trainer.engine.plans) == 2  # 8 steps, 3 runs, 2 plans: built once
+    assert len(built) == 3 and len(trainer.engine.programs) == 2  # 8 steps, 3 runs, 2 plans: built once
     model = sum(stage.flat.nbytes for stage in trainer.stages)
     held = max(peaks["parameters"] for peaks in trainer.engine.ledger.report()["peak"].values())
     # v1: the newest version and the one the next step reads, never a third (a copy per update made

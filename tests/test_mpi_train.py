@@ -1,6 +1,7 @@
 """`mpiexec -n 2 mpipar train`: equal to one process in float64, and no hangs on failure."""
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -110,3 +111,14 @@ def test_memory_limit_stops_every_rank_naming_the_peak_and_the_schemes_that_fit(
     assert (f"needs {format_bytes(peaks['ddp'])} per rank at its peak, limit {format_bytes(limit)}; "
             f"{' or '.join(fitting)} fit") in lines[0], lines[0]
     assert "zero3" in lines[0] and "Abort" not in result.stderr
+
+
+@pytest.mark.parametrize("scheme", [["--scheme", "1f1b", "--stages", "2", "--micro-batches", "4"],
+                                    ["--scheme", "cdp-v2", "--cdp-layout", "zero", "--micro-batches", "2"]],
+                         ids=["1f1b", "cdp"])
+def test_memory_limit_names_the_rank_that_would_not_fit_a_pipeline_or_cdp(scheme):
+    result = run_mpi(2, sys.executable, "-m", "mpipar", "train", *scheme, "--memory-limit", "100KB", timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error:")]
+    assert len(lines) == 2 and lines[0] == lines[1], result.stderr
+    assert re.search(r"needs [\d.]+ [KM]B on rank [01] at its peak, limit 100 KB", lines[0]), lines[0]

@@ -16,6 +16,8 @@ Exercised by: python -m pytest tests/test_cyclic.py
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from mpipar.errors import ConfigError, unknown_name
 from mpipar.schedule.cyclic import (BACKWARD, FORWARD, LAYOUTS, PHASES, Compute, CyclicInstruction, CyclicJob,
                                     CyclicPlan, Drop, EndTimeStep, Item, Receive, Send, Update, compute_rank, home_ranks,
@@ -173,3 +175,24 @@ class _Compiler:
                 continue
             live.append(item)
         return live
+
+
+def weight_buffers(program: tuple[CyclicInstruction, ...]) -> dict[tuple[int, int], tuple[bool, Item | None]]:
+    """For each update (stage, step) of `program`: may it overwrite the old version (whose
+    next use is its Drop), and which version of the stage, if any, is also only dropped
+    afterwards (its buffer can take the old version's copy instead of a new one)."""
+    dropped_next: dict[int, set[Item]] = defaultdict(set)  # per stage, walking back from the end
+    plan = {}
+    for instruction in reversed(program):
+        if isinstance(instruction, Update):
+            old, done = Item("w", instruction.stage, instruction.step), dropped_next[instruction.stage]
+            plan[(instruction.stage, instruction.step)] = (old in done, min(done - {old}, default=None))
+            done -= {old, Item("w", instruction.stage, instruction.step + 1)}  # it reads one, makes the other
+            continue
+        item = Item("w", instruction.job.stage, instruction.version) if isinstance(instruction, Compute) \
+            else getattr(instruction, "item", None)
+        if item is not None and item.kind == "w" and isinstance(instruction, Drop):
+            dropped_next[item.stage].add(item)
+        elif item is not None and item.kind == "w":  # a use: a read, a Send, a Receive
+            dropped_next[item.stage].discard(item)
+    return plan

@@ -24,6 +24,7 @@ import deadline
 from mpipar.cdp import reference_training
 from mpipar.config import TrainConfig
 from mpipar.schedule.cyclic import LAYOUTS, Send, ranks_for
+from mpipar.schedule.cyclic_compiler import compile_cyclic
 from mpipar.trainer import Trainer
 
 deadline.arm(300)
@@ -56,14 +57,13 @@ def check_messages(trainer: Trainer, records: list, layout: str, label: str) -> 
     problems, engine, rank = [], trainer.engine, world.rank
     if any(before != after for before, after, _ in records):
         problems.append(f"{label}: a collective was called while training: {records}")
-    plans = list(engine.plans.values())
-    sends = sum(isinstance(i, Send) for plan in plans for i in plan.programs[rank])
+    sends = sum(isinstance(i, Send) for _, program, _ in engine.programs.values() for i in program)
     sent = sum(trainer.counted.traffic.read(phase).intra_messages + trainer.counted.traffic.read(phase).inter_messages
                for phase in TRAINING_PHASES)
     if sent != sends:
         problems.append(f"{label}: {sent} messages sent, the programs hold {sends} sends")
     count = engine.count
-    first = engine.plans[(0, 3)]
+    first = compile_cyclic(layout, engine.rule, count, 0, 3)  # the first run's plan, every rank's program
     steady = range(2 * 2 * count, 2 * count * (first.steps - 1) + 1)  # whole steps after warm-up, before the drain
     worst = max(first.sends_per_time_step()[rank].get(t, 0) for t in steady)
     if worst > STEADY_SENDS[layout]:
