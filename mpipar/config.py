@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import click
 
 from mpipar.backend import DEVICES, DTYPES
 from mpipar.comms.collectives import ALGORITHMS
 from mpipar.data import DATASETS
-from mpipar.errors import ConfigError, unknown_name
+from mpipar.errors import ConfigError
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, SCHEDULES
+from mpipar.options import FloatRange, IntListType, IntRange, SizeType, check
 from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
-from mpipar.schedule.cyclic import LAYOUTS, check_layout
+from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
 from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy
 from mpipar.sharding import DDP_MODES, SCHEMES, Sharding, parse_sharding
 
@@ -39,63 +41,87 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 
-def _option(default, help: str):
-    return field(default=default, metadata={"help": help})
+SCHEME_CHOICES = tuple(dict.fromkeys((*SCHEMES, *STRATEGIES, *CDP_SCHEMES)))
+POSITIVE, NATURAL = IntRange(min=1), IntRange(min=0)
+
+
+def _option(default, help: str, kind: click.ParamType, group: str):
+    return field(default=default, metadata={"help": help, "type": kind, "group": group})
 
 
 @dataclass
 class TrainConfig:
-    model: str = _option("mlp", f"model: {', '.join(MODELS)}")
-    hidden: tuple[int, ...] = _option((128, 128), "hidden widths, e.g. 512,512 (mlp only)")
-    width: int = _option(64, "model width d_model (transformer only)")
-    heads: int = _option(4, "attention heads (transformer only)")
-    blocks: int = _option(2, "transformer blocks (transformer only)")
-    dropout: float = _option(0.0, "dropout probability after each hidden layer or block")
-    dataset: str = _option("digits", f"data set: {', '.join(DATASETS)}")
-    data_dir: str | None = _option(None, "directory with IDX files (else $MPIPAR_DATA, /usr/share/datasets/NAME)")
-    text_file: str | None = _option(None, "UTF-8 text file for --dataset text")
-    seq_len: int = _option(64, "sequence length for --dataset text")
-    epochs: int = _option(15, "passes over the training set")
-    max_steps: int = _option(0, "stop after this many steps (0: no limit)")
-    batch_size: int = _option(64, "global batch size, summed over ranks and micro-batches")
-    micro_batches: int = _option(1, "micro-batches per rank per step (gradient accumulation)")
-    optimizer: str = _option("adam", f"optimizer: {', '.join(OPTIMIZERS)}")
-    lr: float = _option(1e-3, "learning rate")
-    momentum: float = _option(0.9, "SGD momentum")
-    weight_decay: float = _option(0.0, "weight decay (decoupled for adamw)")
-    schedule: str = _option("constant", f"learning-rate schedule: {', '.join(SCHEDULES)}")
-    warmup_steps: int = _option(0, "linear warm-up steps")
-    step_size: int = _option(1000, "steps between decays for --schedule step")
-    gamma: float = _option(0.1, "decay factor for --schedule step")
-    scheme: str | None = _option(None, f"data-parallel scheme: {', '.join(SCHEMES)} (default ddp); with --stages "
-                                       f"a schedule: {', '.join(STRATEGIES)}; or Cyclic Data Parallelism: "
-                                       f"{', '.join(CDP_SCHEMES)}")
-    cdp_layout: str = _option("dp", f"where Cyclic Data Parallelism runs its jobs: {', '.join(LAYOUTS)} "
-                                    "(N = --micro-batches stages and micro-batches)")
-    stages: int = _option(0, "pipeline stages S: run --scheme as a schedule of S stages over the ranks, "
-                             "--micro-batches then counting all of the step's micro-batches (0: data parallel)")
-    loops: int = _option(1, "groups G of R = ranks/G workers for the looped schedules (lpp, fslpp)")
-    shard: str | None = _option(None, "scopes of parameters, gradients, optimizer state, e.g. I,G,G "
-                                      "(each N, I or G; instead of --scheme)")
-    ddp: str = _option("bucketed", "layers per communication unit: naive (all in one, reduced after "
-                                   "backward), overlap (one per layer), bucketed (units of --bucket-mb)")
-    bucket_mb: float = _option(25.0, "communication unit size in MB for --ddp bucketed")
+    model: str = _option("mlp", "the network", click.Choice(MODELS), "model")
+    hidden: tuple[int, ...] = _option((128, 128), "hidden widths of the mlp, e.g. 512,512", IntListType(), "model")
+    width: int = _option(64, "model width d_model (transformer)", POSITIVE, "model")
+    heads: int = _option(4, "attention heads (transformer)", POSITIVE, "model")
+    blocks: int = _option(2, "transformer blocks", POSITIVE, "model")
+    dropout: float = _option(0.0, "dropout probability after each hidden layer or block",
+                             FloatRange(0.0, 1.0, max_open=True), "model")
+    dtype: str = _option("float32", "floating-point type of parameters and activations", click.Choice(DTYPES),
+                         "model")
+    device: str = _option("cpu", "where the arrays live (gpu needs CuPy: pip install 'mpipar[gpu]')",
+                          click.Choice(DEVICES), "model")
+    dataset: str = _option("digits", "the data set (digits is bundled)", click.Choice(DATASETS), "data")
+    data_dir: str | None = _option(None, "directory with the data set's IDX files (else $MPIPAR_DATA/NAME, "
+                                         "/usr/share/datasets/NAME)", click.STRING, "data")
+    text_file: str | None = _option(None, "UTF-8 text file for --dataset text", click.STRING, "data")
+    seq_len: int = _option(64, "sequence length for --dataset text", POSITIVE, "data")
+    epochs: int = _option(15, "passes over the training set", POSITIVE, "training")
+    max_steps: int = _option(0, "stop after this many steps (0: no limit)", NATURAL, "training")
+    batch_size: int = _option(64, "global batch size, summed over ranks and micro-batches", POSITIVE, "training")
+    micro_batches: int = _option(0, "micro-batches: per rank per step in data parallelism (gradient accumulation); "
+                                    "of the whole step with --stages; CDP's N (stages and micro-batches). "
+                                    "0: 1 in data parallelism, the number of ranks with --stages, what "
+                                    "--cdp-layout needs on the ranks for CDP", NATURAL, "training")
+    seed: int = _option(0, "seed for initialisation, data order and dropout", NATURAL, "training")
+    eval_batch: int = _option(1000, "evaluation batch size per rank", POSITIVE, "training")
+    optimizer: str = _option("adam", "the optimizer", click.Choice(OPTIMIZERS), "optimizer")
+    lr: float = _option(1e-3, "learning rate", FloatRange(0.0, math.inf, min_open=True, max_open=True), "optimizer")
+    momentum: float = _option(0.9, "SGD momentum", FloatRange(0.0, 1.0, max_open=True), "optimizer")
+    weight_decay: float = _option(0.0, "weight decay (decoupled for adamw)", FloatRange(0.0), "optimizer")
+    schedule: str = _option("constant", "learning-rate schedule", click.Choice(SCHEDULES), "optimizer")
+    warmup_steps: int = _option(0, "linear warm-up steps", NATURAL, "optimizer")
+    step_size: int = _option(1000, "steps between decays for --schedule step", POSITIVE, "optimizer")
+    gamma: float = _option(0.1, "decay factor for --schedule step", FloatRange(0.0, min_open=True), "optimizer")
+    scheme: str | None = _option(None, "how the ranks share the work: a data-parallel scheme (default ddp); with "
+                                       "--stages a pipeline schedule; cdp-v1/cdp-v2 for Cyclic Data Parallelism "
+                                       "(docs/glossary.md)", click.Choice(SCHEME_CHOICES), "parallelism")
+    shard: str | None = _option(None, "where parameters, gradients and optimizer state live, e.g. I,G,G (each N "
+                                      "replicated, I sharded in a group, G sharded over all; instead of --scheme)",
+                                click.STRING, "parallelism")
+    group_size: int = _option(0, "ranks per group for the I scope and hierarchical collectives (0: the ranks of "
+                                 "a node)", NATURAL, "parallelism")
+    stages: int = _option(0, "pipeline stages S: run --scheme as a schedule of S stages over the ranks "
+                             "(0: data parallel)", IntRange(0, MAX_STAGES), "parallelism")
+    loops: int = _option(1, "loops G of the looped schedules (lpp, fslpp): G groups of ranks/G workers",
+                         POSITIVE, "parallelism")
+    cdp_layout: str = _option("dp", "where Cyclic Data Parallelism runs its jobs (docs/cdp.md)",
+                              click.Choice(LAYOUTS), "parallelism")
+    ddp: str | None = _option(None, "layers per communication unit: naive (all in one, reduced after backward), "
+                                    "overlap (one per layer), bucketed (units of at most --bucket-mb); "
+                                    "default bucketed, naive on a GPU",
+                       click.Choice(DDP_MODES), "parallelism")
+    bucket_mb: float = _option(25.0, "largest communication unit in MB for --ddp bucketed",
+                               FloatRange(0.0, min_open=True), "parallelism")
     prefetch: int = _option(1, "units of parameters gathered ahead of their use by the P-sharded schemes "
-                               "(0: gather each when needed; each unit ahead costs one unit of memory)")
-    collective: str = _option("mpi", f"algorithm of every collective: {', '.join(ALGORITHMS)} (2d: ddp only)")
-    group_size: int = _option(0, "ranks per group for hierarchical collectives (0: the ranks of a node)")
-    dtype: str = _option("float32", f"floating dtype: {', '.join(DTYPES)}")
-    device: str = _option("cpu", f"device: {', '.join(DEVICES)}")
-    seed: int = _option(0, "seed for initialisation, data order and dropout")
-    eval_batch: int = _option(1000, "evaluation batch size per rank")
-    log_every: int = _option(50, "steps between log lines when output is not a terminal")
-    metrics: str | None = _option(None, "write metrics as JSON lines to this file")
-    memory_profile: int = _option(0, "1: measure the bytes the array allocator holds (tracemalloc or the CuPy "
-                                     "pool) and log them per step; costs some speed, so off by default")
-    memory_limit: str | None = _option(None, "stop before the first step if the predicted peak per rank exceeds "
-                                             "this size, e.g. 2GB or 512MiB")
+                               "(each costs one unit of memory)", NATURAL, "parallelism")
+    collective: str = _option("mpi", "algorithm of every collective (2d: ddp only)", click.Choice(ALGORITHMS),
+                              "parallelism")
     comm_timeout: float = _option(0.0, "seconds any communication may wait before the job is stopped "
-                                       "(0: $MPIPAR_COMM_TIMEOUT, else 300)")
+                                       "(0: $MPIPAR_COMM_TIMEOUT, else 300)", FloatRange(0.0), "parallelism")
+    memory_limit: int | None = _option(None, "stop before the first step if the predicted peak per rank exceeds "
+                                             "this size, e.g. 2GB or 512MiB", SizeType(), "output")
+    memory_profile: bool = _option(False, "measure the bytes the array allocator holds (tracemalloc or the CuPy "
+                                          "pool) and log them per step; costs some speed", click.BOOL, "output")
+    metrics: str | None = _option(None, "write metrics as JSON lines to this file", click.STRING, "output")
+    log_every: int = _option(50, "steps between progress lines when output is not a terminal", POSITIVE, "output")
+    log_seconds: float = _option(30.0, "also print a progress line when this many seconds passed since the last "
+                                       "(output not a terminal; 0: by steps only)", FloatRange(0.0), "output")
+    quiet: bool = _option(False, "no progress bar or lines, only the start, evaluation and final lines",
+                          click.BOOL, "output")
+    stop_on_divergence: bool = _option(False, "stop with an error, instead of a warning, when the loss stays well "
+                                              "above its first logged value", click.BOOL, "output")
 
     def sharding(self) -> Sharding:
         """The (P, G, OS) scopes this run uses."""
@@ -121,45 +147,45 @@ class TrainConfig:
         """W workers (the ranks), S stages, B micro-batches of the whole step, G loops."""
         return Shape(world_size, self.stages, self.micro_batches, self.loops)
 
+    def for_world(self, world_size: int) -> "TrainConfig":
+        """This configuration with the automatic values filled in for `world_size` ranks:
+        --ddp is bucketed (naive on a GPU, where reductions go through the host after backward);
+        --micro-batches is 1 in data parallelism, the number of ranks with --stages (every
+        built-in schedule can run B = W), and for CDP the N that --cdp-layout needs."""
+        config = self if self.ddp else dataclasses.replace(self, ddp="naive" if self.device == "gpu" else "bucketed")
+        if config.micro_batches:
+            return config
+        if self.cyclic:
+            if self.cdp_layout == "single":
+                count = 4
+            else:
+                count = next((n for n in range(1, MAX_STAGES + 1) if ranks_for(self.cdp_layout, n) >= world_size),
+                             world_size)
+        else:
+            count = world_size if self.stages else 1
+        return dataclasses.replace(config, micro_batches=count)
+
     def validate(self, world_size: int) -> None:
-        """Raise ConfigError with one sentence if this run cannot work on `world_size` ranks."""
-        for name, valid in (("model", MODELS), ("data set", DATASETS), ("optimizer", OPTIMIZERS),
-                            ("schedule", SCHEDULES), ("dtype", DTYPES), ("device", DEVICES),
-                            ("ddp mode", DDP_MODES), ("collective", ALGORITHMS)):
-            value = getattr(self, {"data set": "dataset", "ddp mode": "ddp"}.get(name, name))
-            if value not in valid:
-                raise unknown_name(name, value, valid)
-        positive = ("width", "heads", "blocks", "seq_len", "epochs", "batch_size", "micro_batches",
-                    "step_size", "eval_batch", "log_every")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        """Raise ConfigError with one sentence if this run (with its automatic values filled in
+        by `for_world`) cannot work on `world_size` ranks."""
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if value is not None:
+                check(f"--{spec.name.replace('_', '-')}", spec.metadata["type"], value)
+        if self.micro_batches == 0 or self.ddp is None:
+            return self.for_world(world_size).validate(world_size)
+        if self.device == "gpu":
+            try:
+                import cupy  # noqa: F401
+            except ImportError:
+                raise ConfigError("--device gpu needs CuPy, which is not installed here: pip install "
+                                  "'mpipar[gpu]' (or the cupy-cudaXXx wheel matching your CUDA)") from None
         if self.cyclic:
             self._validate_cyclic(world_size)
         elif self.stages:
             self._validate_schedule(world_size)
         else:
             self._validate_data_parallel(world_size)
-        if not self.bucket_mb > 0:
-            raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
-        if self.memory_profile not in (0, 1):
-            raise ConfigError(f"--memory-profile is 0 or 1, got {self.memory_profile}")
-        if self.memory_limit is not None:
-            parse_size(self.memory_limit, "--memory-limit")
-        for name in ("max_steps", "warmup_steps", "weight_decay", "seed", "group_size", "comm_timeout",
-                     "prefetch"):
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
-        if not 0 < self.lr < math.inf:
-            raise ConfigError(f"--lr must be a positive finite number, got {self.lr}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if not self.gamma > 0:
-            raise ConfigError(f"--gamma must be positive, got {self.gamma}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if any(size < 1 for size in self.hidden):
-            raise ConfigError(f"--hidden widths must be at least 1, got {','.join(map(str, self.hidden))}")
         if self.model == "transformer" and self.width % self.heads:
             raise ConfigError(f"--width {self.width} is not divisible by --heads {self.heads}")
         if (self.model == "transformer") != (self.dataset == "text"):
@@ -182,11 +208,8 @@ class TrainConfig:
         if self.device == "gpu":
             raise ConfigError(f"--scheme {self.scheme} sends host buffers between ranks; on a GPU use "
                               "--scheme ddp --ddp naive")
-        if self.cdp_layout not in LAYOUTS:
-            raise unknown_name("CDP layout", self.cdp_layout, LAYOUTS)
         check_layout(self.cdp_layout, self.scheme, count, world_size)
-        if self.batch_size % count:
-            raise ConfigError(f"--batch-size {self.batch_size} must be divisible by the {count} micro-batches")
+        _check_divisible(self.batch_size, count, f"the {count} micro-batches (N)")
 
     def _validate_data_parallel(self, world_size: int) -> None:
         if self.scheme in STRATEGIES and self.scheme not in SCHEMES:
@@ -202,17 +225,13 @@ class TrainConfig:
         if self.collective == "2d" and sharding != SCHEMES["ddp"]:
             raise ConfigError(f"--collective 2d is an all-reduce only; --scheme {sharding} also needs "
                               "reduce-scatter and all-gather: choose mpi, ring, hring or horing")
-        per_step = world_size * self.micro_batches
-        if self.batch_size % per_step:
-            raise ConfigError(f"--batch-size {self.batch_size} must be divisible by ranks x micro-batches "
-                              f"= {world_size} x {self.micro_batches} = {per_step}")
+        _check_divisible(self.batch_size, world_size * self.micro_batches,
+                         f"{world_size} ranks x {self.micro_batches} micro-batches")
 
     def _validate_schedule(self, world_size: int) -> None:
         if self.shard is not None:
             raise ConfigError(f"--shard {self.shard} is for data parallelism; with --stages the schedule "
                               f"--scheme decides where weights live")
-        if self.stages < 0 or self.stages > MAX_STAGES:
-            raise ConfigError(f"--stages must be between 0 (data parallel) and {MAX_STAGES}, got {self.stages}")
         if self.micro_batches > MAX_MICRO_BATCHES:
             raise ConfigError(f"--micro-batches must be at most {MAX_MICRO_BATCHES} with --stages, "
                               f"got {self.micro_batches}")
@@ -223,54 +242,24 @@ class TrainConfig:
             raise ConfigError("--collective 2d is an all-reduce only; a schedule also reduces stage gradients "
                               "to their owner: choose mpi, ring, hring or horing")
         self.strategy().validate(self.schedule_shape(world_size))
-        if self.batch_size % self.micro_batches:
-            raise ConfigError(f"--batch-size {self.batch_size} must be divisible by the schedule's "
-                              f"{self.micro_batches} micro-batches")
+        _check_divisible(self.batch_size, self.micro_batches, f"the schedule's {self.micro_batches} micro-batches")
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str, option: str) -> int:
-    """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912 (a number, then B, KB..TB or KiB..TiB)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    unit = match.group(2).upper() if match else None
-    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
-        raise ConfigError(f"{option} takes a positive size such as 2GB, 512MiB or 2000000000 (bytes); got {text!r}")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+def _check_divisible(batch_size: int, parts: int, what: str) -> None:
+    """The global batch must split evenly; suggest the nearest sizes that do."""
+    if batch_size % parts == 0:
+        return
+    below, above = batch_size // parts * parts, (batch_size // parts + 1) * parts
+    fixes = f"{below} or {above}" if below else f"{above}"
+    raise ConfigError(f"--batch-size {batch_size} is not divisible by {what} = {parts}; use --batch-size {fixes}")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
-def coerce(name: str, value, source: str):
-    """`value` converted to the type of field `name`, or a ConfigError naming both."""
-    if name not in FIELDS:
-        raise ConfigError(f"unknown option {name!r} in {source}; valid options are: {', '.join(FIELDS)}")
-    kind = FIELDS[name].type
-    try:
-        if kind == "tuple[int, ...]":
-            parts = value.split(",") if isinstance(value, str) else list(value)
-            return tuple(int(part) for part in parts if str(part).strip())
-        if isinstance(value, bool):
-            raise TypeError
-        if kind == "int":
-            if isinstance(value, float) and not value.is_integer():
-                raise TypeError
-            return int(value)
-        if kind == "float":
-            return float(value)
-        if not isinstance(value, str):
-            raise TypeError
-        return value
-    except (TypeError, ValueError):
-        expected = kind.replace(" | None", "").replace("tuple[int, ...]", "list of integers")
-        raise ConfigError(f"option {name!r} in {source} must be {expected}, got {value!r}") from None
-
-
 def load_config(path: str | None, overrides: dict) -> TrainConfig:
-    """Defaults, then the TOML file at `path` (if any), then the non-None `overrides`."""
+    """Defaults, then the TOML file at `path` (if any), then the non-None `overrides`
+    (the command line's values), each converted by its field's type."""
     values = {}
     if path is not None:
         try:
@@ -281,8 +270,11 @@ def load_config(path: str | None, overrides: dict) -> TrainConfig:
             raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
         for key, value in table.items():
             name = key.replace("-", "_")
-            values[name] = coerce(name, value, f"config file {path}")
+            if name not in FIELDS:
+                raise ConfigError(f"unknown option {key!r} in config file {path}; valid options are: "
+                                  f"{', '.join(FIELDS)}")
+            values[name] = check(f"option {key!r} in config file {path}", FIELDS[name].metadata["type"], value)
     for name, value in overrides.items():
         if value is not None:
-            values[name] = coerce(name, value, "the command line")
+            values[name] = check(f"--{name.replace('_', '-')}", FIELDS[name].metadata["type"], value)
     return TrainConfig(**values)

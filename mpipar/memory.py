@@ -163,3 +163,16 @@ def peak_rss_bytes() -> int:
     """The highest resident memory of this process so far."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def available_bytes() -> int:
+    """Memory this node can still give without swapping (/proc/meminfo's MemAvailable; the free
+    pages where that file does not exist)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -32,22 +32,23 @@ from mpipar.cache import ActivationCache, Context
 from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
 from mpipar.comms.handle import set_default_timeout
 from mpipar.comms.topology import make_world
-from mpipar.config import TrainConfig, parse_size
-from mpipar.data import GlobalBatchSampler, eval_slice, load_dataset, rank_slice, split_micro_batches
+from mpipar.config import TrainConfig
+from mpipar.data import GlobalBatchSampler, agree_on_data, eval_slice, load_dataset, rank_slice, split_micro_batches
 from mpipar.cyclic import Cyclic
 from mpipar.data_parallel import DataParallel
+from mpipar.divergence import DivergenceWatch
 from mpipar.engine import Pipeline
 from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.model import build_stages, partition
 from mpipar.models import build_model
-from mpipar.memory import make_probe, peak_rss_bytes
-from mpipar.optim import make_schedule
+from mpipar.memory import available_bytes, make_probe, peak_rss_bytes
+from mpipar.optim import make_schedule, state_kinds
 from mpipar.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
 from mpipar.units import format_bytes
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
-from mpipar.sharding import SCHEMES, unit_bytes_for
+from mpipar.sharding import SCHEMES, bytes_per_rank, unit_bytes_for
 
 
 @dataclass
@@ -88,10 +89,10 @@ class Trainer:
         self.engine = self._make_engine()  # collective (sub-communicators): only once every rank is set up
         self.predicted = self._predicted_peak()
         if config.memory_limit is not None:
-            self._check_memory_limit(parse_size(config.memory_limit, "--memory-limit"))
+            self._check_memory_limit(config.memory_limit)
 
     def _setup(self) -> None:
-        cfg = self.config
+        self.config = cfg = self.config.for_world(self.world_size)
         cfg.validate(self.world_size)
         self.backend = make_backend(cfg.device, cfg.dtype)
         self.train_set, self.test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
@@ -116,6 +117,7 @@ class Trainer:
             self.stages = build_stages(self.model, 1, self.backend, cfg.seed, materialize=False)
             self.scheme_name = str(cfg.sharding())
         self.parameter_count = sum(stage.flat.size for stage in self.stages)
+        self._check_model_fits()
         self.loss_fn = SoftmaxCrossEntropy()
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, cfg.seed)
         self.total_steps = self.sampler.steps_per_epoch * cfg.epochs
@@ -141,6 +143,29 @@ class Trainer:
             return self.engine.predicted_peak(*self.activations,
                                               steps=min(self.sampler.steps_per_epoch, self.total_steps))
         return self.engine.predicted_peak(*self.activations)
+
+    def _check_model_fits(self) -> None:
+        """Refuse in one sentence, before anything is allocated, a model whose parameters,
+        gradients and optimizer state alone exceed the memory this node has available.
+        It is a lower bound (no activations, no transients): --memory-limit checks the full peak."""
+        cfg = self.config
+        itemsize = self.backend.dtype.itemsize
+        per_parameter = (2 + state_kinds(cfg.optimizer, cfg.momentum)) * itemsize
+        if cfg.stages or cfg.cyclic:  # a rank holds at least one stage's state
+            need = max(stage.flat.size for stage in self.stages) * per_parameter
+        else:
+            group = len(self.counted.group_layout()[0])
+            need = bytes_per_rank(cfg.sharding(), self.parameter_count, self.world_size, group,
+                                  parameter_bytes=itemsize, gradient_bytes=itemsize,
+                                  state_bytes=per_parameter - 2 * itemsize).total
+        ranks_here = len(self.counted.group_layout()[0]) if not cfg.group_size else 1  # groups are nodes by default
+        available = available_bytes()
+        if need * ranks_here > available:
+            raise ConfigError(f"the model has {self.parameter_count:,} parameters: {self.scheme_name} keeps at least "
+                              f"{format_bytes(need)} of parameters, gradients and optimizer state per rank, "
+                              f"{format_bytes(need * ranks_here)} for the {ranks_here} rank(s) on this node, which "
+                              f"has {format_bytes(available)} available; use a smaller model (--hidden), more "
+                              f"nodes, or a sharded scheme (--scheme zero3)")
 
     def _check_memory_limit(self, limit: int) -> None:
         """Stop on every rank before the first step if the prediction does not fit; name what would.
@@ -227,7 +252,7 @@ class Trainer:
         accuracy = float(self.step_totals[1] / self.step_totals[2])
         return StepResult(step, epoch, loss, accuracy, lr, time.perf_counter() - start)
 
-    def _epoch(self, epoch: int, step: int, report) -> int:
+    def _epoch(self, epoch: int, step: int, report, watch: DivergenceWatch | None = None) -> int:
         """The steps of one epoch, one after the other; returns the next step number."""
         for step_in_epoch in range(self.sampler.steps_per_epoch):
             if step >= self.total_steps:
@@ -235,13 +260,17 @@ class Trainer:
             result = self.train_step(step, epoch, step_in_epoch)
             if report:
                 report.step(result, self)
+            if watch:  # every rank: the loss is summed over all of them, so they all decide alike
+                watch.observe(result.step, result.loss, result.lr)
             step += 1
         return step
 
-    def _cyclic_epoch(self, epoch: int, first_step: int, report) -> int:
+    def _cyclic_epoch(self, epoch: int, first_step: int, report, watch: DivergenceWatch | None = None) -> int:
         """An epoch of Cyclic Data Parallelism as one run of the cyclic engine (its steps
         overlap in time, so they cannot be taken one by one); the step losses are summed over
-        ranks once, at the end. Returns the next step number."""
+        ranks once, at the end. Progress is shown as this rank finishes each step, from the
+        micro-batches it computed; the metrics and the divergence watch get the summed losses at
+        the end. Returns the next step number."""
         cfg = self.config
         steps = min(self.sampler.steps_per_epoch, self.total_steps - first_step)
         if steps <= 0:
@@ -251,16 +280,23 @@ class Trainer:
             indices = self.sampler.global_batch_indices(epoch, step - first_step)
             return self._to_device(*self.train_set.batch(split_micro_batches(indices, cfg.micro_batches)[micro_batch]))
 
+        def progress(step: int, mine, computed: int) -> None:  # mine: this rank's [loss, correct, predictions]
+            report.progress(step, epoch, self, loss=float(mine[0]), accuracy=float(mine[1] / max(mine[2], 1)),
+                            lr=self.lr_at(step), share=(computed, cfg.micro_batches))
+
         start = time.perf_counter()
         totals = self.engine.run_steps(first_step, steps, load, seed=cfg.seed, batch_size=cfg.batch_size,
-                                       lr_at=self.lr_at)
+                                       lr_at=self.lr_at, on_step=progress if report else None)
         seconds = (time.perf_counter() - start) / steps
         with self.counted.traffic.phase("metrics"):
             sum_across_ranks(self.counted, totals.reshape(-1))  # a view: totals is summed in place
         for offset, (loss, correct, predictions) in enumerate(totals):
+            result = StepResult(first_step + offset, epoch, float(loss), float(correct / predictions),
+                                self.lr_at(first_step + offset), seconds)
             if report:
-                report.step(StepResult(first_step + offset, epoch, float(loss), float(correct / predictions),
-                                       self.lr_at(first_step + offset), seconds), self)
+                report.record(result, self)
+            if watch:
+                watch.observe(result.step, result.loss, result.lr)
         return first_step + steps
 
     def _data_parallel_micro_batches(self, step: int, indices) -> tuple[float, int, int]:
@@ -323,7 +359,8 @@ class Trainer:
     def run(self, report=None) -> dict:
         """Train for the configured epochs (or max steps), evaluating after each epoch.
 
-        `report` (a Report, or None for silence) receives every step and evaluation.
+        `report` (a Report, or None for silence) receives every step and evaluation; the loss is
+        watched for divergence on every rank (divergence.py).
         Returns the summary that also ends the metrics file.
         """
         cfg = self.config
@@ -331,8 +368,9 @@ class Trainer:
             report.start(self)
         started = time.perf_counter()
         step, evaluation = 0, None
+        watch = DivergenceWatch(lr=cfg.lr, stop=bool(cfg.stop_on_divergence), warn=report.warn if report else None)
         for epoch in range(cfg.epochs):
-            step = (self._cyclic_epoch if cfg.cyclic else self._epoch)(epoch, step, report)
+            step = (self._cyclic_epoch if cfg.cyclic else self._epoch)(epoch, step, report, watch)
             evaluation = self.evaluate(epoch)
             if report:
                 report.evaluation(evaluation, self)

@@ -36,12 +36,14 @@ def test_config_file_is_used(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "resnet"], "unknown model 'resnet'; valid models are: cnn, mlp, transformer"),
-    (["--dataset", "cifar"], "unknown data set 'cifar'; valid data sets are:"),
-    (["--optimizer", "lion"], "unknown optimizer 'lion'; valid optimizers are: adam, adamw, sgd"),
-    (["--epochs", "many"], "option 'epochs' in the command line must be int, got 'many'"),
-    (["--seed", "-1"], "--seed must not be negative, got -1"),
-    (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
+    (["--model", "resnet"], "Invalid value for '--model': 'resnet' is not one of 'mlp', 'cnn', 'transformer'."),
+    (["--dataset", "cifar"], "Invalid value for '--dataset': 'cifar' is not one of 'digits',"),
+    (["--optimizer", "lion"], "Invalid value for '--optimizer': 'lion' is not one of 'sgd', 'adam', 'adamw'."),
+    (["--epochs", "many"], "Invalid value for '--epochs': 'many' is not a valid integer"),
+    (["--seed", "-1"], "Invalid value for '--seed': -1 is not in the range x>=0"),
+    (["--lr", "inf"], "Invalid value for '--lr': inf is not in the range"),
+    (["--memory-limit", "lots"], "Invalid value for '--memory-limit': takes a positive size such as 2GB"),
+    (["--shceme", "zero3"], "--shceme"),
     (["--metrics", "/nonexistent/dir/run.jsonl"], "cannot write the metrics file /nonexistent/dir/run.jsonl"),
 ])
 def test_bad_options_are_one_sentence(args, message):
@@ -82,7 +84,7 @@ def test_cdp_memory_prints_measured_peaks_against_the_seeds_ratio():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("N=2: peak activations DP 2.01, CDP 1.50 micro-batches of the model; CDP/DP 0.747")
-    assert "(seed: (N+1)/2N = 0.625)" in result.stdout
+    assert "(the CDP paper's (N+1)/2N = 0.625)" in result.stdout
     cdp_line = next(line for line in lines if line.startswith("  CDP") and len(line.split()) > 20)
     assert cdp_line.split()[-2] == "0.25"  # the last micro-batch drains alone at the end
 
@@ -96,8 +98,8 @@ def test_cdp_messages_lists_sends_per_rank_and_time_step():
     assert stage_rows[0].split()[6] == "F2@2"  # micro-batch 2 starts 4 time steps later, on rank 2
     assert len([line for line in sends.splitlines() if line.lstrip()[:1].isdigit()]) == 3
     assert "most messages from one rank in one steady-state time step: 2" in result.stdout
-    result = mpipar("cdp", "messages", "--layout", "mp", "-N", "0")
-    assert result.returncode == 2 and "--micro-batches must be at least 1" in result.stderr
+    result = mpipar("cdp", "messages", "--cdp-layout", "mp", "-N", "0")
+    assert result.returncode == 2 and "'--micro-batches' / '-N': 0 is not in the range x>=1" in result.stderr
 
 
 def test_cdp_trains_through_the_cli_on_one_rank():

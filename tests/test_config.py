@@ -1,5 +1,8 @@
 """Configuration: defaults < TOML file < command line; every bad value is one clear sentence."""
 
+import sys
+import types
+
 import pytest
 
 from mpipar.config import TrainConfig, load_config
@@ -18,9 +21,9 @@ def test_file_then_command_line_override(tmp_path):
 
 @pytest.mark.parametrize("text,message", [
     ('modle = "cnn"', r"unknown option 'modle' in config file .*; valid options are: model, hidden"),
-    ("epochs = 2.5", r"option 'epochs' in config file .* must be int, got 2.5"),
-    ('lr = "fast"', r"option 'lr' in config file .* must be float, got 'fast'"),
-    ("epochs = true", r"option 'epochs' .* must be int, got True"),
+    ("epochs = 2.5", r"option 'epochs' in config file .*: must be an integer, got 2.5"),
+    ('lr = "fast"', r"option 'lr' in config file .*: 'fast' is not a valid float"),
+    ("epochs = true", r"option 'epochs' .*: must be an integer, got True"),
     ("model = [", r"is not valid TOML"),
 ])
 def test_bad_files(tmp_path, text, message):
@@ -36,14 +39,14 @@ def test_missing_file():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(model="resnet"), "unknown model 'resnet'; valid models are: cnn, mlp, transformer"),
-    (dict(dataset="cifar"), "unknown data set 'cifar'; valid data sets are: digits, fashion-mnist, kmnist"),
-    (dict(optimizer="lion"), "unknown optimizer 'lion'; valid optimizers are: adam, adamw, sgd"),
-    (dict(schedule="linear"), "unknown schedule 'linear'; valid schedules are: constant, cosine, step"),
-    (dict(dtype="float16"), "unknown dtype 'float16'; valid dtypes are: float32, float64"),
-    (dict(device="tpu"), "unknown device 'tpu'; valid devices are: cpu, gpu"),
-    (dict(batch_size=30, micro_batches=4), r"--batch-size 30 must be divisible by ranks x micro-batches"),
-    (dict(lr=0.0), "--lr must be a positive finite number"),
+    (dict(model="resnet"), "unknown --model 'resnet'; choose one of: mlp, cnn, transformer"),
+    (dict(dataset="cifar"), "unknown --dataset 'cifar'; choose one of: digits, mnist, fashion-mnist, kmnist"),
+    (dict(optimizer="lion"), "unknown --optimizer 'lion'; choose one of: sgd, adam, adamw"),
+    (dict(schedule="linear"), "unknown --schedule 'linear'; choose one of: constant, step, cosine"),
+    (dict(dtype="float16"), "unknown --dtype 'float16'; choose one of: float32, float64"),
+    (dict(device="tpu"), "unknown --device 'tpu'; choose one of: cpu, gpu"),
+    (dict(batch_size=30, micro_batches=4), r"--batch-size 30 is not divisible by 1 ranks x 4 micro-batches = 4; use --batch-size 28 or 32"),
+    (dict(lr=0.0), r"--lr must be in \(0, inf\), got 0.0"),
     (dict(epochs=0), "--epochs must be at least 1"),
     (dict(dropout=1.0), r"--dropout must be in \[0, 1\)"),
     (dict(model="transformer"), "--model transformer cannot train on --dataset digits"),
@@ -51,24 +54,45 @@ def test_missing_file():
     (dict(model="transformer", dataset="text", text_file="t.txt", width=30, heads=4),
      "--width 30 is not divisible by --heads 4"),
     (dict(momentum=1.0), r"--momentum must be in \[0, 1\)"),
-    (dict(gamma=0.0), "--gamma must be positive"),
-    (dict(seed=-3), "--seed must not be negative"),
-    (dict(scheme="zero4"), "unknown scheme 'zero4'; valid schemes are: ddp, mics, paro-igg, paro-iig"),
+    (dict(gamma=0.0), "--gamma must be more than 0, got 0.0"),
+    (dict(seed=-3), "--seed must be at least 0, got -3"),
+    (dict(scheme="zero4"), "unknown --scheme 'zero4'; choose one of: ddp, zero1, zero2, zero3, mics"),
     (dict(shard="G,N,N"), "sharding G,N,N cannot work: each of P, G, OS must be sharded at least as finely"),
     (dict(shard="zero3"), "--shard takes three letters P,G,OS"),
     (dict(scheme="zero3", shard="G,G,G"), "give --scheme or --shard, not both"),
     (dict(scheme="zero3", collective="2d"), "--collective 2d is an all-reduce only"),
-    (dict(device="gpu", scheme="zero2", ddp="naive"), "on a GPU use --scheme ddp --ddp naive"),
-    (dict(device="gpu"), "on a GPU use --scheme ddp --ddp naive"),
 ])
 def test_validation_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**overrides).validate(world_size=1)
 
 
+@pytest.mark.parametrize("overrides", [dict(scheme="zero2", ddp="naive"), dict(stages=2, scheme="1f1b")])
+def test_gpu_refuses_schemes_that_send_host_buffers(monkeypatch, overrides):
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))  # CuPy "installed"
+    with pytest.raises(ConfigError, match="on a GPU use --scheme ddp --ddp naive"):
+        TrainConfig(device="gpu", **overrides).validate(world_size=2)
+    TrainConfig(device="gpu").validate(world_size=2)  # ddp defaults to naive on a GPU
+
+
+def test_gpu_without_cupy_says_so_before_anything_else(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    with pytest.raises(ConfigError, match=r"--device gpu needs CuPy, which is not installed here: pip install"):
+        TrainConfig(device="gpu", scheme="zero2").validate(world_size=1)
+
+
+def test_automatic_micro_batches_fit_the_launch():
+    assert TrainConfig().for_world(4).micro_batches == 1
+    assert TrainConfig(scheme="1f1b", stages=4).for_world(4).micro_batches == 4
+    assert TrainConfig(scheme="cdp-v2", cdp_layout="zero").for_world(3).micro_batches == 3
+    assert TrainConfig(scheme="cdp-v2", cdp_layout="mp").for_world(6).micro_batches == 3
+    TrainConfig(scheme="cdp-v2", cdp_layout="pp").validate(world_size=4)  # no --micro-batches needed
+    assert TrainConfig(micro_batches=2).for_world(4).micro_batches == 2  # a given value is kept
+
+
 def test_batch_must_split_over_ranks():
     TrainConfig(batch_size=64).validate(world_size=4)
-    with pytest.raises(ConfigError, match="= 3 x 1 = 3"):
+    with pytest.raises(ConfigError, match="not divisible by 3 ranks x 1 micro-batches = 3; use --batch-size 63 or 66"):
         TrainConfig(batch_size=64).validate(world_size=3)
 
 

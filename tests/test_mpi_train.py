@@ -36,19 +36,29 @@ def test_two_ranks_equal_one_process(tmp_path, case):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--batch-size", "63"], "--batch-size 63 must be divisible by ranks x micro-batches = 2 x 1 = 2"),
-    (["--epochs", "abc"], "option 'epochs' in the command line must be int, got 'abc'"),
+    (["--batch-size", "63"], "--batch-size 63 is not divisible by 4 ranks x 1 micro-batches = 4; use --batch-size 60 or 64"),
+    (["--epochs", "abc"], "Invalid value for '--epochs': 'abc' is not a valid integer"),
     (["--config", "/nonexistent.toml"], "cannot read config file /nonexistent.toml"),
-    (["--scheme", "gpipe", "--stages", "3"], "gpipe cannot run W=2 S=3 B=1 G=1: one worker per stage: W = S"),
+    (["--scheme", "gpipe", "--stages", "3"], "gpipe cannot run W=4 S=3 B=4 G=1: one worker per stage: W = S"),
     (["--scheme", "lpp", "--stages", "3", "--loops", "3", "--micro-batches", "4"],
-     "lpp cannot run W=2 S=3 B=4 G=3: W = G R needs the loops G=3 to divide the workers W=2"),
+     "lpp cannot run W=4 S=3 B=4 G=3: W = G R needs the loops G=3 to divide the workers W=4"),
+    (["--scheme", "cdp-v2", "--cdp-layout", "mp"], "--cdp-layout mp with N = 3 stages and micro-batches needs"),
 ])
-def test_bad_configuration_stops_every_rank_with_one_sentence(args, message):
-    result = run_mpi(2, sys.executable, "-m", "mpipar", "train", *args, timeout=60)
+def test_bad_configuration_stops_every_rank_with_one_sentence_printed_once(args, message):
+    result = run_mpi(4, sys.executable, "-m", "mpipar", "train", *args, timeout=60)
     assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error:")]
-    assert len(lines) == 2 and lines[0] == lines[1], result.stderr
-    assert message in lines[0] and "Abort" not in result.stderr
+    assert result.stderr.count("mpipar: error:") == 1, result.stderr  # rank 0 alone prints it
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Abort" not in result.stderr, result.stderr
+
+
+def test_a_model_too_large_for_the_node_is_one_sentence_with_the_bytes_per_rank():
+    result = run_mpi(2, sys.executable, "-m", "mpipar", "train", "--hidden", "200000,200000", timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "the model has 40,015,200,010 parameters: ddp (N,N,N) keeps at least 640 GB" in lines[0], lines[0]
+    assert "per rank" in lines[0] and "--scheme zero3" in lines[0]
 
 
 def test_data_missing_on_one_rank_stops_all_ranks(tmp_path):
@@ -58,8 +68,9 @@ def test_data_missing_on_one_rank_stops_all_ranks(tmp_path):
         write_idx(good / f"{prefix}-images-idx3-ubyte", np.zeros((100, 8, 8), dtype=np.uint8))
         write_idx(good / f"{prefix}-labels-idx1-ubyte", np.arange(100, dtype=np.uint8) % 10)
     command = [sys.executable, "-m", "mpipar", "train", "--dataset", "kmnist"]
-    result = run_mpi(1, "-env", "MPIPAR_DATA", str(good), *command, ":",
-                     "-n", "1", "-env", "MPIPAR_DATA", str(tmp_path / "empty"), *command, timeout=60)
+    # Each rank's own MPIPAR_DATA through env(1): MPICH's -env and Open MPI's -x are not portable.
+    result = run_mpi(1, "env", f"MPIPAR_DATA={good}", *command, ":",
+                     "-n", "1", "env", f"MPIPAR_DATA={tmp_path / 'empty'}", *command, timeout=60)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error:")]
     assert len(lines) == 2 and all("data set 'kmnist' not found" in line and "(on rank 1)" in line

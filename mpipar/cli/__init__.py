@@ -2,8 +2,8 @@
 
 A user-facing error (bad configuration, missing data, a NaN loss) is one sentence
 on stderr and exit status 2. When every rank is known to have hit the same error
-(they agreed on it in setup, or it came from a value summed over all ranks), each
-rank just exits. Any other exception, on any rank of a multi-rank job, prints that
+(a bad option, a setup they agreed on, a value summed over all ranks), rank 0 prints
+it and every rank exits with the same status. Any other exception, on any rank of a multi-rank job, prints that
 rank's traceback and calls MPI_Abort, so the whole job ends within seconds instead
 of the other ranks waiting forever in their next collective.
 
@@ -12,6 +12,7 @@ Exercised by: mpipar --help;  python -m pytest tests/test_cli.py
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
@@ -26,6 +27,7 @@ from mpipar.cli.schedule import schedule
 from mpipar.cli.simulate import simulate
 from mpipar.cli.train import train
 from mpipar.errors import MpiparError
+from mpipar.signals import install_signal_report
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -44,31 +46,56 @@ cli.add_command(estimate)
 cli.add_command(schedule)
 
 
-def _world_size() -> int:
-    if "mpi4py.MPI" not in sys.modules:
-        return 1
-    from mpi4py import MPI
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 
-    return MPI.COMM_WORLD.size if MPI.Is_initialized() and not MPI.Is_finalized() else 1
+
+def _world() -> tuple[int, int]:
+    """(rank, world size): from MPI once it is running, else from the launcher's environment
+    (click rejects a bad option before mpi4py is imported)."""
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            return MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+    rank = next((os.environ[name] for name in RANK_VARIABLES if name in os.environ), "0")
+    return (int(rank) if rank.isdigit() else 0), 1
 
 
 def main() -> None:
     """Console-script entry point."""
+    install_signal_report()  # a signal that ends the run names itself (mpipar/signals.py)
     try:
-        cli(prog_name="mpipar")
+        cli(prog_name="mpipar", standalone_mode=False)
+    except click.exceptions.Exit as done:  # --help, --version
+        sys.exit(done.exit_code)
+    except click.Abort:
+        sys.exit(1)
+    except click.ClickException as error:  # a bad option: every rank parsed the same words
+        if _world()[0] == 0:
+            context = getattr(error, "ctx", None)
+            hint = f" (see {context.command_path} --help)" if context is not None else ""
+            sys.stderr.write(f"mpipar: error: {error.format_message()}{hint}\n")
+        sys.exit(error.exit_code)
     except MpiparError as error:
-        message = f"mpipar: error: {error}\n"
-        if _world_size() == 1 or getattr(error, "on_every_rank", False):
+        rank, size = _world()
+        if size == 1 or getattr(error, "on_every_rank", False):
+            if rank == 0:  # every rank has the same sentence: rank 0 prints it, all exit alike
+                sys.stderr.write(f"mpipar: error: {error}\n")
+            sys.exit(2)
+        _abort(2, f"mpipar: error on rank {rank}: {error}\n")
+    except MemoryError as error:  # an allocation the fit check in setup could not foresee (activations, transients)
+        rank, size = _world()
+        message = (f"mpipar: error: rank {rank} ran out of memory ({error or 'MemoryError'}); `mpipar estimate` "
+                   "and `mpipar train --memory-limit` predict a run's peak per rank before it starts\n")
+        if size == 1:
             sys.stderr.write(message)
             sys.exit(2)
         _abort(2, message)
     except Exception:
-        if _world_size() == 1:
+        rank, size = _world()
+        if size == 1:
             raise
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-        _abort(1, f"mpipar: rank {comm.rank} of {comm.size} failed; aborting the job:\n{traceback.format_exc()}")
+        _abort(1, f"mpipar: rank {rank} of {size} failed; aborting the job:\n{traceback.format_exc()}")
 
 
 def _abort(status: int, message: str) -> None:

@@ -1,8 +1,9 @@
 """`mpipar train`: one option per TrainConfig field, plus --config FILE.
 
-Options are generated from the field declarations in mpipar/config.py, so the
-command line and a TOML file accept the same names; an option given on the
-command line overrides the file.
+Options are generated from the field declarations in mpipar/config.py, each with its
+type (choices, ranges, sizes) and help section, so the command line and a TOML file
+accept the same names and values; an option given on the command line overrides the
+file. Yes/no fields are flags (`--quiet` / `--no-quiet`).
 
 Exercised by: mpipar train --help;  mpiexec -n 2 mpipar train --epochs 2
 """
@@ -14,23 +15,34 @@ import dataclasses
 import click
 
 from mpipar.config import TrainConfig, load_config
+from mpipar.options import GroupedCommand, GroupedOption
 
 
 def _config_options(command):
     for spec in reversed(dataclasses.fields(TrainConfig)):
+        flag = f"--{spec.name.replace('_', '-')}"
         default = spec.default
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        command = click.option(f"--{spec.name.replace('_', '-')}", spec.name, default=None,
-                               help=f"{spec.metadata['help']} [default: {shown}]")(command)
+        kind, text = spec.metadata["type"], spec.metadata["help"]
+        if kind is click.BOOL:
+            names, extra = (f"{flag}/--no-{flag[2:]}",), {}
+        else:
+            names, extra = (flag,), {"type": kind}
+        if isinstance(kind, click.Choice) and len(kind.choices) > 6:  # too many to list in the option column
+            extra["metavar"] = "NAME"
+            text += f"; one of: {', '.join(kind.choices)}"
+        suffix = "" if default is None else f" [default: {shown}]"
+        command = click.option(*names, spec.name, cls=GroupedOption, group=spec.metadata["group"], default=None,
+                               help=text + suffix, **extra)(command)
     return command
 
 
-@click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="TOML file of options (command-line options override it)")
+@click.command(cls=GroupedCommand)
 @_config_options
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None, cls=GroupedOption,
+              group="training", help="TOML file of options (command-line options override it)")
 def train(config_path: str | None, **options) -> None:
-    """Train a model; under mpiexec, every rank takes a slice of each global batch."""
+    """Train a model; under mpiexec or srun, every rank takes a slice of each global batch."""
     from mpipar.comms import agree_on_setup, world
     from mpipar.report import Report
     from mpipar.trainer import Trainer
@@ -39,7 +51,7 @@ def train(config_path: str | None, **options) -> None:
 
     def read_options():  # every rank reads them; a bad option or file stops all ranks alike
         config = load_config(config_path, options)
-        return config, (Report(config.metrics, config.log_every) if comm.rank == 0 else None)
+        return config, (Report.for_config(config) if comm.rank == 0 else None)
 
     config, report = agree_on_setup(comm, read_options)
     Trainer(config, comm).run(report)

@@ -21,7 +21,7 @@ world = MPI.COMM_WORLD
 N, STEPS = 2, 220
 trainer = Trainer(TrainConfig(model="mlp", hidden=(256, 256), dataset="synthetic", scheme="cdp-v2",
                               cdp_layout="zero", micro_batches=N, batch_size=16, max_steps=STEPS, epochs=1,
-                              memory_profile=1, log_every=1000))
+                              memory_profile=True, log_every=1000))
 samples = []  # (live bytes, sends in flight) at the end of each time step
 end_time_step = Cyclic._end_time_step
 

@@ -36,7 +36,7 @@ failures, peaks = [], {}
 def config(scheme: str, prefetch: int = 1) -> TrainConfig:
     return TrainConfig(model="mlp", hidden=(1024,) * 8, dataset="synthetic", optimizer="adam", group_size=2,
                        batch_size=64, dtype="float32", max_steps=3, ddp="overlap", scheme=scheme,
-                       collective="ring", memory_profile=1, log_every=1000, prefetch=prefetch)
+                       collective="ring", memory_profile=True, log_every=1000, prefetch=prefetch)
 
 
 def one_process_parameters(trainer) -> np.ndarray:

@@ -54,7 +54,7 @@ scheme, ddp, prefetch = sys.argv[1:] + DEFAULTS[len(sys.argv) - 1:]
 
 trainer = Trainer(TrainConfig(model="mlp", hidden=(2048,) * 8, dataset="synthetic", scheme=scheme, ddp=ddp,
                               prefetch=int(prefetch), optimizer="adam", dtype="float32", batch_size=16,
-                              max_steps=STEPS, memory_profile=0, log_every=1000))
+                              max_steps=STEPS, memory_profile=False, log_every=1000))
 data = sum(array.nbytes for split in (trainer.train_set, trainer.test_set) for array in (split.images, split.labels))
 model = trainer.parameter_count * 4
 for step in range(STEPS):
