@@ -55,6 +55,23 @@ PHASE_OF = {"x": "activations", "dy": "gradients", "w": "weights", "g": "gradien
 LEDGER_KIND = {"w": "parameters", "g": "gradients", "o": "optimizer_state"}
 
 Load = Callable[[int, int], tuple]  # (step, micro-batch) -> (inputs, targets)
+# (step, this rank's [loss sum, correct, predictions] of it, micro-batches whose loss it computed)
+StepDone = Callable[[int, np.ndarray, int], None]
+
+
+def _step_ends(program: tuple) -> list[tuple[int, int]]:
+    """(position just past this rank's last job of step t, t) for each step t it has a job in, in order."""
+    last: dict[int, int] = {}
+    for position, instruction in enumerate(program):
+        if isinstance(instruction, Compute):
+            last[instruction.job.step] = position
+        elif isinstance(instruction, Update):
+            last[instruction.step] = position
+    ends, end = [], 0
+    for step in sorted(last):
+        end = max(end, last[step] + 1)
+        ends.append((end, step))
+    return ends
 
 
 def _describe(item: Item) -> str:
@@ -96,23 +113,32 @@ class Cyclic:
         # per (first step, steps): the plan's first step, this rank's program, its weight_buffers;
         # only this rank's program is kept (a plan of every rank's grows with ranks x steps)
         self.programs: dict[tuple[int, int], tuple[int, tuple, dict]] = {}
+        self.step_ends: dict[tuple[int, int], list[tuple[int, int]]] = {}  # per program: its _step_ends
         self.timeline: list[tuple[int, int, int]] = []  # (time step, live activation bytes, peak within it)
 
     # -- a run of steps --------------------------------------------------------------
     def run_steps(self, first_step: int, steps: int, load: Load, *, seed: int, batch_size: int,
-                  lr_at: Callable[[int], float]) -> np.ndarray:
+                  lr_at: Callable[[int], float], on_step: StepDone | None = None) -> np.ndarray:
         """Train steps [first_step, first_step + steps); returns this rank's [loss sum, correct,
-        predictions] per step. Every step before `first_step` must have been run."""
+        predictions] per step. Every step before `first_step` must have been run. `on_step` is
+        called as soon as this rank has run its last job of a step (for progress while the run goes)."""
         if first_step != self.next_step:
             raise RuntimeError(f"CDP runs steps in order: expected step {self.next_step}, got {first_step}")
         program = self._program(first_step, steps)
         self.load, self.seed, self.batch_size, self.lr_at = load, seed, batch_size, lr_at
         self.micro_size = batch_size // self.count
         self.first_step, self.totals = first_step, np.zeros((steps, 3))
+        self.losses_computed = np.zeros(steps, dtype=int)  # per step: micro-batches whose loss is in totals
         self.inbox: dict[Item, tuple[np.ndarray, MPI.Request, int]] = {}  # buffer, request, source
         self.outbox = Outbox()  # sends in flight: each buffer lives until its send completes
         self.time_offset = len(self.timeline)
-        for instruction in program:
+        position = 0
+        for end, step in self.step_ends[self.program_key] if on_step else ():
+            for instruction in program[position:end]:
+                self.handlers[type(instruction)](self, instruction)
+            position, index = end, step + self.step_shift - first_step
+            on_step(first_step + index, self.totals[index], int(self.losses_computed[index]))
+        for instruction in program[position:]:
             self.handlers[type(instruction)](self, instruction)
         for item in list(self.inbox):  # the state the next run starts from, brought home
             self._take(item)
@@ -132,7 +158,9 @@ class Cyclic:
             plan = compile_cyclic(self.layout, self.rule, self.count, min(first_step, 1), steps)
             program = plan.programs[self.comm.rank]
             self.programs[key] = (plan.first_step, program, weight_buffers(program))
+            self.step_ends[key] = _step_ends(program)
         plan_first_step, program, self.weight_plan = self.programs[key]
+        self.program_key = key
         self.step_shift = first_step - plan_first_step
         return program
 
@@ -253,6 +281,7 @@ class Cyclic:
                                              f"(rank {self.comm.rank}); try a lower --lr")
                 self.totals[step - self.first_step] += (loss, float((y.argmax(axis=-1) == targets).sum()),
                                                         targets.size)
+                self.losses_computed[step - self.first_step] += 1
             else:
                 self._keep(Item("x", s + 1, g), y)
 

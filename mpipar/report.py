@@ -1,24 +1,42 @@
-"""What a run tells its user: a progress bar on a terminal, plain lines in a batch job,
-and with --metrics a JSON-lines file (one object per event: step, eval, done).
+"""What a run tells its user: progress as it trains, evaluations, a summary, and with
+--metrics a JSON-lines file (one object per event: step, eval, done).
 
-Only rank 0 reports. The metrics file is opened (and truncated) at the start and
-each event is one complete line, written and flushed at once, so `tail -f` works
-during a batch job and a crash leaves every earlier line whole.
+Only rank 0 reports. How it shows progress (`progress_mode`, docs/running.md):
 
-Exercised by: mpipar train --metrics run.jsonl
+    bar    one line redrawn in place (\\r), at most 10 times a second: rank 0's stdout is a
+           terminal and the job is interactive
+    lines  whole lines, each written and flushed at once, every --log-every steps and
+           sooner once --log-seconds have passed since the last: a pipe, a file, a batch job
+    off    --quiet: only the start, evaluation and final lines
+
+A terminal is not enough for the bar: Open MPI gives every rank a pseudo-terminal even
+when mpirun's output goes to a batch log, and a Slurm step has one only under --pty;
+there `\\r` would fill the log with partial lines, so those get lines. MPIPAR_PROGRESS=
+bar|lines|off overrides the choice. A progress line carries step/total, epoch, loss,
+accuracy, learning rate, samples/s over the wall time since the previous line (evaluation
+left out), the time left (ETA) and rank 0's peak memory (resident, or the allocator's
+peak with --memory-profile). Cyclic Data Parallelism knows a step's loss over all ranks
+only at the end of its epoch: during it the line shows what rank 0 computed, labelled so.
+
+Exercised by: mpipar train --metrics run.jsonl;  python -m pytest tests/test_report.py
 """
 
 from __future__ import annotations
 
-import json
+import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping, TextIO
 
 from mpipar.errors import ConfigError
+from mpipar.memory import peak_rss_bytes
+from mpipar.metrics_file import MetricsFile
 
 if TYPE_CHECKING:  # only for annotations: the trainer imports this module's users
     from mpipar.trainer import EvalResult, StepResult, Trainer
+
+PROGRESS_MODES = ("bar", "lines", "off")
+BAR_SECONDS = 0.1  # the bar is redrawn at most this often: drawing every 2 ms step would cost time
 
 
 def human_bytes(count: float) -> str:
@@ -32,79 +50,177 @@ def human_bytes(count: float) -> str:
     return f"{count:.1f} {unit}"
 
 
+def human_seconds(seconds: float) -> str:
+    """75 -> '1:15', 3725 -> '1:02:05'."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def loss_text(loss: float) -> str:
+    """4 decimals for a usual loss, 4 significant digits for a huge one (a diverging run)."""
+    return f"{loss:.4f}" if abs(loss) < 1e4 else f"{loss:.4g}"
+
+
+def progress_mode(stream: TextIO, quiet: bool, environ: Mapping[str, str] = os.environ) -> str:
+    """'bar', 'lines' or 'off': how rank 0 shows progress on `stream` (see the module docstring)."""
+    if quiet:
+        return "off"
+    chosen = environ.get("MPIPAR_PROGRESS", "").strip().lower()
+    if chosen:
+        if chosen not in PROGRESS_MODES:
+            raise ConfigError(f"MPIPAR_PROGRESS={chosen!r} is not one of {', '.join(PROGRESS_MODES)}; "
+                              "set one of those or unset it to let mpipar choose")
+        return chosen
+    return "bar" if interactive_terminal(stream, environ) else "lines"
+
+
+def interactive_terminal(stream: TextIO, environ: Mapping[str, str] = os.environ) -> bool:
+    """Is `stream` a terminal that a person watches (not a launcher's pseudo-terminal into a log)?"""
+    if not stream.isatty():
+        return False  # a pipe or a file: MPICH's ranks, sbatch's output, `| tee`
+    if "OMPI_COMM_WORLD_SIZE" in environ:
+        return False  # Open MPI: a pseudo-terminal for every rank, even when mpirun writes to a log
+    if "SLURM_JOB_ID" in environ and "SLURM_PTY_PORT" not in environ:
+        return False  # a Slurm step without --pty: its output goes to a file
+    return environ.get("TERM") != "dumb"
+
+
 class Report:
-    def __init__(self, metrics_path: str | None, log_every: int, stream=None) -> None:
+    """Rank 0's output: progress, evaluations, the summary, and the metrics file."""
+
+    def __init__(self, metrics_path: str | None, log_every: int, stream: TextIO | None = None, *,
+                 log_seconds: float = 0.0, quiet: bool = False) -> None:
         self.stream = stream if stream is not None else sys.stdout
-        self.interactive = self.stream.isatty()
-        self.log_every = log_every
-        try:
-            self.metrics = open(metrics_path, "w", encoding="utf-8") if metrics_path else None
-        except OSError as error:
-            raise ConfigError(f"cannot write the metrics file {metrics_path}: {error.strerror}") from None
-        self.window_start = time.perf_counter()
+        self.mode = progress_mode(self.stream, bool(quiet))
+        self.log_every, self.log_seconds = log_every, log_seconds
+        self.metrics = MetricsFile(metrics_path) if metrics_path else None
+        self.bar_drawn = False  # a bar is on screen: the next line must start on a new one
+        self._restart_clocks()
+
+    @classmethod
+    def for_config(cls, config) -> Report:
+        """The report a training configuration asks for."""
+        return cls(config.metrics, config.log_every, log_seconds=config.log_seconds, quiet=config.quiet)
+
+    def _restart_clocks(self) -> None:
+        now = time.perf_counter()
+        self.started = self.last_line = self.last_draw = self.window_start = now
         self.window_samples = 0
 
-    def _write_metrics(self, event: str, fields: dict) -> None:
-        if self.metrics:
-            self.metrics.write(json.dumps({"event": event, **fields}) + "\n")
-            self.metrics.flush()
+    def _print(self, text: str) -> None:
+        """A whole line, in one write, flushed: a batch log never holds half of one."""
+        if self.bar_drawn:
+            text, self.bar_drawn = "\n" + text, False
+        self.stream.write(text + "\n")
+        self.stream.flush()
 
     def start(self, trainer: Trainer) -> None:
         cfg = trainer.config
-        print(f"mpipar: {cfg.model} on {cfg.dataset} ({len(trainer.train_set)} train / {len(trainer.test_set)} test), "
-              f"{trainer.parameter_count:,} parameters, {trainer.world_size} rank(s), scheme {trainer.scheme_name}, "
-              f"{cfg.device} {cfg.dtype}, global batch {cfg.batch_size} in {cfg.micro_batches} micro-batch(es)"
-              f"{'' if cfg.stages else ' per rank'}, "
-              f"{trainer.total_steps} steps", file=self.stream, flush=True)
+        self._print(f"mpipar: {cfg.model} on {cfg.dataset} ({len(trainer.train_set)} train / "
+                    f"{len(trainer.test_set)} test), {trainer.parameter_count:,} parameters, {trainer.world_size} "
+                    f"rank(s), scheme {trainer.scheme_name}, {cfg.device} {cfg.dtype}, global batch "
+                    f"{cfg.batch_size} in {cfg.micro_batches} micro-batch(es){'' if cfg.stages else ' per rank'}, "
+                    f"{trainer.total_steps} steps")
+        self._restart_clocks()
 
     def step(self, result: StepResult, trainer: Trainer) -> None:
-        batch = trainer.config.batch_size
-        self.window_samples += batch
+        """A step whose loss is summed over all ranks: its metrics event, and progress when due."""
+        self.record(result, trainer)
+        self.progress(result.step, result.epoch, trainer, loss=result.loss, accuracy=result.accuracy, lr=result.lr)
+
+    def record(self, result: StepResult, trainer: Trainer) -> None:
+        """The metrics event of a step (exact: its loss summed over all ranks)."""
+        if not self.metrics:
+            return
         memory = trainer.memory
-        self._write_metrics("step", {"step": result.step, "epoch": result.epoch, "loss": result.loss,
-                                     "accuracy": result.accuracy, "lr": result.lr,
-                                     "samples_per_s": batch / result.seconds if result.seconds else None,
-                                     **({"mem_live_bytes": memory.live_bytes(), "mem_peak_bytes": memory.peak_bytes()}
-                                        if memory else {})})
-        done = result.step + 1
-        if self.interactive or done % self.log_every == 0 or done == trainer.total_steps:
-            elapsed = time.perf_counter() - self.window_start
-            rate = self.window_samples / elapsed if elapsed else 0.0
-            self.window_start, self.window_samples = time.perf_counter(), 0
-            if self.interactive:
-                width = 24
-                filled = width * done // trainer.total_steps
-                bar = "=" * filled + ">" * (filled < width) + " " * (width - filled - 1)
-                print(f"\r[{bar}] step {done}/{trainer.total_steps} epoch {result.epoch + 1} "
-                      f"loss {result.loss:.4f} acc {result.accuracy:6.1%} {rate:8.0f} samples/s",
-                      end="", file=self.stream, flush=True)
-            else:
-                print(f"step {done}/{trainer.total_steps} epoch {result.epoch + 1} loss {result.loss:.4f} "
-                      f"accuracy {result.accuracy:.1%} lr {result.lr:.3g} {rate:.0f} samples/s",
-                      file=self.stream, flush=True)
+        self.metrics.write("step", {"step": result.step, "epoch": result.epoch, "loss": result.loss,
+                                    "accuracy": result.accuracy, "lr": result.lr,
+                                    "samples_per_s": trainer.config.batch_size / result.seconds
+                                    if result.seconds else None,
+                                    **({"mem_live_bytes": memory.live_bytes(), "mem_peak_bytes": memory.peak_bytes()}
+                                       if memory else {})})
+
+    def progress(self, step: int, epoch: int, trainer: Trainer, *, loss: float | None, accuracy: float | None,
+                 lr: float, share: tuple[int, int] | None = None) -> None:
+        """Step `step` is done on rank 0: show it when a line (or a redraw) is due.
+
+        `share` = (k, N): loss and accuracy come from the k of the step's N micro-batches whose
+        loss rank 0 computed (Cyclic Data Parallelism during an epoch); None: from all of them."""
+        if self.mode == "off":
+            return
+        self.window_samples += trainer.config.batch_size
+        done, total, now = step + 1, trainer.total_steps, time.perf_counter()
+        if self.mode == "bar":
+            due = now - self.last_draw >= BAR_SECONDS
+        else:
+            due = done % self.log_every == 0 or (self.log_seconds > 0 and now - self.last_line >= self.log_seconds)
+        if not (due or done == total):
+            return
+        rate = self.window_samples / (now - self.window_start) if now > self.window_start else 0.0
+        eta = human_seconds((now - self.started) / done * (total - done))  # evaluations included, pro rata
+        fields = (f"step {done}/{total} epoch {epoch + 1}/{trainer.config.epochs} "
+                  f"{self._measured(loss, accuracy, share)} lr {lr:.3g} {rate:.0f} samples/s ETA {eta} "
+                  f"{self._memory(trainer)}")
+        if self.mode == "bar":
+            width = 24
+            filled = width * done // total
+            bar = "=" * filled + ">" * (filled < width) + " " * (width - filled - 1)
+            self.stream.write(f"\r[{bar}] {fields}\x1b[K")  # \x1b[K: clear what a longer line left
+            self.stream.flush()
+            self.bar_drawn, self.last_draw = True, now
+        else:
+            self._print(fields)
+            self.window_start, self.window_samples, self.last_line = now, 0, now
+
+    @staticmethod
+    def _measured(loss: float | None, accuracy: float | None, share: tuple[int, int] | None) -> str:
+        if share is None:
+            return f"loss {loss_text(loss)} accuracy {accuracy:.1%}"
+        computed, count = share
+        if computed == 0:
+            return "loss (rank 0 computes none: summed at the epoch's end)"
+        # each micro-batch holds an equal share of the global batch's loss: k of N scale up by N/k
+        return (f"loss ~{loss_text(loss * count / computed)} accuracy ~{accuracy:.1%} "
+                f"(rank 0's {computed} of {count} micro-batches)")
+
+    @staticmethod
+    def _memory(trainer: Trainer) -> str:
+        if trainer.memory:
+            return f"allocator peak {human_bytes(trainer.memory.peak_bytes())}"
+        return f"peak RSS {human_bytes(peak_rss_bytes())}"
+
+    def warn(self, message: str) -> None:
+        """A warning about the run, on stderr, on a line of its own."""
+        if self.bar_drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.bar_drawn = False
+        sys.stderr.write(f"mpipar: warning: {message}\n")
+        sys.stderr.flush()
 
     def evaluation(self, result: EvalResult, trainer: Trainer) -> None:
-        self._write_metrics("eval", {"epoch": result.epoch, "loss": result.loss, "accuracy": result.accuracy})
-        end = "\n" if self.interactive else ""
-        print(f"{end}eval epoch {result.epoch + 1}: test loss {result.loss:.4f} accuracy {result.accuracy:.2%}",
-              file=self.stream, flush=True)
+        """An evaluation, just done: samples/s restarts after it (evaluating is not training)."""
+        if self.metrics:
+            self.metrics.write("eval", {"epoch": result.epoch, "loss": result.loss, "accuracy": result.accuracy})
+        self._print(f"eval epoch {result.epoch + 1}: test loss {loss_text(result.loss)} accuracy {result.accuracy:.2%}")
+        self.window_start, self.window_samples = time.perf_counter(), 0
 
     def done(self, summary: dict, trainer: Trainer) -> None:
-        self._write_metrics("done", summary)
-        print(f"done: {summary['steps']} steps in {summary['seconds']:.1f} s "
-              f"({summary['samples_per_s']:.0f} samples/s), test accuracy {summary['test_accuracy']:.2%}, "
-              f"peak activation memory {human_bytes(summary['peak_activation_bytes'])}",
-              file=self.stream, flush=True)
+        if self.metrics:
+            self.metrics.write("done", summary)
+            self.metrics.close()
+        self._print(f"done: {summary['steps']} steps in {summary['seconds']:.1f} s "
+                    f"({summary['samples_per_s']:.0f} samples/s), test accuracy {summary['test_accuracy']:.2%}, "
+                    f"peak activation memory {human_bytes(summary['peak_activation_bytes'])}")
         memory = summary["memory"]
         held = memory["steady"]
         phase, peak = max(((name, peaks["total"]) for name, peaks in memory["peak"].items()),
                           key=lambda p: p[1], default=("between steps", sum(held.values())))
-        print(f"model state on rank 0: parameters {human_bytes(held['parameters'])}, gradients "
-              f"{human_bytes(held['gradients'])}, optimizer state {human_bytes(held['optimizer_state'])}; "
-              f"at most {human_bytes(peak)} ({phase})", file=self.stream, flush=True)
+        self._print(f"model state on rank 0: parameters {human_bytes(held['parameters'])}, gradients "
+                    f"{human_bytes(held['gradients'])}, optimizer state {human_bytes(held['optimizer_state'])}; "
+                    f"at most {human_bytes(peak)} ({phase})")
         self._memory_line(summary["memory_per_rank"])
-        if self.metrics:
-            self.metrics.close()
 
     def _memory_line(self, per_rank: dict) -> None:
         """Measured peaks over ranks (largest, smallest, which rank) beside the prediction."""
@@ -116,4 +232,4 @@ class Report:
         if per_rank["allocator_peak_bytes"] is not None:
             parts.append(f"array allocator peak {spread(per_rank['allocator_peak_bytes'])}")
         parts.append(f"predicted peak {spread(per_rank['predicted_peak_bytes'])}")
-        print("memory: " + "; ".join(parts), file=self.stream, flush=True)
+        self._print("memory: " + "; ".join(parts))
