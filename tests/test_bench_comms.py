@@ -59,15 +59,14 @@ def test_other_operations_and_group_size(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--algorithm", "tree"], "unknown all-reduce algorithm 'tree'; valid all-reduce algorithms are: "
-                              "2d, horing, hring, mpi, ring"),
+    (["--collective", "tree"], "unknown algorithm 'tree'; valid algorithms are: 2d, horing, hring, mpi, ring"),
     (["--op", "all-to-all"], "unknown operation 'all-to-all'; valid operations are:"),
-    (["--op", "all-gather", "--algorithm", "2d"], "unknown all-gather algorithm '2d'"),
+    (["--op", "all-gather", "--algorithm", "2d"], "unknown all-gather algorithm '2d'"),  # the older name
     (["--sizes", "4KB,lots"], "cannot read 'lots' as a size"),
     (["--sizes", "6B"], "message size 6 bytes is not a whole number of float32 elements"),
     (["--group-size", "3"], "--group-size 3 does not divide the world size 2"),
-    (["--reps", "0"], "--reps must be at least 1, got 0"),
-    (["--dtype", "int8"], "unknown dtype 'int8'"),
+    (["--reps", "0"], "Invalid value for '--reps': 0 is not in the range x>=1"),
+    (["--dtype", "int8"], "Invalid value for '--dtype': 'int8' is not one of 'float32', 'float64'"),
     (["--json", "/nonexistent/dir/out.json"], "cannot write the JSON file /nonexistent/dir/out.json"),
 ])
 def test_bad_options_stop_every_rank_with_one_sentence(args, message):

@@ -5,7 +5,9 @@
 
 Rank 0 prints one table row per (operation, size, algorithm) as soon as it is measured
 and, with --json, writes the list of results (mpipar/comms/bench.py says what each
-field means). A bad option stops every rank with the same sentence.
+field means). A bad option stops every rank with the same sentence. `--collective`
+names the algorithms as `mpipar train --collective` does (`--algorithm` is its older
+name).
 
 Exercised by: python -m pytest tests/test_bench_comms.py
 """
@@ -17,27 +19,16 @@ from pathlib import Path
 
 import click
 
+from mpipar.cli.params import NameListType, QuantityListType, RenamedOption
+from mpipar.comms.bench import DTYPES, OPERATIONS, parse_size
+from mpipar.comms.collectives import ALGORITHMS
+
 DEFAULT_SIZES = "4KB,256KB,4MB,64MB"
 
 
-def _names(values: tuple[str, ...]) -> list[str]:
+def _names(lists: tuple[list[str], ...]) -> list[str]:
     """Repeated and comma-separated option values, in order, without repeats."""
-    names: list[str] = []
-    for value in values:
-        for name in value.split(","):
-            name = name.strip()
-            if name and name not in names:
-                names.append(name)
-    return names
-
-
-def _whole_number(option: str, text: str) -> int:
-    from mpipar.errors import ConfigError
-
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"{option} must be a whole number, got {text!r}") from None
+    return list(dict.fromkeys(name for names in lists for name in names))
 
 
 @click.group()
@@ -46,28 +37,29 @@ def bench() -> None:
 
 
 @bench.command("comms")
-@click.option("--op", "ops", multiple=True, metavar="OP",
-              help="all-reduce, reduce-scatter, all-gather, reduce or broadcast; repeatable or "
-                   "comma-separated [default: all-reduce]")
-@click.option("--algorithm", "algorithms", multiple=True, metavar="NAME",
-              help="mpi, ring, hring, horing or 2d (all-reduce only); repeatable or comma-separated "
+@click.option("--op", "ops", type=NameListType(OPERATIONS, "operation"), multiple=True,
+              help="collective operations, repeatable or comma-separated  [default: all-reduce]")
+@click.option("--collective", "--algorithm", "algorithms", cls=RenamedOption,
+              type=NameListType(ALGORITHMS, "algorithm"), multiple=True,
+              help="algorithms, repeatable or comma-separated; 2d is all-reduce only  "
                    "[default: every one the operation has]")
-@click.option("--sizes", default=DEFAULT_SIZES, show_default=True, metavar="LIST",
+@click.option("--sizes", type=QuantityListType("size", parse_size), default=DEFAULT_SIZES, show_default=True,
               help="message sizes, comma-separated: bytes, or KB, MB, GB (1KB = 1000 bytes) or KiB, MiB, GiB")
-@click.option("--reps", default="10", show_default=True, metavar="N", help="timed repetitions; the median is reported")
-@click.option("--warmup", default="2", show_default=True, metavar="N",
+@click.option("--reps", type=click.IntRange(min=1), default=10, show_default=True,
+              help="timed repetitions; the median is reported")
+@click.option("--warmup", type=click.IntRange(min=1), default=2, show_default=True,
               help="untimed runs first; the first one checks the result")
-@click.option("--group-size", default=None, metavar="M",
-              help="ranks per group for hring, horing and 2d [default: the ranks of one node]")
-@click.option("--dtype", default="float32", show_default=True, metavar="NAME", help="float32 or float64")
+@click.option("--group-size", type=click.IntRange(min=1), default=None,
+              help="ranks per group for hring, horing and 2d  [default: the ranks of one node]")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--json", "json_path", default=None, metavar="FILE", help="also write the results here (rank 0)")
-def comms(ops: tuple[str, ...], algorithms: tuple[str, ...], sizes: str, reps: str, warmup: str,
-          group_size: str | None, dtype: str, json_path: str | None) -> None:
+def comms(ops: tuple[list[str], ...], algorithms: tuple[list[str], ...], sizes: list[int], reps: int, warmup: int,
+          group_size: int | None, dtype: str, json_path: str | None) -> None:
     """Time, algorithm bandwidth and bus bandwidth of each collective and algorithm."""
     from mpi4py import MPI
 
     from mpipar.comms import agree_on_setup
-    from mpipar.comms.bench import TABLE_HEADER, check_plan, parse_size, run_benchmarks, table_row
+    from mpipar.comms.bench import TABLE_HEADER, TABLE_LEGEND, check_plan, run_benchmarks, table_row
     from mpipar.comms.topology import make_world
     from mpipar.errors import ConfigError
     from mpipar.files import write_atomically
@@ -75,34 +67,28 @@ def comms(ops: tuple[str, ...], algorithms: tuple[str, ...], sizes: str, reps: s
     mpi = MPI.COMM_WORLD
 
     def read_options():  # every rank reads the same options, so every rank fails alike
-        size_list = [parse_size(text) for text in sizes.split(",") if text.strip()]
-        if not size_list:
-            raise ConfigError("--sizes names no message size")
-        numbers = (_whole_number("--reps", reps), _whole_number("--warmup", warmup),
-                   None if group_size is None else _whole_number("--group-size", group_size))
-        plan = check_plan(_names(ops) or ["all-reduce"], _names(algorithms) or None, size_list, dtype,
-                          numbers[0], numbers[1])
+        plan = check_plan(_names(ops) or ["all-reduce"], _names(algorithms) or None, sizes, dtype, reps, warmup)
         if json_path is not None and mpi.rank == 0:
             parent = Path(json_path).resolve().parent
             if not parent.is_dir():
                 raise ConfigError(f"cannot write the JSON file {json_path}: no directory {parent}")
-        return plan, size_list, numbers
+        return plan
 
-    plan, size_list, (rep_count, warmup_count, group) = agree_on_setup(mpi, read_options)
-    comm = agree_on_setup(mpi, lambda: make_world(group))
+    plan = agree_on_setup(mpi, read_options)
+    comm = agree_on_setup(mpi, lambda: make_world(group_size))
 
     if comm.rank == 0:
         layout = comm.group_layout()
         click.echo(f"{comm.size} rank(s) in {len(layout)} group(s) of {len(layout[0])}, {dtype}; "
-                   f"median of {rep_count} repetition(s) after {warmup_count} warm-up; "
-                   f"per rank: bytes one repetition sent, as counted by mpipar")
+                   f"median of {reps} repetition(s) after {warmup} warm-up; "
+                   f"{TABLE_LEGEND}")
         click.echo(TABLE_HEADER)
 
     def show(result) -> None:
         if comm.rank == 0:
             click.echo(table_row(result))
 
-    results = run_benchmarks(comm, plan, size_list, dtype, rep_count, warmup_count, on_result=show)
+    results = run_benchmarks(comm, plan, sizes, dtype, reps, warmup, on_result=show)
 
     def write_json() -> None:
         if json_path is not None and comm.rank == 0:

@@ -1,13 +1,13 @@
 """`mpipar cdp`: the evidence behind Cyclic Data Parallelism's claims, no MPI launcher needed.
 
-    mpipar cdp memory -N 2 -N 4 -N 8 --png cdp_memory.png
-    mpipar cdp messages --layout dp --micro-batches 4
+    mpipar cdp memory -N 2 -N 4 -N 8 --png cdp_memory.png     # --png needs: pip install -e '.[plot]'
+    mpipar cdp messages --cdp-layout dp --micro-batches 4
 
 `memory` trains a few steps of a model of N equal stages on one rank with the cyclic
 engine, once with CDP (micro-batches 2 time steps apart) and once with DP (all at
 once), and prints the live activation memory per time step as the pebble cache
 measured it, in micro-batches of the whole model, with the peaks and their ratio
-against the seed's (N+1)/(2N); `--png` draws it like the seed's Fig. 4.
+against the CDP paper's (N+1)/(2N); `--png` draws it like the paper's Fig. 4.
 `messages` compiles a layout's programs and prints the timetable (which job each stage
 serves at each time step, and on which rank), then per rank and time step how many
 messages it sends, and the most in any steady-state time step.
@@ -22,10 +22,13 @@ import io
 import click
 
 from mpipar.cdp import activation_timeline
+from mpipar.cli.params import RenamedOption
 from mpipar.errors import ConfigError
 from mpipar.files import write_atomically
 from mpipar.schedule.cyclic import LAYOUTS, Compute, job_time
 from mpipar.schedule.cyclic_compiler import compile_cyclic
+
+POSITIVE = click.IntRange(min=1)
 
 
 @click.group()
@@ -34,14 +37,15 @@ def cdp() -> None:
 
 
 @cdp.command("memory")
-@click.option("--micro-batches", "-N", "counts", type=int, multiple=True, default=(4,), show_default=True,
-              help="N, stages and micro-batches (repeat for several)")
-@click.option("--steps", type=int, default=3, show_default=True, help="training steps to run")
-@click.option("--png", default=None, help="also draw the timelines into this PNG file (needs matplotlib)")
+@click.option("--micro-batches", "-N", "counts", type=POSITIVE, multiple=True, default=(4,), show_default=True,
+              help="N: stages of the model and micro-batches per step (repeat for several)")
+@click.option("--steps", type=POSITIVE, default=3, show_default=True, help="training steps to run")
+@click.option("--png", default=None, metavar="FILE",
+              help="also draw the timelines into this PNG file (needs the plot extra: pip install -e '.[plot]')")
 def memory(counts: tuple[int, ...], steps: int, png: str | None) -> None:
     """Live activation memory per time step, DP vs CDP, on one rank."""
-    if any(count < 1 for count in counts) or steps < 1:
-        raise ConfigError(f"--micro-batches and --steps must be at least 1, got {list(counts)} and {steps}")
+    if png:
+        _matplotlib()  # before the runs, not after them
     curves = {}
     for count in counts:
         for rule in ("dp", "cdp-v2"):
@@ -50,20 +54,28 @@ def memory(counts: tuple[int, ...], steps: int, png: str | None) -> None:
         dp_peak = max(value for _, value in curves[(count, "dp")])
         cdp_peak = max(value for _, value in curves[(count, "cdp-v2")])
         click.echo(f"N={count}: peak activations DP {dp_peak:.2f}, CDP {cdp_peak:.2f} micro-batches of the model; "
-                   f"CDP/DP {cdp_peak / dp_peak:.3f} (seed: (N+1)/2N = {(count + 1) / (2 * count):.3f})")
+                   f"CDP/DP {cdp_peak / dp_peak:.3f} (the CDP paper's (N+1)/2N = {(count + 1) / (2 * count):.3f})")
         for rule, name in (("dp", "DP "), ("cdp-v2", "CDP")):
             click.echo(f"  {name} per time step: " + " ".join(f"{value:.2f}" for _, value in curves[(count, rule)]))
+    click.echo("N: stages and micro-batches per step; DP: every micro-batch of a step at once; CDP: micro-batches "
+               "2 time steps apart; a time step is one stage's forward or backward (docs/cdp.md, docs/glossary.md)")
     if png:
         _draw(curves, png)
         click.echo(f"drawn into {png}")
 
 
-def _draw(curves: dict, path: str) -> None:
+def _matplotlib():
     try:
         import matplotlib
     except ModuleNotFoundError:
-        raise ConfigError("--png needs matplotlib: pip install 'mpipar[plot]'") from None
+        raise ConfigError("--png needs matplotlib, the plot extra: pip install -e '.[plot]' in the repository "
+                          "(or pip install matplotlib)") from None
     matplotlib.use("Agg")
+    return matplotlib
+
+
+def _draw(curves: dict, path: str) -> None:
+    _matplotlib()
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(8, 4))
@@ -71,7 +83,7 @@ def _draw(curves: dict, path: str) -> None:
     for index, count in enumerate(sorted({count for count, _ in curves})):
         for rule, style, name in (("dp", "-", "DP"), ("cdp-v2", "--", "CDP")):
             times, values = zip(*curves[(count, rule)])
-            # per worker, as the seed's Fig. 4: the total over N workers divided by N
+            # per worker, as the CDP paper's Fig. 4: the total over N workers divided by N
             axes.step(times, [value / count for value in values], style, where="post", color=colours(index),
                       label=f"{name}, N={count}")
     axes.set_xlabel("time step (one stage's forward or backward)")
@@ -86,22 +98,24 @@ def _draw(curves: dict, path: str) -> None:
 
 
 @cdp.command("messages")
-@click.option("--layout", type=click.Choice(LAYOUTS), default="dp", show_default=True)
-@click.option("--rule", type=click.Choice(["cdp-v1", "cdp-v2"]), default="cdp-v2", show_default=True)
-@click.option("--micro-batches", "-N", "count", type=int, default=4, show_default=True, help="N")
-@click.option("--steps", type=int, default=3, show_default=True, help="training steps")
+@click.option("--cdp-layout", "--layout", "layout", cls=RenamedOption, type=click.Choice(LAYOUTS), default="dp",
+              show_default=True, help="where the jobs run, as in `mpipar train --cdp-layout`")
+@click.option("--scheme", "--rule", "rule", cls=RenamedOption, type=click.Choice(["cdp-v1", "cdp-v2"]),
+              default="cdp-v2", show_default=True, help="the update rule, as in `mpipar train --scheme`")
+@click.option("--micro-batches", "-N", "count", type=POSITIVE, default=4, show_default=True,
+              help="N: stages of the model and micro-batches per step")
+@click.option("--steps", type=click.IntRange(min=3), default=3, show_default=True, help="training steps")
 def messages(layout: str, rule: str, count: int, steps: int) -> None:
     """The timetable, and the messages each rank sends at the end of each time step."""
-    if count < 1 or steps < 3:
-        raise ConfigError(f"--micro-batches must be at least 1 and --steps at least 3, got {count} and {steps}")
     plan = compile_cyclic(layout, rule, count, 0, steps)
     per_rank = plan.sends_per_time_step()
     end = max(max(sends) for sends in per_rank)
     cells = {(i.job.stage, job_time(rule, count, i.job)): f"{i.job.direction}{i.job.global_batch(count)}@{rank}"
              for rank, program in enumerate(plan.programs) for i in program if isinstance(i, Compute)}
     width = max(len(cell) for cell in cells.values())
-    click.echo(f"CDP {layout} layout, {rule}, N={count}, {steps} steps: the timetable "
-               "(F or B, micro-batch, @ the rank computing it)")
+    click.echo(f"Cyclic Data Parallelism, {layout} layout, {rule}, N={count} stages and micro-batches per step, "
+               f"{steps} steps. The timetable: rows are stages, columns time steps; a cell F4@1 is the forward "
+               "(B: backward) of micro-batch 4, counted over the run, on rank 1; . is idle")
     click.echo("stage | " + " ".join(f"{t:>{width}}" for t in range(end + 1)))
     for stage in range(count):
         click.echo(f"{stage:>5} | " + " ".join(f"{cells.get((stage, t), '.'):>{width}}" for t in range(end + 1)))

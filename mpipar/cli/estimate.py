@@ -1,13 +1,14 @@
 """`mpipar estimate`: memory per rank and bytes sent per step of every scheme, before running anything.
 
     mpipar estimate --params 7e9 --world-size 64 --group-size 8 --micro-batches 8
-    mpipar estimate --model cnn --dataset digits --world-size 8 --group-size 4 --precision float32
+    mpipar estimate --model cnn --dataset digits --world-size 8 --group-size 4 --dtype float32
 
-prints seed 004's Table 1 (parameters, gradients, optimizer state held by one rank)
-and Table 2 (bytes sent in one optimizer step, summed over all ranks, intra-group
-and inter-group), in bytes, for every scheme. `--precision mixed` is the paper's
-setting: 2-byte parameters and gradients, a 4-byte master copy plus the optimizer's
-4-byte state; float32 and float64 are what mpipar trains in (no master copy).
+prints, for every sharding scheme, the PaRO paper's Table 1 (parameters, gradients,
+optimizer state held by one rank) and Table 2 (bytes sent in one optimizer step,
+summed over all ranks, inside groups and between them), in bytes; the paper is seed
+004 in docs/glossary.md. `--dtype mixed` is the paper's setting: 2-byte parameters and
+gradients, a 4-byte master copy plus the optimizer's 4-byte state; float32 and float64
+are what mpipar trains in (no master copy).
 
 In float32 and float64 it also prints the predicted peak per rank (peak.py): Table 1
 plus what a step holds on top, with units of --ddp/--bucket-mb. With --model the
@@ -26,27 +27,32 @@ import math
 
 import click
 
+from mpipar.cli.params import RenamedOption
+from mpipar.data import DATASETS
 from mpipar.errors import ConfigError
 from mpipar.estimate import PHASES, estimate_all
+from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, state_kinds
+from mpipar.options import IntListType
 from mpipar.peak import ActivationBytes, data_parallel_peak, dry_run
 from mpipar.sharding import DDP_MODES, SCHEMES, make_units, unit_bytes_for
 from mpipar.units import format_bytes
 
 PRECISIONS = ("mixed", "float32", "float64")
+POSITIVE = click.IntRange(min=1)
 
 
-def built_model(model: str, dataset: str, hidden: str, dtype: str):
+def built_model(model: str, dataset: str, hidden: tuple[int, ...], dtype: str):
     """(the training set, the evaluation batch `mpipar train` uses by default, one laid-out
     stage of a built-in model, its loss): nothing is allocated for the parameters."""
     from mpipar.backend import make_backend
-    from mpipar.config import TrainConfig, coerce
+    from mpipar.config import TrainConfig
     from mpipar.data import load_dataset
     from mpipar.layers import SoftmaxCrossEntropy
     from mpipar.model import build_stages
     from mpipar.models import build_model
 
-    config = TrainConfig(model=model, dataset=dataset, hidden=coerce("hidden", hidden, "--hidden"))
+    config = TrainConfig(model=model, dataset=dataset, hidden=hidden)
     train_set, test_set = load_dataset(config.dataset, data_dir=config.data_dir)
     built = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
                         hidden=config.hidden, dropout=0.0, width=config.width, heads=config.heads,
@@ -82,34 +88,41 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
 
 
 @click.command()
-@click.option("--params", type=float, default=None, help="parameter count Psi, e.g. 7e9")
-@click.option("--model", default=None, help="or a built-in model: mlp, cnn, transformer")
-@click.option("--dataset", default="digits", show_default=True, help="data set fixing --model's input shape")
-@click.option("--hidden", default="128,128", show_default=True, help="hidden widths of --model mlp")
-@click.option("--world-size", type=int, required=True, help="ranks N")
-@click.option("--group-size", type=int, required=True, help="ranks per group M")
-@click.option("--micro-batches", type=int, default=1, show_default=True, help="micro-batches per step s")
-@click.option("--batch-size", type=int, default=64, show_default=True, help="global batch (for --model's activations)")
-@click.option("--ddp", default="bucketed", show_default=True, help=f"units: one of {', '.join(DDP_MODES)}")
-@click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="unit size for --ddp bucketed")
-@click.option("--prefetch", type=int, default=1, show_default=True, help="units gathered ahead (P sharded)")
-@click.option("--optimizer", default="adam", show_default=True, help=f"one of {', '.join(OPTIMIZERS)}")
-@click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum (0: no state)")
-@click.option("--precision", default="mixed", show_default=True, help=f"one of {', '.join(PRECISIONS)}")
+@click.option("--params", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="the number of parameters of the model, e.g. 7e9 (or give --model)")
+@click.option("--model", type=click.Choice(MODELS), default=None, help="or a built-in model, counted")
+@click.option("--dataset", type=click.Choice(DATASETS), default="digits", show_default=True,
+              help="the data set that fixes --model's input shape")
+@click.option("--hidden", type=IntListType(), default="128,128", show_default=True,
+              help="hidden widths of --model mlp")
+@click.option("--world-size", type=POSITIVE, required=True, help="number of ranks")
+@click.option("--group-size", type=POSITIVE, required=True, help="ranks per group (a node); divides --world-size")
+@click.option("--micro-batches", type=POSITIVE, default=1, show_default=True, help="micro-batches per rank per step")
+@click.option("--batch-size", type=POSITIVE, default=64, show_default=True,
+              help="global batch, for --model's activations")
+@click.option("--ddp", type=click.Choice(DDP_MODES), default="bucketed", show_default=True,
+              help="layers per communication unit, as in mpipar train")
+@click.option("--bucket-mb", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True,
+              help="unit size in MB for --ddp bucketed")
+@click.option("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
+              help="units of parameters gathered ahead by the schemes that shard them")
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True)
+@click.option("--momentum", type=click.FloatRange(min=0), default=0.9, show_default=True,
+              help="SGD momentum (0: SGD keeps no state)")
+@click.option("--dtype", "--precision", "precision", cls=RenamedOption, type=click.Choice(PRECISIONS),
+              default="mixed", show_default=True,
+              help="mixed: 2-byte parameters and gradients, 4-byte master copy and state (the paper's); "
+                   "float32 and float64: what mpipar trains in")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def estimate(params: float | None, model: str | None, dataset: str, hidden: str, world_size: int, group_size: int,
-             micro_batches: int, batch_size: int, ddp: str, bucket_mb: float, prefetch: int, optimizer: str,
-             momentum: float, precision: str, as_json: bool) -> None:
-    """Seed 004's Tables 1 and 2 in bytes, and the predicted peak: memory per rank and traffic per step."""
+def estimate(params: float | None, model: str | None, dataset: str, hidden: tuple[int, ...], world_size: int,
+             group_size: int, micro_batches: int, batch_size: int, ddp: str, bucket_mb: float, prefetch: int,
+             optimizer: str, momentum: float, precision: str, as_json: bool) -> None:
+    """Memory per rank and bytes sent per step of every sharding scheme, and the predicted peak.
+
+    The tables are the PaRO paper's Tables 1 and 2 in bytes (seed 004; terms in docs/glossary.md).
+    """
     if (params is None) == (model is None):
-        raise ConfigError("give either --params COUNT or --model NAME")
-    if precision not in PRECISIONS:
-        raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if ddp not in DDP_MODES:
-        raise ConfigError(f"--ddp must be one of {', '.join(DDP_MODES)}, got {ddp!r}")
-    if micro_batches < 1 or world_size < 1 or batch_size < 1 or not bucket_mb > 0 or prefetch < 0:
-        raise ConfigError("--world-size, --micro-batches, --batch-size and --bucket-mb must be positive, "
-                          "--prefetch not negative")
+        raise ConfigError("give either --params COUNT or --model NAME, e.g. --params 7e9 or --model mlp")
     built = None if model is None else built_model(model, dataset, hidden, "float64" if precision == "float64"
                                                     else "float32")
     count = params if params is not None else built[2].flat.size
@@ -126,22 +139,28 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: str,
                                                       "traffic": {phase: vars(row.traffic[phase])
                                                                   for phase in PHASES}} for row in rows}}))
         return
-    click.echo(f"Psi = {count:.4g} parameters, N = {world_size} ranks, M = {group_size} per group "
-               f"(g = {world_size // group_size}), s = {micro_batches} micro-batches, {precision} "
-               f"({element} B per parameter and gradient, K = {k} B of {optimizer} state)")
-    click.echo(f"{'scheme':<10}{'P':>10}{'G':>10}{'OS':>10}{'per rank':>11}{'peak':>10}"
-               f"{'intra/step':>13}{'inter/step':>13}")
+    groups = world_size // group_size
+    state = f"{k} bytes of {optimizer} state" + (" and master copy" if precision == "mixed" else "")
+    click.echo(f"{count:.4g} parameters on {world_size} ranks in {groups} group(s) of {group_size}, "
+               f"{micro_batches} micro-batch(es) per rank per step; {precision} precision: {element} bytes per "
+               f"parameter and per gradient, {state} per parameter")
+    click.echo(f"{'scheme':<10}{'params':>10}{'grads':>10}{'opt state':>10}{'per rank':>11}{'peak':>10}"
+               f"{'sent inside':>13}{'sent across':>13}")
     for row in rows:
         memory = row.memory
         peak = format_bytes(peaks[row.name]) if peaks else "-"
         click.echo(f"{row.name:<10}{format_bytes(memory.parameters):>10}{format_bytes(memory.gradients):>10}"
                    f"{format_bytes(memory.optimizer_state):>10}{format_bytes(memory.total):>11}{peak:>10}"
                    f"{format_bytes(row.intra):>13}{format_bytes(row.inter):>13}")
+    click.echo("params, grads, opt state: what one rank holds of the parameters, gradients and optimizer state "
+               "(per rank: their sum)")
+    click.echo("sent inside, sent across: bytes all ranks send in one step inside their groups and between groups "
+               "(schemes: docs/sharding.md; words: docs/glossary.md)")
     if not peaks:
-        click.echo("peak: predicted for what mpipar trains in; give --precision float32 or float64")
+        click.echo("peak: predicted for what mpipar trains in; give --dtype float32 or float64")
     elif built is None:
-        click.echo(f"peak: Table 1 plus a step's transients, units of {bucket_mb:g} MB, activations left out "
-                   "(give --model to count them)")
+        click.echo(f"peak: the per-rank state plus what a step holds on top, in units of {bucket_mb:g} MB; "
+                   "activations left out (give --model to count them)")
     else:
-        click.echo(f"peak: Table 1 plus a step's transients (--ddp {ddp}), activations of a batch of {batch_size} "
-                   f"from a dry run: what `mpipar train --memory-limit` checks")
+        click.echo(f"peak: the per-rank state plus what a step holds on top (--ddp {ddp}) and the activations of a "
+                   f"batch of {batch_size} from a dry run: what `mpipar train --memory-limit` checks")

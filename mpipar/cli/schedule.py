@@ -1,14 +1,16 @@
 """`mpipar schedule show`: simulate a strategy and draw its pipeline diagram, no MPI needed.
 
-    mpipar schedule show --scheme lpp --workers 4 --stages 8 --micro-batches 8 --loops 2
-    mpipar schedule show --scheme 1f1b --workers 4 --stages 4 --micro-batches 8 --png 1f1b.png
+    mpipar schedule show --scheme lpp --world-size 4 --stages 8 --micro-batches 8 --loops 2
+    mpipar schedule show --scheme 1f1b --world-size 4 --stages 4 --micro-batches 8 --png 1f1b.png
     mpipar schedule show --table my_schedule.toml
 
 compiles the strategy into one Program per rank (the ones `mpipar train` runs), replays
 them to prove them sound and time them, and prints the diagram (rows workers, columns
-time, cells like F3b2), then per worker: activation and weight transfers, peak
-activation storage, weights owned and the idle fraction (the bubble), and the latency.
-`--programs` also lists every rank's instructions.
+time, cells like F3b2 with a legend line under them), then per worker: activation and
+weight transfers, peak activation storage, weights owned and the idle fraction (the
+bubble), and the latency. `--programs` also lists every rank's instructions. The
+options are `mpipar train`'s names for the same things; the short -W -S -B -G are the
+letters of docs/schedule.md and docs/glossary.md.
 
 Exercised by: python -m pytest tests/test_schedule.py
 """
@@ -17,10 +19,13 @@ from __future__ import annotations
 
 import click
 
+from mpipar.cli.params import RenamedOption
 from mpipar.schedule import diagram
 from mpipar.schedule.program import compile_programs, describe
 from mpipar.schedule.replay import replay
 from mpipar.schedule.strategies import STRATEGIES, Shape, get_strategy, load_table
+
+POSITIVE = click.IntRange(min=1)
 
 
 @click.group()
@@ -29,13 +34,19 @@ def schedule() -> None:
 
 
 @schedule.command("show")
-@click.option("--scheme", default="gpipe", show_default=True, help=f"one of {', '.join(STRATEGIES)}")
-@click.option("--table", default=None, help="a strategy from a TOML table of w and n instead of --scheme")
-@click.option("--workers", "-W", type=int, default=4, show_default=True, help="workers W")
-@click.option("--stages", "-S", type=int, default=4, show_default=True, help="pipeline stages S")
-@click.option("--micro-batches", "-B", type=int, default=4, show_default=True, help="micro-batches B")
-@click.option("--loops", "-G", type=int, default=1, show_default=True, help="groups G of R = W/G workers (lpp, fslpp)")
-@click.option("--png", default=None, help="also draw the diagram into this PNG file (needs matplotlib)")
+@click.option("--scheme", type=click.Choice(list(STRATEGIES)), default="gpipe", show_default=True,
+              help="the strategy, as `mpipar train --scheme ... --stages S` runs it")
+@click.option("--table", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="a strategy from a TOML table of w and n instead of --scheme (docs/schedule.md)")
+@click.option("--world-size", "-W", "--workers", "workers", cls=RenamedOption, type=POSITIVE, default=4,
+              show_default=True, help="workers W, one per rank")
+@click.option("--stages", "-S", type=POSITIVE, default=4, show_default=True, help="pipeline stages S")
+@click.option("--micro-batches", "-B", type=POSITIVE, default=4, show_default=True,
+              help="micro-batches B of one step (all of them, not per rank)")
+@click.option("--loops", "-G", type=POSITIVE, default=1, show_default=True,
+              help="loops G: groups of W/G workers the looped schedules (lpp, fslpp) cycle through")
+@click.option("--png", default=None, metavar="FILE",
+              help="also draw the diagram into this PNG file (needs the plot extra: pip install -e '.[plot]')")
 @click.option("--programs", is_flag=True, help="also list every rank's program, instruction by instruction")
 def show(scheme: str, table: str | None, workers: int, stages: int, micro_batches: int, loops: int,
          png: str | None, programs: bool) -> None:
@@ -44,15 +55,20 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
     shape = Shape(workers, stages, micro_batches, loops)
     compiled = compile_programs(strategy, shape)
     timeline = replay(compiled.programs, shape, compiled.holders)
-    click.echo(f"{strategy.name}: W={workers} S={stages} B={micro_batches} G={loops}, one unit per job")
+    click.echo(f"{strategy.name}: W={workers} workers, S={stages} stages, B={micro_batches} micro-batches, "
+               f"G={loops} loop(s); each job takes one time unit")
     click.echo(diagram.text(timeline))
-    click.echo(f"latency {timeline.latency:g}")
-    click.echo(f"{'worker':<8}{'act. recv':>10}{'weight fetch':>14}{'peak act.':>11}{'weights':>9}{'idle':>8}")
+    click.echo(diagram.LEGEND)
+    click.echo(f"latency {timeline.latency:g} time units (the step, first job to last)")
+    click.echo(f"{'worker':<8}{'activations in':>16}{'weights fetched':>17}{'most held':>11}{'stages owned':>14}"
+               f"{'idle':>7}")
     for worker, row in enumerate(zip(timeline.activation_receives(), timeline.weight_fetches(),
                                      timeline.peak_activations(), timeline.weights_owned(),
                                      timeline.idle_fraction())):
         received, fetched, peak, owned, idle = row
-        click.echo(f"W{worker:<7}{received:>10}{fetched:>14}{peak:>11}{owned:>9}{idle:>8.0%}")
+        click.echo(f"W{worker:<7}{received:>16}{fetched:>17}{peak:>11}{owned:>14}{idle:>7.0%}")
+    click.echo("activations in: activations and gradients received from other workers; most held: the most "
+               "(stage, micro-batch) activations stashed at once; idle: the fraction of the step spent waiting")
     if programs:
         for rank, program in enumerate(compiled.programs):
             click.echo(f"rank {rank}:")

@@ -245,8 +245,11 @@ def run_benchmarks(comm: Comm, plan: dict[str, list[str]], sizes: list[int], dty
     return results
 
 
+TABLE_LEGEND = ("time: of the slowest rank; algbw: size / time; busbw: what the busiest link carried; inside, "
+                "across, library: bytes one repetition sent per rank inside its group, to other groups, and "
+                "through the MPI library's own collective (docs/glossary.md)")
 TABLE_HEADER = (f"{'operation':<15}{'algorithm':<10}{'size':>8}{'time us':>14}{'algbw GB/s':>12}"
-                f"{'busbw GB/s':>12}{'intra/rank':>12}{'inter/rank':>12}{'library/rank':>14}")
+                f"{'busbw GB/s':>12}{'inside':>12}{'across':>12}{'library':>14}")
 
 
 def table_row(result: Result) -> str:

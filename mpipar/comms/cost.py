@@ -16,7 +16,7 @@ So a ring pays the inter link on every step (its N - 1 steps all cross it at the
 group boundaries); H-Ring pays (g - 1) inter steps and then M - 1 intra steps of g
 blocks; HO-Ring pays max(inter, intra) step by step.
 
-Exercised by: mpipar simulate comm --ranks 16 --group-size 8 --bw-intra 300GB/s --bw-inter 25GB/s
+Exercised by: mpipar simulate comm --world-size 16 --group-size 8 --bw-intra 300GB/s --bw-inter 25GB/s
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class Network:
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.ranks % self.group_size:
-            raise ConfigError(f"--group-size {self.group_size} does not divide --ranks {self.ranks}")
+            raise ConfigError(f"--group-size {self.group_size} does not divide --world-size {self.ranks}; "
+                              "choose a group size that divides it")
         if min(self.bw_intra, self.bw_inter) <= 0 or (self.bw_node is not None and self.bw_node <= 0):
             raise ConfigError("bandwidths must be positive")
 

@@ -17,6 +17,9 @@ import math
 from mpipar.errors import ConfigError
 from mpipar.schedule.simulate import Timeline
 
+LEGEND = ("cells: F3b2 = forward of stage 3 on micro-batch 2, B3b2 its backward, .... = idle; "
+          "rows: workers W0, W1, ...; columns: time units (docs/glossary.md)")
+
 
 def text(timeline: Timeline) -> str:
     """The timeline as a grid of cells, one row per worker."""
@@ -37,7 +40,8 @@ def png(timeline: Timeline, path: str, title: str) -> None:
     try:
         import matplotlib
     except ModuleNotFoundError:
-        raise ConfigError("--png needs matplotlib: pip install 'mpipar[plot]'") from None
+        raise ConfigError("--png needs matplotlib, the plot extra: pip install -e '.[plot]' in the repository "
+                          "(or pip install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
