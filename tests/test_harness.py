@@ -1,10 +1,12 @@
-"""The MPI test harness itself: a deadlock fails fast, with every rank's stack."""
+"""The MPI test harness itself: a deadlock fails fast, with every rank's stack; any MPI can run it."""
 
+import os
 import sys
 
 import pytest
 
-from conftest import SCRIPTS, run_mpi
+from conftest import SCRIPTS, mpi_implementation, mpiexec_path, run_mpi
+from mpipar.launch import mpi_library
 
 
 def test_a_deadlocked_script_ends_with_every_ranks_stack():
@@ -24,3 +26,21 @@ def test_the_comm_watchdog_names_rank_operation_and_peer():
     assert result.returncode == 3, result.stdout + result.stderr
     assert "rank 0: all-reduce (ring, 8000 bytes) still waits after 2 s for messages to or from rank(s) [1]" \
         in result.stdout
+
+
+def test_run_mpi_starts_more_ranks_than_cores_under_any_mpi():
+    # Open MPI refuses this (and refuses root) unless run_mpi passes the flags it needs.
+    ranks = len(os.sched_getaffinity(0)) + 1
+    sizes = "from mpi4py import MPI; sizes = MPI.COMM_WORLD.gather(MPI.COMM_WORLD.size); print(sizes or '', end='')"
+    result = run_mpi(ranks, sys.executable, "-c", sizes, timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout == str([ranks] * ranks), result.stdout  # one world of them all, not singletons
+
+
+def test_mpiexec_and_mpi4py_use_the_same_mpi():
+    # An mpiexec of one MPI starting ranks linked to another gives N singletons, and baffling failures.
+    from mpi4py import MPI
+
+    library = mpi_library(MPI.Get_library_version())
+    expected = {"openmpi": "Open MPI", "mpich": "MPICH"}.get(mpi_implementation())
+    assert expected is None or library.startswith(expected), (mpiexec_path(), library)

@@ -1,6 +1,9 @@
-"""`mpipar info`: versions, the MPI library, world size, backend and device.
+"""`mpipar info`: versions, the MPI library and launcher, ranks and cores per node, threads, device.
 
-Exercised by: mpipar info;  mpiexec -n 2 mpipar info
+Rank 0 prints everything; when the ranks on a node outnumber its cores it ends with
+a warning (see mpipar/launch.py).
+
+Exercised by: mpipar info;  mpiexec -n 4 mpipar info;  python -m pytest tests/test_launch.py
 """
 
 from __future__ import annotations
@@ -21,24 +24,23 @@ def info(device: str) -> None:
 
     import mpipar
     from mpipar.backend import make_backend
+    from mpipar.launch import describe_launch, oversubscription_warning
 
     comm = MPI.COMM_WORLD
     backend = make_backend(device)
-    threads = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "BLAS default"
-    lines = comm.gather(f"  rank {comm.rank}: host {platform.node()}, BLAS threads {threads}")
+    launch = describe_launch(comm)
+    warning = oversubscription_warning(comm)
     if comm.rank != 0:
         return
-    library = MPI.Get_library_version().strip().splitlines()[0]
-    major, minor = MPI.Get_version()
     click.echo(f"mpipar {mpipar.__version__}  (Python {platform.python_version()}, "
                f"numpy {numpy.__version__}, mpi4py {mpi4py.__version__}, click {click.__version__})")
-    click.echo(f"MPI: {library} (MPI standard {major}.{minor})")
-    click.echo(f"world size: {comm.size}")
-    click.echo("\n".join(lines))
+    click.echo("\n".join(launch))
     if backend.device == "gpu":
         import cupy
 
         name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
         click.echo(f"backend: cupy {cupy.__version__}, device {name}")
     else:
-        click.echo(f"backend: numpy {numpy.__version__}, device cpu ({os.cpu_count()} cores)")
+        click.echo(f"backend: numpy {numpy.__version__}, device cpu ({os.cpu_count()} cores in the machine)")
+    if warning:
+        click.echo(f"warning: {warning}")

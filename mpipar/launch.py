@@ -1,0 +1,146 @@
+"""What launched this job and how its ranks sit on the machines: for `mpipar info` and a warning.
+
+`describe_launch` says which MPI library is loaded, which launcher started the ranks
+(Slurm's srun, Open MPI's mpirun, MPICH's hydra mpiexec, or none), how many ranks
+share each node against how many cores they may use there, and the BLAS/OpenMP
+thread settings of the ranks. `oversubscription_warning` is one sentence when the
+ranks on some node outnumber its cores: each rank then waits for a core, and a step
+takes several times longer than with one rank per core (benchmarks/oversubscribed.py).
+
+The launcher is read from the environment variables it gives its ranks; the
+functions that read them take the environment as an argument so that the tests can
+show them a Slurm job on a machine that has no Slurm.
+
+Exercised by: mpiexec -n 4 mpipar info;  python -m pytest tests/test_launch.py
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# Most specific first: under `mpirun` inside a Slurm job the ranks see SLURM_PROCID
+# too, but it numbers the launcher's daemons, not the ranks.
+_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def mpi_library(version_text: str) -> str:
+    """'MPICH 5.0.2', 'Open MPI 5.0.11', 'Intel MPI 2021.10', else the first line, from MPI_Get_library_version."""
+    patterns = (("Open MPI", r"Open MPI v(\S+?),"), ("Intel MPI", r"Intel\(R\) MPI Library (\S+)"),
+                ("MPICH", r"^MPICH Version:\s*(\S+)"))
+    for name, pattern in patterns:
+        found = re.search(pattern, version_text, re.MULTILINE)
+        if found:
+            return f"{name} {found.group(1)}"
+    lines = version_text.strip().splitlines()
+    return lines[0].strip() if lines else "unknown MPI library"
+
+
+def launcher(environ: Mapping[str, str]) -> str:
+    """Which program started this process, in words, from the variables it set."""
+    inside_slurm = f" inside Slurm job {environ['SLURM_JOB_ID']}" if "SLURM_JOB_ID" in environ else ""
+    # Open MPI's mpirun (4.x and 5.x) names the command it started; 5.x also sets PRTE_LAUNCHED.
+    if "OMPI_COMMAND" in environ or "PRTE_LAUNCHED" in environ:
+        return f"Open MPI mpirun{inside_slurm}"
+    # Hydra (MPICH's and Intel MPI's mpiexec) tells each rank how many share its node.
+    if "MPI_LOCALNRANKS" in environ or any(name.startswith("HYDRA_") for name in environ):
+        return f"hydra mpiexec (MPICH / Intel MPI){inside_slurm}"
+    if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ:
+        return (f"Slurm srun (job {environ.get('SLURM_JOB_ID', '?')}, step {environ['SLURM_STEP_ID']}, "
+                f"{environ.get('SLURM_NTASKS', '?')} tasks on {environ.get('SLURM_NNODES', '?')} nodes)")
+    if any(name in environ for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")):
+        return "an MPI launcher that mpipar does not know (PMI)"
+    return "none: one process started without mpiexec/srun (an MPI singleton)"
+
+
+def rank_from_environment(environ: Mapping[str, str]) -> int | None:
+    """This process's rank as its launcher numbered it, before MPI starts; None without a launcher."""
+    for name in _RANK_VARIABLES:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def usable_cores() -> set[int]:
+    """The CPU ids this process may run on (its affinity mask: a launcher or Slurm may narrow it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """The ranks that share one node's memory, and the cores they may use between them."""
+
+    host: str
+    ranks: tuple[int, ...]
+    cores: int
+    thread_settings: tuple[str, ...]  # each distinct setting among the node's ranks
+
+
+def node_layouts(comm, cores_per_node: int | None = None) -> list[NodeLayout]:
+    """Every node's layout, the same list on every rank (collective over `comm`).
+
+    A node's cores are the union of its ranks' affinity masks: Open MPI binds each of
+    2 ranks to its own core, and the node still has 2 cores for them, not 1.
+    `cores_per_node` replaces that count (the tests use it to pretend a larger or
+    smaller machine).
+    """
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    try:
+        node_cores = set().union(*node.allgather(usable_cores()))
+        node_ranks = tuple(node.allgather(comm.rank))
+    finally:
+        node.Free()
+    threads = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in THREAD_VARIABLES)
+    record = (node_ranks, platform.node(), cores_per_node or len(node_cores), threads)
+    by_node: dict[tuple[int, ...], list] = {}
+    for ranks, host, cores, setting in comm.allgather(record):
+        by_node.setdefault(ranks, [host, cores, []])[2].append(setting)
+    return [NodeLayout(host, ranks, cores, tuple(dict.fromkeys(settings)))
+            for ranks, (host, cores, settings) in sorted(by_node.items())]
+
+
+def _rank_list(ranks: tuple[int, ...]) -> str:
+    contiguous = ranks == tuple(range(ranks[0], ranks[-1] + 1))
+    if len(ranks) > 2 and contiguous:
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _cores(count: int) -> str:
+    return f"{count} core" if count == 1 else f"{count} cores"
+
+
+def describe_launch(comm, cores_per_node: int | None = None) -> list[str]:
+    """Lines for `mpipar info`: MPI library, launcher, and per node: ranks, cores, threads (collective)."""
+    from mpi4py import MPI
+
+    major, minor = MPI.Get_version()
+    lines = [f"MPI: {mpi_library(MPI.Get_library_version())} (MPI standard {major}.{minor})",
+             f"launcher: {launcher(os.environ)}",
+             f"world size: {comm.size}"]
+    for layout in node_layouts(comm, cores_per_node):
+        lines.append(f"  host {layout.host}: {_rank_list(layout.ranks)} on {_cores(layout.cores)}; "
+                     f"threads per rank: {'; '.join(layout.thread_settings)}")
+    return lines
+
+
+def oversubscription_warning(comm, cores_per_node: int | None = None) -> str | None:
+    """One sentence if the ranks on some node outnumber its cores, else None; the same on every rank (collective)."""
+    crowded = [layout for layout in node_layouts(comm, cores_per_node) if len(layout.ranks) > layout.cores]
+    if not crowded:
+        return None
+    worst = max(crowded, key=lambda layout: len(layout.ranks) / layout.cores)
+    others = f" (and on {len(crowded) - 1} other node(s))" if len(crowded) > 1 else ""
+    ranks_word = "rank" if worst.cores == 1 else "ranks"
+    return (f"{len(worst.ranks)} ranks share {_cores(worst.cores)} on host {worst.host}{others}: each step will be "
+            f"several times slower than with {worst.cores} {ranks_word}; start at most {worst.cores} "
+            f"{ranks_word} per node")

@@ -1,0 +1,22 @@
+"""Rank 0 prints, as one JSON list, what mpipar.launch says about this launch on every rank.
+
+Run by tests/test_launch.py as `mpiexec -n N python check_launch.py [CORES]`; CORES,
+when given, pretends each node has that many cores.
+"""
+
+import json
+import sys
+
+from mpi4py import MPI
+
+import deadline
+from mpipar.launch import describe_launch, oversubscription_warning
+
+deadline.arm(60)
+comm = MPI.COMM_WORLD
+cores = int(sys.argv[1]) if len(sys.argv) > 1 else None
+report = {"rank": comm.rank, "lines": describe_launch(comm, cores), "warning": oversubscription_warning(comm, cores)}
+reports = comm.gather(report)  # one writer: the launcher may splice long lines of several ranks together
+if comm.rank == 0:
+    print(json.dumps(reports), flush=True)
+deadline.disarm()
