@@ -86,6 +86,7 @@ class Trainer:
         # validation, which could otherwise stop some ranks before this collective call.
         self.counted = agree_on_setup(self.comm, lambda: make_world(config.group_size or None, self.comm))
         agree_on_setup(self.comm, self._setup)
+        agree_on_data(self.comm, self.train_set, self.test_set)  # a rank with other data stops them all
         self.engine = self._make_engine()  # collective (sub-communicators): only once every rank is set up
         self.predicted = self._predicted_peak()
         if config.memory_limit is not None:

@@ -4,6 +4,8 @@ Run: PYTHONPATH=. python -m pytest tests/test_download.py -q
 """
 
 import functools
+import os
+import stat
 import hashlib
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -150,20 +152,37 @@ def test_registry_has_a_sha256_for_every_upstream_file():
         assert all(len(h) == 64 and int(h, 16) >= 0 for h in hashes.values())
 
 
-def test_cli_download_with_mirror(tmp_path, fake_spec, monkeypatch):
+def test_cli_download_with_mirror_into_data_dir_name(tmp_path, fake_spec, monkeypatch):
     root, url = fake_spec
     monkeypatch.setitem(DOWNLOADS, "fake", DownloadSpec("http://127.0.0.1:9/", DOWNLOADS["fake"].sha256))
-    dest = tmp_path / "dest"
-    result = CliRunner().invoke(data_cli, ["download", "fake", "--dest", str(dest), "--mirror", url])
+    data_dir = tmp_path / "datasets"
+    result = CliRunner().invoke(data_cli, ["download", "fake", "--data-dir", str(data_dir), "--mirror", url])
     assert result.exit_code == 0, result.output
-    assert all((dest / name).read_bytes() == content for name, content in FILES.items())
-    assert str(dest / "train-images-idx3-ubyte.gz") in result.output
+    # --data-dir names the directory of data sets, as in `mpipar train`: the files go to DIR/NAME.
+    assert all((data_dir / "fake" / name).read_bytes() == content for name, content in FILES.items())
+    assert str(data_dir / "fake" / "train-images-idx3-ubyte.gz") in result.output
+    assert f"--data-dir {data_dir}" in result.output
+
+
+def test_cli_download_defaults_to_the_environment_then_dot_data(tmp_path, fake_spec, monkeypatch):
+    monkeypatch.setenv("MPIPAR_DATA", str(tmp_path / "env"))
+    assert CliRunner().invoke(data_cli, ["download", "fake"]).exit_code == 0
+    assert sorted(p.name for p in (tmp_path / "env" / "fake").iterdir()) == sorted(FILES)
+    monkeypatch.delenv("MPIPAR_DATA")
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(data_cli, ["download", "fake"]).exit_code == 0
+    assert sorted(p.name for p in (tmp_path / "data" / "fake").iterdir()) == sorted(FILES)
+
+
+def test_cli_download_has_no_dest_option_any_more(tmp_path, fake_spec):
+    result = CliRunner().invoke(data_cli, ["download", "fake", "--dest", str(tmp_path)])
+    assert result.exit_code == 2 and "--dest" in result.output
 
 
 def test_cli_download_failure_is_a_clean_error(tmp_path, fake_spec):
     root, url = fake_spec
     (root / "train-labels-idx1-ubyte.gz").write_bytes(b"tampered")
-    result = CliRunner().invoke(data_cli, ["download", "fake", "--dest", str(tmp_path / "d")])
+    result = CliRunner().invoke(data_cli, ["download", "fake", "--data-dir", str(tmp_path / "d")])
     assert result.exit_code == 1
     assert "checksum mismatch" in result.output and "Traceback" not in result.output
 
@@ -178,3 +197,21 @@ def test_cli_list_shows_a_data_dir_set(tmp_path, monkeypatch):
     kmnist_line = next(line for line in result.output.splitlines() if line.startswith("kmnist"))
     assert f"present in {tmp_path / 'kmnist'}" in kmnist_line
     assert "digits" in result.output and "text" in result.output
+
+
+def test_downloaded_files_are_readable_by_group_and_others_under_umask_022(tmp_path, fake_spec):
+    original = os.umask(0o022)
+    try:
+        paths = download("fake", tmp_path / "dest")
+    finally:
+        os.umask(original)
+    assert {oct(stat.S_IMODE(path.stat().st_mode)) for path in paths} == {oct(0o644)}
+
+
+def test_a_download_that_cannot_be_written_is_one_sentence_naming_the_file(tmp_path, fake_spec):
+    dest = tmp_path / "dest"
+    (dest / "train-labels-idx1-ubyte.gz").mkdir(parents=True)  # the rename onto it fails
+    with pytest.raises(DataError) as info:
+        download("fake", dest)
+    assert str(info.value).startswith(f"cannot write {dest / 'train-labels-idx1-ubyte.gz'}: ")
+    assert sorted(p.name for p in dest.iterdir()) == sorted(FILES)  # no temporary file left

@@ -1,7 +1,12 @@
 """`mpipar data`: see which data sets are available here and download the missing ones.
 
     mpipar data list [--data-dir DIR]
-    mpipar data download NAME [--dest DIR] [--mirror URL]
+    mpipar data download NAME [--data-dir DIR] [--mirror URL]
+
+`--data-dir DIR` means the same in both and in `mpipar train`: the directory that
+holds the data sets, each in a subdirectory named after it. A download goes to
+DIR/NAME (by default $MPIPAR_DATA/NAME if set, else ./data/NAME), where training
+with the same --data-dir finds it.
 
 Exercised by `pytest tests/test_download.py -k cli`.
 """
@@ -18,9 +23,9 @@ from mpipar.data.download import DOWNLOADS, download as download_dataset
 from mpipar.errors import MpiparError
 
 
-def default_dest(name: str) -> Path:
-    """Where a download goes by default: a place the loader searches, or ./data/NAME."""
-    return Path(os.environ.get(DATA_ENV) or "data") / name
+def download_dir(name: str, data_dir: str | None) -> Path:
+    """Where data set `name` is downloaded: DATA_DIR/NAME, with $MPIPAR_DATA or ./data by default."""
+    return Path(data_dir or os.environ.get(DATA_ENV) or "data").expanduser() / name
 
 
 @click.group()
@@ -52,13 +57,14 @@ def list_datasets(data_dir: str | None) -> None:
 
 @data.command("download")
 @click.argument("name")
-@click.option("--dest", type=click.Path(file_okay=False), default=None,
-              help=f"Directory for the files [default: ${DATA_ENV}/NAME if set, else ./data/NAME].")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help=f"Directory of data sets; the files go into its subdirectory NAME, where `mpipar train "
+                   f"--data-dir` looks [default: ${DATA_ENV} if set, else ./data].")
 @click.option("--mirror", default=None, metavar="URL",
               help="Base URL to fetch the files from instead of the official one; hashes are still checked.")
-def download(name: str, dest: str | None, mirror: str | None) -> None:
+def download(name: str, data_dir: str | None, mirror: str | None) -> None:
     """Download data set NAME (mnist, fashion-mnist or kmnist), checking SHA-256 sums."""
-    target = Path(dest) if dest else default_dest(name)
+    target = download_dir(name, data_dir)
     # Validate the name before saying "downloading", and before any directory is made.
     if name not in DOWNLOADS:
         raise click.BadParameter(f"choose one of {', '.join(sorted(DOWNLOADS))}", param_hint="NAME")
@@ -69,4 +75,4 @@ def download(name: str, dest: str | None, mirror: str | None) -> None:
         raise click.ClickException(str(exc)) from exc
     for path in paths:
         click.echo(f"  {path}")
-    click.echo(f"done; train with --data-dir {target} (or set {DATA_ENV}={target.parent})")
+    click.echo(f"done; train with --dataset {name} --data-dir {target.parent} (or set {DATA_ENV}={target.parent})")

@@ -1,14 +1,15 @@
 """Data for mpipar: data sets, the IDX file format, checked downloads and the batch sampler.
 
-The trainer needs only `load_dataset` and the sampler functions; `mpipar data`
+The trainer needs only `load_dataset`, `agree_on_data` and the sampler functions; `mpipar data`
 (see mpipar/cli/data.py) uses the download registry. The `download` function is
 deliberately not re-exported: it would hide the `mpipar.data.download` module
 of the same name. Exercised by
-`pytest tests/test_data.py tests/test_download.py`.
+`pytest tests/test_data.py tests/test_download.py tests/test_data_identity.py`.
 """
 
 from mpipar.data.datasets import DATASETS, Dataset, ImageDataset, TextDataset, load_dataset
 from mpipar.data.download import DOWNLOADS, DownloadSpec
+from mpipar.data.identity import agree_on_data
 from mpipar.data.idx import read_idx, write_idx
 from mpipar.data.sampler import GlobalBatchSampler, eval_slice, rank_slice, split_micro_batches
 
@@ -20,6 +21,7 @@ __all__ = [
     "GlobalBatchSampler",
     "ImageDataset",
     "TextDataset",
+    "agree_on_data",
     "eval_slice",
     "load_dataset",
     "rank_slice",

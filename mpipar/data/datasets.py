@@ -2,12 +2,17 @@
 
 `load_dataset(name)` returns a (train, test) pair. Image sets are standardised
 with statistics of their training split; `text` is a character-level language
-modelling set built from any UTF-8 file. Exercised by `pytest tests/test_data.py`
-and by `mpipar data list`.
+modelling set built from any UTF-8 file. Each set carries a fingerprint of its
+content and where it came from, which the ranks compare (mpipar/data/identity.py);
+IDX files are recognised by their checksums as they are read, so a published set
+under another set's name is refused. Exercised by
+`pytest tests/test_data.py tests/test_data_identity.py` and by `mpipar data list`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 from dataclasses import dataclass
 from importlib import resources
@@ -15,19 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from mpipar.data.idx import read_idx
+from mpipar.data.identity import FileIdentity, check_file, fingerprint, identify_file
+from mpipar.data.idx import IDX_FILES, parse_idx, read_idx_bytes
 from mpipar.errors import ConfigError, DataError, unknown_name
 
 DATASETS: tuple[str, ...] = ("digits", "mnist", "fashion-mnist", "kmnist", "synthetic", "text")
 IDX_DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist", "kmnist")
-
-# Role -> file name (without the optional .gz), as every MNIST look-alike names them.
-IDX_FILES: dict[str, str] = {
-    "train_images": "train-images-idx3-ubyte",
-    "train_labels": "train-labels-idx1-ubyte",
-    "test_images": "t10k-images-idx3-ubyte",
-    "test_labels": "t10k-labels-idx1-ubyte",
-}
 
 # Where Debian's dataset-* packages (e.g. dataset-fashion-mnist) install their files.
 SYSTEM_DATA_ROOT = Path("/usr/share/datasets")
@@ -40,6 +38,7 @@ DIGITS_TEST_SIZE = 300
 SYNTHETIC_SEED = 1234
 SYNTHETIC_SHAPE = (1, 28, 28)
 SYNTHETIC_HIDDEN = 64
+SYNTHETIC_HASHED_IMAGES = 256
 TEXT_TRAIN_FRACTION = 0.9
 
 
@@ -51,6 +50,8 @@ class ImageDataset:
     images: np.ndarray
     labels: np.ndarray
     num_classes: int
+    fingerprint: str = ""  # sha256 of what the set was made from: compared across ranks
+    source: str = ""  # where it was loaded from, for messages
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -71,6 +72,8 @@ class TextDataset:
     tokens: np.ndarray
     vocab: list[str]
     seq_len: int
+    fingerprint: str = ""  # sha256 of the text file: compared across ranks
+    source: str = ""
 
     @property
     def num_classes(self) -> int:
@@ -132,15 +135,17 @@ def _standardise(train: np.ndarray, test: np.ndarray, maxval: float) -> tuple[np
 
 def _load_digits() -> tuple[ImageDataset, ImageDataset]:
     """The bundled 8x8 UCI digits, split 1497 / 300 by a fixed permutation."""
-    with resources.files("mpipar.data").joinpath("digits.npz").open("rb") as f, np.load(f) as npz:
+    packed = resources.files("mpipar.data").joinpath("digits.npz").read_bytes()
+    with np.load(io.BytesIO(packed)) as npz:
         images, labels = npz["images"], npz["labels"]
+    identity = dict(fingerprint=hashlib.sha256(packed).hexdigest(), source="the copy bundled with mpipar")
     order = np.random.default_rng(DIGITS_SPLIT_SEED).permutation(len(labels))
     test_idx, train_idx = order[:DIGITS_TEST_SIZE], order[DIGITS_TEST_SIZE:]
     train_x, test_x = _standardise(images[train_idx, None], images[test_idx, None], maxval=16.0)
     labels = labels.astype(np.int64)
     return (
-        ImageDataset("digits", train_x, labels[train_idx], num_classes=10),
-        ImageDataset("digits", test_x, labels[test_idx], num_classes=10),
+        ImageDataset("digits", train_x, labels[train_idx], num_classes=10, **identity),
+        ImageDataset("digits", test_x, labels[test_idx], num_classes=10, **identity),
     )
 
 
@@ -183,9 +188,21 @@ def find_idx_files(name: str, data_dir: str | None = None) -> dict[str, Path]:
     )
 
 
-def _read_pair(images_path: Path, labels_path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Images (N, H, W) and labels (N,) from two IDX files, checked against each other."""
-    images, labels = read_idx(images_path), read_idx(labels_path)
+def _read_checked(name: str, role: str, path: Path, identities: list[FileIdentity]) -> np.ndarray:
+    """The array in IDX file `path`, refused if it is a published file of another set or role."""
+    stored, raw = read_idx_bytes(path)
+    identity = identify_file(path, role, stored, raw)
+    check_file(name, identity)
+    identities.append(identity)
+    return parse_idx(raw, path)
+
+
+def _read_pair(name: str, files: dict[str, Path], split: str,
+               identities: list[FileIdentity]) -> tuple[np.ndarray, np.ndarray]:
+    """Images (N, H, W) and labels (N,) of one split ("train" or "test"), checked against each other."""
+    images_path, labels_path = files[f"{split}_images"], files[f"{split}_labels"]
+    images = _read_checked(name, f"{split}_images", images_path, identities)
+    labels = _read_checked(name, f"{split}_labels", labels_path, identities)
     if images.ndim != 3:
         raise DataError(f"{images_path} should hold images (N, H, W) but has shape {images.shape}")
     if labels.ndim != 1:
@@ -201,17 +218,19 @@ def _read_pair(images_path: Path, labels_path: Path) -> tuple[np.ndarray, np.nda
 
 def _load_idx_dataset(name: str, data_dir: str | None) -> tuple[ImageDataset, ImageDataset]:
     files = find_idx_files(name, data_dir)
-    train_raw, train_y = _read_pair(files["train_images"], files["train_labels"])
-    test_raw, test_y = _read_pair(files["test_images"], files["test_labels"])
+    identities: list[FileIdentity] = []
+    train_raw, train_y = _read_pair(name, files, "train", identities)
+    test_raw, test_y = _read_pair(name, files, "test", identities)
     if train_raw.shape[1:] != test_raw.shape[1:]:
         raise DataError(
             f"{files['train_images']} has {train_raw.shape[1:]} images but "
             f"{files['test_images']} has {test_raw.shape[1:]}"
         )
     train_x, test_x = _standardise(train_raw[:, None], test_raw[:, None], maxval=255.0)
+    identity = dict(fingerprint=fingerprint(identities), source=str(files["train_images"].parent))
     return (
-        ImageDataset(name, train_x, train_y, num_classes=10),
-        ImageDataset(name, test_x, test_y, num_classes=10),
+        ImageDataset(name, train_x, train_y, num_classes=10, **identity),
+        ImageDataset(name, test_x, test_y, num_classes=10, **identity),
     )
 
 
@@ -233,7 +252,16 @@ def _make_synthetic(samples: int) -> tuple[ImageDataset, ImageDataset]:
         y = np.argmax(np.tanh(x @ w1) @ w2, axis=1).astype(np.int64)
         return ImageDataset("synthetic", x.reshape(n, *SYNTHETIC_SHAPE), y, num_classes=10)
 
-    return make(samples), make(samples // 4)
+    train, test = make(samples), make(samples // 4)
+    # Drawn from fixed seeds, yet hashed, as another NumPy could draw other numbers: all the
+    # labels and the first images (hashing every image would cost more than it adds).
+    digest = hashlib.sha256()
+    for split in (train, test):
+        digest.update(split.labels.tobytes())
+        digest.update(split.images[:SYNTHETIC_HASHED_IMAGES].tobytes())
+    for split in (train, test):
+        split.fingerprint, split.source = digest.hexdigest(), f"the generator (seed {SYNTHETIC_SEED})"
+    return train, test
 
 
 def _load_text(text_file: str | None, seq_len: int) -> tuple[TextDataset, TextDataset]:
@@ -244,7 +272,8 @@ def _load_text(text_file: str | None, seq_len: int) -> tuple[TextDataset, TextDa
         raise ConfigError(f"seq_len must be at least 1, got {seq_len}")
     path = Path(text_file)
     try:
-        text = path.read_text(encoding="utf-8")
+        content = path.read_bytes()
+        text = content.decode("utf-8")
     except OSError as exc:
         raise DataError(f"cannot read text file {path}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
@@ -263,4 +292,6 @@ def _load_text(text_file: str | None, seq_len: int) -> tuple[TextDataset, TextDa
             f"into {len(train)} for training and {len(test)} for testing, and each part needs at "
             f"least {seq_len + 2}"
         )
-    return TextDataset("text", train, vocab, seq_len), TextDataset("text", test, vocab, seq_len)
+    identity = dict(fingerprint=hashlib.sha256(content).hexdigest(), source=str(path))
+    return (TextDataset("text", train, vocab, seq_len, **identity),
+            TextDataset("text", test, vocab, seq_len, **identity))

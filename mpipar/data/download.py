@@ -2,7 +2,9 @@
 
 A file is streamed into a temporary file next to its destination and renamed
 into place only once its hash matches, so an interrupted or corrupt download
-never appears under the real name. Exercised by `mpipar data download NAME`
+never appears under the real name; files get the user's umask (0644 typically),
+so a group can share one download. The same hashes identify the files again
+each time they are loaded (mpipar/data/identity.py). Exercised by `mpipar data download NAME`
 and `pytest tests/test_download.py`.
 """
 
@@ -11,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import http.client
 import os
-import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from mpipar.errors import DataError, unknown_name
+from mpipar.files import atomic_output
 
 TIMEOUT_S = 60
 CHUNK_BYTES = 1 << 20
@@ -96,25 +98,19 @@ def _stream(url: str, out: BinaryIO) -> str:
 
 
 def _fetch(url: str, target: Path, expected: str) -> None:
-    """Download `url` to `target`, which appears only complete and with the expected hash."""
+    """Download `url` to `target`, which appears only complete and with the expected hash.
+
+    The file is created readable by others as the umask allows (mpipar/files.py).
+    """
     try:
-        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-    except OSError as exc:
-        raise DataError(f"cannot write into {target.parent}: {exc.strerror or exc}") from exc
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as out:
+        with atomic_output(target) as out:
             actual = _stream(url, out)
-            out.flush()
-            # Make the bytes durable before the rename publishes them.
-            os.fsync(out.fileno())
-        if actual != expected:
-            raise DataError(f"checksum mismatch for {url}: expected sha256 {expected}, got {actual}")
-        os.replace(tmp, target)
-    except BaseException:
-        # Including KeyboardInterrupt: a stray .part file would never be cleaned up.
-        tmp.unlink(missing_ok=True)
-        raise
+            if actual != expected:
+                raise DataError(f"checksum mismatch for {url}: expected sha256 {expected}, got {actual}")
+    except OSError as exc:
+        # _stream turns every network error into a DataError, so what is left is local: the
+        # directory is not writable, the disk is full.
+        raise DataError(f"cannot write {target}: {exc.strerror or exc}") from exc
 
 
 def download(name: str, dest_dir: str | os.PathLike, *, base_url: str | None = None) -> list[Path]:

@@ -36,26 +36,32 @@ _CODE_FOR = {(dtype.kind, dtype.itemsize): code for code, dtype in IDX_DTYPES.it
 
 GZIP_MAGIC = b"\x1f\x8b"
 
+# Role -> file name (without the optional .gz), as every MNIST look-alike names its four files.
+IDX_FILES: dict[str, str] = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
+}
 
-def _read_bytes(path: Path) -> bytes:
-    """The file's contents, decompressed if it is gzip (judged by content, not by name)."""
+
+def read_idx_bytes(path: Path) -> tuple[bytes, bytes]:
+    """(the bytes as stored, the IDX bytes): the two differ when the file is gzip (judged by content)."""
     try:
-        raw = path.read_bytes()
+        stored = path.read_bytes()
     except OSError as exc:
         raise DataError(f"cannot read IDX file {path}: {exc.strerror or exc}") from exc
-    if not raw.startswith(GZIP_MAGIC):
-        return raw
+    if not stored.startswith(GZIP_MAGIC):
+        return stored, stored
     try:
-        return gzip_decompress(raw)
+        return stored, gzip_decompress(stored)
     except (BadGzipFile, EOFError, zlib.error) as exc:
         # EOFError is what a cut-off download looks like; the others are corruption.
         raise DataError(f"{path} starts like gzip but is not a valid (or is a truncated) gzip stream: {exc}") from exc
 
 
-def read_idx(path: str | os.PathLike) -> np.ndarray:
-    """Read an IDX file (plain or gzip) into a native-byte-order array of its stored shape."""
-    path = Path(path)
-    raw = _read_bytes(path)
+def parse_idx(raw: bytes, path: Path) -> np.ndarray:
+    """The array in `raw`, the uncompressed bytes of IDX file `path` (named in errors)."""
     if len(raw) < 4:
         raise DataError(f"{path} is not an IDX file: only {len(raw)} bytes, the header alone needs 4")
     if raw[0] != 0 or raw[1] != 0:
@@ -88,6 +94,12 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     data = np.frombuffer(raw, dtype=dtype, count=count, offset=header_len)
     # The copy makes the array writable and converts big-endian to the machine's order.
     return data.astype(dtype.newbyteorder("="), copy=True).reshape(dims)
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """Read an IDX file (plain or gzip) into a native-byte-order array of its stored shape."""
+    path = Path(path)
+    return parse_idx(read_idx_bytes(path)[1], path)
 
 
 def write_idx(path: str | os.PathLike, array: np.ndarray, gzip: bool = False) -> None:
