@@ -80,6 +80,7 @@ class NodeLayout:
     host: str
     ranks: tuple[int, ...]
     cores: int
+    cores_per_rank: tuple[int, ...]  # each distinct count among the node's ranks (a binding narrows it)
     thread_settings: tuple[str, ...]  # each distinct setting among the node's ranks
 
 
@@ -100,12 +101,14 @@ def node_layouts(comm, cores_per_node: int | None = None) -> list[NodeLayout]:
     finally:
         node.Free()
     threads = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in THREAD_VARIABLES)
-    record = (node_ranks, platform.node(), cores_per_node or len(node_cores), threads)
+    record = (node_ranks, platform.node(), cores_per_node or len(node_cores), len(usable_cores()), threads)
     by_node: dict[tuple[int, ...], list] = {}
-    for ranks, host, cores, setting in comm.allgather(record):
-        by_node.setdefault(ranks, [host, cores, []])[2].append(setting)
-    return [NodeLayout(host, ranks, cores, tuple(dict.fromkeys(settings)))
-            for ranks, (host, cores, settings) in sorted(by_node.items())]
+    for ranks, host, cores, own_cores, setting in comm.allgather(record):
+        by_node.setdefault(ranks, [host, cores, [], []])
+        by_node[ranks][2].append(own_cores)
+        by_node[ranks][3].append(setting)
+    return [NodeLayout(host, ranks, cores, tuple(sorted(set(own_cores))), tuple(dict.fromkeys(settings)))
+            for ranks, (host, cores, own_cores, settings) in sorted(by_node.items())]
 
 
 def _rank_list(ranks: tuple[int, ...]) -> str:
@@ -128,7 +131,11 @@ def describe_launch(comm, cores_per_node: int | None = None) -> list[str]:
              f"launcher: {launcher(os.environ)}",
              f"world size: {comm.size}"]
     for layout in node_layouts(comm, cores_per_node):
-        lines.append(f"  host {layout.host}: {_rank_list(layout.ranks)} on {_cores(layout.cores)}; "
+        # A launcher that binds each rank to fewer cores than the node has (Open MPI binds to
+        # one core by default) caps what more BLAS threads per rank can gain.
+        bound = "" if layout.cores_per_rank == (layout.cores,) else \
+            f" (each rank bound to {' or '.join(map(str, layout.cores_per_rank))} of them)"
+        lines.append(f"  host {layout.host}: {_rank_list(layout.ranks)} on {_cores(layout.cores)}{bound}; "
                      f"threads per rank: {'; '.join(layout.thread_settings)}")
     return lines
 
