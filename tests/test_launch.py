@@ -72,6 +72,14 @@ def test_info_lines_name_the_library_and_launcher_in_use():
     assert all(report["lines"] == lines for report in reports)
 
 
+@pytest.mark.skipif(MACHINE_CORES < 2, reason="needs 2 cores to bind 2 ranks apart")
+def test_a_node_has_the_cores_of_all_its_ranks_when_each_is_bound_to_one():
+    reports = launch_reports(2, "bind")
+    assert reports[0]["lines"][3].startswith(
+        f"  host {os.uname().nodename}: ranks 0, 1 on {MACHINE_CORES} cores (each rank bound to 1 of them);")
+    assert reports[0]["warning"] is None  # 2 ranks, each on its own core
+
+
 def test_more_ranks_than_cores_warn_on_every_rank_alike():
     reports = launch_reports(4, "2")
     assert {report["warning"] for report in reports} == {
@@ -80,7 +88,7 @@ def test_more_ranks_than_cores_warn_on_every_rank_alike():
 
 
 def test_no_warning_when_every_rank_has_a_core():
-    assert [report["warning"] for report in launch_reports(4, "8")] == [None] * 4
+    assert [report["warning"] for report in launch_reports(4, "4")] == [None] * 4  # the boundary: 4 on 4
 
 
 def test_one_rank_never_warns():
