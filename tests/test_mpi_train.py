@@ -2,6 +2,7 @@
 
 import json
 import re
+import os
 import sys
 
 import numpy as np
@@ -50,6 +51,17 @@ def test_bad_configuration_stops_every_rank_with_one_sentence_printed_once(args,
     assert result.stderr.count("mpipar: error:") == 1, result.stderr  # rank 0 alone prints it
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Abort" not in result.stderr, result.stderr
+
+
+def test_more_ranks_than_cores_warns_once_and_still_trains():
+    cores = len(os.sched_getaffinity(0))
+    crowded = run_mpi(cores + 1, sys.executable, "-m", "mpipar", "train", "--max-steps", "1", "--batch-size",
+                      str(8 * (cores + 1)), timeout=120)
+    assert crowded.returncode == 0, crowded.stderr
+    assert crowded.stderr.count("mpipar: warning:") == 1, crowded.stderr
+    assert f"{cores + 1} ranks share {cores} core" in crowded.stderr
+    fitting = run_mpi(min(2, cores), sys.executable, "-m", "mpipar", "train", "--max-steps", "1", timeout=120)
+    assert fitting.returncode == 0 and "warning" not in fitting.stderr, fitting.stderr
 
 
 def test_a_model_too_large_for_the_node_is_one_sentence_with_the_bytes_per_rank():

@@ -27,6 +27,7 @@ from mpipar.cli.schedule import schedule
 from mpipar.cli.simulate import simulate
 from mpipar.cli.train import train
 from mpipar.errors import MpiparError
+from mpipar.launch import rank_from_environment
 from mpipar.signals import install_signal_report
 
 
@@ -46,9 +47,6 @@ cli.add_command(estimate)
 cli.add_command(schedule)
 
 
-RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
-
-
 def _world() -> tuple[int, int]:
     """(rank, world size): from MPI once it is running, else from the launcher's environment
     (click rejects a bad option before mpi4py is imported)."""
@@ -57,8 +55,7 @@ def _world() -> tuple[int, int]:
 
         if MPI.Is_initialized() and not MPI.Is_finalized():
             return MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
-    rank = next((os.environ[name] for name in RANK_VARIABLES if name in os.environ), "0")
-    return (int(rank) if rank.isdigit() else 0), 1
+    return rank_from_environment(os.environ) or 0, 1
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ def _config_options(command):
 def train(config_path: str | None, **options) -> None:
     """Train a model; under mpiexec or srun, every rank takes a slice of each global batch."""
     from mpipar.comms import agree_on_setup, world
+    from mpipar.launch import oversubscription_warning
     from mpipar.report import Report
     from mpipar.trainer import Trainer
 
@@ -54,4 +55,7 @@ def train(config_path: str | None, **options) -> None:
         return config, (Report.for_config(config) if comm.rank == 0 else None)
 
     config, report = agree_on_setup(comm, read_options)
+    crowded = oversubscription_warning(comm)  # collective: every rank learns the same
+    if crowded and comm.rank == 0:
+        click.echo(f"mpipar: warning: {crowded}", err=True)
     Trainer(config, comm).run(report)
