@@ -19,8 +19,9 @@ from __future__ import annotations
 import os
 import platform
 import re
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # Most specific first: under `mpirun` inside a Slurm job the ranks see SLURM_PROCID
@@ -84,6 +85,16 @@ class NodeLayout:
     thread_settings: tuple[str, ...]  # each distinct setting among the node's ranks
 
 
+class _RankRecord(NamedTuple):
+    """What one rank tells the others about itself and its node."""
+
+    node_ranks: tuple[int, ...]
+    host: str
+    node_cores: int
+    own_cores: int
+    threads: str
+
+
 def node_layouts(comm, cores_per_node: int | None = None) -> list[NodeLayout]:
     """Every node's layout, the same list on every rank (collective over `comm`).
 
@@ -101,14 +112,14 @@ def node_layouts(comm, cores_per_node: int | None = None) -> list[NodeLayout]:
     finally:
         node.Free()
     threads = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in THREAD_VARIABLES)
-    record = (node_ranks, platform.node(), cores_per_node or len(node_cores), len(usable_cores()), threads)
-    by_node: dict[tuple[int, ...], list] = {}
-    for ranks, host, cores, own_cores, setting in comm.allgather(record):
-        by_node.setdefault(ranks, [host, cores, [], []])
-        by_node[ranks][2].append(own_cores)
-        by_node[ranks][3].append(setting)
-    return [NodeLayout(host, ranks, cores, tuple(sorted(set(own_cores))), tuple(dict.fromkeys(settings)))
-            for ranks, (host, cores, own_cores, settings) in sorted(by_node.items())]
+    mine = _RankRecord(node_ranks, platform.node(), cores_per_node or len(node_cores), len(usable_cores()), threads)
+    by_node: dict[tuple[int, ...], list[_RankRecord]] = defaultdict(list)
+    for record in comm.allgather(mine):
+        by_node[record.node_ranks].append(record)
+    return [NodeLayout(host=records[0].host, ranks=ranks, cores=records[0].node_cores,
+                       cores_per_rank=tuple(sorted({record.own_cores for record in records})),
+                       thread_settings=tuple(dict.fromkeys(record.threads for record in records)))
+            for ranks, records in sorted(by_node.items())]
 
 
 def _rank_list(ranks: tuple[int, ...]) -> str:
