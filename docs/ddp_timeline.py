@@ -3,8 +3,8 @@
     mpiexec -n 2 python docs/ddp_timeline.py [SCHEME]   (its output is pasted into docs/data_parallel.md)
 
 A deep MLP (12 Linear layers of 256) runs one training step on each rank under the
-data-parallel engine with units of at least 512 KiB (one 256x256 layer each; the small
-last layer joins the one before it), scheme ddp unless given. After each layer's
+data-parallel engine with units of at most 512 KiB (one 256x256 layer each, the small
+last layer on its own), scheme ddp unless given. After each layer's
 backward the engine posts the reduction of any unit that just finished and polls every
 posted one; rank 0 prints, layer by layer, how many reductions are posted and how many
 have completed.
@@ -42,7 +42,8 @@ rows = []
 
 def observe(layer):
     if layer.param_specs():
-        done, posted = engine.reductions_done, engine.reductions_posted
+        done = engine.reductions_done
+        posted = done + len(engine.queue)  # finished, plus the ones still running
         rows.append(f"{layer.name:<28} {'#' * done}{'+' * (posted - done)}{'.' * (len(engine.units) - posted)}")
 
 

