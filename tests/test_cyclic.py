@@ -141,9 +141,10 @@ def test_single_layout_memory_is_flat_in_the_steady_state_and_dps_is_not():
     (dict(cdp_layout="dp", micro_batches=4), 2, r"--cdp-layout dp runs on one rank per micro-batch and stage: "
                                                 r"N = 4 \(4 ranks\), got 2"),
     (dict(cdp_layout="single", micro_batches=2), 2, "--cdp-layout single runs on one rank"),
-    (dict(cdp_layout="ring"), 1, "unknown CDP layout 'ring'"),
+    (dict(cdp_layout="ring"), 1, "unknown --cdp-layout 'ring'; choose one of: single, dp, zero, pp, mp"),
     (dict(stages=3, micro_batches=2, cdp_layout="single"), 1, "cuts the model into N = --micro-batches = 2 stages"),
-    (dict(micro_batches=3, batch_size=10, cdp_layout="single"), 1, "--batch-size 10 must be divisible by the 3"),
+    (dict(micro_batches=3, batch_size=10, cdp_layout="single"), 1,
+     r"--batch-size 10 is not divisible by the 3 micro-batches \(N\) = 3; use --batch-size 9 or 12"),
 ])
 def test_a_layout_that_cannot_run_is_refused_in_one_sentence(changes, world, message):
     with pytest.raises(ConfigError, match=message):
