@@ -44,3 +44,13 @@ def test_mpiexec_and_mpi4py_use_the_same_mpi():
     library = mpi_library(MPI.Get_library_version())
     expected = {"openmpi": "Open MPI", "mpich": "MPICH"}.get(mpi_implementation())
     assert expected is None or library.startswith(expected), (mpiexec_path(), library)
+
+
+def test_a_non_zero_exit_leaves_only_what_the_ranks_wrote_on_stderr():
+    # Open MPI's launcher frames a notice about the exit status; MPICH's adds nothing.
+    # The barrier: a rank that exits first makes Open MPI stop the other, perhaps before it wrote.
+    code = ("import sys; from mpi4py import MPI; print('mine', file=sys.stderr, flush=True); "
+            "MPI.COMM_WORLD.Barrier(); sys.exit(2)")
+    result = run_mpi(2, sys.executable, "-c", code, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == "mine\nmine\n", result.stderr
