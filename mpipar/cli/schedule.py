@@ -67,8 +67,9 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
                                      timeline.idle_fraction())):
         received, fetched, peak, owned, idle = row
         click.echo(f"W{worker:<7}{received:>16}{fetched:>17}{peak:>11}{owned:>14}{idle:>7.0%}")
-    click.echo("activations in: activations and gradients received from other workers; most held: the most "
-               "(stage, micro-batch) activations stashed at once; idle: the fraction of the step spent waiting")
+    click.echo("activations in: received from other workers; most held: (stage, micro-batch) activations at once; "
+               "idle: the bubble")
+    click.echo("words: docs/glossary.md")
     if programs:
         for rank, program in enumerate(compiled.programs):
             click.echo(f"rank {rank}:")

@@ -17,8 +17,7 @@ import math
 from mpipar.errors import ConfigError
 from mpipar.schedule.simulate import Timeline
 
-LEGEND = ("cells: F3b2 = forward of stage 3 on micro-batch 2, B3b2 its backward, .... = idle; "
-          "rows: workers W0, W1, ...; columns: time units (docs/glossary.md)")
+LEGEND = "F3b2: forward of stage 3 on micro-batch 2; B3b2: its backward; ....: idle; a column: one time unit"
 
 
 def text(timeline: Timeline) -> str:
