@@ -27,7 +27,7 @@ from mpipar.data import DATASETS
 from mpipar.errors import ConfigError
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, SCHEDULES
-from mpipar.options import FloatRange, IntListType, IntRange, SizeType, check
+from mpipar.options import FloatRange, IntListType, IntRange, LiveChoice, SizeType, check
 from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
 from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
 from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy
@@ -41,7 +41,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 
-SCHEME_CHOICES = tuple(dict.fromkeys((*SCHEMES, *STRATEGIES, *CDP_SCHEMES)))
 POSITIVE, NATURAL = IntRange(min=1), IntRange(min=0)
 
 
@@ -86,7 +85,7 @@ class TrainConfig:
     gamma: float = _option(0.1, "decay factor for --schedule step", FloatRange(0.0, min_open=True), "optimizer")
     scheme: str | None = _option(None, "how the ranks share the work: a data-parallel scheme (default ddp); with "
                                        "--stages a pipeline schedule; cdp-v1/cdp-v2 for Cyclic Data Parallelism "
-                                       "(docs/glossary.md)", click.Choice(SCHEME_CHOICES), "parallelism")
+                                       "(docs/glossary.md)", LiveChoice(lambda: (*SCHEMES, *STRATEGIES, *CDP_SCHEMES)), "parallelism")
     shard: str | None = _option(None, "where parameters, gradients and optimizer state live, e.g. I,G,G (each N "
                                       "replicated, I sharded in a group, G sharded over all; instead of --scheme)",
                                 click.STRING, "parallelism")

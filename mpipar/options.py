@@ -14,10 +14,28 @@ Exercised by: mpipar train --help;  python -m pytest tests/test_config.py
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 
 import click
 
 from mpipar.errors import ConfigError
+
+
+class LiveChoice(click.Choice):
+    """A choice among names read when checked, not when declared: strategies registered from
+    Python after import (`mpipar.schedule.strategies.register`) are valid names too."""
+
+    def __init__(self, names: Callable[[], Sequence[str]]) -> None:
+        self.names = names
+        super().__init__(tuple(names()))
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.names()))
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ assigns it; the names stay live
+        pass
 
 
 class SizeType(click.ParamType):

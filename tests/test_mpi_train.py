@@ -129,7 +129,7 @@ def test_memory_limit_stops_every_rank_naming_the_peak_and_the_schemes_that_fit(
                      "--memory-limit", f"{limit:.0f}B", timeout=60)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error:")]
-    assert len(lines) == 2 and lines[0] == lines[1], result.stderr
+    assert len(lines) == 1, result.stderr  # the same verdict on every rank, printed by rank 0
     fitting = [f"{name} ({format_bytes(peak)})" for name, peak in peaks.items() if peak <= limit]
     assert (f"needs {format_bytes(peaks['ddp'])} per rank at its peak, limit {format_bytes(limit)}; "
             f"{' or '.join(fitting)} fit") in lines[0], lines[0]
@@ -143,5 +143,5 @@ def test_memory_limit_names_the_rank_that_would_not_fit_a_pipeline_or_cdp(scheme
     result = run_mpi(2, sys.executable, "-m", "mpipar", "train", *scheme, "--memory-limit", "100KB", timeout=60)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error:")]
-    assert len(lines) == 2 and lines[0] == lines[1], result.stderr
+    assert len(lines) == 1, result.stderr
     assert re.search(r"needs [\d.]+ [KM]B on rank [01] at its peak, limit 100 KB", lines[0]), lines[0]

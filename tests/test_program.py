@@ -134,7 +134,7 @@ def test_a_broken_custom_strategy_is_refused_before_anything_runs():
     (dict(stages=2), "--stages 2 runs a schedule: name it with --scheme"),
     (dict(scheme="zero3", stages=1), "unknown schedule scheme 'zero3'"),
     (dict(scheme="gpipe", stages=1, loops=2), "gpipe does not loop"),
-    (dict(scheme="lpp", stages=1, micro_batches=3, batch_size=64), "must be divisible by the schedule's 3"),
+    (dict(scheme="lpp", stages=1, micro_batches=3, batch_size=64), "is not divisible by the schedule's 3 micro-batches = 3; use --batch-size 63 or 66"),
     (dict(loops=2), "--loops 2 is for the looped schedules"),
     (dict(scheme="gpipe", stages=1, shard="G,G,G"), "--shard G,G,G is for data parallelism"),
 ])

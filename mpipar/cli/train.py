@@ -55,7 +55,8 @@ def train(config_path: str | None, **options) -> None:
         return config, (Report.for_config(config) if comm.rank == 0 else None)
 
     config, report = agree_on_setup(comm, read_options)
+    trainer = Trainer(config, comm)  # a configuration that cannot run stops here, before any warning
     crowded = oversubscription_warning(comm)  # collective: every rank learns the same
     if crowded and comm.rank == 0:
         click.echo(f"mpipar: warning: {crowded}", err=True)
-    Trainer(config, comm).run(report)
+    trainer.run(report)
