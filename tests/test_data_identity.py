@@ -231,18 +231,26 @@ def test_any_difference_in_what_is_compared_stops_the_ranks(field, value):
 
 def test_the_same_data_in_different_places_agrees():
     here, there = _identity(source="/node1/kmnist"), _identity(source="/scratch/kmnist")
-    agree_on_data(GatheredComm(0, [here, there]), _FakeSet(here), _FakeSet(here, test=True))
+    assert here.source != there.source and here.compared() == there.compared()  # where is not compared
+    try:
+        agree_on_data(GatheredComm(0, [here, there]), _FakeSet(here), _FakeSet(here, test=True))
+    except ConfigError as error:
+        pytest.fail(f"the same data in two places was refused: {error}")
 
 
 def test_one_rank_needs_no_message():
     class Alone:
         rank, size = 0, 1
+        messages: list = []
 
         def allgather(self, mine):
-            raise AssertionError("a single rank sent a message")
+            self.messages.append(mine)
+            return [mine]
 
+    alone = Alone()
     train, test = load_dataset("digits")
-    agree_on_data(Alone(), train, test)
+    agree_on_data(alone, train, test)
+    assert alone.messages == [], "a single rank sent a message"
 
 
 def test_every_loader_gives_a_fingerprint(tmp_path):
