@@ -13,12 +13,12 @@ Exercised by: mpipar train --help;  python -m pytest tests/test_config.py
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 
 import click
 
 from mpipar.errors import ConfigError
+from mpipar.units import parse_bytes
 
 
 class LiveChoice(click.Choice):
@@ -39,20 +39,20 @@ class LiveChoice(click.Choice):
 
 
 class SizeType(click.ParamType):
-    """A number of bytes: 2000000, '2GB', '512MiB' (decimal KB..TB, binary KiB..TiB)."""
+    """A number of bytes: 2000000, '2GB', '512MiB' (mpipar's units, mpipar/units.py)."""
 
     name = "size"
-    UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
     def convert(self, value, param, ctx) -> int:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-        unit = match.group(2).upper() if match else None
-        if match is None or unit not in self.UNITS or float(match.group(1)) <= 0:
+        try:
+            nbytes = int(parse_bytes(str(value)))
+        except ConfigError:
+            nbytes = 0
+        if nbytes <= 0:
             self.fail(f"takes a positive size such as 2GB, 512MiB or 2000000000 (bytes); got {value!r}", param, ctx)
-        return int(float(match.group(1)) * self.UNITS[unit])
+        return nbytes
 
 
 class IntListType(click.ParamType):
