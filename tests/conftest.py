@@ -69,10 +69,13 @@ def mpiexec_command(ranks: int, *args: str) -> list[str]:
 # "----\nprterun detected that one or more processes exited with non-zero status, ...\n----\n"
 # (mpirun/mpiexec in Open MPI 4); MPICH's hydra prints nothing for a plain non-zero exit.
 # Now and then Open MPI 5's launcher also reports that it could no longer reach a rank
-# it was stopping: "[host:pid] PMIX ERROR: PMIX_ERR_UNREACH in file .../pmix_server.c at line N".
+# it was stopping: "[host:pid] PMIX ERROR: PMIX_ERR_UNREACH in file .../pmix_server.c at line N",
+# or its event library warns of a socket the exiting ranks already closed:
+# "[warn] Epoll MOD(1) on fd 20 failed. Old events were 6; ...: Bad file descriptor".
 _OPEN_MPI_EXIT_NOTICES = re.compile(
     r"^-{20,}\n\S+ detected that one or more processes exited with non-zero status,.*?^-{20,}\n"
-    r"|^\[[^]\n]+\] PMIX ERROR: PMIX_ERR_UNREACH in file \S+pmix_server\.c at line \d+\n",
+    r"|^\[[^]\n]+\] PMIX ERROR: PMIX_ERR_UNREACH in file \S+pmix_server\.c at line \d+\n"
+    r"|^\[warn\] Epoll [A-Z]+\(\d+\) on fd \d+ failed\.[^\n]*: Bad file descriptor\n",
     re.MULTILINE | re.DOTALL)
 
 
