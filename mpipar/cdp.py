@@ -11,6 +11,10 @@ With N micro-batches and the model cut into N stages, one training step is
              micro-batch of a step updates each stage as its backward passes it and
              hands the fresh parameters on, so later micro-batches see more fresh stages
 
+`fresh_stages`, the rules as a formula, lives in mpipar/schedule/cyclic.py: the timetable
+needs it, and a schedule module must not import this higher-level one. It is imported
+here (reference_training uses it), so `mpipar.cdp.fresh_stages` keeps working.
+
 `reference_training` runs these rules as a plain single-process loop — no MPI, no
 scheduler, every micro-batch's gradient taken at the parameters the rule names —
 and is the oracle the cyclic engine must equal. theta_{-1} = theta_0. With momentum
@@ -32,29 +36,14 @@ import numpy as np
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.data import GlobalBatchSampler, load_dataset, split_micro_batches
-from mpipar.errors import unknown_name
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
 from mpipar.model import Sequential, build_stages
 from mpipar.models import build_model
 from mpipar.optim import make_optimizer
+from mpipar.schedule.cyclic import fresh_stages
 
 if TYPE_CHECKING:
     from mpipar.config import TrainConfig
-
-RULES = ("dp", "cdp-v1", "cdp-v2")
-
-
-def fresh_stages(rule: str, micro_batch: int, count: int) -> list[bool]:
-    """For micro-batch `micro_batch` (0-based) of `count`, which of the `count` stages
-    (0-based) it computes with this step's parameters; the others are a step old."""
-    if rule == "dp":
-        return [True] * count
-    if rule == "cdp-v1":
-        return [False] * count
-    if rule == "cdp-v2":  # 1-based j >= N - i + 1  <=>  0-based stage >= N - 1 - micro_batch
-        return [stage >= count - 1 - micro_batch for stage in range(count)]
-    raise unknown_name("CDP update rule", rule, RULES)
-
 
 def reference_training(config: TrainConfig, rule: str) -> list[np.ndarray]:
     """The parameters of each stage after `config.max_steps` steps of `rule`, with
@@ -117,7 +106,7 @@ def activation_timeline(rule: str, count: int, *, width: int = 256, classes: int
     """Train `steps` steps of `rule` on one rank over N = `count` equal stages (random data);
     returns the engine's timeline [(time step, live activation bytes at its end, peak within
     it)] and the bytes one micro-batch stashes in the whole model."""
-    # imported here: the reference loop above needs no MPI, and mpipar.cyclic imports this module
+    # imported here: mpipar.cyclic imports mpi4py, and the reference loop above needs no MPI
     from mpi4py import MPI
 
     from mpipar.comms.topology import make_world

@@ -8,7 +8,7 @@ run: g = N t + i for micro-batch i of step t) starts 2 time steps after g - 1:
 
 so at every time step each stage serves exactly one micro-batch, one step flows into the
 next, and stage s's weights for step t are taken fresh or one step old as the update
-rule says (cdp.fresh_stages). The rule `dp` releases a step's micro-batches together
+rule says (fresh_stages). The rule `dp` releases a step's micro-batches together
 (at 2N t): ordinary mini-batch training, the memory baseline of the `single` layout.
 
 Where each job runs is the layout (Fig. 2 of the seed):
@@ -34,11 +34,25 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from mpipar.cdp import fresh_stages
 from mpipar.errors import ConfigError, unknown_name
 
 LAYOUTS = ("single", "dp", "zero", "pp", "mp")
+RULES = ("dp", "cdp-v1", "cdp-v2")
 FORWARD, BACKWARD = "F", "B"
+
+
+# The rules' formula lives here, in the schedule, because the timetable and the compiler
+# need it; mpipar/cdp.py (the reference loop, a layer above) imports it from here.
+def fresh_stages(rule: str, micro_batch: int, count: int) -> list[bool]:
+    """For micro-batch `micro_batch` (0-based) of `count`, which of the `count` stages
+    (0-based) it computes with this step's parameters; the others are a step old."""
+    if rule == "dp":
+        return [True] * count
+    if rule == "cdp-v1":
+        return [False] * count
+    if rule == "cdp-v2":  # 1-based j >= N - i + 1  <=>  0-based stage >= N - 1 - micro_batch
+        return [stage >= count - 1 - micro_batch for stage in range(count)]
+    raise unknown_name("CDP update rule", rule, RULES)
 
 
 class Item(NamedTuple):
