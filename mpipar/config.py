@@ -25,12 +25,13 @@ from mpipar.backend import DEVICES, DTYPES
 from mpipar.comms.collectives import ALGORITHMS
 from mpipar.data import DATASETS
 from mpipar.errors import ConfigError
+from mpipar.mesh import Mesh
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, SCHEDULES
 from mpipar.options import FloatRange, IntListType, IntRange, LiveChoice, SizeType, check
 from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
 from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
-from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy
+from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy, shared_stages
 from mpipar.sharding import DDP_MODES, SCHEMES, Sharding, parse_sharding
 
 CDP_SCHEMES = ("cdp-v1", "cdp-v2")
@@ -93,6 +94,9 @@ class TrainConfig:
                                  "a node)", NATURAL, "parallelism")
     stages: int = _option(0, "pipeline stages S: run --scheme as a schedule of S stages over the ranks "
                              "(0: data parallel)", IntRange(0, MAX_STAGES), "parallelism")
+    replicas: int = _option(0, "pipeline replicas D with --stages: the ranks are D copies of the pipeline, side by "
+                               "side, and each stage's state is shared by its D copies as --shard says (0: "
+                               "as many as the ranks leave room for; docs/composition.md)", NATURAL, "parallelism")
     loops: int = _option(1, "loops G of the looped schedules (lpp, fslpp): G groups of ranks/G workers",
                          POSITIVE, "parallelism")
     cdp_layout: str = _option("dp", "where Cyclic Data Parallelism runs its jobs (docs/cdp.md)",
@@ -123,7 +127,12 @@ class TrainConfig:
                                               "above its first logged value", click.BOOL, "output")
 
     def sharding(self) -> Sharding:
-        """The (P, G, OS) scopes this run uses."""
+        """The (P, G, OS) scopes this run uses (with --stages: of each stage among its replicas)."""
+        if self.stages and self.shard is not None and "," not in self.shard and self.shard.lower() not in SCHEMES:
+            raise ConfigError(f"--shard {self.shard} with --stages names how replicas share a stage: "
+                              f"a data-parallel scheme ({', '.join(SCHEMES)}) or three letters such as I,G,G")
+        if self.stages:
+            return parse_sharding(self.shard or "ddp")
         if self.scheme is not None and self.shard is not None:
             raise ConfigError(f"give --scheme or --shard, not both (got --scheme {self.scheme} --shard {self.shard})")
         if self.shard is not None and "," not in self.shard:
@@ -142,9 +151,28 @@ class TrainConfig:
         """Is this a Cyclic Data Parallelism run (the cyclic engine)?"""
         return self.scheme in CDP_SCHEMES
 
+    def mesh(self, world_size: int) -> Mesh:
+        """The ranks of a schedule as pipeline workers x replicas (--replicas, filled by for_world)."""
+        replicas = self.replicas or 1
+        return Mesh(world_size // replicas, replicas)
+
     def schedule_shape(self, world_size: int) -> Shape:
-        """W workers (the ranks), S stages, B micro-batches of the whole step, G loops."""
-        return Shape(world_size, self.stages, self.micro_batches, self.loops)
+        """One pipeline's W workers (the ranks over the replicas), S stages, B micro-batches of
+        a pipeline's step, G loops."""
+        return Shape(self.mesh(world_size).workers, self.stages, self.micro_batches, self.loops)
+
+    def _automatic_replicas(self, world_size: int) -> int:
+        """The fewest replicas D (dividing the ranks) whose pipeline of W/D workers the schedule
+        accepts: 1 where it runs on every rank (lpp), W/S for gpipe and 1f1b (W = S)."""
+        strategy = self.strategy()
+        for replicas in (d for d in range(1, world_size + 1) if world_size % d == 0):
+            workers = world_size // replicas
+            try:
+                strategy.validate(Shape(workers, self.stages, self.micro_batches or workers, self.loops))
+            except ConfigError:
+                continue
+            return replicas
+        return 1  # none fits: validate names the schedule's constraint for one pipeline on every rank
 
     def for_world(self, world_size: int) -> "TrainConfig":
         """This configuration with the automatic values filled in for `world_size` ranks:
@@ -152,6 +180,8 @@ class TrainConfig:
         --micro-batches is 1 in data parallelism, the number of ranks with --stages (every
         built-in schedule can run B = W), and for CDP the N that --cdp-layout needs."""
         config = self if self.ddp else dataclasses.replace(self, ddp="naive" if self.device == "gpu" else "bucketed")
+        if config.stages and not config.cyclic and not config.replicas:
+            config = dataclasses.replace(config, replicas=config._automatic_replicas(world_size))
         if config.micro_batches:
             return config
         if self.cyclic:
@@ -161,7 +191,7 @@ class TrainConfig:
                 count = next((n for n in range(1, MAX_STAGES + 1) if ranks_for(self.cdp_layout, n) >= world_size),
                              world_size)
         else:
-            count = world_size if self.stages else 1
+            count = config.mesh(world_size).workers if self.stages else 1
         return dataclasses.replace(config, micro_batches=count)
 
     def validate(self, world_size: int) -> None:
@@ -171,7 +201,7 @@ class TrainConfig:
             value = getattr(self, spec.name)
             if value is not None:
                 check(f"--{spec.name.replace('_', '-')}", spec.metadata["type"], value)
-        if self.micro_batches == 0 or self.ddp is None:
+        if self.micro_batches == 0 or self.ddp is None or (self.stages and not self.cyclic and not self.replicas):
             return self.for_world(world_size).validate(world_size)
         if self.device == "gpu":
             try:
@@ -201,9 +231,9 @@ class TrainConfig:
         if count > MAX_STAGES:
             raise ConfigError(f"--scheme {self.scheme} has as many stages as micro-batches: at most {MAX_STAGES}, "
                               f"got --micro-batches {count}")
-        if self.shard is not None or self.loops != 1:
+        if self.shard is not None or self.loops != 1 or self.replicas:
             raise ConfigError(f"--scheme {self.scheme} places stage states by --cdp-layout; "
-                              "--shard and --loops do not apply")
+                              "--shard, --loops and --replicas do not apply")
         if self.device == "gpu":
             raise ConfigError(f"--scheme {self.scheme} sends host buffers between ranks; on a GPU use "
                               "--scheme ddp --ddp naive")
@@ -216,6 +246,9 @@ class TrainConfig:
         if self.loops != 1:
             raise ConfigError(f"--loops {self.loops} is for the looped schedules: give --scheme lpp or fslpp "
                               "and --stages S")
+        if self.replicas:
+            raise ConfigError(f"--replicas {self.replicas} copies a pipeline: give --stages S and a schedule "
+                              "--scheme (data parallelism already uses every rank)")
         sharding = self.sharding()
         if self.device == "gpu" and (sharding != SCHEMES["ddp"] or self.ddp != "naive"):
             raise ConfigError(f"--scheme {sharding} --ddp {self.ddp} communicates host buffers during forward and "
@@ -228,9 +261,14 @@ class TrainConfig:
                          f"{world_size} ranks x {self.micro_batches} micro-batches")
 
     def _validate_schedule(self, world_size: int) -> None:
+        replicas = self.replicas
+        if world_size % replicas:
+            raise ConfigError(f"--replicas {replicas} does not divide the {world_size} ranks")
+        if self.shard is not None and replicas == 1:
+            raise ConfigError(f"--shard {self.shard} shares each stage among its replicas, and this run has one "
+                              f"pipeline on all {world_size} ranks; give --replicas D (D dividing {world_size})")
         if self.shard is not None:
-            raise ConfigError(f"--shard {self.shard} is for data parallelism; with --stages the schedule "
-                              f"--scheme decides where weights live")
+            self.sharding()  # names a bad triple
         if self.micro_batches > MAX_MICRO_BATCHES:
             raise ConfigError(f"--micro-batches must be at most {MAX_MICRO_BATCHES} with --stages, "
                               f"got {self.micro_batches}")
@@ -240,8 +278,18 @@ class TrainConfig:
         if self.collective == "2d":
             raise ConfigError("--collective 2d is an all-reduce only; a schedule also reduces stage gradients "
                               "to their owner: choose mpi, ring, hring or horing")
-        self.strategy().validate(self.schedule_shape(world_size))
-        _check_divisible(self.batch_size, self.micro_batches, f"the schedule's {self.micro_batches} micro-batches")
+        shape = self.schedule_shape(world_size)
+        self.strategy().validate(shape)
+        shared = shared_stages(self.strategy(), shape)
+        if replicas > 1 and shared:
+            raise ConfigError(f"{self.scheme} computes stage {shared[0]} on several workers of a pipeline, which "
+                              f"cannot yet be combined with --replicas {replicas}; use gpipe, 1f1b, or lpp/fslpp "
+                              "with one loop and at least as many stages as workers")
+        if replicas == 1:
+            _check_divisible(self.batch_size, self.micro_batches, f"the schedule's {self.micro_batches} micro-batches")
+        else:
+            _check_divisible(self.batch_size, replicas * self.micro_batches,
+                             f"{replicas} replicas x {self.micro_batches} micro-batches")
 
 
 def _check_divisible(batch_size: int, parts: int, what: str) -> None:

@@ -46,7 +46,8 @@ class DataParallel:
     """One rank's part of data-parallel training of `stage` under `sharding`."""
 
     def __init__(self, comm: Comm, stage: Stage, sharding: Sharding, *, optimizer: str, optimizer_options: dict,
-                 collective: str = "ring", unit_bytes: float = 25e6, prefetch: int = 1) -> None:
+                 collective: str = "ring", unit_bytes: float = 25e6, prefetch: int = 1,
+                 ledger: MemoryLedger | None = None) -> None:
         self.world, self.stage, self.sharding, self.collective = comm, stage, sharding, collective
         self.prefetch = prefetch  # units gathered ahead of the one in use
         self.flat = flat = stage.flat
@@ -57,7 +58,9 @@ class DataParallel:
         self.layout = Layout(sharding, comm.rank, comm.size,
                              self.intra.rank if self.intra else 0, self.intra.size if self.intra else 1,
                              self.inter.rank if self.inter else 0, self.inter.size if self.inter else 1)
-        self.ledger, self.queue, self.pool = MemoryLedger(), ChainQueue(), ScratchPool()
+        # A pipeline stage shared by a replica group books into its pipeline's ledger (mesh.py)
+        self.ledger = ledger if ledger is not None else MemoryLedger()
+        self.queue, self.pool = ChainQueue(), ScratchPool()
         self.traffic = comm.traffic
         self.host = flat.backend.xp is np  # False on a GPU: DDP naive only (config.py)
         P, G, OS = sharding.triple
@@ -151,14 +154,15 @@ class DataParallel:
         with self.ledger.phase("forward"):
             return self.stage.forward(x, ctx, self._before_forward, self._after_forward)
 
-    def backward(self, dy, ctx, micro_batch: int, last: bool, observe: LayerHook | None = None) -> None:
-        """Backward of one micro-batch; `last` marks the step's last one. `observe(layer)`,
-        if given, runs after each layer once the engine has posted and polled (timelines, tests)."""
+    def backward(self, dy, ctx, micro_batch: int, last: bool, observe: LayerHook | None = None):
+        """Backward of one micro-batch; `last` marks the step's last one; returns the gradient
+        of the input. `observe(layer)`, if given, runs after each layer once the engine has
+        posted and polled (timelines, tests)."""
         self.micro_batch, self.last_micro_batch = micro_batch, last
         after = self._after_backward if observe is None else lambda layer: (self._after_backward(layer),
                                                                             observe(layer))
         with self.ledger.phase("backward"):
-            self.stage.backward(dy, ctx, self._before_backward, after)
+            return self.stage.backward(dy, ctx, self._before_backward, after)
 
     def finish_gradients(self) -> None:
         """After the last backward: every reduction done, the OS blocks hold the summed gradient."""
@@ -332,12 +336,16 @@ class DataParallel:
 
     def full_parameters(self) -> np.ndarray:
         """The whole model's parameters, on every rank (collective: for checks and checkpoints)."""
-        P = self.sharding.parameters
-        if P == "N":
+        if self.sharding.parameters == "N":
             return to_host(self.p_store).copy()
         full = np.empty(self.units[-1].stop, dtype=self.p_store.dtype)
-        with self.traffic.phase("inspect"):
+        self.gather_parameters(full, "inspect")
+        return full
+
+    def gather_parameters(self, full, phase: str) -> None:
+        """Every unit's parameters gathered from P's scope into `full` (collective)."""
+        P = self.sharding.parameters
+        with self.traffic.phase(phase):
             for unit in self.units:
                 iall_gather(self._p_comm(), self.p_store[self._slice(unit, "P", P)], full[unit.start:unit.stop],
                             self.collective).wait()
-        return full

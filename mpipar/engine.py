@@ -17,6 +17,11 @@ gradient for every stage it computes or holds, and optimizer state for the stage
 it holds. Messages are counted per phase: activations, gradients, weights,
 stage-reduce.
 
+Composed with data parallelism (mesh.py: P workers x D replicas), each rank runs the
+program of its worker within its own pipeline, and each stage it holds is shared with
+the stage's replica group by the sharding flow of data_parallel.py: the stage's forward
+and backward gather and reduce inside that group, its update steps the rank's shard.
+
 The trainer drives it like the data-parallel engine: `start_step`, `run_step` (every
 instruction before the update), `finish_gradients`, then `step(lr)` once the loss is
 known to be finite.
@@ -38,14 +43,17 @@ from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.handle import wait_requests
 from mpipar.comms.outbox import Outbox
 from mpipar.comms.tags import Kind, p2p_tag
+from mpipar.data_parallel import DataParallel
 from mpipar.ledger import MemoryLedger
+from mpipar.mesh import Mesh
 from mpipar.model import Stage
 from mpipar.optim import make_optimizer, state_kinds
-from mpipar.peak import ActivationBytes, Peak, pipeline_peak
+from mpipar.peak import ActivationBytes, Peak, composed_peak, data_parallel_peak, pipeline_peak
 from mpipar.schedule.program import (Backward, Compiled, FetchWeights, Forward, OptimizerStep, RecvActivation,
                                      RecvGradient, ReduceGradients, ReleaseWeights, SendActivation, SendGradient,
                                      SendWeights)
 from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
+from mpipar.sharding import SCHEMES, Sharding, make_units
 
 MicroBatch = tuple  # (inputs, targets) of one micro-batch: what `load(b)` returns
 
@@ -55,26 +63,41 @@ class Pipeline:
 
     def __init__(self, comm: Comm, stages: list[Stage], compiled: Compiled, cache: ActivationCache, loss_fn, *,
                  input_shapes: list[tuple[int, ...]], optimizer: str, optimizer_options: dict,
-                 collective: str = "ring") -> None:
+                 collective: str = "ring", mesh: Mesh | None = None, sharding: Sharding = SCHEMES["ddp"],
+                 unit_bytes: float = 25e6, prefetch: int = 1) -> None:
         self.comm, self.stages, self.compiled, self.cache, self.loss_fn = comm, stages, compiled, cache, loss_fn
-        self.collective, self.input_shapes = collective, input_shapes
-        rank, count = comm.rank, len(stages)
-        self.program = compiled.programs[rank]
-        self.held = [s for s in range(count) if rank in compiled.holders[s]]
+        self.collective, self.input_shapes, self.sharding, self.unit_bytes = collective, input_shapes, sharding, unit_bytes
+        self.mesh = mesh if mesh is not None else Mesh(comm.size, 1)
+        self.worker, self.replica = self.mesh.worker(comm.rank), self.mesh.replica(comm.rank)
+        count, worker = len(stages), self.worker
+        self.program = compiled.programs[worker]
+        self.held = [s for s in range(count) if worker in compiled.holders[s]]
         self.ledger, self.pool = MemoryLedger(), ScratchPool()
         self.dtype = stages[0].flat.dtype
+        self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
+        # With replicas, a held stage is shared by its replica group (one communicator per
+        # stage: each stage's reductions run on their own, in their own order)
+        self.shared: dict[int, DataParallel] = {}
+        if self.mesh.replicas > 1:
+            for s in self.held:
+                self.shared[s] = DataParallel(comm.subset(self.mesh.replica_group(worker)), stages[s], sharding,
+                                              optimizer=optimizer, optimizer_options=optimizer_options,
+                                              collective=collective, unit_bytes=unit_bytes, prefetch=prefetch,
+                                              ledger=self.ledger)
+        self.backwards = {s: sum(isinstance(i, Backward) and i.stage == s for i in self.program) for s in self.shared}
         for s, stage in enumerate(stages):  # built here, and only what this rank keeps
-            keep_grads = rank in compiled.members[s]
+            if s in self.shared:
+                continue
+            keep_grads = worker in compiled.members[s]
             stage.flat.materialize(params=s in self.held, grads=keep_grads)
             self.ledger.hold("parameters", stage.flat.nbytes if s in self.held else 0)
             self.ledger.hold("gradients", stage.flat.nbytes if keep_grads else 0)
         # one communicator per stage's reduction group, made in stage order on every rank
-        self.stage_comms = {s: comm.subset(list(compiled.members[s])) for s in range(count)
+        self.stage_comms = {s: comm.subset(self._ranks(compiled.members[s])) for s in range(count)
                             if len(compiled.members[s]) > 1}
-        flats = [stages[s].flat for s in self.held]
+        flats = [stages[s].flat for s in self.held if s not in self.shared]
         self.optimizer = make_optimizer(optimizer, [f.data for f in flats], [f.grad for f in flats],
                                         [f.decay_spans(0, f.size) for f in flats], **optimizer_options)
-        self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
         self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
         self.ledger.hold("workspace", self.optimizer.workspace_bytes)
         self.handlers: dict[type, Callable] = {
@@ -87,15 +110,34 @@ class Pipeline:
                        rank: int | None = None) -> Peak:
         """The most `rank` (this one by default) should hold at once (peak.py): any rank's
         peak can be predicted anywhere, as the programs are the same on every rank."""
-        return pipeline_peak(self.comm.rank if rank is None else rank, self.compiled,
-                             [stage.flat.size for stage in self.stages], itemsize=self.dtype.itemsize,
+        worker = self.mesh.worker(self.comm.rank if rank is None else rank)
+        sizes = [stage.flat.size for stage in self.stages]
+        peak = pipeline_peak(worker, self.compiled, sizes, itemsize=self.dtype.itemsize,
                              state_kinds=self.state_kinds, training=training, evaluation=evaluation)
+        if self.mesh.replicas == 1:
+            return peak
+        group = len(self.comm.subset_layout(self.mesh.replica_group(worker))[0])
+        return composed_peak(peak, [data_parallel_peak(self.sharding, sizes[s], self._largest_unit(s),
+                                                       self.mesh.replicas, group, itemsize=self.dtype.itemsize,
+                                                       state_kinds=self.state_kinds, training=training)
+                                    for s in range(len(sizes)) if worker in self.compiled.holders[s]])
+
+    def _largest_unit(self, stage: int) -> int:
+        """The largest sharding unit of `stage` (units are cut alike on every rank)."""
+        return max(last - first for _, _, first, last in make_units(self.stages[stage], self.unit_bytes))
+
+    def _ranks(self, workers) -> list[int]:
+        """The ranks of this pipeline that play `workers`."""
+        return [self.mesh.rank(worker, self.replica) for worker in workers]
 
     # -- one step ------------------------------------------------------------------
     def start_step(self) -> None:
         for s, stage in enumerate(self.stages):
-            if stage.flat.grad is not None:
+            if s in self.shared:
+                self.shared[s].start_step()
+            elif stage.flat.grad is not None:
                 stage.flat.zero_grad()
+        self.backwards_done = dict.fromkeys(self.shared, 0)
         self.inbox: dict[tuple, tuple] = {}  # message -> (buffer, request)
         self.local: dict[tuple, object] = {}  # outputs waiting for their send or a job on this rank
         self.fetched: dict[tuple, np.ndarray] = {}
@@ -118,6 +160,8 @@ class Pipeline:
             self.outbox.wait_all(f"the sends of step {self.step_number}")
             for s in sorted(self.reductions):
                 self.reductions.pop(s).wait()
+        for s in sorted(self.shared):
+            self.shared[s].finish_gradients()
         if self.inbox or self.local or self.fetched:
             raise RuntimeError(f"rank {self.comm.rank}: the step left messages unused: "
                                f"{sorted(self.inbox) + sorted(self.local) + sorted(self.fetched)}")
@@ -126,9 +170,11 @@ class Pipeline:
         """OptimizerStep: update the stages this rank holds."""
         with self.ledger.phase("update"):
             for s in self.held:
-                if len(self.compiled.members[s]) == 1:
+                if len(self.compiled.members[s]) == 1 and s not in self.shared:
                     self.stages[s].flat.settle_grads()
             self.optimizer.step(lr)
+        for s in sorted(self.shared):
+            self.shared[s].step(lr)
         self.pool.clear()  # between steps a rank holds its model state and nothing else
         for comm in (self.comm, *self.stage_comms.values()):
             if comm is not None:  # None: a stage whose reduction group this rank is not in
@@ -147,7 +193,7 @@ class Pipeline:
     def _post(self, key: tuple, shape: tuple, source: int, tag: int, phase: str) -> None:
         buffer = np.empty(shape, dtype=self.dtype)  # fresh: the stage may keep it as an activation
         with self.comm.traffic.phase(phase):
-            self.inbox[key] = (buffer, self.comm.irecv(buffer, source, tag), source)
+            self.inbox[key] = (buffer, self.comm.irecv(buffer, self.mesh.rank(source, self.replica), tag), source)
 
     def _recv_activation(self, i: RecvActivation) -> None:
         self._post(("activation", i.stage, i.batch), self._batch_shape(i.stage), i.source,
@@ -161,16 +207,22 @@ class Pipeline:
         buffer = self._take("parameters", self.stages[i.stage].flat.size)
         with self.comm.traffic.phase("weights"):
             self.inbox[("weights", i.stage, i.batch, i.direction)] = (
-                buffer, self.comm.irecv(buffer, i.source, p2p_tag(Kind.WEIGHTS, i.stage, i.batch)), i.source)
+                buffer, self.comm.irecv(buffer, self.mesh.rank(i.source, self.replica),
+                                        p2p_tag(Kind.WEIGHTS, i.stage, i.batch)), i.source)
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per micro-batch: each of the D pipelines takes 1/D of the global batch."""
+        return self.batch_size // self.mesh.replicas // self.compiled.shape.micro_batches
 
     def _batch_shape(self, stage: int) -> tuple:
-        return (self.batch_size // self.compiled.shape.micro_batches, *self.input_shapes[stage])
+        return (self.micro_batch_size, *self.input_shapes[stage])
 
     def _arrived(self, key: tuple):
         buffer, request, source = self.inbox.pop(key)
         kind, stage, batch = key[:3]
         wait_requests([request], f"the receive of the {kind} of stage {stage}, micro-batch {batch} at step "
-                                 f"{self.step_number}", [source], rank=self.comm.rank)
+                                 f"{self.step_number}", [self.mesh.rank(source, self.replica)], rank=self.comm.rank)
         return buffer
 
     def _input(self, key: tuple):
@@ -190,12 +242,16 @@ class Pipeline:
         inputs, targets = self.load(b) if s == 0 or last else (None, None)
         x = inputs if s == 0 else self._input(("activation", s, b))
         self._weights(s, b, "F")
-        size = self.batch_size // self.compiled.shape.micro_batches  # positions in the global batch: dropout
+        size = self.micro_batch_size  # positions in the global batch, for dropout
+        first = self.replica * (self.batch_size // self.mesh.replicas) + b * size
         ctx = self.cache.context(s, b, step=self.step_number, seed=self.seed,
-                                 sample_ids=np.arange(b * size, (b + 1) * size))
+                                 sample_ids=np.arange(first, first + size))
         with self.ledger.phase("forward"):
             start = time.perf_counter()
-            y = self.stages[s].forward(x, ctx, after_layer=self.poll)
+            if s in self.shared:
+                y = self.shared[s].forward(x, ctx)
+            else:
+                y = self.stages[s].forward(x, ctx, after_layer=self.poll)
         if last:
             self.totals[0] += float(self.loss_fn.forward(y, targets, ctx, self.batch_size))
             self.totals[1] += float((y.argmax(axis=-1) == targets).sum())
@@ -211,7 +267,12 @@ class Pipeline:
         self._weights(s, b, "B")
         with self.ledger.phase("backward"):
             start = time.perf_counter()
-            dx = self.stages[s].backward(dy, ctx, after_layer=self.poll)
+            if s in self.shared:  # the stage's gradient goes to its replica group's scope as the layers finish
+                done = self.backwards_done[s]
+                dx = self.shared[s].backward(dy, ctx, done, last=done == self.backwards[s] - 1)
+                self.backwards_done[s] = done + 1
+            else:
+                dx = self.stages[s].backward(dy, ctx, after_layer=self.poll)
         self.cache.release(s, b)
         self.job_times.append((Job(s, b, BACKWARD), start, time.perf_counter()))
         if s > 0:
@@ -225,6 +286,7 @@ class Pipeline:
     # -- sends -------------------------------------------------------------------------
     def _send(self, buffer, dest: int, tag: int, phase: str) -> None:
         buffer = np.ascontiguousarray(buffer)
+        dest = self.mesh.rank(dest, self.replica)
         self.outbox.post(self.comm.isend(buffer, dest, tag, phase), buffer, dest)
         self.outbox.progress()
 
@@ -261,20 +323,31 @@ class Pipeline:
         self.pool.give(buffer)
 
     # -- the whole model, for evaluation and checks ----------------------------------------
+    def _owns_whole(self, stage: int) -> bool:
+        """Does this rank keep all of `stage`'s parameters bound to it?"""
+        return stage in self.held and (stage not in self.shared or self.sharding.parameters == "N")
+
+    def _whole_stage(self, stage: int, weights, phase: str) -> None:
+        """`stage`'s parameters into `weights` on every rank (collective over all ranks):
+        gathered in its replica group where they are sharded, then broadcast from its first
+        holder of pipeline 0."""
+        if stage in self.shared and not self._owns_whole(stage):
+            self.shared[stage].gather_parameters(weights, phase)
+        with self.comm.traffic.phase(phase):
+            broadcast(self.comm, weights, self.mesh.rank(self.compiled.holders[stage][0], 0), self.collective)
+
     def forward(self, x, ctx: Context, gather_phase: str = "evaluate"):
         """The whole model on one batch (evaluation; collective): each stage this rank does
-        not hold is broadcast from a holder, used, and forgotten, as ZeRO-3 gathers a unit."""
+        not hold whole is brought to every rank, used, and forgotten, as ZeRO-3 gathers a unit."""
         for s, stage in enumerate(self.stages):
-            flat, root = stage.flat, self.compiled.holders[s][0]
-            weights = flat.data if self.comm.rank == root else self._take("parameters", flat.size)
-            with self.comm.traffic.phase(gather_phase):
-                broadcast(self.comm, weights, root, self.collective)
-            if s not in self.held:
+            flat, owned = stage.flat, self._owns_whole(s)
+            weights = flat.data if owned else self._take("parameters", flat.size)
+            self._whole_stage(s, weights, gather_phase)
+            if not owned:
                 flat.bind(0, flat.size, data=weights)
             x = stage.forward(x, ctx)
-            if s not in self.held:
+            if not owned:
                 flat.unbind(0, flat.size, grads=False)
-            if self.comm.rank != root:
                 self._give("parameters", weights)
         return x
 
@@ -282,8 +355,7 @@ class Pipeline:
         """The whole model's parameters, on every rank (collective: for checks)."""
         parts = []
         for s, stage in enumerate(self.stages):
-            weights = stage.flat.data.copy() if s in self.held else np.empty(stage.flat.size, dtype=self.dtype)
-            with self.comm.traffic.phase("inspect"):
-                broadcast(self.comm, weights, self.compiled.holders[s][0], self.collective)
+            weights = stage.flat.data.copy() if self._owns_whole(s) else np.empty(stage.flat.size, dtype=self.dtype)
+            self._whole_stage(s, weights, "inspect")
             parts.append(weights)
         return np.concatenate(parts)

@@ -135,6 +135,23 @@ def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, item
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
 
 
+def composed_peak(pipeline: Peak, shares: list[Peak]) -> Peak:
+    """A pipeline rank whose stages are shared by replica groups (mesh.py): the pipeline's
+    activations and messages, the state of each stage it holds as data parallelism over
+    the replica group keeps it (`shares`, from data_parallel_peak), and the largest of
+    those stages' communication transients (a rank runs one stage's job at a time)."""
+    steady = {kind: sum(share.steady[kind] for share in shares) for kind in shares[0].steady}
+    activations = ("activations", "evaluation")  # the pipeline's figures already count them
+
+    def communication(share: Peak) -> dict[str, float]:
+        return {name: nbytes for name, nbytes in share.transients.items() if name not in activations}
+
+    transients = dict(pipeline.transients)
+    for name, nbytes in communication(max(shares, key=lambda share: sum(communication(share).values()))).items():
+        transients[name] = transients.get(name, 0) + nbytes
+    return Peak(steady, transients)
+
+
 def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[int], *, itemsize: int,
                 state_kinds: int, training: ActivationBytes, evaluation: ActivationBytes | None = None) -> Peak:
     """The peak of one rank of the CDP engine running `program` (its part of a CyclicPlan).

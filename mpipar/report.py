@@ -122,6 +122,8 @@ class Report:
                     f"rank(s), scheme {trainer.scheme_name}, {cfg.device} {cfg.dtype}, global batch "
                     f"{cfg.batch_size} in {cfg.micro_batches} micro-batch(es){'' if cfg.stages or cfg.cyclic else ' per rank'}, "
                     f"{trainer.total_steps} steps")
+        for line in trainer.placement:  # a composed run: which ranks form each pipeline and replica group
+            self._print(line)
         self._restart_clocks()
 
     def step(self, result: StepResult, trainer: Trainer) -> None:

@@ -112,12 +112,18 @@ class Trainer:
             self.stages = build_stages(self.model, cfg.stages, self.backend, cfg.seed, materialize=False)
             self.compiled = compile_programs(cfg.strategy(), cfg.schedule_shape(self.world_size))
             replay(self.compiled.programs, self.compiled.shape, self.compiled.holders)  # sound, or refused here
+            mesh = cfg.mesh(self.world_size)
             self.scheme_name = (f"{cfg.scheme} over {cfg.stages} stages, {cfg.micro_batches} micro-batches"
-                                + (f", {cfg.loops} loops" if cfg.loops > 1 else ""))
+                                + (f", {cfg.loops} loops" if cfg.loops > 1 else "")
+                                + (f", x {mesh.replicas} replicas sharing each stage as "
+                                   f"{cfg.sharding()}" if mesh.replicas > 1 else ""))
+            if mesh.replicas > 1:
+                self.placement = mesh.describe(self.counted.group_of)
         else:
             self.stages = build_stages(self.model, 1, self.backend, cfg.seed, materialize=False)
             self.scheme_name = str(cfg.sharding())
         self.parameter_count = sum(stage.flat.size for stage in self.stages)
+        self.placement = getattr(self, "placement", [])
         self._check_model_fits()
         self.loss_fn = SoftmaxCrossEntropy()
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, cfg.seed)
@@ -134,7 +140,7 @@ class Trainer:
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
         cfg = self.config
-        per_rank = 1 if cfg.stages or cfg.cyclic else self.world_size
+        per_rank = cfg.mesh(self.world_size).replicas if cfg.stages else 1 if cfg.cyclic else self.world_size
         return dry_run(self.stages, self.train_set, self.loss_fn, cfg.batch_size // per_rank // cfg.micro_batches,
                        min(cfg.eval_batch, len(self.test_set)), cfg.seed, self._to_device)
 
@@ -152,8 +158,14 @@ class Trainer:
         cfg = self.config
         itemsize = self.backend.dtype.itemsize
         per_parameter = (2 + state_kinds(cfg.optimizer, cfg.momentum)) * itemsize
-        if cfg.stages or cfg.cyclic:  # a rank holds at least one stage's state
+        if cfg.stages or cfg.cyclic:  # a rank holds at least one stage's state, or its share of it
             need = max(stage.flat.size for stage in self.stages) * per_parameter
+            if cfg.stages:
+                mesh = cfg.mesh(self.world_size)
+                group = len(self.counted.subset_layout(mesh.replica_group(mesh.worker(self.rank)))[0])
+                need = bytes_per_rank(cfg.sharding(), max(s.flat.size for s in self.stages),
+                                      mesh.replicas, group, parameter_bytes=itemsize, gradient_bytes=itemsize,
+                                      state_bytes=per_parameter - 2 * itemsize).total
         else:
             group = len(self.counted.group_layout()[0])
             need = bytes_per_rank(cfg.sharding(), self.parameter_count, self.world_size, group,
@@ -218,7 +230,9 @@ class Trainer:
             first_layers = [layers.start for layers in partition(self.model, cfg.stages)]
             return Pipeline(self.counted, self.stages, self.compiled, self.cache, self.loss_fn,
                             input_shapes=[self.model.shapes[first] for first in first_layers],
-                            collective=cfg.collective, **options)
+                            collective=cfg.collective, mesh=cfg.mesh(self.world_size),
+                            sharding=cfg.sharding(),
+                            unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), prefetch=cfg.prefetch, **options)
         return DataParallel(self.counted, self.stages[0], cfg.sharding(), collective=cfg.collective,
                             unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), prefetch=cfg.prefetch, **options)
 
@@ -233,8 +247,10 @@ class Trainer:
         cfg = self.config
         indices = self.sampler.global_batch_indices(epoch, step_in_epoch)
         self.engine.start_step()
-        if cfg.stages:
-            micro_batches = split_micro_batches(indices, cfg.micro_batches)
+        if cfg.stages:  # each pipeline (replica) takes its slice of the global batch
+            mesh = cfg.mesh(self.world_size)
+            micro_batches = split_micro_batches(rank_slice(indices, mesh.replica(self.rank), mesh.replicas),
+                                                cfg.micro_batches)
             self.step_totals[:] = self.engine.run_step(step, cfg.seed, lambda b: self._to_device(
                 *self.train_set.batch(micro_batches[b])), cfg.batch_size)
         else:

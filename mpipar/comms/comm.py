@@ -77,9 +77,13 @@ class Comm:
 
     def group_layout(self) -> list[list[int]]:
         """rank_at[a][i]: the i-th rank (in rank order) of the a-th group (groups in order of first rank)."""
+        return self.subset_layout(range(self.size))
+
+    def subset_layout(self, ranks) -> list[list[int]]:
+        """The group layout of `subset(ranks)`, in its own rank numbers, without making it."""
         order: dict[int, list[int]] = {}
-        for rank, group in enumerate(self.group_of):
-            order.setdefault(group, []).append(rank)
+        for index, rank in enumerate(sorted(ranks)):
+            order.setdefault(self.group_of[rank], []).append(index)
         return list(order.values())
 
     # -- point to point -----------------------------------------------------------

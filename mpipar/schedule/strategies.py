@@ -173,6 +173,15 @@ for _order, _priority in (("", depth_first), ("-breadth", breadth_first)):
                       _looped_check, looped=True))
 
 
+def shared_stages(strategy: Strategy, shape: Shape) -> list[int]:
+    """The stages that more than one worker holds or computes (their gradients are summed
+    inside the pipeline); in gpipe and 1f1b none: one worker does everything of a stage."""
+    members: dict[int, set[int]] = {}
+    for job in shape.jobs():
+        members.setdefault(job.stage, set()).update(strategy.place(job, shape))
+    return sorted(stage for stage, workers in members.items() if len(workers) > 1)
+
+
 def get_strategy(name: str) -> Strategy:
     if name not in STRATEGIES:
         raise unknown_name("schedule scheme", name, STRATEGIES)
