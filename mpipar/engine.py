@@ -76,10 +76,11 @@ class Pipeline:
         self.dtype = stages[0].flat.dtype
         self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
         # With replicas, a held stage is shared by its replica group (one communicator per
-        # stage: each stage's reductions run on their own, in their own order)
+        # stage: each stage's reductions run on their own, in their own order); a stage
+        # without parameters (a flatten) has nothing to share
         self.shared: dict[int, DataParallel] = {}
         if self.mesh.replicas > 1:
-            for s in self.held:
+            for s in (s for s in self.held if stages[s].flat.size):
                 self.shared[s] = DataParallel(comm.subset(self.mesh.replica_group(worker)), stages[s], sharding,
                                               optimizer=optimizer, optimizer_options=optimizer_options,
                                               collective=collective, unit_bytes=unit_bytes, prefetch=prefetch,
@@ -114,13 +115,14 @@ class Pipeline:
         sizes = [stage.flat.size for stage in self.stages]
         peak = pipeline_peak(worker, self.compiled, sizes, itemsize=self.dtype.itemsize,
                              state_kinds=self.state_kinds, training=training, evaluation=evaluation)
-        if self.mesh.replicas == 1:
+        shared = [s for s in range(len(sizes)) if worker in self.compiled.holders[s] and sizes[s]]
+        if self.mesh.replicas == 1 or not shared:
             return peak
         group = len(self.comm.subset_layout(self.mesh.replica_group(worker))[0])
         return composed_peak(peak, [data_parallel_peak(self.sharding, sizes[s], self._largest_unit(s),
                                                        self.mesh.replicas, group, itemsize=self.dtype.itemsize,
                                                        state_kinds=self.state_kinds, training=training)
-                                    for s in range(len(sizes)) if worker in self.compiled.holders[s]])
+                                    for s in shared])
 
     def _largest_unit(self, stage: int) -> int:
         """The largest sharding unit of `stage` (units are cut alike on every rank)."""
