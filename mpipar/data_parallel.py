@@ -342,6 +342,15 @@ class DataParallel:
         self.gather_parameters(full, "inspect")
         return full
 
+    def load_parameters(self, full: np.ndarray) -> None:
+        """Replace the parameters by `full` (the whole stage, the same on every rank): each
+        rank keeps its blocks of P's scope; optimizer state is left as it is."""
+        full = self.flat.backend.asarray(full)  # on the device, in the run's dtype
+        P = self.sharding.parameters
+        for unit in self.units:
+            start, stop = unit.blocks[P]
+            self.p_store[self._slice(unit, "P", P)] = full[unit.start + start:unit.start + stop]
+
     def gather_parameters(self, full, phase: str) -> None:
         """Every unit's parameters gathered from P's scope into `full` (collective)."""
         P = self.sharding.parameters

@@ -353,6 +353,17 @@ class Pipeline:
                 self._give("parameters", weights)
         return x
 
+    def load_parameters(self, full: np.ndarray) -> None:
+        """Replace the parameters by `full` (the whole model, stage after stage, the same on
+        every rank): each rank keeps what it holds of the stages it holds."""
+        offset = 0
+        for s, stage in enumerate(self.stages):
+            part, offset = full[offset:offset + stage.flat.size], offset + stage.flat.size
+            if s in self.shared:
+                self.shared[s].load_parameters(part)
+            elif s in self.held:
+                stage.flat.data[:] = part
+
     def full_parameters(self) -> np.ndarray:
         """The whole model's parameters, on every rank (collective: for checks)."""
         parts = []

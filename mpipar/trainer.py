@@ -236,6 +236,48 @@ class Trainer:
         return DataParallel(self.counted, self.stages[0], cfg.sharding(), collective=cfg.collective,
                             unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), prefetch=cfg.prefetch, **options)
 
+    # -- the model, read and written the same way for every scheme -------------------------
+    def full_parameters(self, root: int | None = None) -> dict[str, np.ndarray] | None:
+        """The whole model's parameters by name ("layer.parameter"), as host arrays of their
+        shapes (collective: every rank calls it). With `root`, only that rank gets them;
+        the others get None."""
+        flat = self.engine.full_parameters()
+        if root is not None and self.rank != root:
+            return None
+        named, offset = {}, 0
+        for stage in self.stages:
+            for segment in stage.flat.segments:
+                start = offset + segment.offset
+                named[f"{segment.layer}.{segment.name}"] = flat[start:start + segment.size].reshape(segment.shape)
+            offset += stage.flat.size
+        return named
+
+    def load_parameters(self, named: dict[str, np.ndarray]) -> None:
+        """Replace the model's parameters by `named` (as full_parameters returns them, the same
+        on every rank); each rank keeps its share. Optimizer state is left as it is. Not
+        available for Cyclic Data Parallelism, whose stage states travel between ranks."""
+        if self.config.cyclic:
+            raise ConfigError(f"load_parameters is not available for --scheme {self.config.scheme}: its weight "
+                              "versions travel between ranks during an epoch")
+        expected = {f"{segment.layer}.{segment.name}": segment for stage in self.stages
+                    for segment in stage.flat.segments}
+        if set(named) != set(expected):
+            missing, extra = sorted(set(expected) - set(named)), sorted(set(named) - set(expected))
+            raise ConfigError(f"load_parameters: the names differ from the model's (missing {missing[:3]}, "
+                              f"unknown {extra[:3]})")
+        for name, segment in expected.items():
+            if tuple(np.shape(named[name])) != segment.shape:
+                raise ConfigError(f"load_parameters: {name} has shape {tuple(np.shape(named[name]))}, the model's "
+                                  f"is {segment.shape}")
+        parts = []
+        for stage in self.stages:
+            full = np.empty(stage.flat.size, dtype=self.backend.dtype)
+            for segment in stage.flat.segments:
+                full[segment.offset:segment.offset + segment.size] = np.asarray(
+                    named[f"{segment.layer}.{segment.name}"]).reshape(-1)
+            parts.append(full)
+        self.engine.load_parameters(np.concatenate(parts))  # data parallelism: one stage, the whole model
+
     def _to_device(self, inputs, targets):
         xp = self.backend.xp
         inputs = self.backend.asarray(inputs) if inputs.dtype.kind == "f" else xp.asarray(inputs)

@@ -61,3 +61,9 @@ def test_a_composition_that_cannot_work_is_refused_in_one_sentence(settings, wor
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
                        .replace("[", r"\[").replace("+", r"\+")):
         TrainConfig(**settings).validate(world)
+
+
+def test_the_named_parameters_read_and_load_alike_in_every_layout():
+    result = run_mpi(4, sys.executable, str(SCRIPTS / "check_parameters_api.py"), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "the named parameters load and read back in 5 layouts" in result.stdout
