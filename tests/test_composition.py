@@ -67,3 +67,21 @@ def test_the_named_parameters_read_and_load_alike_in_every_layout():
     result = run_mpi(4, sys.executable, str(SCRIPTS / "check_parameters_api.py"), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "the named parameters load and read back in 5 layouts" in result.stdout
+
+
+def test_schedule_show_lists_what_each_replica_group_does_at_each_instruction():
+    from click.testing import CliRunner
+
+    from mpipar.cli import cli
+
+    result = CliRunner().invoke(cli, ["schedule", "show", "--scheme", "1f1b", "--world-size", "4", "--stages", "2",
+                                      "--micro-batches", "2", "--replicas", "2", "--shard", "zero1", "--programs"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "worker 1 (ranks [2, 3]):" in lines and "  pipeline 1: ranks [1, 3]" in lines
+    assert "  Backward B1b0   | gradient added locally" in lines
+    assert ("  Backward B1b1   | gradient added locally; then to OS (over the 2 replicas): reduce-scatter"
+            in lines)
+    assert ("  OptimizerStep stages [1]   | step the OS block (over the 2 replicas), all-gather P back "
+            "(whole on every replica)" in lines)
+    assert "  Forward F1b0" in lines  # zero1 keeps parameters whole: nothing to gather

@@ -3,12 +3,16 @@
     mpipar schedule show --scheme lpp --world-size 4 --stages 8 --micro-batches 8 --loops 2
     mpipar schedule show --scheme 1f1b --world-size 4 --stages 4 --micro-batches 8 --png 1f1b.png
     mpipar schedule show --table my_schedule.toml
+    mpipar schedule show --scheme 1f1b --world-size 4 --stages 2 --micro-batches 2 --replicas 2 --shard zero3 --programs
 
 compiles the strategy into one Program per rank (the ones `mpipar train` runs), replays
 them to prove them sound and time them, and prints the diagram (rows workers, columns
 time, cells like F3b2 with a legend line under them), then per worker: activation and
 weight transfers, peak activation storage, weights owned and the idle fraction (the
-bubble), and the latency. `--programs` also lists every rank's instructions. The
+bubble), and the latency. `--programs` also lists every rank's instructions. With
+`--replicas D` the ranks are D copies of a pipeline of W/D workers (mesh.py): the
+placement is printed, and each program line of a shared stage says what its replica
+group does there under `--shard` (the flow of data_parallel.py). The
 options are `mpipar train`'s names for the same things; the short -W -S -B -G are the
 letters of docs/schedule.md and docs/glossary.md.
 
@@ -20,10 +24,13 @@ from __future__ import annotations
 import click
 
 from mpipar.cli.params import RenamedOption
+from mpipar.errors import ConfigError
+from mpipar.mesh import Mesh
 from mpipar.schedule import diagram
-from mpipar.schedule.program import compile_programs, describe
+from mpipar.schedule.program import Backward, Forward, OptimizerStep, compile_programs, describe
 from mpipar.schedule.replay import replay
-from mpipar.schedule.strategies import STRATEGIES, Shape, get_strategy, load_table
+from mpipar.schedule.strategies import STRATEGIES, Shape, get_strategy, load_table, shared_stages
+from mpipar.sharding import Sharding, parse_sharding
 
 POSITIVE = click.IntRange(min=1)
 
@@ -48,11 +55,22 @@ def schedule() -> None:
 @click.option("--png", default=None, metavar="FILE",
               help="also draw the diagram into this PNG file (needs the plot extra: pip install -e '.[plot]')")
 @click.option("--programs", is_flag=True, help="also list every rank's program, instruction by instruction")
+@click.option("--replicas", "-D", type=POSITIVE, default=1, show_default=True,
+              help="pipeline replicas D: the W ranks are D pipelines of W/D workers (docs/composition.md)")
+@click.option("--shard", default="ddp", show_default=True,
+              help="how a stage's replicas share it: a data-parallel scheme or P,G,OS letters such as I,G,G")
 def show(scheme: str, table: str | None, workers: int, stages: int, micro_batches: int, loops: int,
-         png: str | None, programs: bool) -> None:
+         png: str | None, programs: bool, replicas: int, shard: str) -> None:
     """Compile one step of a schedule, replay it, and print its diagram and costs."""
     strategy = load_table(table) if table else get_strategy(scheme)
+    if workers % replicas:
+        raise ConfigError(f"--replicas {replicas} does not divide the {workers} ranks")
+    mesh, sharding = Mesh(workers // replicas, replicas), parse_sharding(shard)
+    workers = mesh.workers  # the diagram is one pipeline's: every replica runs the same
     shape = Shape(workers, stages, micro_batches, loops)
+    if replicas > 1 and shared_stages(strategy, shape):
+        raise ConfigError(f"{strategy.name} computes a stage on several workers of a pipeline, which cannot yet be "
+                          f"combined with --replicas {replicas}")
     compiled = compile_programs(strategy, shape)
     timeline = replay(compiled.programs, shape, compiled.holders)
     click.echo(f"{strategy.name}: W={workers} workers, S={stages} stages, B={micro_batches} micro-batches, "
@@ -70,10 +88,37 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
     click.echo("activations in: received from other workers; most held: (stage, micro-batch) activations at once; "
                "idle: the bubble")
     click.echo("words: docs/glossary.md")
+    if replicas > 1:
+        click.echo("\n".join(mesh.describe()))
+        click.echo(f"each stage is shared by its replica group as {sharding}")
     if programs:
-        for rank, program in enumerate(compiled.programs):
-            click.echo(f"rank {rank}:")
-            click.echo("\n".join(f"  {describe(instruction)}" for instruction in program))
+        for worker, program in enumerate(compiled.programs):
+            ranks = mesh.replica_group(worker)
+            click.echo(f"rank {worker}:" if replicas == 1 else f"worker {worker} (ranks {ranks}):")
+            last_backward = {i.stage: index for index, i in enumerate(program) if isinstance(i, Backward)}
+            for index, instruction in enumerate(program):
+                last = isinstance(instruction, Backward) and last_backward[instruction.stage] == index
+                flow = replica_flow(instruction, sharding, len(ranks), last)
+                click.echo(f"  {describe(instruction)}" + (f"   | {flow}" if flow and replicas > 1 else ""))
     if png:
         diagram.png(timeline, png, f"{strategy.name}, W={workers} S={stages} B={micro_batches} G={loops}")
         click.echo(f"drawn into {png}")
+
+
+def replica_flow(instruction, sharding: Sharding, replicas: int, last: bool) -> str:
+    """What a shared stage's replica group does around `instruction` (data_parallel.py's flow):
+    P gathered for each job where it is sharded, each micro-batch's gradient taken to G's
+    scope, after the stage's last backward to OS's, and after the update P published again."""
+    P, G, OS = sharding.triple
+    scope = {"N": "kept whole", "I": "in the group of M", "G": f"over the {replicas} replicas"}
+    steps = []
+    if isinstance(instruction, (Forward, Backward)) and P != "N":
+        steps.append(f"all-gather P {scope[P]}, unit by unit, freed after use")
+    if isinstance(instruction, Backward):
+        steps.append("gradient added locally" if G == "N" else f"reduce-scatter G {scope[G]}")
+        if last and not G == OS == "G":  # ZeRO-2/3 are done: the reduce-scatter reached OS's scope
+            steps.append(f"then to OS ({scope[OS]}): " + ("all-reduce" if G == OS else "reduce-scatter"))
+    if isinstance(instruction, OptimizerStep):
+        published = "whole on every replica" if P == "N" else scope[P]
+        steps.append(f"step the OS block ({scope[OS]})" + ("" if P == OS else f", all-gather P back ({published})"))
+    return "; ".join(steps)
