@@ -265,8 +265,9 @@ class TrainConfig:
         if world_size % replicas:
             raise ConfigError(f"--replicas {replicas} does not divide the {world_size} ranks")
         if self.shard is not None and replicas == 1:
-            raise ConfigError(f"--shard {self.shard} shares each stage among its replicas, and this run has one "
-                              f"pipeline on all {world_size} ranks; give --replicas D (D dividing {world_size})")
+            raise ConfigError(f"--shard {self.shard} shares each stage among its replicas, and this run is one "
+                              f"pipeline on all {world_size} rank(s): give --replicas D, or run on more ranks "
+                              "than the schedule needs")
         if self.shard is not None:
             self.sharding()  # names a bad triple
         if self.micro_batches > MAX_MICRO_BATCHES:

@@ -48,7 +48,7 @@ def test_replicas_are_chosen_from_what_the_schedule_accepts(settings, world, rep
 
 @pytest.mark.parametrize("settings,world,message", [
     (dict(scheme="1f1b", stages=2, shard="zero3", replicas=1), 2,
-     "--shard zero3 shares each stage among its replicas, and this run has one pipeline on all 2 ranks"),
+     "--shard zero3 shares each stage among its replicas, and this run is one pipeline on all 2 rank"),
     (dict(scheme="lpp", stages=4, loops=2, replicas=2), 8,
      "lpp computes stage 0 on several workers of a pipeline, which cannot yet be combined with --replicas 2"),
     (dict(scheme="1f1b", stages=2, replicas=3), 4, "--replicas 3 does not divide the 4 ranks"),

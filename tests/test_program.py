@@ -136,7 +136,8 @@ def test_a_broken_custom_strategy_is_refused_before_anything_runs():
     (dict(scheme="gpipe", stages=1, loops=2), "gpipe does not loop"),
     (dict(scheme="lpp", stages=1, micro_batches=3, batch_size=64), "is not divisible by the schedule's 3 micro-batches = 3; use --batch-size 63 or 66"),
     (dict(loops=2), "--loops 2 is for the looped schedules"),
-    (dict(scheme="gpipe", stages=1, shard="G,G,G"), "--shard G,G,G is for data parallelism"),
+    (dict(scheme="gpipe", stages=1, shard="G,G,G"), "--shard G,G,G shares each stage among its replicas, and this "
+                                                    "run is one pipeline on all 1 rank"),
 ])
 def test_train_refuses_schedules_outside_their_constraints(options, message):
     with pytest.raises(ConfigError, match=message):
