@@ -84,12 +84,29 @@ def without_launcher_notices(stderr: str) -> str:
     return _OPEN_MPI_EXIT_NOTICES.sub("", stderr) if mpi_implementation() == "openmpi" else stderr
 
 
+# Open MPI's launcher now and then fails to start its own PMIx server before it starts
+# any rank (a known flake of shared CI machines, e.g. lfortran/lfortran#8610); nothing
+# of the program under test ran, so the launch is tried again.
+_LAUNCHER_DID_NOT_START = "The PMIx server's listener thread failed to start"
+LAUNCH_ATTEMPTS = 3
+
+
 def run_mpi(ranks: int, *args: str, timeout: float = 120, env_extra: dict | None = None):
     """Run `args` (a command) on `ranks` ranks; a hang fails the test after `timeout` seconds.
 
     mpiexec runs in its own session so that, on a timeout, the launcher and every
-    rank it started are killed together, leaving nothing behind.
+    rank it started are killed together, leaving nothing behind. A launch that failed
+    before any rank started (`_LAUNCHER_DID_NOT_START`) is tried again, at most
+    `LAUNCH_ATTEMPTS` times in all.
     """
+    for _ in range(LAUNCH_ATTEMPTS):
+        result = _run_mpi_once(ranks, *args, timeout=timeout, env_extra=env_extra)
+        if not (result.returncode != 0 and not result.stdout and _LAUNCHER_DID_NOT_START in result.stderr):
+            return result
+    return result
+
+
+def _run_mpi_once(ranks: int, *args: str, timeout: float, env_extra: dict | None):
     env = dict(os.environ, **(env_extra or {}))
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     process = subprocess.Popen(mpiexec_command(ranks, *args), stdout=subprocess.PIPE,
