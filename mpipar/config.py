@@ -140,7 +140,11 @@ class TrainConfig:
         return parse_sharding(self.shard or self.scheme or "ddp")
 
     def strategy(self) -> Strategy:
-        """The schedule of a pipeline run (--stages): the strategy named by --scheme."""
+        """The schedule of the run: the strategy named by --scheme with --stages; in data
+        parallelism 1f1b on one stage, i.e. forward then backward of each micro-batch in turn,
+        so that one micro-batch's activations live at a time."""
+        if not self.stages:
+            return get_strategy("1f1b")
         if self.scheme is None:
             raise ConfigError(f"--stages {self.stages} runs a schedule: name it with --scheme "
                               f"({', '.join(STRATEGIES)})")
@@ -152,14 +156,15 @@ class TrainConfig:
         return self.scheme in CDP_SCHEMES
 
     def mesh(self, world_size: int) -> Mesh:
-        """The ranks of a schedule as pipeline workers x replicas (--replicas, filled by for_world)."""
-        replicas = self.replicas or 1
+        """The ranks as pipeline workers x replicas (--replicas, filled by for_world). Data
+        parallelism is one worker replicated on every rank."""
+        replicas = (self.replicas or 1) if self.stages else world_size
         return Mesh(world_size // replicas, replicas)
 
     def schedule_shape(self, world_size: int) -> Shape:
-        """One pipeline's W workers (the ranks over the replicas), S stages, B micro-batches of
-        a pipeline's step, G loops."""
-        return Shape(self.mesh(world_size).workers, self.stages, self.micro_batches, self.loops)
+        """One pipeline's W workers (the ranks over the replicas), S stages (1 in data
+        parallelism), B micro-batches of a pipeline's step, G loops."""
+        return Shape(self.mesh(world_size).workers, self.stages or 1, self.micro_batches, self.loops)
 
     def _automatic_replicas(self, world_size: int) -> int:
         """The fewest replicas D (dividing the ranks) whose pipeline of W/D workers the schedule

@@ -37,6 +37,7 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
+from mpipar.backend import to_host
 from mpipar.cache import ActivationCache, Context
 from mpipar.comms.collectives import broadcast, iall_reduce, ireduce
 from mpipar.comms.comm import Comm, ScratchPool
@@ -74,15 +75,19 @@ class Pipeline:
         self.held = [s for s in range(count) if worker in compiled.holders[s]]
         self.ledger, self.pool = MemoryLedger(), ScratchPool()
         self.dtype = stages[0].flat.dtype
-        self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
-        # With replicas, a held stage is shared by its replica group (one communicator per
-        # stage: each stage's reductions run on their own, in their own order); a stage
-        # without parameters (a flatten) has nothing to share
+        self.state_kinds, self.prefetch = state_kinds(optimizer, optimizer_options.get("momentum", 0.0)), prefetch
+        # Data parallelism is the S = 1 case: one stage, one worker, replicated on every rank
+        self.data_parallel = len(stages) == 1 and self.mesh.workers == 1
+        # With replicas (always in data parallelism, even on one rank), a held stage is shared
+        # by its replica group under `sharding`: one communicator per stage, so each stage's
+        # reductions run on their own, in their own order (the whole world's own communicator
+        # where the group is every rank). A stage without parameters has nothing to share.
         self.shared: dict[int, DataParallel] = {}
-        if self.mesh.replicas > 1:
+        if self.mesh.replicas > 1 or self.data_parallel:
+            group = self.mesh.replica_group(worker)
             for s in (s for s in self.held if stages[s].flat.size):
-                self.shared[s] = DataParallel(comm.subset(self.mesh.replica_group(worker)), stages[s], sharding,
-                                              optimizer=optimizer, optimizer_options=optimizer_options,
+                self.shared[s] = DataParallel(comm if len(group) == comm.size else comm.subset(group), stages[s],
+                                              sharding, optimizer=optimizer, optimizer_options=optimizer_options,
                                               collective=collective, unit_bytes=unit_bytes, prefetch=prefetch,
                                               ledger=self.ledger)
         self.backwards = {s: sum(isinstance(i, Backward) and i.stage == s for i in self.program) for s in self.shared}
@@ -96,11 +101,13 @@ class Pipeline:
         # one communicator per stage's reduction group, made in stage order on every rank
         self.stage_comms = {s: comm.subset(self._ranks(compiled.members[s])) for s in range(count)
                             if len(compiled.members[s]) > 1}
-        flats = [stages[s].flat for s in self.held if s not in self.shared]
+        flats = [stages[s].flat for s in self.held if s not in self.shared and stages[s].flat.size]
         self.optimizer = make_optimizer(optimizer, [f.data for f in flats], [f.grad for f in flats],
-                                        [f.decay_spans(0, f.size) for f in flats], **optimizer_options)
-        self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
-        self.ledger.hold("workspace", self.optimizer.workspace_bytes)
+                                        [f.decay_spans(0, f.size) for f in flats], **optimizer_options) \
+            if flats else None  # the stages of the shared ones have an optimizer each
+        if self.optimizer:
+            self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
+            self.ledger.hold("workspace", self.optimizer.workspace_bytes)
         self.handlers: dict[type, Callable] = {
             RecvActivation: self._recv_activation, RecvGradient: self._recv_gradient, FetchWeights: self._fetch,
             Forward: self._forward, Backward: self._backward, SendActivation: self._send_activation,
@@ -113,6 +120,8 @@ class Pipeline:
         peak can be predicted anywhere, as the programs are the same on every rank."""
         worker = self.mesh.worker(self.comm.rank if rank is None else rank)
         sizes = [stage.flat.size for stage in self.stages]
+        if self.data_parallel and 0 in self.shared:  # no pipeline: the sharding flow's own figures
+            return self.shared[0].predicted_peak(training, evaluation)
         peak = pipeline_peak(worker, self.compiled, sizes, itemsize=self.dtype.itemsize,
                              state_kinds=self.state_kinds, training=training, evaluation=evaluation)
         shared = [s for s in range(len(sizes)) if worker in self.compiled.holders[s] and sizes[s]]
@@ -121,7 +130,8 @@ class Pipeline:
         group = len(self.comm.subset_layout(self.mesh.replica_group(worker))[0])
         return composed_peak(peak, [data_parallel_peak(self.sharding, sizes[s], self._largest_unit(s),
                                                        self.mesh.replicas, group, itemsize=self.dtype.itemsize,
-                                                       state_kinds=self.state_kinds, training=training)
+                                                       state_kinds=self.state_kinds, training=training,
+                                                       prefetch=self.prefetch)
                                     for s in shared])
 
     def _largest_unit(self, stage: int) -> int:
@@ -172,9 +182,10 @@ class Pipeline:
         """OptimizerStep: update the stages this rank holds."""
         with self.ledger.phase("update"):
             for s in self.held:
-                if len(self.compiled.members[s]) == 1 and s not in self.shared:
+                if len(self.compiled.members[s]) == 1 and s not in self.shared and self.stages[s].flat.size:
                     self.stages[s].flat.settle_grads()
-            self.optimizer.step(lr)
+            if self.optimizer:
+                self.optimizer.step(lr)
         for s in sorted(self.shared):
             self.shared[s].step(lr)
         self.pool.clear()  # between steps a rank holds its model state and nothing else
@@ -338,10 +349,19 @@ class Pipeline:
         with self.comm.traffic.phase(phase):
             broadcast(self.comm, weights, self.mesh.rank(self.compiled.holders[stage][0], 0), self.collective)
 
+    def _everywhere(self, stage: int) -> bool:
+        """Does every pipeline worker hold `stage` (as in data parallelism), so that every rank
+        has it, whole or among its replica group?"""
+        return len(self.compiled.holders[stage]) == self.mesh.workers
+
     def forward(self, x, ctx: Context, gather_phase: str = "evaluate"):
-        """The whole model on one batch (evaluation; collective): each stage this rank does
-        not hold whole is brought to every rank, used, and forgotten, as ZeRO-3 gathers a unit."""
+        """The whole model on one batch (evaluation; collective): a stage this rank does not
+        hold whole is gathered unit by unit in its replica group where every worker holds it,
+        else brought to every rank, used, and forgotten, as ZeRO-3 gathers a unit."""
         for s, stage in enumerate(self.stages):
+            if self._everywhere(s):
+                x = self.shared[s].forward(x, ctx, gather_phase) if s in self.shared else stage.forward(x, ctx)
+                continue
             flat, owned = stage.flat, self._owns_whole(s)
             weights = flat.data if owned else self._take("parameters", flat.size)
             self._whole_stage(s, weights, gather_phase)
@@ -368,6 +388,9 @@ class Pipeline:
         """The whole model's parameters, on every rank (collective: for checks)."""
         parts = []
         for s, stage in enumerate(self.stages):
+            if self._everywhere(s):
+                parts.append(self.shared[s].full_parameters() if s in self.shared else to_host(stage.flat.data).copy())
+                continue
             weights = stage.flat.data.copy() if self._owns_whole(s) else np.empty(stage.flat.size, dtype=self.dtype)
             self._whole_stage(s, weights, "inspect")
             parts.append(weights)

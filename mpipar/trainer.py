@@ -35,7 +35,6 @@ from mpipar.comms.topology import make_world
 from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, agree_on_data, eval_slice, load_dataset, rank_slice, split_micro_batches
 from mpipar.cyclic import Cyclic
-from mpipar.data_parallel import DataParallel
 from mpipar.divergence import DivergenceWatch
 from mpipar.engine import Pipeline
 from mpipar.errors import ConfigError, NonFiniteLossError
@@ -108,20 +107,20 @@ class Trainer:
             self.stages = build_stages(self.model, cfg.micro_batches, self.backend, cfg.seed, materialize=False)
             self.scheme_name = (f"{cfg.scheme}, {cfg.cdp_layout} layout, over {cfg.micro_batches} stages "
                                 f"and micro-batches")
-        elif cfg.stages:  # a schedule: a rank keeps the stages its program holds
-            self.stages = build_stages(self.model, cfg.stages, self.backend, cfg.seed, materialize=False)
+        else:  # a program per pipeline worker (data parallelism: one stage, one worker, on every rank)
+            self.stages = build_stages(self.model, cfg.stages or 1, self.backend, cfg.seed, materialize=False)
             self.compiled = compile_programs(cfg.strategy(), cfg.schedule_shape(self.world_size))
             replay(self.compiled.programs, self.compiled.shape, self.compiled.holders)  # sound, or refused here
             mesh = cfg.mesh(self.world_size)
-            self.scheme_name = (f"{cfg.scheme} over {cfg.stages} stages, {cfg.micro_batches} micro-batches"
-                                + (f", {cfg.loops} loops" if cfg.loops > 1 else "")
-                                + (f", x {mesh.replicas} replicas sharing each stage as "
-                                   f"{cfg.sharding()}" if mesh.replicas > 1 else ""))
-            if mesh.replicas > 1:
-                self.placement = mesh.describe(self.counted.group_of)
-        else:
-            self.stages = build_stages(self.model, 1, self.backend, cfg.seed, materialize=False)
-            self.scheme_name = str(cfg.sharding())
+            if not cfg.stages:
+                self.scheme_name = str(cfg.sharding())
+            else:
+                self.scheme_name = (f"{cfg.scheme} over {cfg.stages} stages, {cfg.micro_batches} micro-batches"
+                                    + (f", {cfg.loops} loops" if cfg.loops > 1 else "")
+                                    + (f", x {mesh.replicas} replicas sharing each stage as "
+                                       f"{cfg.sharding()}" if mesh.replicas > 1 else ""))
+                if mesh.replicas > 1:
+                    self.placement = mesh.describe(self.counted.group_of)
         self.parameter_count = sum(stage.flat.size for stage in self.stages)
         self.placement = getattr(self, "placement", [])
         self._check_model_fits()
@@ -140,7 +139,7 @@ class Trainer:
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
         cfg = self.config
-        per_rank = cfg.mesh(self.world_size).replicas if cfg.stages else 1 if cfg.cyclic else self.world_size
+        per_rank = 1 if cfg.cyclic else cfg.mesh(self.world_size).replicas
         return dry_run(self.stages, self.train_set, self.loss_fn, cfg.batch_size // per_rank // cfg.micro_batches,
                        min(cfg.eval_batch, len(self.test_set)), cfg.seed, self._to_device)
 
@@ -158,18 +157,13 @@ class Trainer:
         cfg = self.config
         itemsize = self.backend.dtype.itemsize
         per_parameter = (2 + state_kinds(cfg.optimizer, cfg.momentum)) * itemsize
-        if cfg.stages or cfg.cyclic:  # a rank holds at least one stage's state, or its share of it
+        if cfg.cyclic:  # a rank holds at least one stage's state
             need = max(stage.flat.size for stage in self.stages) * per_parameter
-            if cfg.stages:
-                mesh = cfg.mesh(self.world_size)
-                group = len(self.counted.subset_layout(mesh.replica_group(mesh.worker(self.rank)))[0])
-                need = bytes_per_rank(cfg.sharding(), max(s.flat.size for s in self.stages),
-                                      mesh.replicas, group, parameter_bytes=itemsize, gradient_bytes=itemsize,
-                                      state_bytes=per_parameter - 2 * itemsize).total
-        else:
-            group = len(self.counted.group_layout()[0])
-            need = bytes_per_rank(cfg.sharding(), self.parameter_count, self.world_size, group,
-                                  parameter_bytes=itemsize, gradient_bytes=itemsize,
+        else:  # its share of its largest stage among the stage's replicas
+            mesh = cfg.mesh(self.world_size)
+            group = len(self.counted.subset_layout(mesh.replica_group(mesh.worker(self.rank)))[0])
+            need = bytes_per_rank(cfg.sharding(), max(s.flat.size for s in self.stages),
+                                  mesh.replicas, group, parameter_bytes=itemsize, gradient_bytes=itemsize,
                                   state_bytes=per_parameter - 2 * itemsize).total
         ranks_here = len(self.counted.group_layout()[0]) if not cfg.group_size else 1  # groups are nodes by default
         available = available_bytes()
@@ -190,7 +184,7 @@ class Trainer:
                 return
             message = (f"{self.scheme_name} needs {format_bytes(need)} on rank {worst} at its peak, limit "
                        f"{format_bytes(limit)}; more micro-batches (stages), or smaller ones, need less")
-        elif isinstance(self.engine, Pipeline):
+        elif self.config.stages:
             peaks = [self.engine.predicted_peak(*self.activations, rank=r).total for r in range(self.world_size)]
             worst = max(range(self.world_size), key=peaks.__getitem__)
             if peaks[worst] <= limit:
@@ -200,7 +194,7 @@ class Trainer:
         else:
             if self.predicted.total <= limit:
                 return
-            engine, fits = self.engine, []
+            engine, fits = self.engine.shared[0], []  # the stage's sharding flow, one stage on every rank
             for name, sharding in SCHEMES.items():
                 peak = data_parallel_peak(sharding, engine.flat.size, max(unit.size for unit in engine.units),
                                           self.world_size, len(engine.world.group_layout()[0]),
@@ -217,7 +211,7 @@ class Trainer:
         error.on_every_rank = True  # the same verdict on every rank: each exits, none is left waiting
         raise error
 
-    def _make_engine(self) -> DataParallel | Pipeline | Cyclic:
+    def _make_engine(self) -> Pipeline | Cyclic:
         cfg = self.config
         options = dict(optimizer=cfg.optimizer, optimizer_options=dict(momentum=cfg.momentum,
                                                                        weight_decay=cfg.weight_decay))
@@ -226,15 +220,11 @@ class Trainer:
             return Cyclic(self.counted, self.stages, self.cache, self.loss_fn, layout=cfg.cdp_layout,
                           rule=cfg.scheme, input_shapes=[self.model.shapes[first] for first in first_layers],
                           **options)
-        if cfg.stages:
-            first_layers = [layers.start for layers in partition(self.model, cfg.stages)]
-            return Pipeline(self.counted, self.stages, self.compiled, self.cache, self.loss_fn,
-                            input_shapes=[self.model.shapes[first] for first in first_layers],
-                            collective=cfg.collective, mesh=cfg.mesh(self.world_size),
-                            sharding=cfg.sharding(),
-                            unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), prefetch=cfg.prefetch, **options)
-        return DataParallel(self.counted, self.stages[0], cfg.sharding(), collective=cfg.collective,
-                            unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), prefetch=cfg.prefetch, **options)
+        first_layers = [layers.start for layers in partition(self.model, len(self.stages))]
+        return Pipeline(self.counted, self.stages, self.compiled, self.cache, self.loss_fn,
+                        input_shapes=[self.model.shapes[first] for first in first_layers],
+                        collective=cfg.collective, mesh=cfg.mesh(self.world_size), sharding=cfg.sharding(),
+                        unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), prefetch=cfg.prefetch, **options)
 
     # -- the model, read and written the same way for every scheme -------------------------
     def full_parameters(self, root: int | None = None) -> dict[str, np.ndarray] | None:
@@ -289,14 +279,11 @@ class Trainer:
         cfg = self.config
         indices = self.sampler.global_batch_indices(epoch, step_in_epoch)
         self.engine.start_step()
-        if cfg.stages:  # each pipeline (replica) takes its slice of the global batch
-            mesh = cfg.mesh(self.world_size)
-            micro_batches = split_micro_batches(rank_slice(indices, mesh.replica(self.rank), mesh.replicas),
-                                                cfg.micro_batches)
-            self.step_totals[:] = self.engine.run_step(step, cfg.seed, lambda b: self._to_device(
-                *self.train_set.batch(micro_batches[b])), cfg.batch_size)
-        else:
-            self.step_totals[:] = self._data_parallel_micro_batches(step, indices)
+        mesh = cfg.mesh(self.world_size)  # each pipeline (replica) takes its slice of the global batch
+        micro_batches = split_micro_batches(rank_slice(indices, mesh.replica(self.rank), mesh.replicas),
+                                            cfg.micro_batches)
+        self.step_totals[:] = self.engine.run_step(step, cfg.seed, lambda b: self._to_device(
+            *self.train_set.batch(micro_batches[b])), cfg.batch_size)
         self.engine.finish_gradients()
         with self.counted.traffic.phase("metrics"):
             sum_across_ranks(self.counted, self.step_totals)
@@ -357,27 +344,6 @@ class Trainer:
             if watch:
                 watch.observe(result.step, result.loss, result.lr)
         return first_step + steps
-
-    def _data_parallel_micro_batches(self, step: int, indices) -> tuple[float, int, int]:
-        """This rank's slice of the global batch, micro-batch after micro-batch through the
-        data-parallel engine; returns (loss sum, correct predictions, predictions)."""
-        cfg = self.config
-        local = rank_slice(indices, self.rank, self.world_size)
-        micro_size = len(local) // cfg.micro_batches
-        loss_sum, correct, predictions = 0.0, 0, 0
-        for micro_batch, indices in enumerate(split_micro_batches(local, cfg.micro_batches)):
-            inputs, targets = self._to_device(*self.train_set.batch(indices))
-            first_position = self.rank * len(local) + micro_batch * micro_size
-            ctx = self.cache.context(0, micro_batch, step=step, seed=cfg.seed,
-                                     sample_ids=np.arange(first_position, first_position + micro_size))
-            logits = self.engine.forward(inputs, ctx)
-            loss_sum += self.loss_fn.forward(logits, targets, ctx, cfg.batch_size)
-            self.engine.backward(self.loss_fn.backward(ctx), ctx, micro_batch,
-                                 last=micro_batch == cfg.micro_batches - 1)
-            self.cache.release(0, micro_batch)
-            correct += (logits.argmax(axis=-1) == targets).sum()
-            predictions += targets.size
-        return float(loss_sum), float(correct), predictions
 
     def evaluate(self, epoch: int) -> EvalResult:
         """Loss and accuracy on the test set; each rank takes a contiguous slice of it.

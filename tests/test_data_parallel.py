@@ -75,7 +75,7 @@ def test_one_rank_ledger_holds_the_whole_model(scheme):
     trainer.run()
     size, itemsize = trainer.stages[0].flat.size, 8
     assert trainer.engine.ledger.steady() == {"parameters": size * itemsize, "gradients": size * itemsize,
-                                              "workspace": trainer.engine.optimizer.workspace_bytes,
+                                              "workspace": trainer.engine.shared[0].optimizer.workspace_bytes,
                                               "optimizer_state": 2 * size * itemsize}
     peaks = trainer.engine.ledger.report()["peak"]
     if scheme in ("zero3", "paro-iig"):  # gathered copies of a unit exist only while it is computed

@@ -53,7 +53,7 @@ for scheme, sharding in SCHEMES.items():
     memory, engine = trainer.memory, trainer.engine
     size = trainer.parameter_count
     model_bytes = size * 4
-    largest_unit = max(unit.size for unit in engine.units) * 4
+    largest_unit = max(unit.size for unit in engine.shared[0].units) * 4
     if scheme == "zero3":
         built = memory.peak_bytes()
         bound = 1.1 * (model_bytes / world.size + largest_unit)
@@ -92,7 +92,7 @@ for prefetch in (0, 3):
     if depth_peaks[prefetch] > 1.1 * predicted:
         failures.append(f"rank {world.rank} zero3 --prefetch {prefetch}: peak {depth_peaks[prefetch] / MB:.1f} MB, "
                         f"predicted {predicted / MB:.1f} MB (+10% allowed)")
-    unit_bytes = max(unit.size for unit in trainer.engine.units) * 4
+    unit_bytes = max(unit.size for unit in trainer.engine.shared[0].units) * 4
     if world.rank == 0:
         print(f"zero3 --prefetch {prefetch}: peak {depth_peaks[prefetch] / MB:.1f} MB, predicted "
               f"{predicted / MB:.1f} MB (one unit {unit_bytes / MB:.1f} MB)", flush=True)
