@@ -89,14 +89,16 @@ if world.rank == 0:
             table = bytes_per_rank(SCHEMES[name], psi, world.size, args.group_size, parameter_bytes=4,
                                    gradient_bytes=4, state_bytes=k)
             peak = max(peaks["total"] for peaks in ledger.report()["peak"].values())
+            formula = (table.parameters, table.gradients, table.optimizer_state)
             line += (f"   {' / '.join(f'{v / 1024:.0f}' for v in held.values()):<26}"
-                     f"{' / '.join(f'{v / 1024:.0f}' for v in (table.parameters, table.gradients, table.optimizer_state)):<22}"
+                     f"{' / '.join(f'{v / 1024:.0f}' for v in formula):<22}"
                      f"{peak / 1024:10.0f}")
             figures[name].update(held=held, peak=peak, table_1=vars(table))
         print(line)
     for name, target in (("ddp", 0.85), ("zero3", 0.75)):
         ratio = figures[name]["of_no_sync"]
-        print(f"{'PASS' if ratio >= target else 'FAIL'}: {name} reaches {ratio:.1%} of no-sync (target >= {target:.0%})")
+        verdict = "PASS" if ratio >= target else "FAIL"
+        print(f"{verdict}: {name} reaches {ratio:.1%} of no-sync (target >= {target:.0%})")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(figures, out, indent=1)

@@ -70,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps per side before the rounds (default 20)")
     parser.add_argument("--rounds", type=int, default=11, help="alternating timed rounds per side (default 11)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="BLAS threads: sets OPENBLAS/OMP/MKL_NUM_THREADS before NumPy loads (default: environment)")
+                        help="BLAS threads: sets OPENBLAS/OMP/MKL_NUM_THREADS before NumPy loads "
+                             "(default: environment)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     args = parser.parse_args(argv)
     for name in ("steps", "rounds"):

@@ -23,13 +23,13 @@ import click
 
 from mpipar.backend import DEVICES, DTYPES
 from mpipar.comms.collectives import ALGORITHMS
+from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
 from mpipar.data import DATASETS
 from mpipar.errors import ConfigError
 from mpipar.mesh import Mesh
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, SCHEDULES
 from mpipar.options import FloatRange, IntListType, IntRange, LiveChoice, SizeType, check
-from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
 from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
 from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy, shared_stages
 from mpipar.sharding import DDP_MODES, SCHEMES, Sharding, parse_sharding
@@ -86,7 +86,8 @@ class TrainConfig:
     gamma: float = _option(0.1, "decay factor for --schedule step", FloatRange(0.0, min_open=True), "optimizer")
     scheme: str | None = _option(None, "how the ranks share the work: a data-parallel scheme (default ddp); with "
                                        "--stages a pipeline schedule; cdp-v1/cdp-v2 for Cyclic Data Parallelism "
-                                       "(docs/glossary.md)", LiveChoice(lambda: (*SCHEMES, *STRATEGIES, *CDP_SCHEMES)), "parallelism")
+                                       "(docs/glossary.md)", LiveChoice(lambda: (*SCHEMES, *STRATEGIES, *CDP_SCHEMES)),
+                                 "parallelism")
     shard: str | None = _option(None, "where parameters, gradients and optimizer state live, e.g. I,G,G (each N "
                                       "replicated, I sharded in a group, G sharded over all; instead of --scheme)",
                                 click.STRING, "parallelism")
@@ -247,7 +248,8 @@ class TrainConfig:
 
     def _validate_data_parallel(self, world_size: int) -> None:
         if self.scheme in STRATEGIES and self.scheme not in SCHEMES:
-            raise ConfigError(f"--scheme {self.scheme} is a pipeline schedule: give the number of stages with --stages S")
+            raise ConfigError(f"--scheme {self.scheme} is a pipeline schedule: give the number of stages with "
+                              "--stages S")
         if self.loops != 1:
             raise ConfigError(f"--loops {self.loops} is for the looped schedules: give --scheme lpp or fslpp "
                               "and --stages S")

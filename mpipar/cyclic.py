@@ -45,9 +45,10 @@ from mpipar.ledger import MemoryLedger
 from mpipar.model import Stage
 from mpipar.optim import CHUNK, make_optimizer, state_kinds
 from mpipar.peak import ActivationBytes, Peak, cyclic_peak
-from mpipar.schedule.cyclic import (BACKWARD, Compute, Drop, EndTimeStep, Item, Receive, Send, Update, home_ranks,
-                                    optimizer_home, persistent_items)
+from mpipar.schedule.cyclic import home_ranks, optimizer_home, persistent_items
 from mpipar.schedule.cyclic_compiler import compile_cyclic, weight_buffers
+from mpipar.schedule.instructions import Compute, Drop, EndTimeStep, Item, Receive, Send, Update
+from mpipar.schedule.strategies import BACKWARD
 
 KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "g": Kind.GRADIENT_SUM,
            "o": Kind.OPTIMIZER_STATE}
@@ -215,7 +216,8 @@ class Cyclic:
         item = self._shifted(instruction.item)
         buffer = np.empty(self._size(item), dtype=self.dtype)  # fresh: it may become an activation
         with self.comm.traffic.phase(PHASE_OF[item.kind]):
-            self.inbox[item] = (buffer, self.comm.irecv(buffer, instruction.source, self._tag(item)), instruction.source)
+            request = self.comm.irecv(buffer, instruction.source, self._tag(item))
+            self.inbox[item] = (buffer, request, instruction.source)
 
     def _send(self, instruction: Send) -> None:
         item = self._shifted(instruction.item)

@@ -42,6 +42,7 @@ from mpipar.optim import make_optimizer, state_kinds
 from mpipar.peak import REDUCTIONS_IN_FLIGHT, ActivationBytes, Peak, data_parallel_peak
 from mpipar.sharding import Layout, Sharding, Unit, make_units
 
+
 class DataParallel:
     """One rank's part of data-parallel training of `stage` under `sharding`."""
 

@@ -50,9 +50,20 @@ from mpipar.mesh import Mesh
 from mpipar.model import Stage
 from mpipar.optim import make_optimizer, state_kinds
 from mpipar.peak import ActivationBytes, Peak, composed_peak, data_parallel_peak, pipeline_peak
-from mpipar.schedule.program import (Backward, Compiled, FetchWeights, Forward, OptimizerStep, RecvActivation,
-                                     RecvGradient, ReduceGradients, ReleaseWeights, SendActivation, SendGradient,
-                                     SendWeights)
+from mpipar.schedule.instructions import (
+    Backward,
+    FetchWeights,
+    Forward,
+    OptimizerStep,
+    RecvActivation,
+    RecvGradient,
+    ReduceGradients,
+    ReleaseWeights,
+    SendActivation,
+    SendGradient,
+    SendWeights,
+)
+from mpipar.schedule.program import Compiled
 from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
 from mpipar.sharding import SCHEMES, Sharding, make_units
 
@@ -67,7 +78,8 @@ class Pipeline:
                  collective: str = "ring", mesh: Mesh | None = None, sharding: Sharding = SCHEMES["ddp"],
                  unit_bytes: float = 25e6, prefetch: int = 1) -> None:
         self.comm, self.stages, self.compiled, self.cache, self.loss_fn = comm, stages, compiled, cache, loss_fn
-        self.collective, self.input_shapes, self.sharding, self.unit_bytes = collective, input_shapes, sharding, unit_bytes
+        self.collective, self.input_shapes, self.sharding = collective, input_shapes, sharding
+        self.unit_bytes = unit_bytes
         self.mesh = mesh if mesh is not None else Mesh(comm.size, 1)
         self.worker, self.replica = self.mesh.worker(comm.rank), self.mesh.replica(comm.rank)
         count, worker = len(stages), self.worker

@@ -13,8 +13,20 @@ Exercised by: mpipar train --model cnn   (and python -m pytest tests/test_traine
 from __future__ import annotations
 
 from mpipar.errors import ConfigError, unknown_name
-from mpipar.layers import (GELU, CausalSelfAttention, Conv2d, Dropout, Embedding, Flatten, LayerNorm,
-                           Linear, MaxPool2d, PositionEmbedding, ReLU, Residual)
+from mpipar.layers import (
+    GELU,
+    CausalSelfAttention,
+    Conv2d,
+    Dropout,
+    Embedding,
+    Flatten,
+    LayerNorm,
+    Linear,
+    MaxPool2d,
+    PositionEmbedding,
+    ReLU,
+    Residual,
+)
 from mpipar.model import Sequential
 
 MODELS = ("mlp", "cnn", "transformer")

@@ -30,9 +30,21 @@ import numpy as np
 from mpipar.cache import ActivationCache
 from mpipar.model import Stage, leaf_layers
 from mpipar.optim import CHUNK
-from mpipar.schedule.cyclic import (FORWARD, Compute, Drop, EndTimeStep, Item, Receive, Send, Update, home_ranks,
-                                    optimizer_home, persistent_items)
-from mpipar.schedule.program import Backward, Compiled, FetchWeights, Forward
+from mpipar.schedule.cyclic import home_ranks, optimizer_home, persistent_items
+from mpipar.schedule.instructions import (
+    Backward,
+    Compute,
+    Drop,
+    EndTimeStep,
+    FetchWeights,
+    Forward,
+    Item,
+    Receive,
+    Send,
+    Update,
+)
+from mpipar.schedule.program import Compiled
+from mpipar.schedule.strategies import FORWARD
 from mpipar.sharding import Sharding, sharing_ranks
 
 REDUCTIONS_IN_FLIGHT = 1  # sharded gradient units that may wait for their reduction while the next computes

@@ -33,21 +33,21 @@ from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across
 from mpipar.comms.handle import set_default_timeout
 from mpipar.comms.topology import make_world
 from mpipar.config import TrainConfig
-from mpipar.data import GlobalBatchSampler, agree_on_data, eval_slice, load_dataset, rank_slice, split_micro_batches
 from mpipar.cyclic import Cyclic
+from mpipar.data import GlobalBatchSampler, agree_on_data, eval_slice, load_dataset, rank_slice, split_micro_batches
 from mpipar.divergence import DivergenceWatch
 from mpipar.engine import Pipeline
 from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.layers import SoftmaxCrossEntropy
+from mpipar.memory import available_bytes, make_probe, peak_rss_bytes
 from mpipar.model import build_stages, partition
 from mpipar.models import build_model
-from mpipar.memory import available_bytes, make_probe, peak_rss_bytes
 from mpipar.optim import make_schedule, state_kinds
 from mpipar.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
-from mpipar.units import format_bytes
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
 from mpipar.sharding import SCHEMES, bytes_per_rank, unit_bytes_for
+from mpipar.units import format_bytes
 
 
 @dataclass

@@ -10,10 +10,12 @@ import pytest
 from conftest import SCRIPTS, run_mpi, small_config
 from mpipar import cyclic
 from mpipar.cdp import activation_timeline, reference_training
-from mpipar.optim import make_optimizer
 from mpipar.errors import ConfigError
-from mpipar.schedule.cyclic import BACKWARD, FORWARD, Compute, CyclicJob, check_layout, job_time
+from mpipar.optim import make_optimizer
+from mpipar.schedule.cyclic import check_layout, job_time
 from mpipar.schedule.cyclic_compiler import _Compiler, compile_cyclic
+from mpipar.schedule.instructions import Compute, CyclicJob
+from mpipar.schedule.strategies import BACKWARD, FORWARD
 from mpipar.trainer import Trainer
 
 OPTIONS = dict(dtype="float64", dropout=0.1, lr=0.05, log_every=1000)

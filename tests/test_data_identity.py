@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import FASHION_DIR, SCRIPTS, run_mpi
-from mpipar.data import load_dataset, write_idx
 from mpipar.data import identity as identity_module
+from mpipar.data import load_dataset, write_idx
 from mpipar.data.identity import (
     DataIdentity,
     agree_on_data,

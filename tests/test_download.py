@@ -4,9 +4,9 @@ Run: PYTHONPATH=. python -m pytest tests/test_download.py -q
 """
 
 import functools
+import hashlib
 import os
 import stat
-import hashlib
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import mpipar.data.download as download_module
 from mpipar.cli.data import data as data_cli
 from mpipar.data.datasets import IDX_FILES
-import mpipar.data.download as download_module
 from mpipar.data.download import DOWNLOADS, DownloadSpec, download
 from mpipar.data.idx import write_idx
 from mpipar.errors import ConfigError, DataError

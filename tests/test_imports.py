@@ -24,7 +24,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-
 PACKAGE = "mpipar"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 

@@ -11,9 +11,24 @@ import pytest
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.errors import ShapeError
-from mpipar.layers import (GELU, MSE, CausalSelfAttention, Conv2d, Dropout, Embedding, Flatten,
-                           GlobalAvgPool, LayerNorm, Linear, MaxPool2d, PositionEmbedding, ReLU,
-                           Residual, SoftmaxCrossEntropy, Tanh)
+from mpipar.layers import (
+    GELU,
+    MSE,
+    CausalSelfAttention,
+    Conv2d,
+    Dropout,
+    Embedding,
+    Flatten,
+    GlobalAvgPool,
+    LayerNorm,
+    Linear,
+    MaxPool2d,
+    PositionEmbedding,
+    ReLU,
+    Residual,
+    SoftmaxCrossEntropy,
+    Tanh,
+)
 from mpipar.model import FlatParams, Sequential, mark_written
 
 F64 = make_backend("cpu", "float64")

@@ -1,8 +1,8 @@
 """`mpiexec -n 2 mpipar train`: equal to one process in float64, and no hangs on failure."""
 
 import json
-import re
 import os
+import re
 import sys
 
 import numpy as np

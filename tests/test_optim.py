@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from mpipar.errors import ConfigError
 from mpipar import optim
+from mpipar.errors import ConfigError
 from mpipar.optim import make_optimizer, make_schedule, state_kinds
 
 rng = np.random.default_rng(0)

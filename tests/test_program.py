@@ -6,8 +6,17 @@ import pytest
 
 from mpipar.config import TrainConfig
 from mpipar.errors import ConfigError
-from mpipar.schedule.program import (Backward, FetchWeights, Forward, OptimizerStep, RecvActivation, RecvGradient,
-                                     ReduceGradients, SendActivation, compile_programs)
+from mpipar.schedule.instructions import (
+    Backward,
+    FetchWeights,
+    Forward,
+    OptimizerStep,
+    RecvActivation,
+    RecvGradient,
+    ReduceGradients,
+    SendActivation,
+)
+from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import UnsoundSchedule, replay, transfers
 from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, depth_first, get_strategy, register
 from mpipar.trainer import Trainer

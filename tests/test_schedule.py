@@ -6,8 +6,19 @@ from click.testing import CliRunner
 from mpipar.cli import cli
 from mpipar.errors import ConfigError
 from mpipar.schedule.simulate import simulate
-from mpipar.schedule.strategies import (BACKWARD, FORWARD, Job, Shape, Strategy, depth_first, get_strategy,
-                                        load_table, looped_worker, predecessor, register)
+from mpipar.schedule.strategies import (
+    BACKWARD,
+    FORWARD,
+    Job,
+    Shape,
+    Strategy,
+    depth_first,
+    get_strategy,
+    load_table,
+    looped_worker,
+    predecessor,
+    register,
+)
 
 
 @pytest.mark.parametrize("workers,stages", [(2, 3), (4, 4), (6, 2)])

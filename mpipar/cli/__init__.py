@@ -1,4 +1,4 @@
-"""The `mpipar` command: train, info, data, bench, simulate, estimate, schedule, cdp. Also what happens when something fails.
+"""The `mpipar` command: train, info, data, bench, simulate, estimate, schedule, cdp; and what happens on a failure.
 
 A user-facing error (bad configuration, missing data, a NaN loss) is one sentence
 on stderr and exit status 2. When every rank is known to have hit the same error

@@ -25,8 +25,9 @@ from mpipar.cdp import activation_timeline
 from mpipar.cli.params import RenamedOption
 from mpipar.errors import ConfigError
 from mpipar.files import write_atomically
-from mpipar.schedule.cyclic import LAYOUTS, Compute, job_time
+from mpipar.schedule.cyclic import LAYOUTS, job_time
 from mpipar.schedule.cyclic_compiler import compile_cyclic
+from mpipar.schedule.instructions import Compute
 
 POSITIVE = click.IntRange(min=1)
 

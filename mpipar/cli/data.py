@@ -19,7 +19,8 @@ from pathlib import Path
 import click
 
 from mpipar.data.datasets import DATA_ENV, DATASETS, idx_files_in, idx_search_dirs
-from mpipar.data.download import DOWNLOADS, download as download_dataset
+from mpipar.data.download import DOWNLOADS
+from mpipar.data.download import download as download_dataset
 from mpipar.errors import MpiparError
 
 

@@ -27,7 +27,8 @@ from mpipar.cli.params import RenamedOption
 from mpipar.errors import ConfigError
 from mpipar.mesh import Mesh
 from mpipar.schedule import diagram
-from mpipar.schedule.program import Backward, Forward, OptimizerStep, compile_programs, describe
+from mpipar.schedule.instructions import Backward, Forward, OptimizerStep, describe
+from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
 from mpipar.schedule.strategies import STRATEGIES, Shape, get_strategy, load_table, shared_stages
 from mpipar.sharding import Sharding, parse_sharding

@@ -38,8 +38,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.comms.collectives import (ALGORITHMS, all_gather, all_reduce, broadcast, reduce,
-                                      reduce_scatter)
+from mpipar.comms.collectives import ALGORITHMS, all_gather, all_reduce, broadcast, reduce, reduce_scatter
 from mpipar.comms.comm import Comm
 from mpipar.comms.routes import block_offsets
 from mpipar.errors import ConfigError, unknown_name

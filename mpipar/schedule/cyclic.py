@@ -32,13 +32,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from mpipar.errors import ConfigError, unknown_name
+from mpipar.schedule.instructions import CyclicInstruction, CyclicJob, EndTimeStep, Item, Send
+from mpipar.schedule.strategies import FORWARD
 
 LAYOUTS = ("single", "dp", "zero", "pp", "mp")
 RULES = ("dp", "cdp-v1", "cdp-v2")
-FORWARD, BACKWARD = "F", "B"
 
 
 # The rules' formula lives here, in the schedule, because the timetable and the compiler
@@ -53,78 +53,6 @@ def fresh_stages(rule: str, micro_batch: int, count: int) -> list[bool]:
     if rule == "cdp-v2":  # 1-based j >= N - i + 1  <=>  0-based stage >= N - 1 - micro_batch
         return [stage >= count - 1 - micro_batch for stage in range(count)]
     raise unknown_name("CDP update rule", rule, RULES)
-
-
-class Item(NamedTuple):
-    """What can move between ranks: kind x (input of F(index, stage)), dy (gradient entering
-    B(index, stage)), w (stage weights after `index` updates), g (stage gradient of step
-    `index`) or o (stage optimizer state, index 0)."""
-
-    kind: str
-    stage: int
-    index: int
-
-
-class CyclicJob(NamedTuple):
-    step: int
-    micro_batch: int  # i, within the step
-    stage: int
-    direction: str
-
-    def global_batch(self, count: int) -> int:
-        return self.step * count + self.micro_batch
-
-
-@dataclass(frozen=True)
-class Receive:
-    """Post the receive of `item` from `source` (at the start of the time step before its use)."""
-
-    item: Item
-    source: int
-
-
-@dataclass(frozen=True)
-class Compute:
-    """Run `job` with stage weights w(stage, version); a backward adds into g(stage, step),
-    which it starts from zero when `new_gradient`."""
-
-    job: CyclicJob
-    version: int
-    new_gradient: bool = False
-
-
-@dataclass(frozen=True)
-class Update:
-    """w(stage, step + 1) = the optimizer applied to w(stage, step), g(stage, step), o(stage)."""
-
-    stage: int
-    step: int
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send `item` to `dest` (at the end of the time step before dest uses it)."""
-
-    item: Item
-    dest: int
-
-
-@dataclass(frozen=True)
-class Drop:
-    """Forget `item`: its last use on this rank is over."""
-
-    item: Item
-
-
-@dataclass(frozen=True)
-class EndTimeStep:
-    """Time step `time` is over on this rank (the engine samples its memory here)."""
-
-    time: int
-
-
-CyclicInstruction = Receive | Compute | Update | Send | Drop | EndTimeStep
-PHASES = {Receive: 0, Compute: 1, Update: 2, Send: 3, Drop: 4, EndTimeStep: 5}
 
 
 def ranks_for(layout: str, count: int) -> int:

@@ -19,9 +19,30 @@ from __future__ import annotations
 from collections import defaultdict
 
 from mpipar.errors import ConfigError, unknown_name
-from mpipar.schedule.cyclic import (BACKWARD, FORWARD, LAYOUTS, PHASES, Compute, CyclicInstruction, CyclicJob,
-                                    CyclicPlan, Drop, EndTimeStep, Item, Receive, Send, Update, compute_rank, home_ranks,
-                                    job_time, optimizer_home, persistent_items, ranks_for, weight_version)
+from mpipar.schedule.cyclic import (
+    LAYOUTS,
+    CyclicPlan,
+    compute_rank,
+    home_ranks,
+    job_time,
+    optimizer_home,
+    persistent_items,
+    ranks_for,
+    weight_version,
+)
+from mpipar.schedule.instructions import (
+    PHASES,
+    Compute,
+    CyclicInstruction,
+    CyclicJob,
+    Drop,
+    EndTimeStep,
+    Item,
+    Receive,
+    Send,
+    Update,
+)
+from mpipar.schedule.strategies import BACKWARD, FORWARD
 
 
 def compile_cyclic(layout: str, rule: str, count: int, first_step: int, steps: int) -> CyclicPlan:

@@ -26,116 +26,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpipar.schedule.instructions import (
+    Backward,
+    FetchWeights,
+    Forward,
+    Instruction,
+    OptimizerStep,
+    RecvActivation,
+    RecvGradient,
+    ReduceGradients,
+    ReleaseWeights,
+    SendActivation,
+    SendGradient,
+    SendWeights,
+)
 from mpipar.schedule.simulate import Timeline, simulate
 from mpipar.schedule.strategies import BACKWARD, FORWARD, Job, Shape, Strategy, predecessor
-
-
-@dataclass(frozen=True)
-class RecvActivation:
-    """Post the receive of x_s^b, the input of F(s, b), from `source`, the worker that ran
-    F(s-1, b). A fresh buffer per micro-batch: the stage may keep it as an activation."""
-
-    stage: int
-    batch: int
-    source: int
-
-
-@dataclass(frozen=True)
-class Forward:
-    """Run F(s, b): wait for its input (data on stage 0) and weights, stash activations
-    under (s, b) in the cache; on the last stage also the loss."""
-
-    stage: int
-    batch: int
-
-
-@dataclass(frozen=True)
-class SendActivation:
-    """Send x_{s+1}^b, the output of F(s, b), to `dest`, the worker of F(s+1, b)."""
-
-    stage: int
-    batch: int
-    dest: int
-
-
-@dataclass(frozen=True)
-class RecvGradient:
-    """Post the receive of dL/dx_{s+1}^b, the gradient B(s, b) starts from, from `source`,
-    the worker of B(s+1, b)."""
-
-    stage: int
-    batch: int
-    source: int
-
-
-@dataclass(frozen=True)
-class Backward:
-    """Run B(s, b): the stage's backward on the activations F(s, b) left here, adding into
-    the stage's gradient; the (s, b) activations are freed."""
-
-    stage: int
-    batch: int
-
-
-@dataclass(frozen=True)
-class SendGradient:
-    """Send dL/dx_s^b, computed by B(s, b), to `dest`, the worker of B(s-1, b)."""
-
-    stage: int
-    batch: int
-    dest: int
-
-
-@dataclass(frozen=True)
-class SendWeights:
-    """The owner sends stage s's weights to `dest` for its job (s, b, d)."""
-
-    stage: int
-    batch: int
-    direction: str
-    dest: int
-
-
-@dataclass(frozen=True)
-class FetchWeights:
-    """Post the receive of stage s's weights from their owner `source` for job (s, b, d)."""
-
-    stage: int
-    batch: int
-    direction: str
-    source: int
-
-
-@dataclass(frozen=True)
-class ReleaseWeights:
-    """Free the weights fetched for job (s, b, d), now that it has run."""
-
-    stage: int
-    batch: int
-    direction: str
-
-
-@dataclass(frozen=True)
-class ReduceGradients:
-    """Start summing stage s's gradient over `members` (sorted ranks): to `root` when the
-    stage has one holder, else an all-reduce. Posted when this worker's gradient of s is
-    complete; it runs under the jobs that follow."""
-
-    stage: int
-    members: tuple[int, ...]
-    root: int | None
-
-
-@dataclass(frozen=True)
-class OptimizerStep:
-    """Wait for the reductions, then update `stages` (the stages this worker holds)."""
-
-    stages: tuple[int, ...]
-
-
-Instruction = (RecvActivation | Forward | SendActivation | RecvGradient | Backward | SendGradient | SendWeights
-               | FetchWeights | ReleaseWeights | ReduceGradients | OptimizerStep)
-COMPUTE = (Forward, Backward)
 
 
 @dataclass(frozen=True)
@@ -149,10 +55,6 @@ class Compiled:
     holders: tuple[tuple[int, ...], ...]  # per stage: the workers that hold its weights
     members: tuple[tuple[int, ...], ...]  # per stage: its reduction group
     programs: tuple[tuple[Instruction, ...], ...]
-
-
-def job_of(instruction: Forward | Backward) -> Job:
-    return Job(instruction.stage, instruction.batch, FORWARD if isinstance(instruction, Forward) else BACKWARD)
 
 
 def compile_programs(strategy: Strategy, shape: Shape) -> Compiled:
@@ -172,7 +74,8 @@ def compile_programs(strategy: Strategy, shape: Shape) -> Compiled:
         for index, job in enumerate(jobs):
             if index + 1 < len(jobs):
                 program += _prefetch(jobs[index + 1], worker, place, shape)
-            program.append(Forward(job.stage, job.batch) if job.direction == FORWARD else Backward(job.stage, job.batch))
+            compute = Forward if job.direction == FORWARD else Backward
+            program.append(compute(job.stage, job.batch))
             program += _after(job, worker, place, shape)
             if last_backward.get(job.stage) == index:
                 program += _reduction(job.stage, worker, holders, members)
@@ -213,24 +116,3 @@ def _reduction(stage: int, worker: int, holders: tuple, members: tuple) -> list[
         return []
     root = holders[stage][0] if len(holders[stage]) == 1 else None
     return [ReduceGradients(stage, members[stage], root)]
-
-
-def describe(instruction: Instruction) -> str:
-    """One instruction in a few words, for listings and error messages."""
-    name = type(instruction).__name__
-    if isinstance(instruction, COMPUTE):
-        return f"{name} {job_of(instruction)}"
-    if isinstance(instruction, (SendWeights, FetchWeights, ReleaseWeights)):
-        job = f"{instruction.direction}{instruction.stage}b{instruction.batch}"
-        if isinstance(instruction, SendWeights):
-            return f"{name} {job} to {instruction.dest}"
-        if isinstance(instruction, FetchWeights):
-            return f"{name} {job} from {instruction.source}"
-        return f"{name} {job}"
-    if isinstance(instruction, ReduceGradients):
-        target = f"to {instruction.root}" if instruction.root is not None else "all-reduce"
-        return f"{name} stage {instruction.stage} over {list(instruction.members)} ({target})"
-    if isinstance(instruction, OptimizerStep):
-        return f"{name} stages {list(instruction.stages)}"
-    peer = f"to {instruction.dest}" if hasattr(instruction, "dest") else f"from {instruction.source}"
-    return f"{name} s{instruction.stage}b{instruction.batch} {peer}"

@@ -25,9 +25,23 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from mpipar.errors import ConfigError
-from mpipar.schedule.program import (COMPUTE, Backward, FetchWeights, Forward, Instruction, OptimizerStep,
-                                     RecvActivation, RecvGradient, ReduceGradients, ReleaseWeights, SendActivation,
-                                     SendGradient, SendWeights, describe, job_of)
+from mpipar.schedule.instructions import (
+    COMPUTE,
+    Backward,
+    FetchWeights,
+    Forward,
+    Instruction,
+    OptimizerStep,
+    RecvActivation,
+    RecvGradient,
+    ReduceGradients,
+    ReleaseWeights,
+    SendActivation,
+    SendGradient,
+    SendWeights,
+    describe,
+    job_of,
+)
 from mpipar.schedule.simulate import Slot, Timeline
 from mpipar.schedule.strategies import BACKWARD, FORWARD, Job, Shape, predecessor
 
@@ -58,7 +72,8 @@ class _Replay:
         self.sent: dict[tuple, list[float]] = defaultdict(list)  # message -> times sent, not yet received
         self.posted: list[set[tuple]] = [set() for _ in programs]  # messages a rank posted receives for
         self.gradient_of: list[dict[int, set[int]]] = [defaultdict(set) for _ in programs]  # stage -> batches
-        self.reductions: dict[int, dict[int, tuple]] = defaultdict(dict)  # stage -> rank -> (instruction, time, batches)
+        # stage -> rank -> (instruction, time, batches)
+        self.reductions: dict[int, dict[int, tuple]] = defaultdict(dict)
         self.updated: set[tuple[int, int]] = set()  # (rank, stage)
         self.where = self._where_each_job_runs()
 

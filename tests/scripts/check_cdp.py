@@ -23,8 +23,9 @@ from mpi4py import MPI
 import deadline
 from mpipar.cdp import reference_training
 from mpipar.config import TrainConfig
-from mpipar.schedule.cyclic import LAYOUTS, Send, ranks_for
+from mpipar.schedule.cyclic import LAYOUTS, ranks_for
 from mpipar.schedule.cyclic_compiler import compile_cyclic
+from mpipar.schedule.instructions import Send
 from mpipar.trainer import Trainer
 
 deadline.arm(300)

@@ -13,7 +13,7 @@ from mpi4py import MPI
 import deadline
 from mpipar.config import TrainConfig
 from mpipar.cyclic import Cyclic
-from mpipar.schedule.cyclic import EndTimeStep
+from mpipar.schedule.instructions import EndTimeStep
 from mpipar.trainer import Trainer
 
 deadline.arm(300)

@@ -18,12 +18,12 @@ Rank 0 prints every failure and the number of cases; exit status 1 on any failur
 
 import numpy as np
 from mpi4py import MPI
+from reference import one_process
 
 import deadline
-from reference import one_process
 from mpipar.config import TrainConfig
 from mpipar.estimate import PHASES, Volume, traffic_per_step
-from mpipar.schedule.program import RecvActivation, RecvGradient
+from mpipar.schedule.instructions import RecvActivation, RecvGradient
 from mpipar.trainer import Trainer
 
 deadline.arm(600)

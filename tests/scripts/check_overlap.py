@@ -17,10 +17,9 @@ from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.comms.topology import make_world
 from mpipar.data_parallel import DataParallel
-from mpipar.sharding import unit_bytes_for
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
 from mpipar.model import Sequential, build_stages
-from mpipar.sharding import parse_sharding
+from mpipar.sharding import parse_sharding, unit_bytes_for
 
 deadline.arm(120)
 scheme = sys.argv[1]

@@ -17,11 +17,11 @@ Rank 0 prints every failure and the number of cases; exit status 1 on any failur
 
 import numpy as np
 from mpi4py import MPI
+from reference import one_process
 
 import deadline
-from reference import one_process
 from mpipar.config import TrainConfig
-from mpipar.schedule.program import FetchWeights, RecvActivation, RecvGradient
+from mpipar.schedule.instructions import FetchWeights, RecvActivation, RecvGradient
 from mpipar.schedule.replay import replay
 from mpipar.trainer import Trainer
 

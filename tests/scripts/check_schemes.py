@@ -15,9 +15,9 @@ import itertools
 
 import numpy as np
 from mpi4py import MPI
+from reference import one_process
 
 import deadline
-from reference import one_process
 from mpipar.config import TrainConfig
 from mpipar.sharding import SCHEMES
 from mpipar.trainer import Trainer

@@ -26,7 +26,7 @@ import deadline
 from mpipar.config import TrainConfig
 from mpipar.cyclic import Cyclic
 from mpipar.engine import Pipeline
-from mpipar.schedule.cyclic import Send
+from mpipar.schedule.instructions import Send
 from mpipar.trainer import Trainer
 
 COMM_TIMEOUT = 3.0  # seconds: the watchdog's time, as --comm-timeout

@@ -1,0 +1,235 @@
+"""Every instruction a rank's program is made of, each with what it does.
+
+A schedule compiles into one program per rank: a tuple of these small frozen
+dataclasses, which the engines execute one after the other. They come in two families
+that share this file:
+
+    pipeline programs   (program.py compiles them; engine.py runs them) move activations,
+                        gradients and stage weights between pipeline workers and reduce a
+                        stage's gradient among its holders; data parallelism is the program of
+                        one stage on one worker, replicated on every rank
+    cyclic programs     (cyclic_compiler.py compiles them; cyclic.py runs them) move *items*,
+                        versioned pieces of state (an activation, a weight version, a step's
+                        gradient sum, an optimizer state), between the ranks of a CDP layout
+
+Inside a replica group the sharding flow of a stage (gather P, reduce G, step OS, publish)
+runs within Forward, Backward and OptimizerStep: data_parallel.py.
+
+Exercised by: mpipar schedule show --scheme 1f1b --workers 4 --stages 4 --micro-batches 8 --programs
+              mpipar cdp messages --layout dp --micro-batches 4
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
+
+# -- pipeline programs ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RecvActivation:
+    """Post the receive of x_s^b, the input of F(s, b), from `source`, the worker that ran
+    F(s-1, b). A fresh buffer per micro-batch: the stage may keep it as an activation."""
+
+    stage: int
+    batch: int
+    source: int
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Run F(s, b): wait for its input (data on stage 0) and weights, stash activations
+    under (s, b) in the cache; on the last stage also the loss."""
+
+    stage: int
+    batch: int
+
+
+@dataclass(frozen=True)
+class SendActivation:
+    """Send x_{s+1}^b, the output of F(s, b), to `dest`, the worker of F(s+1, b)."""
+
+    stage: int
+    batch: int
+    dest: int
+
+
+@dataclass(frozen=True)
+class RecvGradient:
+    """Post the receive of dL/dx_{s+1}^b, the gradient B(s, b) starts from, from `source`,
+    the worker of B(s+1, b)."""
+
+    stage: int
+    batch: int
+    source: int
+
+
+@dataclass(frozen=True)
+class Backward:
+    """Run B(s, b): the stage's backward on the activations F(s, b) left here, adding into
+    the stage's gradient; the (s, b) activations are freed."""
+
+    stage: int
+    batch: int
+
+
+@dataclass(frozen=True)
+class SendGradient:
+    """Send dL/dx_s^b, computed by B(s, b), to `dest`, the worker of B(s-1, b)."""
+
+    stage: int
+    batch: int
+    dest: int
+
+
+@dataclass(frozen=True)
+class SendWeights:
+    """The owner sends stage s's weights to `dest` for its job (s, b, d)."""
+
+    stage: int
+    batch: int
+    direction: str
+    dest: int
+
+
+@dataclass(frozen=True)
+class FetchWeights:
+    """Post the receive of stage s's weights from their owner `source` for job (s, b, d)."""
+
+    stage: int
+    batch: int
+    direction: str
+    source: int
+
+
+@dataclass(frozen=True)
+class ReleaseWeights:
+    """Free the weights fetched for job (s, b, d), now that it has run."""
+
+    stage: int
+    batch: int
+    direction: str
+
+
+@dataclass(frozen=True)
+class ReduceGradients:
+    """Start summing stage s's gradient over `members` (sorted ranks): to `root` when the
+    stage has one holder, else an all-reduce. Posted when this worker's gradient of s is
+    complete; it runs under the jobs that follow."""
+
+    stage: int
+    members: tuple[int, ...]
+    root: int | None
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """Wait for the reductions, then update `stages` (the stages this worker holds)."""
+
+    stages: tuple[int, ...]
+
+
+Instruction = (RecvActivation | Forward | SendActivation | RecvGradient | Backward | SendGradient | SendWeights
+               | FetchWeights | ReleaseWeights | ReduceGradients | OptimizerStep)
+COMPUTE = (Forward, Backward)
+
+
+def job_of(instruction: Forward | Backward) -> Job:
+    return Job(instruction.stage, instruction.batch, FORWARD if isinstance(instruction, Forward) else BACKWARD)
+
+
+def describe(instruction: Instruction) -> str:
+    """One instruction in a few words, for listings and error messages."""
+    name = type(instruction).__name__
+    if isinstance(instruction, COMPUTE):
+        return f"{name} {job_of(instruction)}"
+    if isinstance(instruction, (SendWeights, FetchWeights, ReleaseWeights)):
+        job = f"{instruction.direction}{instruction.stage}b{instruction.batch}"
+        if isinstance(instruction, SendWeights):
+            return f"{name} {job} to {instruction.dest}"
+        if isinstance(instruction, FetchWeights):
+            return f"{name} {job} from {instruction.source}"
+        return f"{name} {job}"
+    if isinstance(instruction, ReduceGradients):
+        target = f"to {instruction.root}" if instruction.root is not None else "all-reduce"
+        return f"{name} stage {instruction.stage} over {list(instruction.members)} ({target})"
+    if isinstance(instruction, OptimizerStep):
+        return f"{name} stages {list(instruction.stages)}"
+    peer = f"to {instruction.dest}" if hasattr(instruction, "dest") else f"from {instruction.source}"
+    return f"{name} s{instruction.stage}b{instruction.batch} {peer}"
+
+
+# -- cyclic programs (Cyclic Data Parallelism) ------------------------------------------------
+
+class Item(NamedTuple):
+    """What can move between ranks: kind x (input of F(index, stage)), dy (gradient entering
+    B(index, stage)), w (stage weights after `index` updates), g (stage gradient of step
+    `index`) or o (stage optimizer state, index 0)."""
+
+    kind: str
+    stage: int
+    index: int
+
+
+class CyclicJob(NamedTuple):
+    step: int
+    micro_batch: int  # i, within the step
+    stage: int
+    direction: str
+
+    def global_batch(self, count: int) -> int:
+        return self.step * count + self.micro_batch
+
+
+@dataclass(frozen=True)
+class Receive:
+    """Post the receive of `item` from `source` (at the start of the time step before its use)."""
+
+    item: Item
+    source: int
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Run `job` with stage weights w(stage, version); a backward adds into g(stage, step),
+    which it starts from zero when `new_gradient`."""
+
+    job: CyclicJob
+    version: int
+    new_gradient: bool = False
+
+
+@dataclass(frozen=True)
+class Update:
+    """w(stage, step + 1) = the optimizer applied to w(stage, step), g(stage, step), o(stage)."""
+
+    stage: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send `item` to `dest` (at the end of the time step before dest uses it)."""
+
+    item: Item
+    dest: int
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Forget `item`: its last use on this rank is over."""
+
+    item: Item
+
+
+@dataclass(frozen=True)
+class EndTimeStep:
+    """Time step `time` is over on this rank (the engine samples its memory here)."""
+
+    time: int
+
+
+CyclicInstruction = Receive | Compute | Update | Send | Drop | EndTimeStep
+PHASES = {Receive: 0, Compute: 1, Update: 2, Send: 3, Drop: 4, EndTimeStep: 5}
