@@ -104,8 +104,11 @@ def test_without_a_launcher_sigterm_is_named_and_ctrl_c_stays_a_keyboard_interru
     code = ("import sys, time; from mpipar.signals import install_signal_report; install_signal_report(); "
             "print('ready', flush=True); time.sleep(60)")
     for number, expected_status in ((signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)):
+        # Ctrl-C reaches a program in a terminal's foreground with SIGINT at its default; a job a
+        # non-interactive shell put in the background (as CI scripts may run pytest) inherits it
+        # ignored, and so would the child: set it as a terminal would.
         process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
+                                   text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         assert process.stdout.readline() == "ready\n"
         process.send_signal(number)
         stdout, stderr = process.communicate(timeout=30)
