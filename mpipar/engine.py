@@ -1,4 +1,4 @@
-"""Runs this rank's Program over MPI: pipelines, looped pipelines and stage placements.
+"""Runs this rank's Program over MPI: data parallelism, pipelines, looped pipelines, stage placements.
 
 `schedule/program.py` compiles a strategy into one Program per rank; this engine
 executes the rank's own, instruction by instruction:
@@ -17,8 +17,9 @@ gradient for every stage it computes or holds, and optimizer state for the stage
 it holds. Messages are counted per phase: activations, gradients, weights,
 stage-reduce.
 
-Composed with data parallelism (mesh.py: P workers x D replicas), each rank runs the
-program of its worker within its own pipeline, and each stage it holds is shared with
+Data parallelism is the program of one stage on one worker (1f1b on S = 1), replicated
+on every rank: a 1 x W mesh. Composed with data parallelism (mesh.py: P workers x D
+replicas), each rank runs the program of its worker within its own pipeline, and each stage it holds is shared with
 the stage's replica group by the sharding flow of data_parallel.py: the stage's forward
 and backward gather and reduce inside that group, its update steps the rank's shard.
 
