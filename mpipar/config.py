@@ -114,6 +114,16 @@ class TrainConfig:
                               "parallelism")
     comm_timeout: float = _option(0.0, "seconds any communication may wait before the job is stopped "
                                        "(0: $MPIPAR_COMM_TIMEOUT, else 300)", FloatRange(0.0), "parallelism")
+    checkpoint_dir: str | None = _option(None, "directory of this run's checkpoints (step-N/ subdirectories; "
+                                               "docs/checkpoints.md)", click.STRING, "checkpoints")
+    resume: str | None = _option(None, "resume from a checkpoint: auto (the newest valid one in --checkpoint-dir, "
+                                       "else a fresh start) or the path of one", click.STRING, "checkpoints")
+    save_every: int = _option(0, "save a checkpoint every this many steps (0: never; CDP saves at the end of "
+                                 "an epoch)", NATURAL, "checkpoints")
+    save_every_minutes: float = _option(0.0, "also save when this many minutes have passed since the last save "
+                                             "(0: never)", FloatRange(0.0), "checkpoints")
+    keep: int = _option(3, "checkpoints kept in --checkpoint-dir (older ones are removed)", POSITIVE,
+                        "checkpoints")
     memory_limit: int | None = _option(None, "stop before the first step if the predicted peak per rank exceeds "
                                              "this size, e.g. 2GB or 512MiB", SizeType(), "output")
     memory_profile: bool = _option(False, "measure the bytes the array allocator holds (tracemalloc or the CuPy "
@@ -228,6 +238,10 @@ class TrainConfig:
                               "the transformer trains on --dataset text, the mlp and cnn on image data sets")
         if self.dataset == "text" and not self.text_file:
             raise ConfigError("--dataset text needs --text-file PATH (any UTF-8 text file)")
+        if not self.checkpoint_dir and (self.save_every or self.save_every_minutes or self.resume == "auto"):
+            given = "--resume auto" if self.resume == "auto" else "--save-every" if self.save_every \
+                else "--save-every-minutes"
+            raise ConfigError(f"{given} needs --checkpoint-dir DIR, where the checkpoints are written")
 
     def _validate_cyclic(self, world_size: int) -> None:
         count = self.micro_batches

@@ -35,6 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar.cache import ActivationCache, Context
+from mpipar.checkpoint.format import Piece
 from mpipar.comms.collectives import broadcast
 from mpipar.comms.comm import Comm
 from mpipar.comms.handle import wait_requests
@@ -171,6 +172,35 @@ class Cyclic:
         return cyclic_peak(self._program(0, steps), self.comm.rank, self.layout, self.rule,
                            [stage.flat.size for stage in self.stages], itemsize=self.dtype.itemsize,
                            state_kinds=self.kinds, training=training, evaluation=evaluation)
+
+    def start_at(self, step: int) -> None:
+        """Hold the persistent state that step `step` starts from, uninitialised, in place of
+        this run's (a checkpoint fills it: state_pieces); the next run starts at `step`."""
+        for item, buffer in list(self.store.items()):
+            del self.store[item]
+            self.ledger.free(LEDGER_KIND[item.kind], buffer.nbytes)
+        for item in self._persistent(step):
+            self._keep(item, np.empty(self._size(item), dtype=self.dtype))
+        self.next_step = step
+
+    def state_pieces(self) -> tuple[list[Piece], list]:
+        """The persistent state this rank holds between runs, as views placed in the whole model's
+        flat order (checkpoints: format.py): the newest weights of the stages it is home to
+        (`params`), the previous version where the rule still reads it (`params.previous`), and
+        the optimizer states it is home to. No optimizer carries state of its own: the update
+        count is the step's."""
+        offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
+        pieces = []
+        for item, buffer in self.store.items():
+            start = int(offsets[item.stage])
+            size = self.stages[item.stage].flat.size
+            if item.kind == "w":
+                vector = "params" if item.index == self.next_step else "params.previous"
+                pieces.append(Piece(vector, start, start + size, buffer))
+            else:
+                pieces += [Piece(f"optimizer.{kind}", start, start + size, buffer[kind * size:(kind + 1) * size])
+                           for kind in range(self.kinds)]
+        return pieces, []
 
     def _persistent(self, step: int) -> list[Item]:
         return [item for item in persistent_items(self.rule, self.count, step) if self.comm.rank in self._homes(item)]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpipar.backend import to_host
+from mpipar.checkpoint.format import Piece
 from mpipar.comms.chain import Chain, ChainQueue
 from mpipar.comms.collectives import iall_gather, iall_reduce, ireduce_scatter
 from mpipar.comms.comm import Comm, ScratchPool
@@ -134,12 +135,7 @@ class DataParallel:
     # -- one step ----------------------------------------------------------------
     def start_step(self) -> None:
         """Gradients start again from zero (lazily: each layer's first backward overwrites)."""
-        if self.g_store is None:
-            if self.sharding.gradients == "N":
-                self.g_store = self.flat.materialize(params=False, grads=True)
-            else:
-                self.g_store = self.flat.backend.xp.zeros(self.gradient_elements, dtype=self.flat.dtype)
-            self.ledger.hold("gradients", self.g_store.nbytes)
+        self._make_gradients()
         self.flat.zero_grad()
         self.completed_before_step = self.queue.completed
 
@@ -170,14 +166,28 @@ class DataParallel:
         with self.ledger.phase("backward"):
             self.queue.drain()
 
+    def _make_gradients(self) -> None:
+        """The gradient storage, made at the first step that needs it."""
+        if self.g_store is None:
+            if self.sharding.gradients == "N":
+                self.g_store = self.flat.materialize(params=False, grads=True)
+            else:
+                self.g_store = self.flat.backend.xp.zeros(self.gradient_elements, dtype=self.flat.dtype)
+            self.ledger.hold("gradients", self.g_store.nbytes)
+
+    def _make_optimizer(self):
+        """The optimizer over this rank's OS blocks, made at the first update (or a checkpoint's load)."""
+        if self.optimizer is None:
+            self._make_gradients()
+            self.optimizer = self.optimizer_factory()
+            self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
+            self.ledger.hold("workspace", self.optimizer.workspace_bytes)
+        return self.optimizer
+
     def step(self, lr: float) -> None:
         """Update this rank's OS blocks and publish the parameters to P's scope."""
         with self.ledger.phase("update"):
-            if self.optimizer is None:
-                self.optimizer = self.optimizer_factory()
-                self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
-                self.ledger.hold("workspace", self.optimizer.workspace_bytes)
-            self.optimizer.step(lr)
+            self._make_optimizer().step(lr)
             for unit in self.units:
                 self.queue.post(self._publish(unit))
             self.queue.drain()
@@ -334,6 +344,25 @@ class DataParallel:
         if P == "N":  # in the group, into the full unit
             yield self._start("update-gather", iall_gather, self.intra, self.p_store[self._slice(unit, "P", "I")],
                               self.p_store[self._slice(unit, "P", "N")])
+
+    def state_pieces(self, offset: int) -> tuple[list[Piece], list]:
+        """This rank's parameters (its blocks of P's scope) and optimizer state (of OS's) as views
+        placed in the whole model's flat order, the stage starting at `offset`; and its optimizer."""
+        optimizer = self._make_optimizer()
+        P, OS = self.sharding.parameters, self.sharding.optimizer_state
+        per_kind = len(optimizer.state) // self.state_kinds if self.state_kinds else 0
+        pieces, position = [], 0  # the state of unit after unit, each kind one after the other
+        for unit in self.units:
+            start, stop = unit.blocks[P]
+            pieces.append(Piece("params", offset + unit.start + start, offset + unit.start + stop,
+                                self.p_store[self._slice(unit, "P", P)]))
+            start, stop = unit.blocks[OS]
+            for kind in range(self.state_kinds):
+                first = kind * per_kind + position
+                pieces.append(Piece(f"optimizer.{kind}", offset + unit.start + start, offset + unit.start + stop,
+                                    optimizer.state[first:first + stop - start]))
+            position += stop - start
+        return pieces, [optimizer]
 
     def full_parameters(self) -> np.ndarray:
         """The whole model's parameters, on every rank (collective: for checks and checkpoints)."""

@@ -40,6 +40,7 @@ from mpi4py import MPI
 
 from mpipar.backend import to_host
 from mpipar.cache import ActivationCache, Context
+from mpipar.checkpoint.format import Piece
 from mpipar.comms.collectives import broadcast, iall_reduce, ireduce
 from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.handle import wait_requests
@@ -396,6 +397,25 @@ class Pipeline:
                 self.shared[s].load_parameters(part)
             elif s in self.held:
                 stage.flat.data[:] = part
+
+    def state_pieces(self) -> tuple[list[Piece], list]:
+        """What this rank holds of the parameters and optimizer state, as views placed in the
+        whole model's flat order (checkpoints: format.py), and the optimizers that own the state."""
+        offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
+        pieces, optimizers, position = [], [self.optimizer] if self.optimizer else [], 0
+        per_kind = len(self.optimizer.state) // self.state_kinds if self.optimizer and self.state_kinds else 0
+        for s in self.held:
+            size = self.stages[s].flat.size
+            if s in self.shared:
+                shared_pieces, shared_optimizers = self.shared[s].state_pieces(int(offsets[s]))
+                pieces, optimizers = pieces + shared_pieces, optimizers + shared_optimizers
+            elif size:  # the own optimizer's state: held stage after held stage, each kind in turn
+                pieces.append(Piece("params", int(offsets[s]), int(offsets[s]) + size, self.stages[s].flat.data))
+                pieces += [Piece(f"optimizer.{kind}", int(offsets[s]), int(offsets[s]) + size,
+                                 self.optimizer.state[kind * per_kind + position:][:size])
+                           for kind in range(self.state_kinds)]
+                position += size
+        return pieces, optimizers
 
     def full_parameters(self) -> np.ndarray:
         """The whole model's parameters, on every rank (collective: for checks)."""

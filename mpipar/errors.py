@@ -9,6 +9,8 @@ sentence (on every rank, identically) instead of a traceback.
 class MpiparError(Exception):
     """Base class: an error whose message is meant for the user as it is."""
 
+    exit_status = 2  # what the CLI exits with
+
 
 class ConfigError(MpiparError):
     """A run configuration that cannot work (bad value, unknown name, bad combination)."""
@@ -20,6 +22,17 @@ class ShapeError(MpiparError):
 
 class DataError(MpiparError):
     """A data file is missing, truncated, corrupt or fails its checksum."""
+
+
+class CheckpointError(MpiparError):
+    """A checkpoint is missing, incomplete, corrupt, or of another model."""
+
+
+class StoppedToRequeue(MpiparError):
+    """A signal asked the job to stop; it saved a checkpoint and exits with status 75
+    (EX_TEMPFAIL: try again), which tells a batch script to requeue it."""
+
+    exit_status = 75
 
 
 class NonFiniteLossError(MpiparError):

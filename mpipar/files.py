@@ -42,7 +42,7 @@ def _create_beside(path: Path) -> tuple[BinaryIO, Path]:
     raise FileExistsError(f"could not find a free temporary name beside {path}")
 
 
-def _sync_directory(directory: Path) -> None:
+def sync_directory(directory: Path) -> None:
     """Make a rename in `directory` durable; a no-op where directories cannot be opened (Windows)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -74,7 +74,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
         # Including KeyboardInterrupt: a stray .part file would never be cleaned up.
         temporary.unlink(missing_ok=True)
         raise
-    _sync_directory(path.parent)
+    sync_directory(path.parent)
 
 
 def write_atomically(path: str | os.PathLike, payload: bytes) -> None:

@@ -41,15 +41,17 @@ def _failure(path: str, action: str, error: OSError) -> MetricsWriteError:
 
 
 class MetricsFile:
-    """Appends one JSON object per line to `path`, truncating it when opened."""
+    """Appends one JSON object per line to `path`, truncating it when opened unless `append`
+    (a resumed run continues its file)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, append: bool = False) -> None:
         self.path = path
         try:
-            self.descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
+            self.descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC),
+                                      0o666)
         except OSError as error:
             raise _failure(path, "write", error) from None
-        self.length = 0  # bytes of whole lines written: where a short write is cut back to
+        self.length = os.lseek(self.descriptor, 0, os.SEEK_END)  # bytes of whole lines: where a short write is cut back to
 
     def write(self, event: str, fields: dict) -> None:
         """Append {"event": event, **fields} as one line; on failure leave the file as it was and raise."""

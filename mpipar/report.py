@@ -90,18 +90,19 @@ class Report:
     """Rank 0's output: progress, evaluations, the summary, and the metrics file."""
 
     def __init__(self, metrics_path: str | None, log_every: int, stream: TextIO | None = None, *,
-                 log_seconds: float = 0.0, quiet: bool = False) -> None:
+                 log_seconds: float = 0.0, quiet: bool = False, append: bool = False) -> None:
         self.stream = stream if stream is not None else sys.stdout
         self.mode = progress_mode(self.stream, bool(quiet))
         self.log_every, self.log_seconds = log_every, log_seconds
-        self.metrics = MetricsFile(metrics_path) if metrics_path else None
+        self.metrics = MetricsFile(metrics_path, append=append) if metrics_path else None
         self.bar_drawn = False  # a bar is on screen: the next line must start on a new one
         self._restart_clocks()
 
     @classmethod
     def for_config(cls, config) -> Report:
-        """The report a training configuration asks for."""
-        return cls(config.metrics, config.log_every, log_seconds=config.log_seconds, quiet=config.quiet)
+        """The report a training configuration asks for (a resumed run adds to its metrics file)."""
+        return cls(config.metrics, config.log_every, log_seconds=config.log_seconds, quiet=config.quiet,
+                   append=bool(config.resume))
 
     def _restart_clocks(self) -> None:
         now = time.perf_counter()

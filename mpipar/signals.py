@@ -38,6 +38,9 @@ from mpipar.launch import launcher, rank_from_environment
 _OPEN_MPI_LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun")
 _exit_lock = threading.Lock()
 _installed = False
+_lines: dict[int, bytes] = {}  # signal number -> the line written when it ends the process
+_deferred: dict[int, bytes] = {}  # signals that ask for a checkpoint first -> the line saying so
+_requested: list[int] = []  # deferred signals received so far
 
 
 def _report_fd() -> int:
@@ -64,19 +67,29 @@ def install_signal_report() -> None:
     if _installed:
         return
     _installed = True
-    rank = rank_from_environment(os.environ)
-    who = "mpipar:" if rank is None else f"mpipar: rank {rank}"
-    signals = [signal.SIGTERM, signal.SIGHUP] + ([signal.SIGINT] if rank is not None else [])
-    lines = {int(number): f"{who} stopped by {number.name} (signal {int(number)})\n".encode() for number in signals}
+    signals = [signal.SIGTERM, signal.SIGHUP] + ([signal.SIGINT] if _rank() is not None else [])
+    _lines.update({int(number): f"{_who()} stopped by {number.name} (signal {int(number)})\n".encode()
+                   for number in signals})
     target = _report_fd()
 
     def report_and_exit(number: int) -> None:
         with _exit_lock:  # the main thread and the watcher may both get here: one line only
             try:
-                os.write(target, lines[number])
+                os.write(target, _lines[number])
             except OSError:
                 pass  # nowhere to write: still end with the signal's status
             os._exit(128 + number)
+
+    def deferred_or_exit(number: int) -> None:
+        """A signal asking for a checkpoint is noted (once, by the watcher); any other, or the
+        same one a second time, ends the process."""
+        if number not in _deferred or number in _requested:
+            report_and_exit(number)
+        _requested.append(number)
+        try:
+            os.write(target, _deferred[number])
+        except OSError:
+            pass
 
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)  # CPython's handler must never block on a full pipe
@@ -84,10 +97,37 @@ def install_signal_report() -> None:
     def watch() -> None:
         while True:  # the pipe also carries signals that are not ours (Ctrl-C's KeyboardInterrupt)
             number = os.read(read_end, 1)[0]
-            if number in lines:
-                report_and_exit(number)
+            if number in _lines or number in _deferred:
+                deferred_or_exit(number)
 
     threading.Thread(target=watch, name="mpipar-signal-report", daemon=True).start()
     for number in signals:
-        signal.signal(number, lambda received, frame: report_and_exit(received))
+        # the watcher handles a deferred one: it alone counts how often it came
+        signal.signal(number, lambda received, frame: None if received in _deferred else report_and_exit(received))
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+
+def _rank() -> int | None:
+    return rank_from_environment(os.environ)
+
+
+def _who() -> str:
+    return "mpipar:" if _rank() is None else f"mpipar: rank {_rank()}"
+
+
+def checkpoint_on_signals(status: int) -> None:
+    """From now on SIGTERM and SIGUSR1 (what Slurm sends before a time limit with --signal)
+    ask for a checkpoint at the end of the current step and an exit with `status`, instead of
+    ending the process; the same signal a second time ends it at once. Call it from the main
+    thread; `stop_requested()` tells the training loop."""
+    install_signal_report()
+    for number in (signal.SIGTERM, signal.SIGUSR1):
+        _deferred[int(number)] = (f"{_who()} received {number.name}: saving a checkpoint after this step, then "
+                                  f"exiting with status {status} (send it again to stop at once)\n").encode()
+        _lines.setdefault(int(number), f"{_who()} stopped by {number.name} (signal {int(number)})\n".encode())
+        signal.signal(number, lambda received, frame: None)  # the watcher thread notes it
+
+
+def stop_requested() -> bool:
+    """Has a signal asked this process for a checkpoint and a stop (checkpoint_on_signals)?"""
+    return bool(_requested)

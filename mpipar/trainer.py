@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
+from mpipar.checkpoint.resume import FLAGS, Checkpoints
 from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
 from mpipar.comms.handle import set_default_timeout
 from mpipar.comms.topology import make_world
@@ -93,6 +94,8 @@ class Trainer:
         self.predicted = self._predicted_peak()
         if config.memory_limit is not None:
             self._check_memory_limit(config.memory_limit)
+        self.checkpoints = Checkpoints(self)
+        self.start_step = self.checkpoints.resume()  # collective: 0, or the step a checkpoint was saved at
 
     def _setup(self) -> None:
         self.config = cfg = self.config.for_world(self.world_size)
@@ -136,8 +139,9 @@ class Trainer:
                                    step_size=cfg.step_size, gamma=cfg.gamma)
         self.cache = ActivationCache()
         self.activations = self._activation_bytes()
-        # [loss sum, correct predictions, predictions] of a step, summed over ranks in one message
-        self.step_totals = np.zeros(3, dtype=np.float64)
+        # [loss sum, correct predictions, predictions] of a step and each rank's checkpoint votes
+        # (checkpoint/resume.py), summed over ranks in one message
+        self.step_totals = np.zeros(3 + FLAGS, dtype=np.float64)
 
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
@@ -285,8 +289,9 @@ class Trainer:
         mesh = cfg.mesh(self.world_size)  # each pipeline (replica) takes its slice of the global batch
         micro_batches = split_micro_batches(rank_slice(indices, mesh.replica(self.rank), mesh.replicas),
                                             cfg.micro_batches)
-        self.step_totals[:] = self.engine.run_step(step, cfg.seed, lambda b: self._to_device(
+        self.step_totals[:3] = self.engine.run_step(step, cfg.seed, lambda b: self._to_device(
             *self.train_set.batch(micro_batches[b])), cfg.batch_size)
+        self.step_totals[3:] = self.checkpoints.flags()
         self.engine.finish_gradients()
         with self.counted.traffic.phase("metrics"):
             sum_across_ranks(self.counted, self.step_totals)
@@ -302,8 +307,9 @@ class Trainer:
         return StepResult(step, epoch, loss, accuracy, lr, time.perf_counter() - start)
 
     def _epoch(self, epoch: int, step: int, report, watch: DivergenceWatch | None = None) -> int:
-        """The steps of one epoch, one after the other; returns the next step number."""
-        for step_in_epoch in range(self.sampler.steps_per_epoch):
+        """The steps of one epoch from `step` on (a resumed run may start inside it), one after the
+        other; returns the next step number."""
+        for step_in_epoch in range(step - epoch * self.sampler.steps_per_epoch, self.sampler.steps_per_epoch):
             if step >= self.total_steps:
                 break
             result = self.train_step(step, epoch, step_in_epoch)
@@ -312,6 +318,7 @@ class Trainer:
             if watch:  # every rank: the loss is summed over all of them, so they all decide alike
                 watch.observe(result.step, result.loss, result.lr)
             step += 1
+            self.checkpoints.after_steps(step, self.step_totals[3:])
         return step
 
     def _cyclic_epoch(self, epoch: int, first_step: int, report, watch: DivergenceWatch | None = None) -> int:
@@ -321,12 +328,13 @@ class Trainer:
         micro-batches it computed; the metrics and the divergence watch get the summed losses at
         the end. Returns the next step number."""
         cfg = self.config
-        steps = min(self.sampler.steps_per_epoch, self.total_steps - first_step)
+        epoch_start = epoch * self.sampler.steps_per_epoch  # first_step is later in a run resumed mid-epoch
+        steps = min(epoch_start + self.sampler.steps_per_epoch, self.total_steps) - first_step
         if steps <= 0:
             return first_step
 
         def load(step: int, micro_batch: int):
-            indices = self.sampler.global_batch_indices(epoch, step - first_step)
+            indices = self.sampler.global_batch_indices(epoch, step - epoch_start)
             return self._to_device(*self.train_set.batch(split_micro_batches(indices, cfg.micro_batches)[micro_batch]))
 
         def progress(step: int, mine, computed: int) -> None:  # mine: this rank's [loss, correct, predictions]
@@ -337,8 +345,10 @@ class Trainer:
         totals = self.engine.run_steps(first_step, steps, load, seed=cfg.seed, batch_size=cfg.batch_size,
                                        lr_at=self.lr_at, on_step=progress if report else None)
         seconds = (time.perf_counter() - start) / steps
+        summed = np.concatenate([totals.reshape(-1), self.checkpoints.flags()])
         with self.counted.traffic.phase("metrics"):
-            sum_across_ranks(self.counted, totals.reshape(-1))  # a view: totals is summed in place
+            sum_across_ranks(self.counted, summed)
+        totals = summed[:-FLAGS].reshape(totals.shape)
         for offset, (loss, correct, predictions) in enumerate(totals):
             result = StepResult(first_step + offset, epoch, float(loss), float(correct / predictions),
                                 self.lr_at(first_step + offset), seconds)
@@ -346,6 +356,7 @@ class Trainer:
                 report.record(result, self)
             if watch:
                 watch.observe(result.step, result.loss, result.lr)
+        self.checkpoints.after_steps(first_step + steps, summed[-FLAGS:])
         return first_step + steps
 
     def evaluate(self, epoch: int) -> EvalResult:
@@ -395,22 +406,24 @@ class Trainer:
         if report:
             report.start(self)
         started = time.perf_counter()
-        step, evaluation = 0, None
+        step, evaluation = self.start_step, None
         watch = DivergenceWatch(lr=cfg.lr, stop=bool(cfg.stop_on_divergence), warn=report.warn if report else None)
-        for epoch in range(cfg.epochs):
+        for epoch in range(min(step // self.sampler.steps_per_epoch, cfg.epochs - 1), cfg.epochs):
             step = (self._cyclic_epoch if cfg.cyclic else self._epoch)(epoch, step, report, watch)
             evaluation = self.evaluate(epoch)
             if report:
                 report.evaluation(evaluation, self)
             if step >= self.total_steps:
                 break
+        self.checkpoints.after_steps(step, np.zeros(FLAGS), final=True)
         seconds = time.perf_counter() - started
         summary = {"memory_per_rank": self._memory_per_rank(),
                    "steps": step, "seconds": seconds,
-                   "samples_per_s": step * cfg.batch_size / seconds if seconds else 0.0,
+                   "samples_per_s": (step - self.start_step) * cfg.batch_size / seconds if seconds else 0.0,
                    "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy,
                    "peak_activation_bytes": self.cache.peak_bytes,
                    "parameter_count": self.parameter_count, "memory": self.engine.ledger.report(),
+                   "checkpoint_seconds": self.checkpoints.save_seconds,
                    "sent_bytes": {phase: {"intra": counts.intra_bytes, "inter": counts.inter_bytes,
                                           "library": counts.library_bytes, "received": counts.received_bytes}
                                   for phase, counts in self.counted.traffic.by_phase.items()}}

@@ -26,7 +26,7 @@ from mpipar.cli.info import info
 from mpipar.cli.schedule import schedule
 from mpipar.cli.simulate import simulate
 from mpipar.cli.train import train
-from mpipar.errors import MpiparError
+from mpipar.errors import MpiparError, StoppedToRequeue
 from mpipar.launch import rank_from_environment
 from mpipar.signals import install_signal_report
 
@@ -77,9 +77,9 @@ def main() -> None:
         rank, size = _world()
         if size == 1 or getattr(error, "on_every_rank", False):
             if rank == 0:  # every rank has the same sentence: rank 0 prints it, all exit alike
-                sys.stderr.write(f"mpipar: error: {error}\n")
-            sys.exit(2)
-        _abort(2, f"mpipar: error on rank {rank}: {error}\n")
+                sys.stderr.write(f"mpipar: {'' if isinstance(error, StoppedToRequeue) else 'error: '}{error}\n")
+            sys.exit(error.exit_status)
+        _abort(error.exit_status, f"mpipar: error on rank {rank}: {error}\n")
     except MemoryError as error:  # an allocation the fit check in setup could not foresee (activations, transients)
         rank, size = _world()
         message = (f"mpipar: error: rank {rank} ran out of memory ({error or 'MemoryError'}); `mpipar estimate` "

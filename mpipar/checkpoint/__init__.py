@@ -1,0 +1,7 @@
+"""Checkpoints: save at a step boundary, resume bit-exact, reshard on resume (docs/checkpoints.md).
+
+    format.py   the files on disk: safetensors shards and the manifest
+    layout.py   which rank writes which range; where a loading rank finds what it needs
+    store.py    the atomic save, finding a checkpoint to resume, loading
+    resume.py   the trainer's side: what a checkpoint records of a run, and putting it back
+"""

@@ -1,0 +1,133 @@
+"""What a checkpoint is on disk: a directory of safetensors files and one manifest.
+
+    step-00000040/
+        manifest.json            written last, by rank 0: the table below, checksums, training state
+        rank-00000.safetensors   what rank 0 wrote: ranges of the model's flat tensors
+        rank-00001.safetensors   ...
+
+The whole model is seen as a few flat vectors of one length, the parameter count:
+`params` (the weights, every stage's flat buffer one after the other, in layer order),
+`optimizer.0`, `optimizer.1` (the optimizer's state kinds: SGD's momentum; Adam's first
+and second moments), and for Cyclic Data Parallelism `params.previous` (the weights one
+update older, which its next step still reads). The manifest's `parameters` table says
+where each named parameter lies in that order, so any tool can cut a vector back into
+tensors. A file holds ranges [start, stop) of those vectors, each as one 1-d tensor
+named "VECTOR@START"; the manifest lists them per file with the file's size and CRC-32.
+The format is spelled out, with a reader in a dozen lines, in docs/checkpoints.md.
+
+Exercised by: python -m pytest tests/test_checkpoint_format.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+
+from mpipar.errors import CheckpointError
+from mpipar.files import write_atomically
+
+FORMAT = "mpipar-checkpoint/1"
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class Piece:
+    """A range [start, stop) of one of the model's flat vectors (`vector`), as this rank holds
+    it: `array` is a view of the rank's own buffer, so saving reads it and loading fills it."""
+
+    vector: str
+    start: int
+    stop: int
+    array: object
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def parameter_table(stages) -> list[dict]:
+    """Every parameter's name, shape and place in the flat order (stages one after the other)."""
+    table, base = [], 0
+    for stage in stages:
+        for segment in stage.flat.segments:
+            table.append({"name": f"{segment.layer}.{segment.name}", "shape": list(segment.shape),
+                          "offset": base + segment.offset, "size": segment.size})
+        base += stage.flat.size
+    return table
+
+
+def write_shard(directory: Path, rank: int, ranges: list[tuple[str, int, np.ndarray]]) -> dict:
+    """Write this rank's ranges (vector, start, host array) as one safetensors file, synced to
+    disk; returns the file's manifest entry."""
+    tensors = {f"{vector}@{start}": np.ascontiguousarray(array) for vector, start, array in ranges}
+    payload = safetensors.numpy.save(tensors)
+    name = shard_name(rank)
+    with open(directory / name, "wb") as out:
+        out.write(payload)
+        out.flush()
+        os.fsync(out.fileno())
+    return {"file": name, "bytes": len(payload), "crc32": zlib.crc32(payload),
+            "ranges": [{"vector": vector, "start": start, "stop": start + len(array)}
+                       for vector, start, array in ranges]}
+
+
+def read_shard(directory: Path, entry: dict) -> dict[str, np.ndarray]:
+    """The tensors of one file, after checking its size and checksum against the manifest."""
+    path = directory / entry["file"]
+    try:
+        payload = path.read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"checkpoint file {path} cannot be read: {error.strerror or error}") from None
+    if len(payload) != entry["bytes"]:
+        raise CheckpointError(f"checkpoint file {path} is truncated: {len(payload):,} bytes, the manifest says "
+                              f"{entry['bytes']:,}")
+    if zlib.crc32(payload) != entry["crc32"]:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: its CRC-32 differs from the manifest's")
+    return safetensors.numpy.load(payload)
+
+
+def write_manifest(directory: Path, manifest: dict) -> None:
+    write_atomically(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def read_manifest(directory: Path) -> dict:
+    """The manifest of the checkpoint in `directory`, checked for the fields a loader needs."""
+    path = Path(directory) / MANIFEST
+    if not Path(directory).is_dir():
+        raise CheckpointError(f"no checkpoint at {directory}: it is not a directory")
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} is not a complete checkpoint: it has no {MANIFEST}") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path} cannot be read as JSON: {error}") from None
+    missing = [key for key in ("format", "dtype", "size", "parameters", "vectors", "files", "training")
+               if key not in manifest]
+    if missing or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an mpipar checkpoint manifest ({FORMAT}): "
+                              + (f"it lacks {', '.join(missing)}" if missing else f"format {manifest['format']!r}"))
+    return manifest
+
+
+def check_compatible(manifest: dict, table: list[dict], dtype: np.dtype, optimizer: str, where: Path) -> None:
+    """Refuse, naming the first difference, a checkpoint of another model, data type or optimizer."""
+    if manifest["dtype"] != np.dtype(dtype).name:
+        raise CheckpointError(f"checkpoint {where} holds {manifest['dtype']} parameters; this run uses "
+                              f"{np.dtype(dtype).name} (--dtype)")
+    saved = {(p["name"], tuple(p["shape"]), p["offset"]) for p in manifest["parameters"]}
+    here = {(p["name"], tuple(p["shape"]), p["offset"]) for p in table}
+    if saved != here:
+        first = sorted(saved ^ here)[0]
+        side = "the checkpoint" if first in saved else "this run's model"
+        raise CheckpointError(f"checkpoint {where} is of another model: parameter {first[0]} with shape "
+                              f"{first[1]} is only in {side} ({len(manifest['parameters'])} parameters saved, "
+                              f"{len(table)} here)")
+    if manifest["training"]["optimizer"] != optimizer:
+        raise CheckpointError(f"checkpoint {where} was saved with the {manifest['training']['optimizer']} optimizer; "
+                              f"this run uses {optimizer} (--optimizer), whose state differs")

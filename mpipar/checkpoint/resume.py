@@ -1,0 +1,137 @@
+"""The trainer's side of checkpoints: when to save, what a checkpoint records of a run, resuming.
+
+What makes a resumed run continue bit for bit: the parameters and optimizer state (the
+engine's `state_pieces`, whatever the layout), the optimizer's update count, and the step
+number. Everything else random in mpipar is counter-based, a pure function of the seed and
+the step: the data order of an epoch is a permutation drawn from (seed, epoch), a step's
+batch is a slice of it, dropout masks are drawn from (seed, step, stage, sample), and the
+initial weights from (seed, layer, parameter). There is no generator state to save, so the
+manifest records the seed and the position (epoch, step in epoch, first sample), and a run
+resumed with another seed, data set or batch size is refused rather than silently changed.
+
+When a save happens, at the end of a step (for Cyclic Data Parallelism, of an epoch):
+every --save-every steps; when --save-every-minutes have passed on rank 0's clock; at the
+end of training; and when a rank received SIGTERM or SIGUSR1 (then the job exits with
+status 75 to be requeued). The ranks learn of a signal or of the clock in the same sum
+that adds up the step's loss, so they all decide alike and no extra message is sent.
+
+Exercised by: python -m pytest tests/test_checkpoint.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import mpipar
+from mpipar.checkpoint import store
+from mpipar.checkpoint.format import FORMAT, check_compatible, parameter_table
+from mpipar.errors import CheckpointError, StoppedToRequeue
+from mpipar.signals import checkpoint_on_signals, stop_requested
+
+FLAGS = 2  # what each rank adds to the step's sum: [a signal asks to stop, rank 0's clock says save]
+KEPT_THE_SAME = ("dataset", "batch_size", "seed")  # what fixes the data order and the random streams
+
+
+class Checkpoints:
+    """When `trainer` saves, what it writes, and where it resumes."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer, self.config = trainer, trainer.config
+        self.enabled = bool(self.config.checkpoint_dir)
+        self.last_saved_step, self.last_save_time = -1, time.monotonic()
+        self.save_seconds: list[float] = []  # how long each save took (the training time it cost)
+        self.resumed_from: Path | None = None
+        if self.enabled:
+            checkpoint_on_signals(StoppedToRequeue.exit_status)
+
+    def flags(self) -> np.ndarray:
+        """This rank's votes, summed over ranks with the step's loss."""
+        minutes = self.config.save_every_minutes
+        due = minutes and self.trainer.rank == 0 and time.monotonic() - self.last_save_time >= 60 * minutes
+        return np.array([float(stop_requested()), float(bool(due))])
+
+    def after_steps(self, steps_done: int, votes: np.ndarray, final: bool = False) -> None:
+        """Save if due after `steps_done` steps (`votes`: the flags summed over ranks); stop the
+        job if a signal asked for it. `final`: training has ended."""
+        if not self.enabled:
+            return
+        every = self.config.save_every
+        stop = votes[0] > 0
+        crossed = every and steps_done // every > max(self.last_saved_step, 0) // every  # a multiple of it
+        if stop or votes[1] > 0 or final or crossed:
+            self.save(steps_done)
+        if stop:
+            raise StoppedToRequeue(f"stopped by a signal after step {steps_done - 1}; checkpoint "
+                                   f"{store.step_directory(self.config.checkpoint_dir, steps_done)} saved; "
+                                   f"resume with --resume auto (exit status {StoppedToRequeue.exit_status}: requeue)")
+
+    def save(self, steps_done: int) -> Path | None:
+        """Write the checkpoint of the state after `steps_done` steps (collective)."""
+        if steps_done == self.last_saved_step:
+            return None
+        started = time.perf_counter()
+        pieces, _ = self.trainer.engine.state_pieces()
+        path = store.save(self.trainer.comm, Path(self.config.checkpoint_dir), steps_done, pieces,
+                          self.manifest(steps_done), self.config.keep)
+        self.last_saved_step, self.last_save_time = steps_done, time.monotonic()
+        self.save_seconds.append(time.perf_counter() - started)
+        return path
+
+    def manifest(self, steps_done: int) -> dict:
+        """Everything but the files: the model's table, the training state, the configuration."""
+        trainer, cfg = self.trainer, self.config
+        per_epoch = trainer.sampler.steps_per_epoch
+        epoch, in_epoch = divmod(steps_done, per_epoch)
+        return {"format": FORMAT, "mpipar_version": mpipar.__version__,
+                "dtype": trainer.backend.dtype.name, "size": trainer.parameter_count,
+                "parameters": parameter_table(trainer.stages),
+                "training": {"step": steps_done, "epoch": epoch, "step_in_epoch": in_epoch,
+                             "steps_per_epoch": per_epoch, "first_sample": in_epoch * cfg.batch_size,
+                             "optimizer": cfg.optimizer, "optimizer_steps": steps_done,
+                             "next_lr": trainer.lr_at(steps_done), "seed": cfg.seed,
+                             "random_streams": "counter-based: data order from (seed, epoch), dropout from "
+                                               "(seed, step, stage, sample); no generator state"},
+                "world": {"ranks": trainer.world_size, "scheme": trainer.scheme_name},
+                "config": {key: list(value) if isinstance(value, tuple) else value
+                           for key, value in dataclasses.asdict(cfg).items()}}
+
+    def resume(self) -> int:
+        """Load the checkpoint --resume names, if any (collective); returns the step to start at."""
+        if not self.config.resume:
+            return 0
+        engine = self.trainer.engine
+
+        def check(manifest: dict, path: Path) -> None:
+            check_compatible(manifest, parameter_table(self.trainer.stages), self.trainer.backend.dtype,
+                             self.config.optimizer, path)
+            saved = manifest.get("config", {})
+            for key in KEPT_THE_SAME:
+                if saved.get(key) != getattr(self.config, key):
+                    flag = f"--{key.replace('_', '-')}"
+                    raise CheckpointError(f"checkpoint {path} was saved by a run with {flag} {saved.get(key)}; "
+                                          f"this run has {flag} {getattr(self.config, key)}, which would change "
+                                          "the data order and random streams it continues")
+
+        def pieces(manifest: dict):
+            if hasattr(engine, "start_at"):  # CDP keeps state per step: hold step N's
+                engine.start_at(manifest["training"]["step"])
+            return engine.state_pieces()[0]
+
+        loaded = store.load(self.trainer.comm, self.config.resume, self.config.checkpoint_dir, pieces, check,
+                            note=lambda line: print(line, file=sys.stderr, flush=True))
+        if loaded is None:
+            return 0
+        self.resumed_from, manifest = loaded
+        step = manifest["training"]["step"]
+        if self.trainer.rank == 0:
+            print(f"mpipar: resuming from {self.resumed_from} after step {step - 1} (saved by "
+                  f"{manifest['world']['ranks']} rank(s), {manifest['world']['scheme']})", flush=True)
+        for optimizer in engine.state_pieces()[1]:
+            optimizer.steps = manifest["training"]["optimizer_steps"]
+        self.last_saved_step = step
+        return step

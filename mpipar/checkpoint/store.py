@@ -1,0 +1,203 @@
+"""Saving a checkpoint so that a crash never leaves one that looks complete, and finding one to resume.
+
+Save (collective, at a step boundary), for step N under --checkpoint-dir ROOT:
+
+    1. rank 0 makes ROOT/step-N.tmp/ (clearing one a crashed save left)
+    2. every rank writes its ranges (layout.assign_writers) as rank-R.safetensors, fsynced
+    3. rank 0 gathers the files' sizes and checksums, writes manifest.json (temporary
+       file, fsync, rename), fsyncs the directory, renames step-N.tmp to step-N, fsyncs ROOT
+    4. rank 0 points ROOT/latest at step-N (temporary file and rename), then removes all
+       but the newest --keep checkpoints; every rank waits for it before going on
+
+A directory is a checkpoint only once it is named step-N and has its manifest, and the
+manifest is written after every file is on disk: killed at any moment, a job leaves the
+previous checkpoint intact and at worst a step-N.tmp that nothing reads.
+
+Resume: `--resume auto` tries `latest`, then every step-N newest first, and takes the first
+whose files all read back with the manifest's sizes and checksums, saying which it skipped
+and why; `--resume PATH` takes that one or stops. Either way every rank reads only the files
+that hold its ranges, all of them check before any state is touched, and then each copies
+its ranges into its own buffers.
+
+Exercised by: python -m pytest tests/test_checkpoint.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from mpipar.backend import array_module, to_host
+from mpipar.checkpoint.format import Piece, read_manifest, read_shard, write_manifest, write_shard
+from mpipar.checkpoint.layout import assign_writers, sources
+from mpipar.errors import CheckpointError
+from mpipar.files import sync_directory, write_atomically
+
+LATEST = "latest"
+STEP_DIRECTORY = re.compile(r"step-(\d+)$")
+# Test hook: "STEP:SECONDS" makes every rank sleep after writing its file of step STEP's
+# checkpoint, before the manifest exists (tests kill the job there)
+PAUSE_VARIABLE = "MPIPAR_TEST_PAUSE_IN_SAVE"
+
+
+def step_directory(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def _agree(comm: MPI.Intracomm, failure: str | None) -> None:
+    """Raise the first rank's failure on every rank, or return if none failed."""
+    first = next((f for f in comm.allgather(failure) if f is not None), None)
+    if first is not None:
+        _raise_everywhere(first)
+
+
+def save(comm: MPI.Intracomm, root: Path, step: int, pieces: list[Piece], manifest: dict, keep: int) -> Path:
+    """Write this rank's part of the checkpoint of `step` and, on rank 0, complete it (collective)."""
+    root, final = Path(root), step_directory(root, step)
+    temporary = final.with_name(final.name + ".tmp")
+    failure = None
+    if comm.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(temporary, ignore_errors=True)
+            temporary.mkdir()
+        except OSError as error:
+            failure = f"cannot make the checkpoint directory {temporary}: {error.strerror or error}"
+    _agree(comm, failure)
+    holdings = comm.allgather([(piece.vector, piece.start, piece.stop) for piece in pieces])
+    ranges = []
+    for vector, start, stop in assign_writers(holdings)[comm.rank]:
+        piece = next(p for p in pieces if p.vector == vector and p.start <= start and stop <= p.stop)
+        ranges.append((vector, start, to_host(piece.array[start - piece.start:stop - piece.start])))
+    entry = failure = None
+    try:
+        entry = write_shard(temporary, comm.rank, ranges)
+    except OSError as error:
+        failure = f"rank {comm.rank} cannot write its checkpoint file in {temporary}: {error.strerror or error}"
+    _agree(comm, failure)
+    _test_pause(step)
+    entries = comm.gather(entry, root=0)
+    if comm.rank == 0:
+        try:
+            vectors = sorted({vector for ranges in holdings for vector, _, _ in ranges})
+            write_manifest(temporary, {**manifest, "vectors": vectors, "files": entries})
+            sync_directory(temporary)
+            _replace_directory(temporary, final)
+            sync_directory(root)
+            write_atomically(root / LATEST, f"{final.name}\n".encode())
+            _prune(root, keep, final)
+        except OSError as error:
+            failure = f"cannot complete the checkpoint {final}: {error.strerror or error}"
+    _agree(comm, failure)  # also: no rank goes on (or exits) before the checkpoint is complete
+    return final
+
+
+def _test_pause(step: int) -> None:
+    wanted = os.environ.get(PAUSE_VARIABLE, "")
+    if wanted and int(wanted.split(":")[0]) == step:
+        time.sleep(float(wanted.split(":")[1]))
+
+
+def _replace_directory(new: Path, final: Path) -> None:
+    """Rename `new` to `final`; an existing `final` (the same step saved again) is moved aside first."""
+    if final.exists():
+        aside = final.with_name(final.name + ".old")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        os.rename(new, final)
+        shutil.rmtree(aside)
+    else:
+        os.rename(new, final)
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """The complete-looking checkpoints under `root` (named step-N), newest first."""
+    found = [(int(match.group(1)), path) for path in Path(root).iterdir() if path.is_dir()
+             and (match := STEP_DIRECTORY.match(path.name))] if Path(root).is_dir() else []
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def _prune(root: Path, keep: int, newest: Path) -> None:
+    """Keep the newest `keep` checkpoints (never `newest`); remove older ones and stale .tmp directories."""
+    for old in [path for path in checkpoints(root) if path != newest][max(keep - 1, 0):]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in Path(root).glob("step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def candidates(resume: str, root: str | None) -> list[Path]:
+    """The checkpoints to try, in order: `resume` itself, or for 'auto' the one `latest`
+    names and then every other one under `root`, newest first."""
+    if resume != "auto":
+        return [Path(resume)]
+    root = Path(root)
+    ordered = checkpoints(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        ordered = [named] + [path for path in ordered if path != named]
+    return ordered
+
+
+def load(comm: MPI.Intracomm, resume: str, root: str | None, pieces_for: Callable[[dict], list[Piece]],
+         check: Callable[[dict, Path], None], note: Callable[[str], None]) -> tuple[Path, dict] | None:
+    """Fill this rank's pieces (`pieces_for(manifest)`) from the checkpoint `resume` names
+    (collective). `check(manifest, path)` raises on a checkpoint this run cannot take (another
+    model). With 'auto', a checkpoint that is incomplete or corrupt is skipped with a `note`
+    and the next one tried. Returns the checkpoint loaded and its manifest, or None when
+    'auto' finds no checkpoint at all."""
+    tried = comm.bcast(candidates(resume, root) if comm.rank == 0 else None, root=0)
+    skipped = []
+    for path in tried:
+        manifest, needed, tensors, failure = None, [], {}, None
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError as error:
+            failure = (False, str(error))
+        if failure is None:
+            try:  # a checkpoint this run cannot take: no other one will do either
+                check(manifest, path)
+                needed = [(piece, sources((piece.vector, piece.start, piece.stop), manifest["files"], path))
+                          for piece in pieces_for(manifest)]
+            except CheckpointError as error:
+                failure = (True, str(error))
+        if failure is None:
+            try:
+                for index in sorted({part[0] for _, parts in needed for part in parts}):
+                    tensors[index] = read_shard(path, manifest["files"][index])
+            except CheckpointError as error:
+                failure = (False, str(error))
+        failures = comm.allgather(failure)
+        fatal, first = next((f for f in failures if f is not None), (False, None))
+        if first is None:
+            for piece, parts in needed:
+                for index, key, saved, wanted in parts:
+                    piece.array[wanted] = _as_array(piece.array, tensors[index][key][saved])
+            return path, manifest
+        if resume != "auto" or fatal:
+            _raise_everywhere(first)
+        skipped.append(first)
+        if comm.rank == 0:
+            note(f"mpipar: skipping checkpoint {path}: {first}")
+    if skipped:
+        _raise_everywhere(f"none of the {len(skipped)} checkpoints under {root} can be loaded (the newest: "
+                          f"{skipped[0]}); move them away to start afresh")
+    return None
+
+
+def _raise_everywhere(message: str) -> None:
+    error = CheckpointError(message)
+    error.on_every_rank = True  # every rank reached the same verdict: none is left waiting
+    raise error
+
+
+def _as_array(target, values: np.ndarray):
+    """`values` where `target` lives (host, or the GPU's memory)."""
+    return values if isinstance(target, np.ndarray) else array_module(target).asarray(values)
