@@ -51,7 +51,7 @@ class MetricsFile:
                                       0o666)
         except OSError as error:
             raise _failure(path, "write", error) from None
-        self.length = os.lseek(self.descriptor, 0, os.SEEK_END)  # bytes of whole lines: where a short write is cut back to
+        self.length = os.lseek(self.descriptor, 0, os.SEEK_END)  # whole lines: where a short write is cut back to
 
     def write(self, event: str, fields: dict) -> None:
         """Append {"event": event, **fields} as one line; on failure leave the file as it was and raise."""

@@ -131,3 +131,31 @@ def check_compatible(manifest: dict, table: list[dict], dtype: np.dtype, optimiz
     if manifest["training"]["optimizer"] != optimizer:
         raise CheckpointError(f"checkpoint {where} was saved with the {manifest['training']['optimizer']} optimizer; "
                               f"this run uses {optimizer} (--optimizer), whose state differs")
+
+
+def read_vectors(directory: Path, vectors: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Whole flat vectors (all of them by default) from every file of the checkpoint, checked."""
+    manifest = read_manifest(directory)
+    wanted = manifest["vectors"] if vectors is None else vectors
+    full = {vector: np.empty(manifest["size"], dtype=manifest["dtype"]) for vector in wanted}
+    filled = dict.fromkeys(wanted, 0)
+    for entry in manifest["files"]:
+        if not any(saved["vector"] in full for saved in entry["ranges"]):
+            continue
+        tensors = read_shard(Path(directory), entry)
+        for saved in entry["ranges"]:
+            if saved["vector"] in full:
+                full[saved["vector"]][saved["start"]:saved["stop"]] = tensors[f"{saved['vector']}@{saved['start']}"]
+                filled[saved["vector"]] += saved["stop"] - saved["start"]
+    for vector, count in filled.items():
+        if count != manifest["size"]:
+            raise CheckpointError(f"checkpoint {directory} holds {count:,} of the {manifest['size']:,} elements of "
+                                  f"{vector}")
+    return full
+
+
+def named_parameters(directory: Path) -> dict[str, np.ndarray]:
+    """The model's parameters by name, in their shapes (what `mpipar checkpoint export` writes)."""
+    manifest = read_manifest(directory)
+    flat = read_vectors(directory, ["params"])["params"]
+    return {p["name"]: flat[p["offset"]:p["offset"] + p["size"]].reshape(p["shape"]) for p in manifest["parameters"]}

@@ -66,9 +66,11 @@ class Checkpoints:
         if stop or votes[1] > 0 or final or crossed:
             self.save(steps_done)
         if stop:
-            raise StoppedToRequeue(f"stopped by a signal after step {steps_done - 1}; checkpoint "
-                                   f"{store.step_directory(self.config.checkpoint_dir, steps_done)} saved; "
-                                   f"resume with --resume auto (exit status {StoppedToRequeue.exit_status}: requeue)")
+            stopped = StoppedToRequeue(f"stopped by a signal after step {steps_done - 1}; checkpoint "
+                                       f"{store.step_directory(self.config.checkpoint_dir, steps_done)} saved; resume "
+                                       f"with --resume auto (exit status {StoppedToRequeue.exit_status}: requeue)")
+            stopped.on_every_rank = True  # the vote was summed over all ranks: they all stop here
+            raise stopped
 
     def save(self, steps_done: int) -> Path | None:
         """Write the checkpoint of the state after `steps_done` steps (collective)."""
@@ -128,10 +130,11 @@ class Checkpoints:
             return 0
         self.resumed_from, manifest = loaded
         step = manifest["training"]["step"]
+        if self.resumed_from.parent.resolve() == Path(self.config.checkpoint_dir or ".").resolve():
+            self.last_saved_step = step  # already there; resumed into another directory, the end saves anew
         if self.trainer.rank == 0:
             print(f"mpipar: resuming from {self.resumed_from} after step {step - 1} (saved by "
                   f"{manifest['world']['ranks']} rank(s), {manifest['world']['scheme']})", flush=True)
         for optimizer in engine.state_pieces()[1]:
             optimizer.steps = manifest["training"]["optimizer_steps"]
-        self.last_saved_step = step
         return step

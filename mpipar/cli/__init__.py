@@ -1,4 +1,4 @@
-"""The `mpipar` command: train, info, data, bench, simulate, estimate, schedule, cdp; and what happens on a failure.
+"""The `mpipar` command and its subcommands (train, checkpoint, estimate, ...); what happens on a failure.
 
 A user-facing error (bad configuration, missing data, a NaN loss) is one sentence
 on stderr and exit status 2. When every rank is known to have hit the same error
@@ -20,6 +20,7 @@ import click
 
 from mpipar.cli.bench import bench
 from mpipar.cli.cdp import cdp
+from mpipar.cli.checkpoint import checkpoint
 from mpipar.cli.data import data
 from mpipar.cli.estimate import estimate
 from mpipar.cli.info import info
@@ -45,6 +46,7 @@ cli.add_command(bench)
 cli.add_command(simulate)
 cli.add_command(estimate)
 cli.add_command(schedule)
+cli.add_command(checkpoint)
 
 
 def _world() -> tuple[int, int]:

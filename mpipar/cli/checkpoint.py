@@ -1,0 +1,73 @@
+"""`mpipar checkpoint info PATH` and `mpipar checkpoint export PATH --out model.safetensors`.
+
+`info` reads the manifest (and with --verify every file's checksum) and says what the
+checkpoint holds: the step, the run that saved it, the parameters and the files.
+`export` writes the whole model as one safetensors file, one named tensor per parameter
+in its shape, which any safetensors reader (PyTorch, JAX, NumPy) can load.
+PATH is a checkpoint (step-N/) or a --checkpoint-dir, where its `latest` is taken.
+
+Exercised by: mpipar checkpoint info runs/step-00000100;  python -m pytest tests/test_checkpoint_cli.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+def _checkpoint(path: str) -> Path:
+    """`path` itself, or the checkpoint a --checkpoint-dir's `latest` names."""
+    from mpipar.checkpoint.store import LATEST
+
+    pointer = Path(path) / LATEST
+    return Path(path) / pointer.read_text().strip() if pointer.is_file() else Path(path)
+
+
+@click.group()
+def checkpoint() -> None:
+    """Inspect and export checkpoints (docs/checkpoints.md)."""
+
+
+@checkpoint.command()
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option("--verify/--no-verify", default=False, help="read every file and check its size and CRC-32")
+def info(path: str, verify: bool) -> None:
+    """What a checkpoint holds."""
+    from mpipar.checkpoint.format import read_manifest, read_shard
+    from mpipar.units import format_bytes
+
+    directory = _checkpoint(path)
+    manifest = read_manifest(directory)
+    training, world = manifest["training"], manifest["world"]
+    total = sum(entry["bytes"] for entry in manifest["files"])
+    click.echo(f"checkpoint {directory}: after step {training['step'] - 1} (epoch {training['epoch']}, step "
+               f"{training['step_in_epoch']} of {training['steps_per_epoch']} in it), mpipar "
+               f"{manifest['mpipar_version']}")
+    click.echo(f"saved by {world['ranks']} rank(s), {world['scheme']}; {training['optimizer']} optimizer, "
+               f"{training['optimizer_steps']} updates, next learning rate {training['next_lr']:g}, seed "
+               f"{training['seed']}")
+    click.echo(f"{len(manifest['parameters'])} parameters, {manifest['size']:,} {manifest['dtype']} values; vectors: "
+               f"{', '.join(manifest['vectors'])}")
+    for entry in manifest["files"]:
+        if verify:
+            read_shard(directory, entry)
+        click.echo(f"  {entry['file']}: {format_bytes(entry['bytes'])}, {len(entry['ranges'])} range(s)"
+                   + (", checksum ok" if verify else ""))
+    click.echo(f"{len(manifest['files'])} file(s), {format_bytes(total)}")
+
+
+@checkpoint.command()
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="the safetensors file to write")
+def export(path: str, out: str) -> None:
+    """Write the model's parameters as one safetensors file, one tensor per parameter."""
+    import safetensors.numpy
+
+    from mpipar.checkpoint.format import named_parameters
+    from mpipar.files import write_atomically
+
+    directory = _checkpoint(path)
+    tensors = named_parameters(directory)
+    write_atomically(out, safetensors.numpy.save(tensors, metadata={"source": str(directory)}))
+    click.echo(f"wrote {len(tensors)} tensors to {out}")
