@@ -122,6 +122,8 @@ class TrainConfig:
                                  "an epoch)", NATURAL, "checkpoints")
     save_every_minutes: float = _option(0.0, "also save when this many minutes have passed since the last save "
                                              "(0: never)", FloatRange(0.0), "checkpoints")
+    async_save: bool = _option(False, "write checkpoint files in a background thread while training goes on "
+                                      "(costs a host copy of what the rank saves)", click.BOOL, "checkpoints")
     keep: int = _option(3, "checkpoints kept in --checkpoint-dir (older ones are removed)", POSITIVE,
                         "checkpoints")
     memory_limit: int | None = _option(None, "stop before the first step if the predicted peak per rank exceeds "

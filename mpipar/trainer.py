@@ -424,6 +424,7 @@ class Trainer:
                    "peak_activation_bytes": self.cache.peak_bytes,
                    "parameter_count": self.parameter_count, "memory": self.engine.ledger.report(),
                    "checkpoint_seconds": self.checkpoints.save_seconds,
+                   "checkpoint_write_seconds": self.checkpoints.write_seconds,
                    "sent_bytes": {phase: {"intra": counts.intra_bytes, "inter": counts.inter_bytes,
                                           "library": counts.library_bytes, "received": counts.received_bytes}
                                   for phase, counts in self.counted.traffic.by_phase.items()}}

@@ -34,6 +34,7 @@ from mpipar.files import write_atomically
 
 FORMAT = "mpipar-checkpoint/1"
 MANIFEST = "manifest.json"
+PARTIAL = {"params.previous"}  # CDP: only the stages whose older version the next step reads
 
 
 @dataclass
@@ -134,10 +135,11 @@ def check_compatible(manifest: dict, table: list[dict], dtype: np.dtype, optimiz
 
 
 def read_vectors(directory: Path, vectors: list[str] | None = None) -> dict[str, np.ndarray]:
-    """Whole flat vectors (all of them by default) from every file of the checkpoint, checked."""
+    """Whole flat vectors (all of them by default) from every file of the checkpoint, checked
+    (`params.previous` is zero where a stage has no older version saved)."""
     manifest = read_manifest(directory)
     wanted = manifest["vectors"] if vectors is None else vectors
-    full = {vector: np.empty(manifest["size"], dtype=manifest["dtype"]) for vector in wanted}
+    full = {vector: np.zeros(manifest["size"], dtype=manifest["dtype"]) for vector in wanted}
     filled = dict.fromkeys(wanted, 0)
     for entry in manifest["files"]:
         if not any(saved["vector"] in full for saved in entry["ranges"]):
@@ -148,7 +150,7 @@ def read_vectors(directory: Path, vectors: list[str] | None = None) -> dict[str,
                 full[saved["vector"]][saved["start"]:saved["stop"]] = tensors[f"{saved['vector']}@{saved['start']}"]
                 filled[saved["vector"]] += saved["stop"] - saved["start"]
     for vector, count in filled.items():
-        if count != manifest["size"]:
+        if count != manifest["size"] and vector not in PARTIAL:
             raise CheckpointError(f"checkpoint {directory} holds {count:,} of the {manifest['size']:,} elements of "
                                   f"{vector}")
     return full

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,7 +45,9 @@ class Checkpoints:
         self.trainer, self.config = trainer, trainer.config
         self.enabled = bool(self.config.checkpoint_dir)
         self.last_saved_step, self.last_save_time = -1, time.monotonic()
-        self.save_seconds: list[float] = []  # how long each save took (the training time it cost)
+        self.save_seconds: list[float] = []  # per save: the training time it cost
+        self.write_seconds: list[float] = []  # per save: how long this rank took to write its file
+        self.pending = None  # a save being written in the background: (PendingSave, thread, manifest, start)
         self.resumed_from: Path | None = None
         if self.enabled:
             checkpoint_on_signals(StoppedToRequeue.exit_status)
@@ -63,8 +66,9 @@ class Checkpoints:
         every = self.config.save_every
         stop = votes[0] > 0
         crossed = every and steps_done // every > max(self.last_saved_step, 0) // every  # a multiple of it
+        self.finish_pending()
         if stop or votes[1] > 0 or final or crossed:
-            self.save(steps_done)
+            self.save(steps_done, in_background=self.config.async_save and not (stop or final))
         if stop:
             stopped = StoppedToRequeue(f"stopped by a signal after step {steps_done - 1}; checkpoint "
                                        f"{store.step_directory(self.config.checkpoint_dir, steps_done)} saved; resume "
@@ -72,17 +76,39 @@ class Checkpoints:
             stopped.on_every_rank = True  # the vote was summed over all ranks: they all stop here
             raise stopped
 
-    def save(self, steps_done: int) -> Path | None:
-        """Write the checkpoint of the state after `steps_done` steps (collective)."""
+    def save(self, steps_done: int, in_background: bool = False) -> None:
+        """Write the checkpoint of the state after `steps_done` steps (collective). In the
+        background: copy this rank's part to host buffers, write them in a thread, and complete
+        the checkpoint at the next step boundary (finish_pending)."""
         if steps_done == self.last_saved_step:
-            return None
+            return
         started = time.perf_counter()
         pieces, _ = self.trainer.engine.state_pieces()
-        path = store.save(self.trainer.comm, Path(self.config.checkpoint_dir), steps_done, pieces,
-                          self.manifest(steps_done), self.config.keep)
+        pending = store.begin(self.trainer.comm, Path(self.config.checkpoint_dir), steps_done, pieces,
+                              copy=in_background)
         self.last_saved_step, self.last_save_time = steps_done, time.monotonic()
+        if in_background:
+            writer = threading.Thread(target=store.write, args=(pending,), name="mpipar-checkpoint", daemon=True)
+            writer.start()
+            self.pending = (pending, writer, self.manifest(steps_done), started)
+            self.save_seconds.append(time.perf_counter() - started)
+            return
+        store.write(pending)
+        store.finish(self.trainer.comm, pending, self.manifest(steps_done), self.config.keep)
         self.save_seconds.append(time.perf_counter() - started)
-        return path
+        self.write_seconds.append(pending.write_seconds)
+
+    def finish_pending(self) -> None:
+        """Complete a save whose files were written in the background (collective)."""
+        if self.pending is None:
+            return
+        started = time.perf_counter()
+        pending, writer, manifest, _ = self.pending
+        self.pending = None
+        writer.join()
+        store.finish(self.trainer.comm, pending, manifest, self.config.keep)
+        self.save_seconds[-1] += time.perf_counter() - started
+        self.write_seconds.append(pending.write_seconds)
 
     def manifest(self, steps_done: int) -> dict:
         """Everything but the files: the model's table, the training state, the configuration."""

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -58,10 +59,26 @@ def _agree(comm: MPI.Intracomm, failure: str | None) -> None:
         _raise_everywhere(first)
 
 
-def save(comm: MPI.Intracomm, root: Path, step: int, pieces: list[Piece], manifest: dict, keep: int) -> Path:
-    """Write this rank's part of the checkpoint of `step` and, on rank 0, complete it (collective)."""
-    root, final = Path(root), step_directory(root, step)
-    temporary = final.with_name(final.name + ".tmp")
+@dataclass
+class PendingSave:
+    """A save whose files are being written: what `finish` needs to complete it."""
+
+    root: Path
+    step: int
+    temporary: Path
+    vectors: list[str]
+    rank: int
+    ranges: list[tuple[str, int, np.ndarray]]  # this rank's: (vector, start, host array)
+    entry: dict | None = None
+    failure: str | None = None
+    write_seconds: float = 0.0
+
+
+def begin(comm: MPI.Intracomm, root: Path, step: int, pieces: list[Piece], copy: bool) -> PendingSave:
+    """Make step-N.tmp and pick this rank's ranges (collective); `copy`: into host buffers of
+    their own, so that training may change the pieces while the files are written."""
+    root = Path(root)
+    temporary = step_directory(root, step).with_name(step_directory(root, step).name + ".tmp")
     failure = None
     if comm.rank == 0:
         try:
@@ -75,28 +92,49 @@ def save(comm: MPI.Intracomm, root: Path, step: int, pieces: list[Piece], manife
     ranges = []
     for vector, start, stop in assign_writers(holdings)[comm.rank]:
         piece = next(p for p in pieces if p.vector == vector and p.start <= start and stop <= p.stop)
-        ranges.append((vector, start, to_host(piece.array[start - piece.start:stop - piece.start])))
-    entry = failure = None
+        part = to_host(piece.array[start - piece.start:stop - piece.start])
+        ranges.append((vector, start, np.array(part) if copy else part))
+    vectors = sorted({vector for held in holdings for vector, _, _ in held})
+    return PendingSave(root, step, temporary, vectors, comm.rank, ranges)
+
+
+def write(pending: PendingSave) -> None:
+    """Write this rank's file (no MPI: a background thread may run it)."""
+    started = time.perf_counter()
     try:
-        entry = write_shard(temporary, comm.rank, ranges)
+        pending.entry = write_shard(pending.temporary, pending.rank, pending.ranges)
     except OSError as error:
-        failure = f"rank {comm.rank} cannot write its checkpoint file in {temporary}: {error.strerror or error}"
-    _agree(comm, failure)
-    _test_pause(step)
-    entries = comm.gather(entry, root=0)
+        pending.failure = (f"rank {pending.rank} cannot write its checkpoint file in {pending.temporary}: "
+                           f"{error.strerror or error}")
+    pending.ranges = []  # the host copies are no longer needed
+    pending.write_seconds = time.perf_counter() - started
+
+
+def finish(comm: MPI.Intracomm, pending: PendingSave, manifest: dict, keep: int) -> Path:
+    """Complete a save once every rank has written its file (collective): manifest, rename, latest, prune."""
+    _agree(comm, pending.failure)
+    _test_pause(pending.step)
+    entries = comm.gather(pending.entry, root=0)
+    final, failure = step_directory(pending.root, pending.step), None
     if comm.rank == 0:
         try:
-            vectors = sorted({vector for ranges in holdings for vector, _, _ in ranges})
-            write_manifest(temporary, {**manifest, "vectors": vectors, "files": entries})
-            sync_directory(temporary)
-            _replace_directory(temporary, final)
-            sync_directory(root)
-            write_atomically(root / LATEST, f"{final.name}\n".encode())
-            _prune(root, keep, final)
+            write_manifest(pending.temporary, {**manifest, "vectors": pending.vectors, "files": entries})
+            sync_directory(pending.temporary)
+            _replace_directory(pending.temporary, final)
+            sync_directory(pending.root)
+            write_atomically(pending.root / LATEST, f"{final.name}\n".encode())
+            _prune(pending.root, keep, final)
         except OSError as error:
             failure = f"cannot complete the checkpoint {final}: {error.strerror or error}"
     _agree(comm, failure)  # also: no rank goes on (or exits) before the checkpoint is complete
     return final
+
+
+def save(comm: MPI.Intracomm, root: Path, step: int, pieces: list[Piece], manifest: dict, keep: int) -> Path:
+    """Save the checkpoint of `step` at once (collective)."""
+    pending = begin(comm, root, step, pieces, copy=False)
+    write(pending)
+    return finish(comm, pending, manifest, keep)
 
 
 def _test_pause(step: int) -> None:

@@ -1,0 +1,217 @@
+"""Checkpoints under MPI: bit-exact resume, reshard, a kill -9 mid-save, a flipped byte, SIGTERM.
+
+Each test runs `mpipar train` as a job and compares what the checkpoints hold (read with
+mpipar.checkpoint.format.read_vectors: parameters and optimizer state) and the metrics files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import mpiexec_command, run_mpi
+from mpipar.checkpoint.format import read_vectors
+
+# 1497 digits / batch 256: 5 steps an epoch, so step 4 -> 8 crosses an epoch boundary
+SMALL = ["--dataset", "digits", "--hidden", "32,32", "--batch-size", "256", "--epochs", "2", "--dropout", "0.1",
+         "--quiet"]
+
+
+def train(ranks: int, *args: str, env_extra: dict | None = None):
+    return run_mpi(ranks, sys.executable, "-m", "mpipar", "train", *args, timeout=240, env_extra=env_extra)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def losses(metrics: Path, first: int) -> dict[int, float]:
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {e["step"]: e["loss"] for e in events if e["event"] == "step" and e["step"] >= first}
+
+
+def assert_same_state(a: Path, b: Path) -> None:
+    saved, resumed = read_vectors(a), read_vectors(b)
+    assert sorted(saved) == sorted(resumed)
+    for vector in saved:
+        differ = np.flatnonzero(saved[vector].view(np.uint8) != resumed[vector].view(np.uint8))
+        assert differ.size == 0, f"{vector} differs in {differ.size} bytes between {a} and {b}"
+
+
+RESUMED = {  # scheme: (ranks, options); CDP saves at the end of an epoch (5 steps)
+    "ddp": (2, ["--scheme", "ddp"]),
+    "zero1": (2, ["--scheme", "zero1"]),
+    "zero2": (2, ["--scheme", "zero2"]),
+    "zero3": (2, ["--scheme", "zero3", "--bucket-mb", "0.002"]),
+    "zero3-async-save": (2, ["--scheme", "zero3", "--bucket-mb", "0.002", "--async-save"]),
+    "paro-iig": (4, ["--scheme", "paro-iig", "--group-size", "2"]),
+    "mics": (4, ["--scheme", "mics", "--group-size", "2"]),
+    "gpipe": (2, ["--scheme", "gpipe", "--stages", "2", "--micro-batches", "4"]),
+    "1f1b": (2, ["--scheme", "1f1b", "--stages", "2"]),
+    "fslpp": (2, ["--scheme", "fslpp", "--stages", "4"]),
+    "1f1b-x-zero3": (4, ["--scheme", "1f1b", "--stages", "2", "--shard", "zero3"]),
+    "cdp-v2": (2, ["--scheme", "cdp-v2", "--cdp-layout", "pp"]),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("scheme", list(RESUMED))
+def test_a_resumed_run_continues_bit_for_bit(tmp_path, scheme, dtype):
+    ranks, options = RESUMED[scheme]
+    half = 5 if scheme.startswith("cdp") else 4
+    common = [*SMALL, *options, "--dtype", dtype, "--optimizer", "adam", "--max-steps", str(2 * half),
+              "--save-every", str(half), "--keep", "5"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    result = train(ranks, *common, "--checkpoint-dir", str(whole), "--metrics", str(tmp_path / "whole.jsonl"))
+    assert result.returncode == 0, result.stderr
+    resumed.mkdir()
+    shutil.copytree(step_dir(whole, half), step_dir(resumed, half))  # as if the job had been killed after it
+    result = train(ranks, *common, "--checkpoint-dir", str(resumed), "--resume", "auto",
+                   "--metrics", str(tmp_path / "resumed.jsonl"))
+    assert result.returncode == 0, result.stderr
+    assert f"resuming from {step_dir(resumed, half)} after step {half - 1}" in result.stdout
+    assert_same_state(step_dir(whole, 2 * half), step_dir(resumed, 2 * half))
+    expected = losses(tmp_path / "whole.jsonl", half)
+    assert len(expected) == half and losses(tmp_path / "resumed.jsonl", half) == expected
+
+
+@pytest.fixture(scope="module")
+def zero3_checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("zero3")
+    result = train(4, *SMALL, "--dtype", "float64", "--scheme", "zero3", "--bucket-mb", "0.002", "--max-steps", "3",
+                   "--checkpoint-dir", str(root))
+    assert result.returncode == 0, result.stderr
+    return step_dir(root, 3)
+
+
+RESHARDED = {"ddp-2": (2, ["--scheme", "ddp"]), "1f1b-2-stages": (2, ["--scheme", "1f1b", "--stages", "2"]),
+             "one-process": (1, [])}
+
+
+@pytest.fixture(scope="module")
+def one_process_continuation(zero3_checkpoint, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("one")
+    result = train(1, *SMALL, "--dtype", "float64", "--max-steps", "6", "--resume", str(zero3_checkpoint),
+                   "--checkpoint-dir", str(root))
+    assert result.returncode == 0, result.stderr
+    return step_dir(root, 6)
+
+
+@pytest.mark.parametrize("layout", list(RESHARDED))
+def test_a_zero3_checkpoint_loads_into_another_layout_and_continues(tmp_path, layout, zero3_checkpoint,
+                                                                    one_process_continuation):
+    ranks, options = RESHARDED[layout]
+    common = [*SMALL, *options, "--dtype", "float64", "--resume", str(zero3_checkpoint)]
+    result = train(ranks, *common, "--max-steps", "3", "--checkpoint-dir", str(tmp_path / "loaded"))
+    assert result.returncode == 0, result.stderr
+    assert_same_state(zero3_checkpoint, step_dir(tmp_path / "loaded", 3))  # loaded, then saved again as it is
+    result = train(ranks, *common, "--max-steps", "6", "--checkpoint-dir", str(tmp_path / "continued"))
+    assert result.returncode == 0, result.stderr
+    continued, reference = read_vectors(step_dir(tmp_path / "continued", 6)), read_vectors(one_process_continuation)
+    for vector in reference:
+        np.testing.assert_allclose(continued[vector], reference[vector], rtol=1e-10, atol=1e-14, err_msg=vector)
+
+
+def test_a_job_killed_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
+    common = [*SMALL, "--dtype", "float64", "--scheme", "zero2", "--max-steps", "6", "--save-every", "2"]
+    reference = tmp_path / "reference"
+    assert train(2, *common, "--checkpoint-dir", str(reference)).returncode == 0
+    crashed = tmp_path / "crashed"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", MPIPAR_TEST_PAUSE_IN_SAVE="4:120")
+    job = subprocess.Popen(mpiexec_command(2, sys.executable, "-m", "mpipar", "train", *common, "--checkpoint-dir",
+                                           str(crashed)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                           start_new_session=True)
+    unfinished = crashed / "step-00000004.tmp"
+    deadline = time.monotonic() + 120
+    while len(list(unfinished.glob("rank-*.safetensors"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(job.pid, signal.SIGKILL)  # every rank, in the middle of the save of step 4
+    job.communicate()
+    assert not step_dir(crashed, 4).exists() and not (unfinished / "manifest.json").exists()
+    result = train(2, *common, "--checkpoint-dir", str(crashed), "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert f"resuming from {step_dir(crashed, 2)} after step 1" in result.stdout
+    assert_same_state(step_dir(reference, 6), step_dir(crashed, 6))
+
+
+def test_a_flipped_byte_is_named_and_auto_falls_back_to_the_previous_checkpoint(tmp_path):
+    common = [*SMALL, "--dtype", "float64", "--scheme", "zero3", "--max-steps", "4", "--save-every", "2"]
+    root = tmp_path / "ck"
+    assert train(2, *common, "--checkpoint-dir", str(root)).returncode == 0
+    damaged = step_dir(root, 4) / "rank-00001.safetensors"
+    payload = bytearray(damaged.read_bytes())
+    payload[len(payload) // 2] ^= 0x10
+    damaged.write_bytes(bytes(payload))
+    result = train(2, *common, "--checkpoint-dir", str(tmp_path / "other"), "--resume", str(step_dir(root, 4)))
+    assert result.returncode == 2
+    assert result.stderr == (f"mpipar: error: checkpoint file {damaged} is corrupt: its CRC-32 differs from the "
+                             "manifest's\n")
+    result = train(2, *common, "--checkpoint-dir", str(root), "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert f"mpipar: skipping checkpoint {step_dir(root, 4)}: checkpoint file {damaged} is corrupt" in result.stderr
+    assert f"resuming from {step_dir(root, 2)} after step 1" in result.stdout
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The processes under the launcher that run mpipar (the ranks, not the launcher's helpers)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit():
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    descendants, frontier = set(), {launcher_pid}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - descendants
+        descendants |= frontier
+    ranks = []
+    for pid in descendants:
+        try:
+            if b"-m\0mpipar\0train" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                ranks.append(pid)
+        except OSError:
+            continue
+    return ranks
+
+
+def test_sigterm_saves_exits_75_and_the_requeued_job_finishes_as_if_never_stopped(tmp_path):
+    common = ["--dataset", "digits", "--hidden", "1024,1024", "--epochs", "100", "--quiet", "--scheme", "zero2"]
+    root, metrics = tmp_path / "ck", tmp_path / "run.jsonl"
+    job = subprocess.Popen(mpiexec_command(2, sys.executable, "-m", "mpipar", "train", *common, "--checkpoint-dir",
+                                           str(root), "--metrics", str(metrics)),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    deadline = time.monotonic() + 120
+    while (not metrics.exists() or metrics.read_text().count('"step"') < 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ranks = rank_pids(job.pid)
+    assert len(ranks) == 2, ranks
+    for pid in ranks:  # as Slurm signals every task of the step
+        os.kill(pid, signal.SIGTERM)
+    try:
+        _, stderr = job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail("the job did not stop after SIGTERM")
+    assert job.returncode == 75, stderr
+    saved = sorted(root.glob("step-*"))
+    assert len(saved) == 1 and not saved[0].name.endswith(".tmp"), saved
+    steps = int(saved[0].name.split("-")[1])
+    assert f"stopped by a signal after step {steps - 1}; checkpoint {saved[0]} saved" in stderr
+    finish = str(steps + 3)
+    result = train(2, *common, "--max-steps", finish, "--checkpoint-dir", str(root), "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    uninterrupted = tmp_path / "uninterrupted"
+    result = train(2, *common, "--max-steps", finish, "--checkpoint-dir", str(uninterrupted))
+    assert result.returncode == 0, result.stderr
+    assert_same_state(step_dir(uninterrupted, steps + 3), step_dir(root, steps + 3))

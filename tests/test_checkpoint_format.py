@@ -1,0 +1,122 @@
+"""The checkpoint format without MPI: who writes what, where a loader finds it, and bad files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mpipar.checkpoint import store
+from mpipar.checkpoint.format import (
+    FORMAT,
+    check_compatible,
+    read_manifest,
+    read_shard,
+    read_vectors,
+    write_manifest,
+    write_shard,
+)
+from mpipar.checkpoint.layout import assign_writers, sources
+from mpipar.errors import CheckpointError
+
+
+def written_counts(holdings, size):
+    """How often each element of each vector is written, and by whom (checking writers hold it)."""
+    counts = {}
+    for rank, ranges in enumerate(assign_writers(holdings)):
+        for vector, start, stop in ranges:
+            assert any(v == vector and a <= start and stop <= b for v, a, b in holdings[rank]), \
+                f"rank {rank} writes {vector}[{start}:{stop}], which it does not hold"
+            counts.setdefault(vector, np.zeros(size, int))[start:stop] += 1
+    return counts
+
+
+def test_replicated_state_is_written_once_and_spread_over_its_holders():
+    holdings = [[("params", 0, 100), ("params", 100, 250)] for _ in range(4)]  # DDP: all hold all
+    counts = written_counts(holdings, 250)
+    assert (counts["params"] == 1).all()
+    shares = [sum(stop - start for _, start, stop in ranges) for ranges in assign_writers(holdings)]
+    assert max(shares) - min(shares) <= 2, shares
+
+
+def test_sharded_and_mixed_holdings_cover_every_element_once():
+    holdings = [[("params", 0, 40), ("optimizer.0", 0, 25)], [("params", 40, 100), ("optimizer.0", 25, 100)],
+                [("params", 0, 100)], [("params", 30, 70), ("optimizer.0", 10, 60)]]
+    counts = written_counts(holdings, 100)
+    assert (counts["params"] == 1).all() and (counts["optimizer.0"] == 1).all()
+
+
+def test_a_loader_finds_its_range_across_files_and_names_a_gap():
+    files = [{"ranges": [{"vector": "params", "start": 0, "stop": 60}]},
+             {"ranges": [{"vector": "params", "start": 60, "stop": 100}]}]
+    found = sources(("params", 50, 70), files, "ck")
+    assert [(index, key, saved, wanted) for index, key, saved, wanted in found] == [
+        (0, "params@0", slice(50, 60), slice(0, 10)), (1, "params@60", slice(0, 10), slice(10, 20))]
+    with pytest.raises(CheckpointError, match=r"lacks params.previous\[0:10\].*no such vector"):
+        sources(("params.previous", 0, 10), files, "ck")
+    files[1]["ranges"][0]["start"] = 65
+    with pytest.raises(CheckpointError, match=r"lacks params\[50:70\].*only 15 of its 20"):
+        sources(("params", 50, 70), files, "ck")
+
+
+def make_checkpoint(directory, size=50):
+    directory.mkdir()
+    entries = [write_shard(directory, 0, [("params", 0, np.arange(30.0))]),
+               write_shard(directory, 1, [("params", 30, np.arange(30.0, size))])]
+    write_manifest(directory, {"format": FORMAT, "dtype": "float64", "size": size, "vectors": ["params"],
+                               "parameters": [{"name": "w", "shape": [size], "offset": 0, "size": size}],
+                               "training": {"optimizer": "sgd"}, "files": entries})
+    return directory
+
+
+def test_a_checkpoint_reads_back_whole(tmp_path):
+    directory = make_checkpoint(tmp_path / "step-00000001")
+    assert np.array_equal(read_vectors(directory)["params"], np.arange(50.0))
+
+
+def test_a_flipped_byte_and_a_truncated_file_are_named(tmp_path):
+    directory = make_checkpoint(tmp_path / "step-00000001")
+    manifest = read_manifest(directory)
+    path = directory / "rank-00001.safetensors"
+    payload = bytearray(path.read_bytes())
+    payload[-3] ^= 0x01
+    path.write_bytes(bytes(payload))
+    with pytest.raises(CheckpointError, match=r"rank-00001.safetensors is corrupt: its CRC-32 differs"):
+        read_shard(directory, manifest["files"][1])
+    path.write_bytes(bytes(payload[:40]))
+    with pytest.raises(CheckpointError, match=r"rank-00001.safetensors is truncated: 40 bytes"):
+        read_shard(directory, manifest["files"][1])
+
+
+def test_an_incomplete_directory_and_a_foreign_manifest_are_refused(tmp_path):
+    (tmp_path / "step-00000002.tmp").mkdir()
+    with pytest.raises(CheckpointError, match="is not a complete checkpoint: it has no manifest.json"):
+        read_manifest(tmp_path / "step-00000002.tmp")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "manifest.json").write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(CheckpointError, match="is not an mpipar checkpoint manifest"):
+        read_manifest(tmp_path / "other")
+
+
+def test_another_model_dtype_or_optimizer_is_refused_naming_the_difference(tmp_path):
+    manifest = read_manifest(make_checkpoint(tmp_path / "step-00000001"))
+    table = [{"name": "w", "shape": [50], "offset": 0, "size": 50}]
+    check_compatible(manifest, table, np.float64, "sgd", "ck")
+    with pytest.raises(CheckpointError, match="holds float64 parameters; this run uses float32"):
+        check_compatible(manifest, table, np.float32, "sgd", "ck")
+    with pytest.raises(CheckpointError, match=r"is of another model: parameter w with shape \(5, 10\) is only in this run.s model"):
+        check_compatible(manifest, [{"name": "w", "shape": [5, 10], "offset": 0, "size": 50}], np.float64, "sgd",
+                         "ck")
+    with pytest.raises(CheckpointError, match="saved with the sgd optimizer; this run uses adam"):
+        check_compatible(manifest, table, np.float64, "adam", "ck")
+
+
+def test_auto_tries_latest_first_then_the_newest_and_ignores_unfinished_saves(tmp_path):
+    for name in ("step-00000002", "step-00000010", "step-00000004", "step-00000012.tmp"):
+        (tmp_path / name).mkdir()
+    assert [p.name for p in store.candidates("auto", tmp_path)] == ["step-00000010", "step-00000004",
+                                                                    "step-00000002"]
+    (tmp_path / store.LATEST).write_text("step-00000004\n")
+    assert [p.name for p in store.candidates("auto", tmp_path)] == ["step-00000004", "step-00000010",
+                                                                    "step-00000002"]
