@@ -2,7 +2,7 @@
 
     python benchmarks/checkpoint.py --ranks 1 2 4 --sizes 40 400 --dir /tmp/ckbench
 
-For each model size (MB of float32 parameters: an MLP 784-W-W-10 with W chosen to match)
+For each model size (MB of float32 parameters: an MLP 64-W-W-10 with W chosen to match)
 and each rank count, it runs this file under `mpiexec -n R` as a worker. The worker builds
 a ZeRO-3 trainer with Adam (so a checkpoint is 3x the parameters: weights and two moments,
 sharded over the ranks), then times a synchronous save, the training time a background
@@ -28,9 +28,10 @@ from pathlib import Path
 
 
 def width_for(megabytes: float) -> int:
-    """W such that 784 W + W^2 + 10 W float32 parameters come to about `megabytes` MB."""
+    """W such that the MLP 64-W-W-10 on the bundled digits (8 x 8 inputs) has about
+    `megabytes` MB of float32 parameters: 64 W + W^2 + 10 W weights."""
     parameters = megabytes * 1e6 / 4
-    return int((-794 + math.sqrt(794**2 + 4 * parameters)) / 2)
+    return int((-74 + math.sqrt(74**2 + 4 * parameters)) / 2)
 
 
 def worker(args) -> None:

@@ -117,7 +117,8 @@ class TrainConfig:
     checkpoint_dir: str | None = _option(None, "directory of this run's checkpoints (step-N/ subdirectories; "
                                                "docs/checkpoints.md)", click.STRING, "checkpoints")
     resume: str | None = _option(None, "resume from a checkpoint: auto (the newest valid one in --checkpoint-dir, "
-                                       "else a fresh start) or the path of one", click.STRING, "checkpoints")
+                                       "else a fresh start), the path of one, or of a directory of them "
+                                       "(its latest)", click.STRING, "checkpoints")
     save_every: int = _option(0, "save a checkpoint every this many steps (0: never; CDP saves at the end of "
                                  "an epoch)", NATURAL, "checkpoints")
     save_every_minutes: float = _option(0.0, "also save when this many minutes have passed since the last save "

@@ -171,10 +171,11 @@ def _prune(root: Path, keep: int, newest: Path) -> None:
 
 
 def candidates(resume: str, root: str | None) -> list[Path]:
-    """The checkpoints to try, in order: `resume` itself, or for 'auto' the one `latest`
-    names and then every other one under `root`, newest first."""
-    if resume != "auto":
-        return [Path(resume)]
+    """The checkpoints to try, in order: `resume` itself (or the one it names as `latest`), or
+    for 'auto' the one `latest` names and then every other one under `root`, newest first."""
+    if resume != "auto":  # a checkpoint, or a --checkpoint-dir: the one its `latest` names
+        pointer = Path(resume) / LATEST
+        return [Path(resume) / pointer.read_text().strip() if pointer.is_file() else Path(resume)]
     root = Path(root)
     ordered = checkpoints(root)
     pointer = root / LATEST
