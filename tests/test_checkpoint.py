@@ -134,7 +134,9 @@ def test_a_job_killed_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
     deadline = time.monotonic() + 120
     while len(list(unfinished.glob("rank-*.safetensors"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    os.killpg(job.pid, signal.SIGKILL)  # every rank, in the middle of the save of step 4
+    for pid in rank_pids(job.pid):  # every rank, in the middle of the save of step 4 (under Open MPI
+        os.kill(pid, signal.SIGKILL)  # the ranks are not in the launcher's process group)
+    os.killpg(job.pid, signal.SIGKILL)
     job.communicate()
     assert not step_dir(crashed, 4).exists() and not (unfinished / "manifest.json").exists()
     result = train(2, *common, "--checkpoint-dir", str(crashed), "--resume", "auto")
