@@ -38,6 +38,7 @@ from mpi4py import MPI
 from mpipar.backend import array_module, to_host
 from mpipar.checkpoint.format import Piece, read_manifest, read_shard, write_manifest, write_shard
 from mpipar.checkpoint.layout import assign_writers, sources
+from mpipar.comms.world import agree_on_setup
 from mpipar.errors import CheckpointError
 from mpipar.files import sync_directory, write_atomically
 
@@ -53,10 +54,13 @@ def step_directory(root: Path, step: int) -> Path:
 
 
 def _agree(comm: MPI.Intracomm, failure: str | None) -> None:
-    """Raise the first rank's failure on every rank, or return if none failed."""
-    first = next((f for f in comm.allgather(failure) if f is not None), None)
-    if first is not None:
-        _raise_everywhere(first)
+    """Raise a rank's failure on every rank (comms.agree_on_setup), or return if none failed."""
+
+    def fail_here() -> None:
+        if failure is not None:
+            raise CheckpointError(failure)
+
+    agree_on_setup(comm, fail_here)
 
 
 @dataclass

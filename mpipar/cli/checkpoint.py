@@ -17,11 +17,10 @@ import click
 
 
 def _checkpoint(path: str) -> Path:
-    """`path` itself, or the checkpoint a --checkpoint-dir's `latest` names."""
-    from mpipar.checkpoint.store import LATEST
+    """`path` itself, or the checkpoint a --checkpoint-dir's `latest` names (as --resume PATH takes it)."""
+    from mpipar.checkpoint.store import candidates
 
-    pointer = Path(path) / LATEST
-    return Path(path) / pointer.read_text().strip() if pointer.is_file() else Path(path)
+    return candidates(path, None)[0]
 
 
 @click.group()
