@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import zlib
 
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from mpipar.checkpoint import store
 from mpipar.checkpoint.format import (
     FORMAT,
+    Piece,
     check_compatible,
     read_manifest,
     read_shard,
@@ -75,6 +78,23 @@ def test_a_checkpoint_reads_back_whole(tmp_path):
     assert np.array_equal(read_vectors(directory)["params"], np.arange(50.0))
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_streamed_file_is_the_file_safetensors_writes(tmp_path, dtype, monkeypatch):
+    """The writer streams each range from its buffer in chunks instead of calling safetensors;
+    its bytes and CRC must still be exactly safetensors.numpy.save's, across chunk edges."""
+    monkeypatch.setattr("mpipar.checkpoint.format.WRITE_CHUNK", 24)
+    rng = np.random.default_rng(0)
+    ranges = [("params", 70, rng.standard_normal(13).astype(dtype)), ("optimizer.1", 0, np.zeros(0, dtype)),
+              ("params", 0, rng.standard_normal(70).astype(dtype)), ("optimizer.0", 5, rng.standard_normal(9).astype(dtype))]
+    entry = write_shard(tmp_path, 3, ranges)
+    written = (tmp_path / "rank-00003.safetensors").read_bytes()
+    expected = safetensors.numpy.save({f"{vector}@{start}": array for vector, start, array in ranges})
+    assert written == expected
+    assert (entry["bytes"], entry["crc32"]) == (len(expected), zlib.crc32(expected))
+    assert [(r["vector"], r["start"], r["stop"]) for r in entry["ranges"]] == [
+        ("params", 70, 83), ("optimizer.1", 0, 0), ("params", 0, 70), ("optimizer.0", 5, 14)]
+
+
 def test_a_flipped_byte_and_a_truncated_file_are_named(tmp_path):
     directory = make_checkpoint(tmp_path / "step-00000001")
     manifest = read_manifest(directory)
@@ -120,3 +140,22 @@ def test_auto_tries_latest_first_then_the_newest_and_ignores_unfinished_saves(tm
     (tmp_path / store.LATEST).write_text("step-00000004\n")
     assert [p.name for p in store.candidates("auto", tmp_path)] == ["step-00000004", "step-00000010",
                                                                     "step-00000002"]
+
+
+def test_keep_leaves_the_newest_checkpoints_and_removes_older_ones_and_stale_saves(tmp_path):
+    """Pruning renames what it drops step-N.removing at once (so no reader takes it), and a
+    background thread deletes it; a crash's .tmp and an earlier cut-short removal go too."""
+    from mpi4py import MPI
+
+    (tmp_path / "step-00000099.tmp").mkdir()  # a save a crash cut short
+    (tmp_path / "step-00000098.removing").mkdir()  # a removal a crash cut short
+    values = np.arange(10.0)
+    for step in (1, 2, 3, 4):
+        store.save(MPI.COMM_SELF, tmp_path, step, [Piece("params", 0, 10, values)],
+                   {"format": FORMAT, "dtype": "float64", "size": 10, "parameters": [],
+                    "training": {"optimizer": "sgd"}}, keep=2)
+        assert [p.name for p in store.candidates("auto", tmp_path)] == [
+            f"step-{s:08d}" for s in range(step, max(step - 2, 0), -1)]
+    store.wait_for_removal()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000003", "step-00000004"]
+    assert np.array_equal(read_vectors(tmp_path / "step-00000004")["params"], values)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,8 @@ from mpipar.files import write_atomically
 FORMAT = "mpipar-checkpoint/1"
 MANIFEST = "manifest.json"
 PARTIAL = {"params.previous"}  # CDP: only the stages whose older version the next step reads
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16"}
+WRITE_CHUNK = 1 << 20  # bytes checksummed then written at a time: they stay in cache between the two
 
 
 @dataclass
@@ -63,17 +66,44 @@ def parameter_table(stages) -> list[dict]:
     return table
 
 
+def _safetensors_header(tensors: list[tuple[str, np.ndarray]]) -> bytes:
+    """The bytes before the data of a safetensors file holding `tensors` (1-d, in this order):
+    an 8-byte little-endian header length, then the JSON table of names, dtypes, shapes and
+    byte offsets, padded with spaces to a multiple of 8 as safetensors pads it."""
+    table, offset = {}, 0
+    for name, array in tensors:
+        table[name] = {"dtype": SAFETENSORS_DTYPES[array.dtype.name], "shape": [len(array)],
+                       "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    header = json.dumps(table, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header
+
+
 def write_shard(directory: Path, rank: int, ranges: list[tuple[str, int, np.ndarray]]) -> dict:
     """Write this rank's ranges (vector, start, host array) as one safetensors file, synced to
-    disk; returns the file's manifest entry."""
-    tensors = {f"{vector}@{start}": np.ascontiguousarray(array) for vector, start, array in ranges}
-    payload = safetensors.numpy.save(tensors)
+    disk; returns the file's manifest entry.
+
+    The file is streamed from the arrays themselves, the CRC-32 computed chunk by chunk as the
+    chunk is written, so a save never holds a second copy of what it writes (building the file
+    with safetensors.numpy.save first would). Tensors go in name order with safetensors' own
+    header, so the bytes are those safetensors.numpy.save would write (a test checks it)."""
+    tensors = sorted((f"{vector}@{start}", np.ascontiguousarray(array)) for vector, start, array in ranges)
+    header = _safetensors_header(tensors)
     name = shard_name(rank)
-    with open(directory / name, "wb") as out:
-        out.write(payload)
-        out.flush()
+    crc, size = zlib.crc32(header), len(header)
+    with open(directory / name, "wb", buffering=0) as out:
+        out.write(header)
+        for _, array in tensors:
+            data = memoryview(array).cast("B")
+            for begin in range(0, len(data), WRITE_CHUNK):
+                chunk = data[begin:begin + WRITE_CHUNK]
+                crc = zlib.crc32(chunk, crc)
+                while chunk:  # a raw write may take less than it is given
+                    chunk = chunk[out.write(chunk):]
+            size += len(data)
         os.fsync(out.fileno())
-    return {"file": name, "bytes": len(payload), "crc32": zlib.crc32(payload),
+    return {"file": name, "bytes": size, "crc32": crc,
             "ranges": [{"vector": vector, "start": start, "stop": start + len(array)}
                        for vector, start, array in ranges]}
 

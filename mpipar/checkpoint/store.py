@@ -6,8 +6,9 @@ Save (collective, at a step boundary), for step N under --checkpoint-dir ROOT:
     2. every rank writes its ranges (layout.assign_writers) as rank-R.safetensors, fsynced
     3. rank 0 gathers the files' sizes and checksums, writes manifest.json (temporary
        file, fsync, rename), fsyncs the directory, renames step-N.tmp to step-N, fsyncs ROOT
-    4. rank 0 points ROOT/latest at step-N (temporary file and rename), then removes all
-       but the newest --keep checkpoints; every rank waits for it before going on
+    4. rank 0 points ROOT/latest at step-N (temporary file and rename), and renames all but
+       the newest --keep checkpoints step-M.removing, which a background thread deletes;
+       every rank waits for rank 0 to get this far before going on
 
 A directory is a checkpoint only once it is named step-N and has its manifest, and the
 manifest is written after every file is on disk: killed at any moment, a job leaves the
@@ -27,6 +28,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,11 +169,35 @@ def checkpoints(root: Path) -> list[Path]:
 
 
 def _prune(root: Path, keep: int, newest: Path) -> None:
-    """Keep the newest `keep` checkpoints (never `newest`); remove older ones and stale .tmp directories."""
-    for old in [path for path in checkpoints(root) if path != newest][max(keep - 1, 0):]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in Path(root).glob("step-*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
+    """Keep the newest `keep` checkpoints (never `newest`); older ones, stale .tmp directories
+    and what an earlier removal left are renamed step-N.removing (which nothing reads) at once
+    and deleted by a background thread: deleting gigabytes takes as long as writing them."""
+    doomed = [path for path in checkpoints(root) if path != newest][max(keep - 1, 0):]
+    doomed += list(Path(root).glob("step-*.tmp"))
+    removing = list(Path(root).glob("step-*.removing"))
+    for path in doomed:
+        aside = path.with_name(path.name.removesuffix(".tmp") + ".removing")
+        shutil.rmtree(aside, ignore_errors=True)  # left by a removal that a crash cut short
+        os.rename(path, aside)
+        removing.append(aside)
+    remove_in_background(removing)
+
+
+_removal: threading.Thread | None = None
+
+
+def remove_in_background(paths: list[Path]) -> None:
+    """Delete `paths` in a thread; one removal at a time, and the process waits for it at exit."""
+    global _removal
+    wait_for_removal()
+    _removal = threading.Thread(target=lambda: [shutil.rmtree(path, ignore_errors=True) for path in paths],
+                                name="mpipar-checkpoint-prune")
+    _removal.start()
+
+
+def wait_for_removal() -> None:
+    if _removal is not None:
+        _removal.join()
 
 
 def candidates(resume: str, root: str | None) -> list[Path]:
