@@ -79,10 +79,9 @@ def test_a_checkpoint_reads_back_whole(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_a_streamed_file_is_the_file_safetensors_writes(tmp_path, dtype, monkeypatch):
-    """The writer streams each range from its buffer in chunks instead of calling safetensors;
-    its bytes and CRC must still be exactly safetensors.numpy.save's, across chunk edges."""
-    monkeypatch.setattr("mpipar.checkpoint.format.WRITE_CHUNK", 24)
+def test_a_streamed_file_is_the_file_safetensors_writes(tmp_path, dtype):
+    """The writer streams each range from its buffer instead of calling safetensors; its bytes
+    and CRC must still be exactly safetensors.numpy.save's."""
     rng = np.random.default_rng(0)
     ranges = [("params", 70, rng.standard_normal(13).astype(dtype)), ("optimizer.1", 0, np.zeros(0, dtype)),
               ("params", 0, rng.standard_normal(70).astype(dtype)), ("optimizer.0", 5, rng.standard_normal(9).astype(dtype))]
