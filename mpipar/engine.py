@@ -51,7 +51,7 @@ from mpipar.ledger import MemoryLedger
 from mpipar.mesh import Mesh
 from mpipar.model import Stage
 from mpipar.optim import make_optimizer, state_kinds
-from mpipar.peak import ActivationBytes, Peak, composed_peak, data_parallel_peak, pipeline_peak
+from mpipar.peak import ActivationBytes, Peak, mesh_peak
 from mpipar.schedule.instructions import (
     Backward,
     FetchWeights,
@@ -132,25 +132,13 @@ class Pipeline:
                        rank: int | None = None) -> Peak:
         """The most `rank` (this one by default) should hold at once (peak.py): any rank's
         peak can be predicted anywhere, as the programs are the same on every rank."""
-        worker = self.mesh.worker(self.comm.rank if rank is None else rank)
-        sizes = [stage.flat.size for stage in self.stages]
-        if self.data_parallel and 0 in self.shared:  # no pipeline: the sharding flow's own figures
-            return self.shared[0].predicted_peak(training, evaluation)
-        peak = pipeline_peak(worker, self.compiled, sizes, itemsize=self.dtype.itemsize,
-                             state_kinds=self.state_kinds, training=training, evaluation=evaluation)
-        shared = [s for s in range(len(sizes)) if worker in self.compiled.holders[s] and sizes[s]]
-        if self.mesh.replicas == 1 or not shared:
-            return peak
-        group = len(self.comm.subset_layout(self.mesh.replica_group(worker))[0])
-        return composed_peak(peak, [data_parallel_peak(self.sharding, sizes[s], self._largest_unit(s),
-                                                       self.mesh.replicas, group, itemsize=self.dtype.itemsize,
-                                                       state_kinds=self.state_kinds, training=training,
-                                                       prefetch=self.prefetch)
-                                    for s in shared])
-
-    def _largest_unit(self, stage: int) -> int:
-        """The largest sharding unit of `stage` (units are cut alike on every rank)."""
-        return max(last - first for _, _, first, last in make_units(self.stages[stage], self.unit_bytes))
+        rank = self.comm.rank if rank is None else rank
+        group = len(self.comm.subset_layout(self.mesh.replica_group(self.mesh.worker(rank)))[0])
+        units = [max((last - first for _, _, first, last in make_units(stage, self.unit_bytes)), default=0)
+                 for stage in self.stages]
+        return mesh_peak(rank, self.compiled, self.mesh, self.sharding, [stage.flat.size for stage in self.stages],
+                         units, group, itemsize=self.dtype.itemsize, state_kinds=self.state_kinds,
+                         training=training, evaluation=evaluation, prefetch=self.prefetch)
 
     def _ranks(self, workers) -> list[int]:
         """The ranks of this pipeline that play `workers`."""

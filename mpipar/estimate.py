@@ -17,14 +17,27 @@ An all-reduce is twice its reduce-scatter. Phases and what they cost:
     update-reduce    N->N: 2 global    I->I: 2 across    N->G: global    N->I: group + 2 across    I->G: across
     update-gather    OS=G->P=N: global (no I) or across + group;  G->I: across;  I->N: group
 
+A layout (`make_layout`) places the model as `mpipar train` would: data parallelism is one
+stage replicated on all N ranks; with --stages, each stage is shared by its replica group
+of D ranks, and the figures above apply per replica group, summed over the stages
+(`scheme_rows`). `predicted_peaks` is peak.py's prediction for the rank that holds the most.
+
 Exercised by: mpipar estimate --params 7e9 --world-size 64 --group-size 8 --micro-batches 8
+              mpipar estimate --model mlp --world-size 8 --group-size 4 --stages 2 --scheme 1f1b --dtype float32
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
-from mpipar.sharding import SCHEMES, Sharding, StateBytes, bytes_per_rank
+from mpipar.backend import make_backend
+from mpipar.mesh import Mesh
+from mpipar.peak import ActivationBytes, Peak, dry_run, mesh_peak
+from mpipar.schedule.instructions import Backward
+from mpipar.schedule.program import Compiled, compile_programs
+from mpipar.sharding import SCHEMES, Sharding, StateBytes, bytes_per_rank, make_units, unit_bytes_for
 
 PHASES = ("forward-gather", "backward-gather", "backward-reduce", "update-reduce", "update-gather")
 
@@ -86,14 +99,90 @@ class Estimate:
         return sum(volume.inter for volume in self.traffic.values())
 
 
-def estimate_all(parameter_count: float, world_size: int, group_size: int, micro_batches: int, *,
-                 parameter_bytes: float = 2, gradient_bytes: float = 2, state_bytes: float = 12,
-                 schemes: dict[str, Sharding] = SCHEMES) -> list[Estimate]:
-    """Table 1 and Table 2 for every scheme (the paper's mixed-precision Adam by default).
-    Communication moves parameters and gradients of `parameter_bytes` each."""
-    return [Estimate(name, bytes_per_rank(sharding, parameter_count, world_size, group_size,
-                                          parameter_bytes=parameter_bytes, gradient_bytes=gradient_bytes,
-                                          state_bytes=state_bytes),
-                     traffic_per_step(sharding, parameter_count, world_size, group_size, micro_batches,
-                                      parameter_bytes))
-            for name, sharding in schemes.items()]
+@dataclass(frozen=True)
+class Layout:
+    """Where the model's stages go on the ranks, as `mpipar train` would place them."""
+
+    mesh: Mesh
+    compiled: Compiled
+    stage_sizes: list[int]  # parameters of each stage
+    largest_units: list[int]  # per stage, the largest sharding unit (elements)
+    groups: list[int]  # per pipeline worker: its replica group's ranks inside one group of --group-size
+    training: ActivationBytes
+    evaluation: ActivationBytes
+
+    def held(self, worker: int) -> list[int]:
+        return [s for s, size in enumerate(self.stage_sizes) if worker in self.compiled.holders[s] and size]
+
+
+def make_layout(count: float, built, world_size: int, group_size: int, stages: int, scheme: str | None,
+                replicas: int, micro_batches: int | None, loops: int, batch_size: int, ddp: str,
+                bucket_mb: float, itemsize: int) -> Layout:
+    """The layout of `count` parameters (or of `built`, built_model's result) on `world_size`
+    ranks: data parallelism without --stages, else S stages on a mesh of workers x replicas."""
+    from mpipar.config import TrainConfig
+    from mpipar.model import build_stages
+
+    config = TrainConfig(stages=stages, scheme=scheme if stages else None, replicas=replicas,
+                         micro_batches=micro_batches or 0, loops=loops, batch_size=batch_size,
+                         group_size=group_size, ddp=ddp).for_world(world_size)
+    mesh = config.mesh(world_size)
+    if built is None:  # no activations to size: any batch the layout divides will do
+        config = dataclasses.replace(config, batch_size=mesh.replicas * config.micro_batches)
+    config.validate(world_size)
+    compiled = compile_programs(config.strategy(), config.schedule_shape(world_size))
+    micro_batch = max(1, batch_size // mesh.replicas // config.micro_batches)
+    if built is None:  # parameters split evenly, units of --bucket-mb, no activations
+        total = math.ceil(count)
+        sizes = [total // config.schedule_shape(world_size).stages + (s < total % (stages or 1))
+                 for s in range(stages or 1)]
+        units = [size if ddp == "naive" else min(size, math.ceil(bucket_mb * 1e6 / itemsize)) for size in sizes]
+        training = evaluation = ActivationBytes((0,) * len(sizes), (0,) * len(sizes), (0,) * len(sizes))
+    else:
+        train_set, eval_batch, model, loss = built
+        laid_out = build_stages(model, stages or 1, make_backend("cpu", "float64" if itemsize == 8 else "float32"),
+                                0, materialize=False)
+        sizes = [stage.flat.size for stage in laid_out]
+        units = [max((stop - start for _, _, start, stop in make_units(stage, unit_bytes_for(ddp, bucket_mb))),
+                     default=0) for stage in laid_out]
+        training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch, seed=0)
+    groups = []
+    for worker in range(mesh.workers):  # ranks are grouped by --group-size consecutive ranks
+        ranks = mesh.replica_group(worker)
+        groups.append(sum(rank // group_size == ranks[0] // group_size for rank in ranks))
+    return Layout(mesh, compiled, sizes, units, groups, training, evaluation)
+
+
+def scheme_rows(layout: Layout, micro_batches: int, element: int, k: int) -> list[Estimate]:
+    """Per sharding scheme: Table 1 of the most loaded rank (its stages' shares summed) and
+    Table 2 summed over every stage's replica group (each stage's backward runs as often as
+    the worker's program says)."""
+    mesh, compiled = layout.mesh, layout.compiled
+    rows = []
+    for name, sharding in SCHEMES.items():
+        memory, traffic = None, {phase: Volume() for phase in PHASES}
+        for worker in range(mesh.workers):
+            held = layout.held(worker)
+            parts = [bytes_per_rank(sharding, layout.stage_sizes[s], mesh.replicas, layout.groups[worker],
+                                    parameter_bytes=element, gradient_bytes=element, state_bytes=k) for s in held]
+            here = StateBytes(*(sum(getattr(part, field) for part in parts) for field in
+                                ("parameters", "gradients", "optimizer_state")))
+            memory = here if memory is None or here.total > memory.total else memory
+            for s in held:
+                backwards = sum(isinstance(i, Backward) and i.stage == s for i in compiled.programs[worker])
+                volumes = traffic_per_step(sharding, layout.stage_sizes[s], mesh.replicas, layout.groups[worker],
+                                           backwards or micro_batches, element)
+                traffic = {phase: traffic[phase] + volumes[phase] for phase in PHASES}
+        rows.append(Estimate(name, memory, traffic))
+    return rows
+
+
+def predicted_peaks(layout: Layout, prefetch: int, itemsize: int, kinds: int) -> dict[str, Peak]:
+    """Scheme -> the predicted peak of the rank that holds the most (peak.mesh_peak)."""
+    return {name: max((mesh_peak(rank, layout.compiled, layout.mesh, sharding, layout.stage_sizes,
+                                 layout.largest_units, layout.groups[layout.mesh.worker(rank)], itemsize=itemsize,
+                                 state_kinds=kinds, training=layout.training, evaluation=layout.evaluation,
+                                 prefetch=prefetch)
+                       for rank in range(0, layout.mesh.size, layout.mesh.replicas)),  # one rank per worker
+                      key=lambda peak: peak.total)
+            for name, sharding in SCHEMES.items()}

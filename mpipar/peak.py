@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpipar.cache import ActivationCache
+from mpipar.mesh import Mesh
 from mpipar.model import Stage, leaf_layers
 from mpipar.optim import CHUNK
 from mpipar.schedule.cyclic import home_ranks, optimizer_home, persistent_items
@@ -162,6 +163,27 @@ def composed_peak(pipeline: Peak, shares: list[Peak]) -> Peak:
     for name, nbytes in communication(max(shares, key=lambda share: sum(communication(share).values()))).items():
         transients[name] = transients.get(name, 0) + nbytes
     return Peak(steady, transients)
+
+
+def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, stage_sizes: list[int],
+              largest_units: list[int], group_size: int, *, itemsize: int, state_kinds: int,
+              training: ActivationBytes, evaluation: ActivationBytes | None = None, prefetch: int = 1) -> Peak:
+    """The peak of `rank` running `compiled` on `mesh`, each stage shared among its replica
+    group by `sharding` (`group_size`: the group's ranks in one node; `largest_units`: per
+    stage). Data parallelism (one worker, one stage) is the sharding flow's own figures."""
+    worker = mesh.worker(rank)
+    if mesh.workers == 1 and len(stage_sizes) == 1 and stage_sizes[0]:
+        return data_parallel_peak(sharding, stage_sizes[0], largest_units[0], mesh.replicas, group_size,
+                                  itemsize=itemsize, state_kinds=state_kinds, training=training,
+                                  evaluation=evaluation, prefetch=prefetch)
+    peak = pipeline_peak(worker, compiled, stage_sizes, itemsize=itemsize, state_kinds=state_kinds,
+                         training=training, evaluation=evaluation)
+    shared = [s for s, size in enumerate(stage_sizes) if worker in compiled.holders[s] and size]
+    if mesh.replicas == 1 or not shared:
+        return peak
+    return composed_peak(peak, [data_parallel_peak(sharding, stage_sizes[s], largest_units[s], mesh.replicas,
+                                                   group_size, itemsize=itemsize, state_kinds=state_kinds,
+                                                   training=training, prefetch=prefetch) for s in shared])
 
 
 def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[int], *, itemsize: int,

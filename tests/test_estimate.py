@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from mpipar.cli import cli
-from mpipar.estimate import estimate_all, traffic_per_step
+from mpipar.estimate import make_layout, scheme_rows, traffic_per_step
 from mpipar.sharding import SCHEMES
 
 PSI, N, M, S = 7e9, 64, 8, 8  # seed 004's Fig. 5 setting
@@ -63,7 +63,9 @@ def test_where_we_differ_from_the_extracted_table_and_why():
 
 
 def test_fig_5_ordering():
-    rows = {row.name: row for row in estimate_all(PSI, N, M, S)}
+    layout = make_layout(PSI, None, N, M, stages=0, scheme=None, replicas=0, micro_batches=S, loops=1, batch_size=64,
+                         ddp="bucketed", bucket_mb=25.0, itemsize=2)
+    rows = {row.name: row for row in scheme_rows(layout, S, element=2, k=12)}
     inter = {name: row.inter for name, row in rows.items()}
     assert max(inter, key=inter.get) == "zero3"
     assert inter["mics"] == inter["paro-iig"] == min(inter[n] for n in ("zero2", "zero3", "mics", "paro-igg",
@@ -107,3 +109,23 @@ def test_cli_counts_a_built_in_model_and_prints_json():
 def test_cli_refuses_bad_input(args, message):
     result = CliRunner().invoke(cli, ["estimate", *args])
     assert result.exit_code != 0 and message in str(result.exception) + result.output  # ours, or click's
+
+
+def test_a_composed_layout_shares_each_stage_in_its_replica_group():
+    """--stages 2 on 8 ranks: 2 workers x 4 replicas; each rank keeps its stage's share among
+    the 4 replicas (half the model over 4), and sends only inside its replica group."""
+    result = CliRunner().invoke(cli, ["estimate", "--params", "8e6", "--world-size", "8", "--group-size", "4",
+                                      "--stages", "2", "--scheme", "1f1b", "--dtype", "float32", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["mesh"] == {"stages": 2, "workers": 2, "replicas": 4}
+    assert report["schemes"]["zero3"]["memory"]["parameters"] == 4e6 * 4 / 4
+    assert report["schemes"]["ddp"]["memory"]["parameters"] == 4e6 * 4
+    assert all(volume["inter"] == 0 for scheme in report["schemes"].values() for volume in scheme["traffic"].values())
+    assert report["schemes"]["zero3"]["peak"] > report["schemes"]["zero3"]["memory"]["parameters"] * 4
+
+
+def test_a_composed_layout_the_schedule_refuses_is_one_sentence():
+    result = CliRunner().invoke(cli, ["estimate", "--params", "1e6", "--world-size", "4", "--group-size", "4",
+                                      "--stages", "2", "--scheme", "1f1b", "--replicas", "3"])
+    assert result.exit_code != 0 and "--replicas 3 does not divide the 4 ranks" in str(result.exception)

@@ -2,6 +2,7 @@
 
     mpipar estimate --params 7e9 --world-size 64 --group-size 8 --micro-batches 8
     mpipar estimate --model cnn --dataset digits --world-size 8 --group-size 4 --dtype float32
+    mpipar estimate --model mlp --world-size 8 --group-size 4 --stages 2 --scheme 1f1b --dtype float32
 
 prints, for every sharding scheme, the PaRO paper's Table 1 (parameters, gradients,
 optimizer state held by one rank) and Table 2 (bytes sent in one optimizer step,
@@ -17,39 +18,39 @@ data set, and the figure is the one `mpipar train --memory-limit` checks; with
 --params there is no model to run, so activations are left out and every unit is
 taken to be one bucket.
 
+With --stages the layout is a mesh of pipeline workers x replicas, as `mpipar train`
+places it, and every row says how each stage's replica group shares it (estimate.py).
+
 Exercised by: python -m pytest tests/test_estimate.py
 """
 
 from __future__ import annotations
 
 import json
-import math
 
 import click
 
 from mpipar.cli.params import RenamedOption
 from mpipar.data import DATASETS
 from mpipar.errors import ConfigError
-from mpipar.estimate import PHASES, estimate_all
+from mpipar.estimate import PHASES, make_layout, predicted_peaks, scheme_rows
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, state_kinds
 from mpipar.options import IntListType
-from mpipar.peak import ActivationBytes, data_parallel_peak, dry_run
-from mpipar.sharding import DDP_MODES, SCHEMES, make_units, unit_bytes_for
+from mpipar.schedule.strategies import STRATEGIES
+from mpipar.sharding import DDP_MODES
 from mpipar.units import format_bytes
 
 PRECISIONS = ("mixed", "float32", "float64")
 POSITIVE = click.IntRange(min=1)
 
 
-def built_model(model: str, dataset: str, hidden: tuple[int, ...], dtype: str):
-    """(the training set, the evaluation batch `mpipar train` uses by default, one laid-out
-    stage of a built-in model, its loss): nothing is allocated for the parameters."""
-    from mpipar.backend import make_backend
+def built_model(model: str, dataset: str, hidden: tuple[int, ...]):
+    """(the training set, the evaluation batch `mpipar train` uses by default, a built-in
+    model's layers, its loss): nothing is allocated for the parameters."""
     from mpipar.config import TrainConfig
     from mpipar.data import load_dataset
     from mpipar.layers import SoftmaxCrossEntropy
-    from mpipar.model import build_stages
     from mpipar.models import build_model
 
     config = TrainConfig(model=model, dataset=dataset, hidden=hidden)
@@ -57,25 +58,7 @@ def built_model(model: str, dataset: str, hidden: tuple[int, ...], dtype: str):
     built = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
                         hidden=config.hidden, dropout=0.0, width=config.width, heads=config.heads,
                         blocks=config.blocks)
-    stage = build_stages(built, 1, make_backend("cpu", dtype), config.seed, materialize=False)[0]
-    return train_set, min(config.eval_batch, len(test_set)), stage, SoftmaxCrossEntropy()
-
-
-def predicted_peaks(count: float, built, world_size: int, group_size: int, micro_batches: int, batch_size: int,
-                    ddp: str, bucket_mb: float, prefetch: int, itemsize: int, kinds: int) -> dict[str, float]:
-    """Scheme -> predicted peak bytes per rank; `built` is built_model's result or None (--params)."""
-    if built is None:
-        unit = count if ddp == "naive" else min(count, bucket_mb * 1e6 / itemsize)
-        training = evaluation = ActivationBytes((0,), (0,), (0,))
-    else:
-        train_set, eval_batch, stage, loss = built
-        unit = max(stop - start for _, _, start, stop in make_units(stage, unit_bytes_for(ddp, bucket_mb)))
-        micro_batch = max(1, batch_size // world_size // micro_batches)
-        training, evaluation = dry_run([stage], train_set, loss, micro_batch, eval_batch, seed=0)
-    return {name: data_parallel_peak(sharding, math.ceil(count), math.ceil(unit), world_size, group_size,
-                                     itemsize=itemsize, state_kinds=kinds, training=training,
-                                     evaluation=evaluation, prefetch=prefetch).total
-            for name, sharding in SCHEMES.items()}
+    return train_set, min(config.eval_batch, len(test_set)), built, SoftmaxCrossEntropy()
 
 
 def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -> tuple[int, int]:
@@ -97,7 +80,15 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
               help="hidden widths of --model mlp")
 @click.option("--world-size", type=POSITIVE, required=True, help="number of ranks")
 @click.option("--group-size", type=POSITIVE, required=True, help="ranks per group (a node); divides --world-size")
-@click.option("--micro-batches", type=POSITIVE, default=1, show_default=True, help="micro-batches per rank per step")
+@click.option("--micro-batches", type=POSITIVE, default=None,
+              help="micro-batches per rank per step  [default: 1; with --stages, the pipeline's workers]")
+@click.option("--stages", type=click.IntRange(min=0), default=0,
+              help="pipeline stages S, as in mpipar train (0: data parallelism); the rows are then how each "
+                   "stage's replica group shares it (--shard)")
+@click.option("--scheme", type=click.Choice(STRATEGIES), default=None, help="the pipeline schedule with --stages")
+@click.option("--replicas", type=click.IntRange(min=0), default=0,
+              help="pipeline replicas D with --stages  [default: as mpipar train chooses]")
+@click.option("--loops", type=POSITIVE, default=1, show_default=True, help="loops of lpp and fslpp")
 @click.option("--batch-size", type=POSITIVE, default=64, show_default=True,
               help="global batch, for --model's activations")
 @click.option("--ddp", type=click.Choice(DDP_MODES), default="bucketed", show_default=True,
@@ -115,27 +106,32 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
                    "float32 and float64: what mpipar trains in")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def estimate(params: float | None, model: str | None, dataset: str, hidden: tuple[int, ...], world_size: int,
-             group_size: int, micro_batches: int, batch_size: int, ddp: str, bucket_mb: float, prefetch: int,
-             optimizer: str, momentum: float, precision: str, as_json: bool) -> None:
+             group_size: int, micro_batches: int | None, stages: int, scheme: str | None, replicas: int, loops: int,
+             batch_size: int, ddp: str, bucket_mb: float, prefetch: int, optimizer: str, momentum: float,
+             precision: str, as_json: bool) -> None:
     """Memory per rank and bytes sent per step of every sharding scheme, and the predicted peak.
 
     The tables are the PaRO paper's Tables 1 and 2 in bytes (seed 004; terms in docs/glossary.md).
     """
     if (params is None) == (model is None):
         raise ConfigError("give either --params COUNT or --model NAME, e.g. --params 7e9 or --model mlp")
-    built = None if model is None else built_model(model, dataset, hidden, "float64" if precision == "float64"
-                                                    else "float32")
-    count = params if params is not None else built[2].flat.size
+    if world_size % group_size:
+        raise ConfigError(f"--group-size {group_size} does not divide --world-size {world_size}")
+    built = None if model is None else built_model(model, dataset, hidden)
     element, k = state_bytes_per_parameter(precision, optimizer, momentum)
-    rows = estimate_all(count, world_size, group_size, micro_batches, parameter_bytes=element,
-                        gradient_bytes=element, state_bytes=k)
-    peaks = {} if precision == "mixed" else predicted_peaks(
-        count, built, world_size, group_size, micro_batches, batch_size, ddp, bucket_mb, prefetch, element,
-        state_kinds(optimizer, momentum))
+    layout = make_layout(params, built, world_size, group_size, stages, scheme, replicas, micro_batches, loops,
+                         batch_size, ddp, bucket_mb, 8 if precision == "float64" else 4)
+    count = params if params is not None else sum(layout.stage_sizes)
+    micro_batches = layout.compiled.shape.micro_batches
+    rows = scheme_rows(layout, micro_batches, element, k)
+    peaks = {} if precision == "mixed" else predicted_peaks(layout, prefetch, element, state_kinds(optimizer, momentum))
+    mesh = layout.mesh
     if as_json:
         click.echo(json.dumps({"parameters": count, "world_size": world_size, "group_size": group_size,
                                "micro_batches": micro_batches, "element_bytes": element, "state_bytes": k,
-                               "schemes": {row.name: {"memory": vars(row.memory), "peak": peaks.get(row.name),
+                               "mesh": {"stages": stages, "workers": mesh.workers, "replicas": mesh.replicas},
+                               "schemes": {row.name: {"memory": vars(row.memory),
+                                                      "peak": peaks[row.name].total if peaks else None,
                                                       "traffic": {phase: vars(row.traffic[phase])
                                                                   for phase in PHASES}} for row in rows}}))
         return
@@ -144,18 +140,23 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
     click.echo(f"{count:.4g} parameters on {world_size} ranks in {groups} group(s) of {group_size}, "
                f"{micro_batches} micro-batch(es) per rank per step; {precision} precision: {element} bytes per "
                f"parameter and per gradient, {state} per parameter")
+    if stages:
+        click.echo(f"{scheme} over {stages} stages: {mesh.workers} pipeline worker(s) x {mesh.replicas} replica(s); "
+                   f"each row shares every stage among its replica group of {mesh.replicas} rank(s) (--shard), "
+                   "and gives the rank that holds the most")
     click.echo(f"{'scheme':<10}{'params':>10}{'grads':>10}{'opt state':>10}{'per rank':>11}{'peak':>10}"
                f"{'sent inside':>13}{'sent across':>13}")
     for row in rows:
         memory = row.memory
-        peak = format_bytes(peaks[row.name]) if peaks else "-"
+        peak = format_bytes(peaks[row.name].total) if peaks else "-"
         click.echo(f"{row.name:<10}{format_bytes(memory.parameters):>10}{format_bytes(memory.gradients):>10}"
                    f"{format_bytes(memory.optimizer_state):>10}{format_bytes(memory.total):>11}{peak:>10}"
                    f"{format_bytes(row.intra):>13}{format_bytes(row.inter):>13}")
     click.echo("params, grads, opt state: what one rank holds of the parameters, gradients and optimizer state "
                "(per rank: their sum)")
     click.echo("sent inside, sent across: bytes all ranks send in one step inside their groups and between groups "
-               "(schemes: docs/sharding.md; words: docs/glossary.md)")
+               + ("to share the stages in their replica groups; activations along the pipelines are not counted "
+                  if stages else "") + "(schemes: docs/sharding.md; words: docs/glossary.md)")
     if not peaks:
         click.echo("peak: predicted for what mpipar trains in; give --dtype float32 or float64")
     elif built is None:
