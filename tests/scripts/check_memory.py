@@ -7,6 +7,10 @@ the baseline, so it is left out). Checked per rank:
 
     live bytes after a step     within 10% (+1 MB) of seed 004's Table 1 for this scheme
     peak bytes during the steps at most the engine's predicted peak + 10%
+    an evaluation after them    at most (prefetch + 2) units above the live bytes before it where P is
+                                sharded (the unit in use, the ones gathered ahead, the pool's spare),
+                                plus an evaluation batch's activations, + 10% (+1 MB): units, not
+                                the whole model
     zero3 while Trainer() runs  at most a quarter of the model plus one unit (+10%), and
                                 the gathered parameters bitwise equal one process's build
     zero3 peak / ddp peak       at most 0.45
@@ -72,11 +76,20 @@ for scheme, sharding in SCHEMES.items():
     if peak > 1.1 * predicted:
         failures.append(f"rank {world.rank} {scheme}: peak {peak / MB:.1f} MB, predicted {predicted / MB:.1f} MB "
                         f"(+10% allowed)")
+    memory.reset_peak()
+    trainer.evaluate(0)
+    evaluating = memory.peak_bytes() - live
+    units = (1 + 1 + 1) * largest_unit if sharding.parameters != "N" else 0  # prefetch 1: in use, ahead, spare
+    allowed = 1.1 * (units + trainer.activations[1].training()) + 1 * MB
+    if evaluating > allowed:
+        failures.append(f"rank {world.rank} {scheme}: an evaluation peaks {evaluating / MB:.1f} MB above the state, "
+                        f"more than {allowed / MB:.1f} MB (three units and the evaluation's activations + 10%)")
     peaks[scheme] = world.allreduce(peak, op=MPI.MAX)
     if world.rank == 0:
         print(f"{scheme:9s} live {live / model_bytes:5.2f}x model (Table 1 {table / model_bytes:4.2f}x), "
               f"peak {peak / model_bytes:5.2f}x (predicted {predicted / model_bytes:4.2f}x: "
-              f"{', '.join(f'{k} {v / model_bytes:.2f}' for k, v in trainer.predicted.transients.items())})",
+              f"{', '.join(f'{k} {v / model_bytes:.2f}' for k, v in trainer.predicted.transients.items())}); "
+              f"evaluation {evaluating / model_bytes:.2f}x above the state (allowed {allowed / model_bytes:.2f}x)",
               flush=True)
     del trainer, engine, memory
     gc.collect()
