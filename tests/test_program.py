@@ -151,3 +151,36 @@ def test_a_broken_custom_strategy_is_refused_before_anything_runs():
 def test_train_refuses_schedules_outside_their_constraints(options, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**options).validate(world_size=1)
+
+
+COMPOSED = [(dict(scheme="1f1b", stages=2, shard="zero3"), 4), (dict(scheme="gpipe", stages=4, shard="I,G,G", group_size=2), 8),
+            (dict(scheme="1f1b", stages=2, shard="paro-iig", group_size=2), 8), (dict(scheme="fslpp", stages=4, replicas=2, shard="zero2"), 4)]
+
+
+@pytest.mark.parametrize("options,world", COMPOSED, ids=[f"{o['scheme']}-{o['shard']}-{w}" for o, w in COMPOSED])
+def test_composed_programs_are_sound_and_a_broken_one_is_refused_at_its_instruction(options, world):
+    """A composed run's D pipelines all run the programs compiled for one pipeline of W/D
+    workers (the replica groups share stages inside Forward, Backward and the update), so
+    the replay of those programs is the check of the composed run: it accepts them, and
+    refuses a missing receive and a send moved behind a wait that needs it."""
+    config = TrainConfig(**options).for_world(world)
+    config.validate(world)
+    compiled = compile_programs(config.strategy(), config.schedule_shape(world))
+    assert config.mesh(world).replicas > 1
+    replay(compiled.programs, compiled.shape, compiled.holders)
+    missing = [list(program) for program in compiled.programs]
+    receiver = next(w for w, program in enumerate(missing) if any(isinstance(i, RecvActivation) for i in program))
+    receive = next(i for i in missing[receiver] if isinstance(i, RecvActivation))
+    missing[receiver].remove(receive)
+    with pytest.raises(UnsoundSchedule, match=rf"rank {receiver}: Forward F{receive.stage}b{receive.batch} needs its "
+                                              r"input .* but posts no receive"):
+        replay(missing, compiled.shape, compiled.holders)
+    crossed = [list(program) for program in compiled.programs]
+    sender = receive.source
+    send = next(i for i in crossed[sender] if isinstance(i, SendActivation) and i.batch == receive.batch
+                and i.stage + 1 == receive.stage)
+    crossed[sender].remove(send)  # behind the backward that needs the gradient this activation leads to
+    crossed[sender].insert(crossed[sender].index(Backward(send.stage, send.batch)) + 1, send)
+    with pytest.raises(UnsoundSchedule, match=rf"deadlock: (.*; )?rank {sender} waits at (Forward|Backward) "
+                                              r"[FB]\d+b\d+ for"):
+        replay(crossed, compiled.shape, compiled.holders)
