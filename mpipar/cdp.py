@@ -45,9 +45,10 @@ from mpipar.schedule.cyclic import fresh_stages
 if TYPE_CHECKING:
     from mpipar.config import TrainConfig
 
-def reference_training(config: TrainConfig, rule: str) -> list[np.ndarray]:
+def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | None = None) -> list[np.ndarray]:
     """The parameters of each stage after `config.max_steps` steps of `rule`, with
-    N = config.micro_batches micro-batches and stages, in one process."""
+    N = config.micro_batches micro-batches and stages, in one process; from `initial`
+    (the whole model's parameters, flat) instead of the seed's where given."""
     count = config.micro_batches
     backend = make_backend("cpu", config.dtype)
     train_set, _ = load_dataset(config.dataset, data_dir=config.data_dir)
@@ -55,6 +56,10 @@ def reference_training(config: TrainConfig, rule: str) -> list[np.ndarray]:
                         hidden=config.hidden, dropout=config.dropout)
     stages = build_stages(model, count, backend, config.seed)
     flats = [stage.flat for stage in stages]
+    if initial is not None:
+        offsets = np.cumsum([0] + [f.size for f in flats])
+        for flat, start, stop in zip(flats, offsets[:-1], offsets[1:]):
+            flat.data[:] = initial[start:stop]
     optimizer = make_optimizer(config.optimizer, [f.data for f in flats], [f.grad for f in flats],
                                [f.decay_spans(0, f.size) for f in flats], momentum=config.momentum,
                                weight_decay=config.weight_decay)

@@ -405,6 +405,15 @@ class Cyclic:
                 self._let_go(s, weights)
         return x
 
+    def load_parameters(self, full: np.ndarray) -> None:
+        """Set every weight version this rank holds to `full`'s (the whole model, stage after
+        stage): the rule starts again from these weights, as it starts a run with the older
+        version equal to the newest (theta_{-1} = theta_0). Between runs only."""
+        offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
+        for item, buffer in self.store.items():
+            if item.kind == "w":
+                buffer[:] = full[offsets[item.stage]:offsets[item.stage + 1]]
+
     def full_parameters(self) -> np.ndarray:
         """The whole model's newest parameters, on every rank (collective: for checks)."""
         parts = []

@@ -251,11 +251,9 @@ class Trainer:
 
     def load_parameters(self, named: dict[str, np.ndarray]) -> None:
         """Replace the model's parameters by `named` (as full_parameters returns them, the same
-        on every rank); each rank keeps its share. Optimizer state is left as it is. Not
-        available for Cyclic Data Parallelism, whose stage states travel between ranks."""
-        if self.config.cyclic:
-            raise ConfigError(f"load_parameters is not available for --scheme {self.config.scheme}: its weight "
-                              "versions travel between ranks during an epoch")
+        on every rank); each rank keeps its share. Optimizer state is left as it is. Under
+        Cyclic Data Parallelism every weight version a rank holds takes the new values, so
+        the rule starts again from them."""
         expected = {f"{segment.layer}.{segment.name}": segment for stage in self.stages
                     for segment in stage.flat.segments}
         if set(named) != set(expected):
@@ -273,7 +271,7 @@ class Trainer:
                 full[segment.offset:segment.offset + segment.size] = np.asarray(
                     named[f"{segment.layer}.{segment.name}"]).reshape(-1)
             parts.append(full)
-        self.engine.load_parameters(np.concatenate(parts))  # data parallelism: one stage, the whole model
+        self.engine.load_parameters(np.concatenate(parts))
 
     def _to_device(self, inputs, targets):
         xp = self.backend.xp

@@ -66,7 +66,7 @@ def test_a_composition_that_cannot_work_is_refused_in_one_sentence(settings, wor
 def test_the_named_parameters_read_and_load_alike_in_every_layout():
     result = run_mpi(4, sys.executable, str(SCRIPTS / "check_parameters_api.py"), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "the named parameters load and read back in 5 layouts" in result.stdout
+    assert "the named parameters load and read back in 6 layouts" in result.stdout
 
 
 def test_schedule_show_lists_what_each_replica_group_does_at_each_instruction():
