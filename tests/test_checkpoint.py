@@ -217,3 +217,30 @@ def test_sigterm_saves_exits_75_and_the_requeued_job_finishes_as_if_never_stoppe
     result = train(2, *common, "--max-steps", finish, "--checkpoint-dir", str(uninterrupted))
     assert result.returncode == 0, result.stderr
     assert_same_state(step_dir(uninterrupted, steps + 3), step_dir(root, steps + 3))
+
+
+def test_sigusr1_to_the_launcher_reaches_every_rank_which_save_and_exit_75(tmp_path):
+    """Under `mpirun` a batch script signals the launcher (`--signal=B:USR1@180`), not the ranks:
+    MPICH's hydra and Open MPI's prterun forward SIGUSR1 to every rank, and the launcher
+    exits with the ranks' 75."""
+    common = ["--dataset", "digits", "--hidden", "256,256", "--epochs", "100", "--quiet"]
+    root, metrics = tmp_path / "ck", tmp_path / "run.jsonl"
+    job = subprocess.Popen(mpiexec_command(2, sys.executable, "-m", "mpipar", "train", *common, "--checkpoint-dir",
+                                           str(root), "--metrics", str(metrics)),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    deadline = time.monotonic() + 120
+    while (not metrics.exists() or metrics.read_text().count('"step"') < 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ranks = rank_pids(job.pid)
+    assert len(ranks) == 2 and job.pid not in ranks, ranks
+    os.kill(job.pid, signal.SIGUSR1)  # the launcher only
+    try:
+        _, stderr = job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail("the job did not stop after SIGUSR1 to its launcher")
+    assert job.returncode == 75, stderr
+    saved = sorted(root.glob("step-*"))
+    assert len(saved) == 1 and not saved[0].name.endswith(".tmp"), saved
+    assert f"checkpoint {saved[0]} saved" in stderr
