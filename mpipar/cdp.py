@@ -111,11 +111,12 @@ def activation_timeline(rule: str, count: int, *, width: int = 256, classes: int
     """Train `steps` steps of `rule` on one rank over N = `count` equal stages (random data);
     returns the engine's timeline [(time step, live activation bytes at its end, peak within
     it)] and the bytes one micro-batch stashes in the whole model."""
-    # imported here: mpipar.cyclic imports mpi4py, and the reference loop above needs no MPI
+    # imported here: the executor imports mpi4py, and the reference loop above needs no MPI
     from mpi4py import MPI
 
     from mpipar.comms.topology import make_world
-    from mpipar.cyclic import Cyclic
+    from mpipar.executor import Executor
+    from mpipar.plans import CdpPlan
 
     backend = make_backend("cpu", "float64")
     model = equal_stage_model(count, width, classes)
@@ -124,9 +125,11 @@ def activation_timeline(rule: str, count: int, *, width: int = 256, classes: int
     data = rng.standard_normal((steps, count, micro_batch, width))
     labels = rng.integers(0, classes, (steps, count, micro_batch))
     cache = ActivationCache()
-    engine = Cyclic(make_world(None, MPI.COMM_SELF), stages, cache, SoftmaxCrossEntropy(), layout="single", rule=rule,
-                    input_shapes=[(width,)] * count + [(classes,)], optimizer="sgd",
-                    optimizer_options=dict(momentum=0.9))
+    plan = CdpPlan("single", rule, count, 0, 1, [stage.flat.size for stage in stages],
+                   itemsize=backend.dtype.itemsize, state_kinds=1)
+    engine = Executor(make_world(None, MPI.COMM_SELF), stages, plan, cache, SoftmaxCrossEntropy(),
+                      input_shapes=[(width,)] * count + [(classes,)], optimizer="sgd",
+                      optimizer_options=dict(momentum=0.9))
     engine.run_steps(0, steps, lambda step, i: (data[step, i], labels[step, i]), seed=seed,
                      batch_size=count * micro_batch, lr_at=lambda step: 0.01)
     one_micro_batch = micro_batch * (count * width + classes) * np.dtype(np.float64).itemsize

@@ -37,17 +37,17 @@ from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across
 from mpipar.comms.handle import set_default_timeout
 from mpipar.comms.topology import make_world
 from mpipar.config import TrainConfig
-from mpipar.cyclic import Cyclic
 from mpipar.data import GlobalBatchSampler, agree_on_data, eval_slice, load_dataset, rank_slice, split_micro_batches
 from mpipar.divergence import DivergenceWatch
-from mpipar.engine import Pipeline
 from mpipar.errors import ConfigError, NonFiniteLossError
+from mpipar.executor import Executor
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.memory import available_bytes, make_probe, peak_rss_bytes
 from mpipar.model import build_stages, partition
 from mpipar.models import build_model
 from mpipar.optim import make_schedule, state_kinds
 from mpipar.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
+from mpipar.plans import CdpPlan, PipelinePlan
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
 from mpipar.sharding import SCHEMES, bytes_per_rank, unit_bytes_for
@@ -152,10 +152,8 @@ class Trainer:
 
     def _predicted_peak(self) -> Peak:
         """The engine's prediction of this rank's peak (for CDP: over the first epoch's program)."""
-        if isinstance(self.engine, Cyclic):
-            return self.engine.predicted_peak(*self.activations,
-                                              steps=min(self.sampler.steps_per_epoch, self.total_steps))
-        return self.engine.predicted_peak(*self.activations)
+        steps = min(self.sampler.steps_per_epoch, self.total_steps) if self.config.cyclic else 1
+        return self.engine.predicted_peak(*self.activations, steps=steps)
 
     def _check_model_fits(self) -> None:
         """Refuse in one sentence, before anything is allocated, a model whose parameters,
@@ -185,7 +183,7 @@ class Trainer:
         """Stop on every rank before the first step if the prediction does not fit; name what would.
         A pipeline rank predicts every rank's peak from the programs; CDP ranks keep only their own
         program, so they agree on the largest by one small collective. Every rank reaches the same verdict."""
-        if isinstance(self.engine, Cyclic):
+        if self.config.cyclic:
             need, worst = self.comm.allreduce((self.predicted.total, self.rank), op=MPI.MAX)
             if need <= limit:
                 return
@@ -218,20 +216,22 @@ class Trainer:
         error.on_every_rank = True  # the same verdict on every rank: each exits, none is left waiting
         raise error
 
-    def _make_engine(self) -> Pipeline | Cyclic:
+    def _make_engine(self) -> Executor:
+        """The executor of this rank's plan: CDP's programs, or the pipeline strategy's (data parallelism: S = 1)."""
         cfg = self.config
-        options = dict(optimizer=cfg.optimizer, optimizer_options=dict(momentum=cfg.momentum,
-                                                                       weight_decay=cfg.weight_decay))
+        sizes = [stage.flat.size for stage in self.stages]
         if cfg.cyclic:
-            first_layers = [layers.start for layers in partition(self.model, cfg.micro_batches)]
-            return Cyclic(self.counted, self.stages, self.cache, self.loss_fn, layout=cfg.cdp_layout,
-                          rule=cfg.scheme, input_shapes=[self.model.shapes[first] for first in first_layers],
-                          **options)
+            plan = CdpPlan(cfg.cdp_layout, cfg.scheme, cfg.micro_batches, self.rank, self.world_size, sizes,
+                           itemsize=self.backend.dtype.itemsize, state_kinds=state_kinds(cfg.optimizer, cfg.momentum))
+        else:
+            plan = PipelinePlan(self.compiled, cfg.mesh(self.world_size), self.rank, sizes)
         first_layers = [layers.start for layers in partition(self.model, len(self.stages))]
-        return Pipeline(self.counted, self.stages, self.compiled, self.cache, self.loss_fn,
+        return Executor(self.counted, self.stages, plan, self.cache, self.loss_fn,
                         input_shapes=[self.model.shapes[first] for first in first_layers],
-                        collective=cfg.collective, mesh=cfg.mesh(self.world_size), sharding=cfg.sharding(),
-                        unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), prefetch=cfg.prefetch, **options)
+                        optimizer=cfg.optimizer, optimizer_options=dict(momentum=cfg.momentum,
+                                                                        weight_decay=cfg.weight_decay),
+                        collective=cfg.collective, sharding=SCHEMES["ddp"] if cfg.cyclic else cfg.sharding(),
+                        unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), prefetch=cfg.prefetch)
 
     # -- the model, read and written the same way for every scheme -------------------------
     def full_parameters(self, root: int | None = None) -> dict[str, np.ndarray] | None:
@@ -283,11 +283,10 @@ class Trainer:
         start = time.perf_counter()
         cfg = self.config
         indices = self.sampler.global_batch_indices(epoch, step_in_epoch)
-        self.engine.start_step()
         mesh = cfg.mesh(self.world_size)  # each pipeline (replica) takes its slice of the global batch
         micro_batches = split_micro_batches(rank_slice(indices, mesh.replica(self.rank), mesh.replicas),
                                             cfg.micro_batches)
-        self.step_totals[:3] = self.engine.run_step(step, cfg.seed, lambda b: self._to_device(
+        self.step_totals[:3] = self.engine.run_step(step, cfg.seed, lambda _step, b: self._to_device(
             *self.train_set.batch(micro_batches[b])), cfg.batch_size)
         self.step_totals[3:] = self.checkpoints.flags()
         self.engine.finish_gradients()

@@ -146,8 +146,7 @@ class Checkpoints:
                                           "the data order and random streams it continues")
 
         def pieces(manifest: dict):
-            if hasattr(engine, "start_at"):  # CDP keeps state per step: hold step N's
-                engine.start_at(manifest["training"]["step"])
+            engine.start_at(manifest["training"]["step"])  # weights are items of a step: hold step N's
             return engine.state_pieces()[0]
 
         loaded = store.load(self.trainer.comm, self.config.resume, self.config.checkpoint_dir, pieces, check,

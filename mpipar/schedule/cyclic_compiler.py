@@ -210,8 +210,7 @@ def weight_buffers(program: tuple[CyclicInstruction, ...]) -> dict[tuple[int, in
             plan[(instruction.stage, instruction.step)] = (old in done, min(done - {old}, default=None))
             done -= {old, Item("w", instruction.stage, instruction.step + 1)}  # it reads one, makes the other
             continue
-        item = Item("w", instruction.job.stage, instruction.version) if isinstance(instruction, Compute) \
-            else getattr(instruction, "item", None)
+        item = instruction.weights if isinstance(instruction, Compute) else getattr(instruction, "item", None)
         if item is not None and item.kind == "w" and isinstance(instruction, Drop):
             dropped_next[item.stage].add(item)
         elif item is not None and item.kind == "w":  # a use: a read, a Send, a Receive

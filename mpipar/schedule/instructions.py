@@ -165,8 +165,9 @@ def describe(instruction: Instruction) -> str:
 
 class Item(NamedTuple):
     """What can move between ranks: kind x (input of F(index, stage)), dy (gradient entering
-    B(index, stage)), w (stage weights after `index` updates), g (stage gradient of step
-    `index`) or o (stage optimizer state, index 0)."""
+    B(index, stage)), w (stage weights after `index` updates), f (a copy of the stage's
+    weights fetched for one job alone, `index` numbering the job: 2 b + 1 for B(stage, b),
+    2 b for F), g (stage gradient of step `index`) or o (stage optimizer state, index 0)."""
 
     kind: str
     stage: int
@@ -193,12 +194,18 @@ class Receive:
 
 @dataclass(frozen=True)
 class Compute:
-    """Run `job` with stage weights w(stage, version); a backward adds into g(stage, step),
-    which it starts from zero when `new_gradient`."""
+    """Run `job` with stage weights w(stage, version), or with the copy f(stage, version)
+    fetched for it when `copy`; a backward adds into g(stage, step), which it starts from
+    zero when `new_gradient`."""
 
     job: CyclicJob
     version: int
     new_gradient: bool = False
+    copy: bool = False
+
+    @property
+    def weights(self) -> Item:
+        return Item("f" if self.copy else "w", self.job.stage, self.version)
 
 
 @dataclass(frozen=True)
@@ -211,10 +218,12 @@ class Update:
 
 @dataclass(frozen=True)
 class Send:
-    """Send `item` to `dest` (at the end of the time step before dest uses it)."""
+    """Send `item` to `dest` (at the end of the time step before dest uses it), where it
+    arrives as `arrives_as` if named (an owner's weights sent as one job's copy)."""
 
     item: Item
     dest: int
+    arrives_as: Item | None = None
 
 
 @dataclass(frozen=True)
@@ -231,5 +240,5 @@ class EndTimeStep:
     time: int
 
 
-CyclicInstruction = Receive | Compute | Update | Send | Drop | EndTimeStep
+CyclicInstruction = Receive | Compute | Update | Send | Drop | EndTimeStep | ReduceGradients
 PHASES = {Receive: 0, Compute: 1, Update: 2, Send: 3, Drop: 4, EndTimeStep: 5}

@@ -58,13 +58,13 @@ def check_messages(trainer: Trainer, records: list, layout: str, label: str) -> 
     problems, engine, rank = [], trainer.engine, world.rank
     if any(before != after for before, after, _ in records):
         problems.append(f"{label}: a collective was called while training: {records}")
-    sends = sum(isinstance(i, Send) for _, program, _ in engine.programs.values() for i in program)
+    sends = sum(isinstance(i, Send) for run in engine.plan.runs.values() for i in run.program)
     sent = sum(trainer.counted.traffic.read(phase).intra_messages + trainer.counted.traffic.read(phase).inter_messages
                for phase in TRAINING_PHASES)
     if sent != sends:
         problems.append(f"{label}: {sent} messages sent, the programs hold {sends} sends")
-    count = engine.count
-    first = compile_cyclic(layout, engine.rule, count, 0, 3)  # the first run's plan, every rank's program
+    count = engine.plan.count
+    first = compile_cyclic(layout, engine.plan.rule, count, 0, 3)  # the first run's plan, every rank's program
     steady = range(2 * 2 * count, 2 * count * (first.steps - 1) + 1)  # whole steps after warm-up, before the drain
     worst = max(first.sends_per_time_step()[rank].get(t, 0) for t in steady)
     if worst > STEADY_SENDS[layout]:
@@ -74,7 +74,7 @@ def check_messages(trainer: Trainer, records: list, layout: str, label: str) -> 
 
 def check_balance(trainer: Trainer, records: list, label: str) -> list[str]:
     """dp: the sum over ranks of live activation bytes is flat in the steady state."""
-    engine, count = trainer.engine, trainer.engine.count
+    engine, count = trainer.engine, trainer.engine.plan.count
     first_run = engine.timeline[:records[0][2]]
     live = np.array([entry[1] for entry in first_run])
     peaks = np.array([entry[2] for entry in first_run])

@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import deadline
 from mpipar.config import TrainConfig
-from mpipar.cyclic import Cyclic
+from mpipar.executor import Executor
 from mpipar.schedule.instructions import EndTimeStep
 from mpipar.trainer import Trainer
 
@@ -23,7 +23,7 @@ trainer = Trainer(TrainConfig(model="mlp", hidden=(256, 256), dataset="synthetic
                               cdp_layout="zero", micro_batches=N, batch_size=16, max_steps=STEPS, epochs=1,
                               memory_profile=True, log_every=1000))
 samples = []  # (live bytes, sends in flight) at the end of each time step
-end_time_step = Cyclic._end_time_step
+end_time_step = Executor._end_time_step
 
 
 def recording(engine, instruction):
@@ -31,7 +31,7 @@ def recording(engine, instruction):
     samples.append((trainer.memory.live_bytes(), len(engine.outbox)))
 
 
-Cyclic.handlers[EndTimeStep] = recording
+Executor.handlers[EndTimeStep] = recording
 trainer._cyclic_epoch(0, 0, None)
 live = np.array([s[0] for s in samples])
 in_flight = np.array([s[1] for s in samples])

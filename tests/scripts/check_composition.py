@@ -44,8 +44,8 @@ if W == 4:
 
 def activation_problems(trainer: Trainer, label: str) -> list[str]:
     """What this rank received along its pipeline, against its program's receives."""
-    program = trainer.compiled.programs[trainer.engine.worker]
-    size = trainer.engine.micro_batch_size
+    program = trainer.compiled.programs[trainer.engine.plan.worker]
+    size = trainer.engine.micro_size
     boundary = [size * int(np.prod(shape)) * 8 for shape in trainer.engine.input_shapes]
     expected = STEPS * sum(boundary[i.stage] if isinstance(i, RecvActivation) else boundary[i.stage + 1]
                            for i in program if isinstance(i, (RecvActivation, RecvGradient)))

@@ -24,8 +24,7 @@ from mpi4py import MPI
 
 import deadline
 from mpipar.config import TrainConfig
-from mpipar.cyclic import Cyclic
-from mpipar.engine import Pipeline
+from mpipar.executor import Executor
 from mpipar.schedule.instructions import Send
 from mpipar.trainer import Trainer
 
@@ -54,10 +53,8 @@ def stall_before(send):
     return stalling_send
 
 
-# every point-to-point send of the two engines goes through one of these
-Pipeline._send_activation = stall_before(Pipeline._send_activation)
-Pipeline._send_gradient = stall_before(Pipeline._send_gradient)
-Cyclic.handlers[Send] = stall_before(Cyclic.handlers[Send])
+# every point-to-point send of every plan goes through the executor's Send
+Executor.handlers[Send] = stall_before(Executor.handlers[Send])
 
 Trainer(config).run()
 print(f"rank {MPI.COMM_WORLD.rank}: training finished, though rank {stalled_rank} never sent", flush=True)

@@ -1,0 +1,511 @@
+"""Runs this rank's program over MPI: one executor for data parallelism, pipelines and CDP.
+
+A plan (plans.py) hands it the rank's program for a run of steps, in the item
+instructions of schedule/instructions.py; the executor holds every *item* (a stage's
+input x or output gradient dy of one micro-batch, a weight version w, a copy f fetched
+for one job, a gradient sum g, an optimizer state o) in one store and runs:
+
+    Receive          Irecv into a fresh buffer (a received input becomes an activation: never reused)
+    Compute          point the stage at the weights the job reads (and, in backward, at the step's
+                     gradient sum) unless it already is, run it; pebbles go into the cache. A stage
+                     shared by a replica group runs the sharding flow instead (data_parallel.py:
+                     gather P, reduce G as the layers finish)
+    Send             Isend; the outbox keeps the buffer until the send completes, and no longer
+    Drop             forget the item (a gradient waits for its reduction; see _drop for spares)
+    ReduceGradients  non-blocking reduce of a stage's gradient to its holder, or all-reduce among
+                     the workers that compute it, polled between layers
+    Update           the stage's optimizer steps the weights in place (a shared stage: its OS shard,
+                     then P published); an old version some later job still reads is copied aside
+    EndTimeStep      let messages progress; record live activation bytes (CDP's Fig. 4 timeline)
+
+Pipelines run one step at a time: `run_step` (every instruction before the updates),
+`finish_gradients`, then `step(lr)` once the trainer knows the summed loss is finite.
+CDP runs an epoch at a time with `run_steps`, its steps overlapping.
+
+Exercised by: mpiexec -n 4 mpipar train --scheme 1f1b --stages 2 --shard zero3
+              mpiexec -n 4 mpipar train --scheme cdp-v2 --cdp-layout dp --micro-batches 4
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from mpipar.cache import ActivationCache, Context
+from mpipar.checkpoint.format import Piece
+from mpipar.comms.collectives import broadcast, iall_reduce, ireduce
+from mpipar.comms.comm import Comm, ScratchPool
+from mpipar.comms.handle import wait_requests
+from mpipar.comms.outbox import Outbox
+from mpipar.comms.tags import MAX_MICRO_BATCHES, Kind, p2p_tag
+from mpipar.data_parallel import DataParallel
+from mpipar.errors import NonFiniteLossError
+from mpipar.ledger import MemoryLedger
+from mpipar.model import Stage
+from mpipar.optim import CHUNK, make_optimizer, state_kinds
+from mpipar.peak import ActivationBytes, Peak
+from mpipar.plans import CdpPlan, PipelinePlan, Run
+from mpipar.schedule.instructions import Compute, Drop, EndTimeStep, Item, Receive, ReduceGradients, Send, Update
+from mpipar.schedule.strategies import BACKWARD, Job
+from mpipar.sharding import SCHEMES, Sharding, make_units
+
+KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "f": Kind.WEIGHTS,
+           "g": Kind.GRADIENT_SUM, "o": Kind.OPTIMIZER_STATE}
+PHASE_OF = {"x": "activations", "dy": "gradients", "w": "weights", "f": "weights", "g": "gradient-ring",
+            "o": "optimizer-state"}
+LEDGER_KIND = {"w": "parameters", "f": "parameters", "g": "gradients", "o": "optimizer_state"}
+WHAT = {"x": "the activation of stage {s}, micro-batch {i}", "dy": "the gradient of stage {s}, micro-batch {i}",
+        "w": "the weights of stage {s} after {i} updates", "f": "the weights of stage {s} for job {i}",
+        "g": "the gradient sum of stage {s} of step {i}", "o": "the optimizer state of stage {s}"}
+
+Load = Callable[[int, int], tuple]  # (step, micro-batch) -> (inputs, targets)
+# (step, this rank's [loss sum, correct, predictions] of it, micro-batches whose loss it computed)
+StepDone = Callable[[int, np.ndarray, int], None]
+
+
+class Executor:
+    """One rank's part of training `stages` (all of them laid out; it builds what it keeps) by `plan`."""
+
+    def __init__(self, comm: Comm, stages: list[Stage], plan: PipelinePlan | CdpPlan, cache: ActivationCache,
+                 loss_fn, *, input_shapes: list[tuple[int, ...]], optimizer: str, optimizer_options: dict,
+                 collective: str = "ring", sharding: Sharding = SCHEMES["ddp"], unit_bytes: float = 25e6,
+                 prefetch: int = 1) -> None:
+        self.comm, self.stages, self.plan, self.cache, self.loss_fn = comm, stages, plan, cache, loss_fn
+        self.input_shapes = input_shapes  # per stage; the last entry is the model's output
+        self.collective, self.sharding, self.unit_bytes, self.prefetch = collective, sharding, unit_bytes, prefetch
+        self.optimizer_name, self.optimizer_options = optimizer, optimizer_options
+        self.kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
+        self.dtype, self.mesh = stages[0].flat.dtype, plan.mesh
+        self.ledger, self.pool = MemoryLedger(), ScratchPool()
+        self.store: dict[Item, np.ndarray] = {}
+        # A stage shared by its replica group keeps its state in the sharding flow: one
+        # communicator per stage (the world's own where the group is every rank)
+        group = self.mesh.replica_group(self.mesh.worker(comm.rank))
+        self.shared = {s: DataParallel(comm if len(group) == comm.size else comm.subset(group), stages[s], sharding,
+                                       optimizer=optimizer, optimizer_options=optimizer_options, collective=collective,
+                                       unit_bytes=unit_bytes, prefetch=prefetch, ledger=self.ledger)
+                       for s in plan.shared}
+        for item in plan.persistent(0):  # the rest arrives laid out, not allocated: items are bound per job
+            flat = stages[item.stage].flat
+            self._keep(item, flat.initial(0, flat.size) if item.kind == "w" else np.zeros(self._size(item), self.dtype))
+        # one communicator per stage's reduction group, made in stage order on every rank
+        self.stage_comms = {s: comm.subset(ranks) for s, ranks in plan.reduction_groups().items()}
+        self.decay = [stage.flat.decay_spans(0, stage.flat.size) for stage in stages]
+        self.optimizers: dict[int, object] = {}  # per stage this rank updates, built at its first update
+        self.workspace: np.ndarray | None = None  # their scratch, shared: updates never overlap
+        self.bound: list[tuple] = [(None, None)] * len(stages)  # the (weights, gradient) each stage's layers view
+        self.taken_over: set[Item] = set()  # versions an update took the buffer of: their Drop is done
+        self.spares: dict[Item, np.ndarray] = {}  # per (kind, stage): a dropped buffer kept for the next use
+        self.reductions: dict[int, object] = {}  # stage -> its gradient reduction in flight
+        self.next_step, self.timeline = 0, []  # timeline: (time step, live activation bytes, peak within it)
+        self.job_times: list[tuple[Job, float, float]] = []  # (job, start, end) of a step by perf_counter
+
+    def predicted_peak(self, training: ActivationBytes, evaluation: ActivationBytes | None = None, *,
+                       rank: int | None = None, steps: int = 1) -> Peak:
+        """The most `rank` (this one by default) should hold at once over a run of `steps` (peak.py)."""
+        rank = self.comm.rank if rank is None else rank
+        group = len(self.comm.subset_layout(self.mesh.replica_group(self.mesh.worker(rank)))[0])
+        units = [max((last - first for _, _, first, last in make_units(stage, self.unit_bytes)), default=0)
+                 for stage in self.stages]
+        return self.plan.peak(rank, training, evaluation, steps, sharding=self.sharding, largest_units=units,
+                              group=group, itemsize=self.dtype.itemsize, state_kinds=self.kinds,
+                              prefetch=self.prefetch)
+
+    # -- runs of steps ---------------------------------------------------------------------
+    def run_steps(self, first_step: int, steps: int, load: Load, *, seed: int, batch_size: int,
+                  lr_at: Callable[[int], float], on_step: StepDone | None = None) -> np.ndarray:
+        """Train steps [first_step, first_step + steps), updates included; returns this rank's
+        [loss sum, correct, predictions] per step. `on_step` is called as soon as this rank has
+        run its last job of a step (for progress while the run goes)."""
+        run = self._start(first_step, steps, load, seed, batch_size, lr_at)
+        position = 0
+        for end, step in run.step_ends if on_step else ():
+            self._execute(run.program[position:end])
+            position, index = end, step + run.shift - first_step
+            on_step(first_step + index, self.totals[index], int(self.losses_computed[index]))
+        self._execute(run.program[position:])
+        self._end()
+        return self.totals
+
+    def run_step(self, step: int, seed: int, load: Load, batch_size: int) -> np.ndarray:
+        """Every instruction of step `step` before its updates; returns this rank's [loss sum, correct, predictions]."""
+        self._start(step, 1, load, seed, batch_size, None)
+        self._execute(self.run.program[:self.run.updates_from])
+        return self.totals[0]
+
+    def finish_gradients(self) -> None:
+        """Complete every send and every stage reduction (in stage order on every rank)."""
+        with self.ledger.phase("backward"):
+            self.outbox.wait_all(f"the sends of step {self.first_step}")
+            for s in sorted(self.reductions):
+                self.reductions.pop(s).wait()
+        for s in sorted(self.shared):
+            self.shared[s].finish_gradients()
+
+    def step(self, lr: float) -> None:
+        """The updates of the step `run_step` began, at learning rate `lr`."""
+        self.lr_at = lambda _step: lr
+        self._execute(self.run.program[self.run.updates_from:])
+        self._end()
+
+    def _start(self, first_step: int, steps: int, load: Load, seed: int, batch_size: int, lr_at) -> Run:
+        if first_step != self.next_step:
+            raise RuntimeError(f"steps run in order: expected step {self.next_step}, got {first_step}")
+        self.run = self.plan.program(first_step, steps)
+        self.load, self.seed, self.batch_size, self.lr_at = load, seed, batch_size, lr_at
+        self.micro_size = batch_size // self.mesh.replicas // self.plan.micro_batches
+        self.first_step, self.totals = first_step, np.zeros((steps, 3))
+        self.losses_computed = np.zeros(steps, dtype=int)  # per step: micro-batches whose loss is in totals
+        self.inbox: dict[Item, tuple[np.ndarray, MPI.Request, int]] = {}  # buffer, request, source
+        self.outbox = Outbox()  # sends in flight: each buffer lives until its send completes
+        self.time_offset, self.job_times = len(self.timeline), []
+        self.backwards_done = dict.fromkeys(self.shared, 0)
+        self.backwards = {s: sum(isinstance(i, Compute) and i.job.stage == s and i.job.direction == BACKWARD
+                                 for i in self.run.program) for s in self.shared}
+        for shared in self.shared.values():
+            shared.start_step()
+        return self.run
+
+    def _end(self) -> None:
+        """The run is over: its messages are complete and the state the next starts from is here."""
+        for item in list(self.inbox):
+            self._take(item)
+        self.outbox.wait_all(f"the sends of steps {self.first_step}..{self.first_step + len(self.totals) - 1}")
+        self.next_step = self.first_step + len(self.totals)
+        expected = self.plan.persistent(self.next_step)
+        if sorted(self.store) != sorted(expected):
+            raise RuntimeError(f"rank {self.comm.rank}: the run ended holding {sorted(self.store)}, "
+                               f"not the persistent state {sorted(expected)}")
+        self.pool.clear()  # between steps a rank holds its model state and nothing else
+        for comm in (self.comm, *self.stage_comms.values()):
+            if comm is not None:  # None: a stage whose reduction group this rank is not in
+                comm.scratch.clear()
+
+    def _execute(self, instructions) -> None:
+        for instruction in instructions:
+            self.handlers[type(instruction)](self, instruction)
+
+    def poll(self, _layer=None) -> None:
+        """Between layers: let reductions and messages in flight progress."""
+        for handle in self.reductions.values():
+            handle.test()
+        if self.inbox:
+            MPI.Request.Testall([request for _, request, _ in self.inbox.values()])
+        self.outbox.progress()
+
+    def start_at(self, step: int) -> None:
+        """Hold the persistent state that step `step` starts from, uninitialised, in place of
+        this run's (a checkpoint fills it: state_pieces); the next run starts at `step`."""
+        for item, buffer in list(self.store.items()):
+            self._let_go(item.stage, self.store.pop(item))
+            self.ledger.free(LEDGER_KIND[item.kind], buffer.nbytes)
+        for item in self.plan.persistent(step):
+            self._keep(item, np.empty(self._size(item), dtype=self.dtype))
+        self.next_step = step
+
+    # -- items -------------------------------------------------------------------------------
+    def _shifted(self, item: Item) -> Item:
+        """A program's item, with its step (or update count) moved to this run's."""
+        if item.kind in ("x", "dy"):
+            return Item(item.kind, item.stage, item.index + self.run.shift * self.plan.micro_batches)
+        return Item(item.kind, item.stage, item.index + self.run.shift) if item.kind in ("w", "g") else item
+
+    def _size(self, item: Item) -> tuple[int, ...]:
+        if item.kind in ("x", "dy"):
+            return (self.micro_size, *self.input_shapes[item.stage + (item.kind == "dy")])
+        size = self.stages[item.stage].flat.size
+        return (size * self.kinds,) if item.kind == "o" else (size,)
+
+    def _keep(self, item: Item, buffer: np.ndarray) -> None:
+        self.store[item] = buffer
+        if item.kind in LEDGER_KIND:
+            self.ledger.hold(LEDGER_KIND[item.kind], buffer.nbytes)
+
+    def _take(self, item: Item) -> np.ndarray:
+        """The item, waiting for it if it is still arriving."""
+        if item in self.inbox:
+            buffer, request, source = self.inbox.pop(item)
+            what = WHAT[item.kind].format(s=item.stage, i=item.index)
+            wait_requests([request], f"the receive of {what}", [source], rank=self.comm.rank)
+            self.store[item] = buffer  # counted in the ledger when its receive was posted
+        return self.store[item]
+
+    def _tag(self, item: Item) -> int:
+        return p2p_tag(KIND_OF[item.kind], item.stage, item.index % MAX_MICRO_BATCHES)
+
+    # -- instructions ------------------------------------------------------------------------
+    def _receive(self, instruction: Receive) -> None:
+        item, source = self._shifted(instruction.item), self.plan.peer(instruction.source)
+        buffer = np.empty(self._size(item), dtype=self.dtype)  # fresh: it may become an activation
+        if item.kind in LEDGER_KIND:
+            self.ledger.hold(LEDGER_KIND[item.kind], buffer.nbytes)
+        with self.comm.traffic.phase(PHASE_OF[item.kind]):
+            self.inbox[item] = (buffer, self.comm.irecv(buffer, source, self._tag(item)), source)
+
+    def _send(self, instruction: Send) -> None:
+        item, dest = self._shifted(instruction.item), self.plan.peer(instruction.dest)
+        buffer = np.ascontiguousarray(self.stages[item.stage].flat.data if item.stage in self.shared
+                                      else self._take(item))
+        tag = self._tag(self._shifted(instruction.arrives_as or instruction.item))
+        self.outbox.post(self.comm.isend(buffer, dest, tag, PHASE_OF[item.kind]), buffer, dest)
+        self.outbox.progress()
+
+    def _drop(self, instruction: Drop) -> None:
+        item = self._shifted(instruction.item)
+        if item in self.taken_over:  # an update gave its buffer to another version
+            self.taken_over.remove(item)
+            return
+        if item.kind == "g" and item.stage in self.reductions:  # a reduction's buffer lives until it completes
+            self.reductions.pop(item.stage).wait()
+        buffer = self.store.pop(item)
+        if item.kind not in LEDGER_KIND:
+            return
+        self._let_go(item.stage, buffer)
+        # A rank that updates a stage keeps one dropped version for its next copy of an old one, and
+        # a pipeline keeps a stage's gradient for the next step (still counted); CDP's zero layout
+        # lets all of a stage's buffers leave with it
+        spare = Item(item.kind, item.stage, 0)
+        if spare not in self.spares and ((item.kind == "w" and item.stage in self.optimizers
+                                          and getattr(self.plan, "layout", None) != "zero")
+                                         or (item.kind == "g" and self.plan.keeps_gradients)):
+            self.spares[spare] = buffer
+        else:
+            self.ledger.free(LEDGER_KIND[item.kind], buffer.nbytes)
+
+    def _let_go(self, s: int, buffer: np.ndarray) -> None:
+        """Neither stage s's layers nor its optimizer keep a dropped buffer alive."""
+        weights, gradient = self.bound[s]
+        if buffer is weights or buffer is gradient:
+            self.stages[s].flat.unbind(0, self.stages[s].flat.size, params=buffer is weights, grads=buffer is gradient)
+            self.bound[s] = (None if buffer is weights else weights, None if buffer is gradient else gradient)
+        if s in self.optimizers:
+            optimizer = self.optimizers[s]
+            optimizer.unbind(params=buffer is optimizer.params[0], grads=buffer is optimizer.grads[0],
+                             state=buffer is optimizer.state)
+
+    def _bind(self, s: int, weights: np.ndarray | None = None, gradient: np.ndarray | None = None) -> None:
+        """Point stage s's layers at these buffers unless they view them already (a bind makes a
+        view per parameter). Only the executor binds its item stages: `bound` is what they view."""
+        bound, flat = self.bound[s], self.stages[s].flat
+        if (weights is None or weights is bound[0]) and (gradient is None or gradient is bound[1]):
+            return
+        flat.bind(0, flat.size, data=weights, grad=gradient)
+        self.bound[s] = (bound[0] if weights is None else weights, bound[1] if gradient is None else gradient)
+
+    def _compute(self, instruction: Compute) -> None:
+        job = instruction.job
+        step, s, i = job.step + self.run.shift, job.stage, job.micro_batch
+        g, last = step * self.plan.micro_batches + i, s == len(self.stages) - 1
+        if s not in self.shared:
+            self._bind(s, weights=self._take(self._shifted(instruction.weights)))
+        start = time.perf_counter()
+        if job.direction == BACKWARD:
+            self._backward(step, s, g, instruction.new_gradient)
+        else:
+            self._forward(step, s, i, g, last)
+        if len(self.totals) == 1:  # a run of one step (a pipeline's): its bubble; an epoch's would grow with it
+            self.job_times.append((Job(s, i, job.direction), start, time.perf_counter()))
+
+    def _forward(self, step: int, s: int, i: int, g: int, last: bool) -> None:
+        inputs, targets = self.load(step, i) if s == 0 or last else (None, None)
+        x = inputs if s == 0 else self._take(Item("x", s, g))
+        first = self.mesh.replica(self.comm.rank) * (self.batch_size // self.mesh.replicas) + i * self.micro_size
+        ctx = self.cache.context(s, g, step=step, seed=self.seed, sample_ids=np.arange(first, first + self.micro_size))
+        with self.ledger.phase("forward"):
+            y = self.shared[s].forward(x, ctx) if s in self.shared else self.stages[s].forward(x, ctx,
+                                                                                            after_layer=self.poll)
+        if not last:
+            self._keep(Item("x", s + 1, g), y)
+            return
+        loss = float(self.loss_fn.forward(y, targets, ctx, self.batch_size))
+        if not self.plan.settles_each_step and not np.isfinite(loss):
+            raise NonFiniteLossError(f"step {step}, micro-batch {i}: the training loss is {loss} "
+                                     f"(rank {self.comm.rank}); try a lower --lr")
+        self.totals[step - self.first_step] += (loss, float((y.argmax(axis=-1) == targets).sum()), targets.size)
+        self.losses_computed[step - self.first_step] += 1
+
+    def _backward(self, step: int, s: int, g: int, new_gradient: bool) -> None:
+        gradient = Item("g", s, step)
+        if new_gradient:
+            self._keep(gradient, self._zeros("g", s))
+        if s not in self.shared:
+            self._bind(s, gradient=self._take(gradient))  # layers add into the sum so far
+        ctx = self.cache.contexts[(s, g)]
+        dy = self.loss_fn.backward(ctx) if s == len(self.stages) - 1 else self._take(Item("dy", s, g))
+        with self.ledger.phase("backward"):
+            if s in self.shared:  # the stage's gradient goes to its replica group's scope as the layers finish
+                done = self.backwards_done[s]
+                dx = self.shared[s].backward(dy, ctx, done, last=done == self.backwards[s] - 1)
+                self.backwards_done[s] = done + 1
+            else:
+                dx = self.stages[s].backward(dy, ctx, after_layer=self.poll)
+        self.cache.release(s, g)
+        if s > 0:
+            self._keep(Item("dy", s - 1, g), dx)
+
+    def _zeros(self, kind: str, s: int) -> np.ndarray:
+        """A zeroed buffer of stage s's size: the spare of that kind, else a new one."""
+        spare = self.spares.pop(Item(kind, s, 0), None)
+        if spare is None:
+            return np.zeros(self.stages[s].flat.size, dtype=self.dtype)
+        self.ledger.free(LEDGER_KIND[kind], spare.nbytes)  # _keep counts it again
+        spare.fill(0)
+        return spare
+
+    def _reduce(self, instruction: ReduceGradients) -> None:
+        s, step = instruction.stage, self.first_step
+        if s in self.shared:
+            grad = self.stages[s].flat.settle_grads()
+        else:
+            if Item("g", s, step) not in self.store:  # a holder that computes nothing of s adds zeros
+                self._keep(Item("g", s, step), self._zeros("g", s))
+            grad = self._take(Item("g", s, step))
+        comm = self.stage_comms[s]
+        with self.comm.traffic.phase("stage-reduce"):
+            if instruction.root is None:
+                self.reductions[s] = iall_reduce(comm, grad, self.collective)
+            else:  # in place: the owner's gradient receives the sum; the others' is scratch, dropped after
+                root = instruction.members.index(instruction.root)
+                self.reductions[s] = ireduce(comm, grad, grad if comm.rank == root else None, root,
+                                             self.collective, send_is_scratch=True)
+
+    def _update(self, instruction: Update) -> None:
+        s, step = instruction.stage, instruction.step + self.run.shift
+        if s in self.reductions:
+            self.reductions.pop(s).wait()
+        if s in self.shared:
+            self.shared[s].step(self.lr_at(step))
+            return
+        old, new = Item("w", s, step), Item("w", s, step + 1)
+        overwrite, done = self.run.weight_plan[(instruction.stage, instruction.step)]
+        with self.ledger.phase("update"):
+            weights = self._take(old)
+            self.outbox.wait_buffer(weights, f"the sends of {WHAT['w'].format(s=s, i=step)}")  # it is overwritten
+            if overwrite:
+                del self.store[old]
+                self.taken_over.add(old)
+            else:  # a later job here reads, sends or keeps the old version: it moves aside first
+                self.store[old] = self._aside(s, done, weights)
+                self.store[old][:] = weights
+            self.store[new] = weights
+            if weights.size:
+                optimizer = self._optimizer(s, weights, self._take(Item("g", s, step)), self._take(Item("o", s, 0)))
+                optimizer.steps = step  # Adam's bias correction counts the updates so far
+                optimizer.step(self.lr_at(step))
+
+    def _aside(self, s: int, done: Item | None, weights: np.ndarray) -> np.ndarray:
+        """A buffer for stage s's old version: that of version `done`, which this rank only drops
+        from now on, else the stage's spare, else a new one."""
+        if done is None and Item("w", s, 0) not in self.spares:
+            self.ledger.hold("parameters", weights.nbytes)
+            return np.empty_like(weights)
+        if done is not None:
+            done = self._shifted(done)
+            self.taken_over.add(done)
+        buffer = self.spares.pop(Item("w", s, 0)) if done is None else self.store.pop(done)
+        self.outbox.wait_buffer(buffer, f"the sends of a buffer of stage {s}")  # it is about to be overwritten
+        return buffer
+
+    def _optimizer(self, s: int, weights: np.ndarray, gradient: np.ndarray, state: np.ndarray):
+        """Stage s's optimizer on this rank, pointed at this update's buffers (built at the first)."""
+        if s not in self.optimizers:
+            if self.workspace is None:
+                largest = max(self.stages[stage].flat.size for stage, _ in self.run.weight_plan)
+                self.workspace = np.empty(min(CHUNK, largest), dtype=self.dtype)
+                self.ledger.hold("workspace", self.workspace.nbytes)
+            self.optimizers[s] = make_optimizer(self.optimizer_name, [weights], [gradient], [self.decay[s]],
+                                                state=state, workspace=self.workspace, **self.optimizer_options)
+        else:
+            self.optimizers[s].bind([weights], [gradient], state)
+        return self.optimizers[s]
+
+    def _end_time_step(self, instruction: EndTimeStep) -> None:
+        self.timeline.append((instruction.time + self.time_offset, self.cache.live_bytes, self.cache.window_peak))
+        self.cache.window_peak = self.cache.live_bytes
+        self.poll()
+
+    handlers = {Receive: _receive, Send: _send, Drop: _drop, Compute: _compute, Update: _update,
+                ReduceGradients: _reduce, EndTimeStep: _end_time_step}
+
+    # -- the whole model, the same for every plan (evaluation, checks, checkpoints) ------------
+    def _whole_stage(self, s: int, phase: str, out: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+        """Stage s's newest parameters on every rank (collective where some rank lacks it:
+        gathered in its replica group where sharded, then broadcast from a rank that holds it),
+        and whether they are this rank's own buffer."""
+        flat = self.stages[s].flat
+        held = self.store.get(Item("w", s, self.next_step))
+        if s in self.shared and self.sharding.parameters == "N":
+            held = flat.data
+        weights = held if held is not None and out is None else out
+        if weights is None:
+            weights = self.pool.take(flat.size, self.dtype)
+            self.ledger.hold("parameters", weights.nbytes)
+        elif held is not None and weights is not held:
+            weights[:] = held
+        if s in self.shared and held is None:
+            self.shared[s].gather_parameters(weights, phase)
+        if not self.plan.everywhere(s):
+            with self.comm.traffic.phase(phase):
+                broadcast(self.comm, weights, self.plan.root(s), self.collective)
+        return weights, weights is held
+
+    def forward(self, x, ctx: Context, gather_phase: str = "evaluate"):
+        """The whole model on one batch with the newest weights (evaluation; collective): a stage
+        every worker shares is gathered unit by unit in its replica group, any other is brought
+        to every rank, used, and forgotten, as ZeRO-3 gathers a unit."""
+        for s, stage in enumerate(self.stages):
+            if s in self.shared and self.plan.everywhere(s):
+                x = self.shared[s].forward(x, ctx, gather_phase)
+                continue
+            weights, owned = self._whole_stage(s, gather_phase)
+            self._bind(s, weights=weights)
+            x = stage.forward(x, ctx)
+            if not owned:
+                self._let_go(s, weights)
+                self.ledger.free("parameters", weights.nbytes)
+                self.pool.give(weights)
+        return x
+
+    def full_parameters(self) -> np.ndarray:
+        """The whole model's newest parameters, on every rank (collective: for checks)."""
+        parts = []
+        for s, stage in enumerate(self.stages):
+            if s in self.shared and self.plan.everywhere(s):
+                parts.append(self.shared[s].full_parameters())
+            else:
+                parts.append(self._whole_stage(s, "inspect", np.empty(stage.flat.size, dtype=self.dtype))[0])
+        return np.concatenate(parts)
+
+    def load_parameters(self, full: np.ndarray) -> None:
+        """Set every weight version this rank holds to `full`'s (the whole model, stage after
+        stage); a shared stage keeps its blocks. CDP's rule starts again from these weights, as
+        it starts a run with the older version equal to the newest. Between runs only."""
+        offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
+        for s, shared in self.shared.items():
+            shared.load_parameters(full[offsets[s]:offsets[s + 1]])
+        for item, buffer in self.store.items():
+            if item.kind == "w":
+                buffer[:] = full[offsets[item.stage]:offsets[item.stage + 1]]
+
+    def state_pieces(self) -> tuple[list[Piece], list]:
+        """The state this rank holds between runs, as views placed in the whole model's flat order
+        (checkpoints: format.py): its newest weights (`params`), an older version the rule still
+        reads (`params.previous`), optimizer states, and the shared stages' blocks; plus the
+        optimizers that carry an update count (the shared stages'; an item's is the step's)."""
+        offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
+        pieces, optimizers = [], []
+        for s, shared in sorted(self.shared.items()):
+            shared_pieces, shared_optimizers = shared.state_pieces(int(offsets[s]))
+            pieces, optimizers = pieces + shared_pieces, optimizers + shared_optimizers
+        for item, buffer in self.store.items():
+            start, size = int(offsets[item.stage]), self.stages[item.stage].flat.size
+            if item.kind == "w":
+                vector = "params" if item.index == self.next_step else "params.previous"
+                pieces.append(Piece(vector, start, start + size, buffer))
+            else:
+                pieces += [Piece(f"optimizer.{kind}", start, start + size, buffer[kind * size:(kind + 1) * size])
+                           for kind in range(self.kinds)]
+        return pieces, optimizers

@@ -1,0 +1,238 @@
+"""What the executor runs on a rank: its program for a run of steps, and where state rests between runs.
+
+Both families of schedule reach the executor (executor.py) as the same item instructions
+(schedule/instructions.py: Receive, Compute, Send, Drop, ReduceGradients, Update):
+
+    PipelinePlan   a strategy's per-worker program (schedule/program.py: jobs and the
+                   transfers they imply) lowered to items, one step per run. Data parallelism
+                   is its S = 1 case: one stage on one worker, replicated on every rank, where
+                   the stage's replica group shares it by a sharding triple (data_parallel.py)
+    CdpPlan        Cyclic Data Parallelism: the cyclic compiler's program for a run of steps
+                   (an epoch), whose steps overlap in time and whose updates interleave
+
+Lowering a pipeline program is one rule per instruction: an activation or gradient is an
+item x or dy of (stage, micro-batch), kept by the job that makes it and dropped by the one
+that consumes it or once sent; a stage's held weights are w(stage, step), a copy fetched
+for one job is f(stage, job); a job's gradient adds into g(stage, step); the optimizer step
+is one Update per held stage, after which the old gradient and weights are dropped.
+
+Exercised by: python -m pytest tests/test_plans.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpipar.mesh import Mesh
+from mpipar.peak import ActivationBytes, Peak, cyclic_peak, mesh_peak
+from mpipar.schedule.cyclic import home_ranks, optimizer_home, persistent_items
+from mpipar.schedule.cyclic_compiler import compile_cyclic, weight_buffers
+from mpipar.schedule.instructions import (
+    Backward,
+    Compute,
+    CyclicJob,
+    Drop,
+    FetchWeights,
+    Forward,
+    Item,
+    OptimizerStep,
+    Receive,
+    RecvActivation,
+    RecvGradient,
+    ReduceGradients,
+    ReleaseWeights,
+    Send,
+    SendActivation,
+    SendGradient,
+    SendWeights,
+    Update,
+)
+from mpipar.schedule.program import Compiled
+from mpipar.schedule.strategies import BACKWARD, FORWARD
+from mpipar.sharding import Sharding
+
+
+@dataclass(frozen=True)
+class Run:
+    """A program for steps [first_step, first_step + steps): its instructions name steps from
+    `shift` earlier; `updates_from` is where its update part starts (pipelines: the trainer
+    checks the summed loss before it); `weight_plan` is cyclic_compiler.weight_buffers of it;
+    `step_ends` the positions where each step's last instruction here is behind."""
+
+    program: tuple
+    shift: int
+    updates_from: int
+    weight_plan: dict
+    step_ends: tuple[tuple[int, int], ...]
+
+
+def job_number(batch: int, direction: str) -> int:
+    """The index of a weight copy fetched for job (stage, batch, direction)."""
+    return 2 * batch + (direction == BACKWARD)
+
+
+def lower(program: tuple, stages: int, shared: set[int]) -> tuple[tuple, int]:
+    """A pipeline worker's program as item instructions (of step 0), and where its update part
+    starts. Stages in `shared` are a replica group's (data_parallel.py): their weights and
+    gradients are the sharding flow's, not items."""
+    items, fetched, accumulating, reduced, updates_from = [], set(), set(), [], len(program)
+    for instruction in program:
+        if isinstance(instruction, (Forward, Backward)):
+            s, b = instruction.stage, instruction.batch
+            d = FORWARD if isinstance(instruction, Forward) else BACKWARD
+            copy = (s, b, d) in fetched
+            new_gradient = d == BACKWARD and s not in accumulating and s not in shared
+            items.append(Compute(CyclicJob(0, b, s, d), job_number(b, d) if copy else 0, new_gradient, copy))
+            accumulating |= {s} if d == BACKWARD else set()
+            if d == FORWARD and s > 0:
+                items.append(Drop(Item("x", s, b)))
+            elif d == BACKWARD and s < stages - 1:
+                items.append(Drop(Item("dy", s, b)))
+        elif isinstance(instruction, (SendActivation, SendGradient)):
+            item = Item("x", instruction.stage + 1, instruction.batch) if isinstance(instruction, SendActivation) \
+                else Item("dy", instruction.stage - 1, instruction.batch)
+            items += [Send(item, instruction.dest), Drop(item)]
+        elif isinstance(instruction, (RecvActivation, RecvGradient)):
+            kind = "x" if isinstance(instruction, RecvActivation) else "dy"
+            items.append(Receive(Item(kind, instruction.stage, instruction.batch), instruction.source))
+        elif isinstance(instruction, SendWeights):
+            copy = Item("f", instruction.stage, job_number(instruction.batch, instruction.direction))
+            items.append(Send(Item("w", instruction.stage, 0), instruction.dest, arrives_as=copy))
+        elif isinstance(instruction, FetchWeights):
+            fetched.add((instruction.stage, instruction.batch, instruction.direction))
+            copy = Item("f", instruction.stage, job_number(instruction.batch, instruction.direction))
+            items.append(Receive(copy, instruction.source))
+        elif isinstance(instruction, ReleaseWeights):
+            items.append(Drop(Item("f", instruction.stage, job_number(instruction.batch, instruction.direction))))
+        elif isinstance(instruction, ReduceGradients):
+            items.append(instruction)
+            reduced.append(instruction.stage)
+        elif isinstance(instruction, OptimizerStep):
+            updates_from = len(items)
+            # a gradient reduced to another rank lives until its reduction completes: here
+            items += [Drop(Item("g", s, 0)) for s in reduced if s not in instruction.stages and s not in shared]
+            for s in instruction.stages:
+                items.append(Update(s, 0))
+                items += [] if s in shared else [Drop(Item("g", s, 0)), Drop(Item("w", s, 0))]
+    return tuple(items), updates_from
+
+
+class PipelinePlan:
+    """The programs of a pipeline strategy (data parallelism: S = 1) on a mesh of workers x replicas."""
+
+    settles_each_step = True  # the trainer sums the loss over ranks before every update
+    keeps_gradients = True  # a stage's gradient buffer is reused step after step (Table 1's G)
+
+    def __init__(self, compiled: Compiled, mesh: Mesh, rank: int, stage_sizes: list[int]) -> None:
+        self.compiled, self.mesh, self.rank, self.stage_sizes = compiled, mesh, rank, stage_sizes
+        self.micro_batches = compiled.shape.micro_batches
+        self.worker, self.replica = mesh.worker(rank), mesh.replica(rank)
+        self.held = [s for s in range(len(stage_sizes)) if self.worker in compiled.holders[s]]
+        data_parallel = len(stage_sizes) == 1 and mesh.workers == 1
+        # a held stage with replicas (always in data parallelism, even on one rank) is shared by its
+        # replica group under a sharding triple; a stage without parameters has nothing to share
+        self.shared = [s for s in self.held if stage_sizes[s] and (mesh.replicas > 1 or data_parallel)]
+        program, updates_from = lower(compiled.programs[self.worker], len(stage_sizes), set(self.shared))
+        self.run = Run(program, 0, updates_from, weight_buffers(program), ((len(program), 0),))
+
+    def program(self, first_step: int, steps: int) -> Run:
+        if steps != 1:
+            raise ValueError(f"a pipeline program is one step, not {steps}")
+        return Run(self.run.program, first_step, self.run.updates_from, self.run.weight_plan, self.run.step_ends)
+
+    def persistent(self, step: int) -> list[Item]:
+        """The items this rank holds between steps: its held stages' weights and optimizer state."""
+        return [Item(kind, s, step if kind == "w" else 0) for s in self.held if s not in self.shared for kind in "wo"]
+
+    def peer(self, worker: int) -> int:
+        """The rank of this rank's pipeline that plays `worker`."""
+        return self.mesh.rank(worker, self.replica)
+
+    def reduction_groups(self) -> dict[int, list[int]]:
+        """Per stage whose gradient is summed over pipeline workers, the ranks of this pipeline that do."""
+        return {s: [self.peer(w) for w in members] for s, members in enumerate(self.compiled.members)
+                if len(members) > 1}
+
+    def everywhere(self, stage: int) -> bool:
+        """Does every rank hold `stage`, whole or among its replica group (data parallelism)?"""
+        return len(self.compiled.holders[stage]) == self.mesh.workers
+
+    def root(self, stage: int) -> int:
+        """A rank that holds `stage` (evaluation broadcasts it from there)."""
+        return self.mesh.rank(self.compiled.holders[stage][0], 0)
+
+    def peak(self, rank: int, training: ActivationBytes, evaluation: ActivationBytes | None, steps: int, *,
+             sharding: Sharding, largest_units: list[int], group: int, itemsize: int, state_kinds: int,
+             prefetch: int) -> Peak:
+        """Any rank's peak (peak.py), predicted anywhere: every rank compiles every program."""
+        return mesh_peak(rank, self.compiled, self.mesh, sharding, self.stage_sizes, largest_units, group,
+                         itemsize=itemsize, state_kinds=state_kinds, training=training, evaluation=evaluation,
+                         prefetch=prefetch)
+
+
+class CdpPlan:
+    """Cyclic Data Parallelism's programs (schedule/cyclic.py) for runs of steps on this rank."""
+
+    settles_each_step = False  # steps overlap: a rank stops at the first non-finite loss it computes
+    keeps_gradients = False  # a step's gradient sum travels around the ring and is freed after its update
+
+    def __init__(self, layout: str, rule: str, count: int, rank: int, world_size: int, stage_sizes: list[int], *,
+                 itemsize: int, state_kinds: int) -> None:
+        self.layout, self.rule, self.count, self.rank, self.world_size = layout, rule, count, rank, world_size
+        self.micro_batches, self.mesh, self.shared = count, Mesh(world_size, 1), []
+        self.stage_sizes, self.itemsize, self.state_kinds = stage_sizes, itemsize, state_kinds
+        self.runs: dict[tuple[int, int], Run] = {}  # only this rank's: every rank's grows with ranks x steps
+
+    def program(self, first_step: int, steps: int) -> Run:
+        # a plan depends on the first step only through the step numbers; runs of equal length
+        # share one when the rule has reached its steady state (first step > 0)
+        key = (min(first_step, 1), steps)
+        if key not in self.runs:
+            plan = compile_cyclic(self.layout, self.rule, self.count, key[0], steps)
+            program = plan.programs[self.rank]
+            self.runs[key] = Run(program, 0, len(program), weight_buffers(program), tuple(_step_ends(program)))
+        run = self.runs[key]
+        return Run(run.program, first_step - key[0], run.updates_from, run.weight_plan, run.step_ends)
+
+    def persistent(self, step: int) -> list[Item]:
+        return [item for item in persistent_items(self.rule, self.count, step) if self.rank in self._homes(item)]
+
+    def _homes(self, item: Item) -> tuple[int, ...]:
+        if item.kind == "o":
+            return (optimizer_home(self.layout, self.count, item.stage),)
+        return home_ranks(self.layout, self.count, item.stage)
+
+    def peer(self, rank: int) -> int:
+        return rank
+
+    def reduction_groups(self) -> dict[int, list[int]]:
+        return {}  # gradients travel point to point
+
+    def everywhere(self, stage: int) -> bool:
+        return len(home_ranks(self.layout, self.count, stage)) == self.world_size
+
+    def root(self, stage: int) -> int:
+        return home_ranks(self.layout, self.count, stage)[0]
+
+    def peak(self, rank: int, training: ActivationBytes, evaluation: ActivationBytes | None, steps: int,
+             **_pipeline_only) -> Peak:
+        """This rank's peak over a run of `steps` steps (only its own program is kept)."""
+        return cyclic_peak(self.program(0, steps).program, rank, self.layout, self.rule, self.stage_sizes,
+                           itemsize=self.itemsize, state_kinds=self.state_kinds, training=training,
+                           evaluation=evaluation)
+
+
+def _step_ends(program: tuple) -> list[tuple[int, int]]:
+    """(position just past this rank's last job of step t, t) for each step t it has a job in, in order."""
+    last: dict[int, int] = {}
+    for position, instruction in enumerate(program):
+        if isinstance(instruction, Compute):
+            last[instruction.job.step] = position
+        elif isinstance(instruction, Update):
+            last[instruction.step] = position
+    ends, end = [], 0
+    for step in sorted(last):
+        end = max(end, last[step] + 1)
+        ends.append((end, step))
+    return ends
+
