@@ -152,8 +152,11 @@ class Executor:
         self._end()
 
     def _start(self, first_step: int, steps: int, load: Load, seed: int, batch_size: int, lr_at) -> Run:
-        if first_step != self.next_step:
-            raise RuntimeError(f"steps run in order: expected step {self.next_step}, got {first_step}")
+        if first_step != self.next_step and self.plan.steps_in_any_order:
+            for item in [item for item in self.store if item.kind == "w"]:
+                self.store[Item("w", item.stage, first_step)] = self.store.pop(item)
+        elif first_step != self.next_step:
+            raise RuntimeError(f"CDP runs steps in order: expected step {self.next_step}, got {first_step}")
         self.run = self.plan.program(first_step, steps)
         self.load, self.seed, self.batch_size, self.lr_at = load, seed, batch_size, lr_at
         self.micro_size = batch_size // self.mesh.replicas // self.plan.micro_batches

@@ -122,6 +122,7 @@ class PipelinePlan:
 
     settles_each_step = True  # the trainer sums the loss over ranks before every update
     keeps_gradients = True  # a stage's gradient buffer is reused step after step (Table 1's G)
+    steps_in_any_order = True  # its state does not depend on the steps before (checks run step N alone)
 
     def __init__(self, compiled: Compiled, mesh: Mesh, rank: int, stage_sizes: list[int]) -> None:
         self.compiled, self.mesh, self.rank, self.stage_sizes = compiled, mesh, rank, stage_sizes
@@ -175,6 +176,7 @@ class CdpPlan:
 
     settles_each_step = False  # steps overlap: a rank stops at the first non-finite loss it computes
     keeps_gradients = False  # a step's gradient sum travels around the ring and is freed after its update
+    steps_in_any_order = False  # a step reads weights of the steps before it
 
     def __init__(self, layout: str, rule: str, count: int, rank: int, world_size: int, stage_sizes: list[int], *,
                  itemsize: int, state_kinds: int) -> None:
