@@ -8,7 +8,7 @@ S stages of near-equal FLOPs. Contenders on W ranks:
     gpipe   S = W, B micro-batches             1f1b   S = W, B micro-batches
     lpp     S = 2W, G = 2 loops (breadth first, the order the seed's LPP latency describes)
 
-For each step every rank records when each of its jobs computed (Pipeline.job_times),
+For each step every rank records when each of its jobs computed (Executor.job_times),
 from a barrier at the start of the step. The schedule's measured latency is the last
 job's end on any rank; a rank's measured bubble is 1 - (its time computing) / latency,
 as the simulator defines it. The prediction replays the same Programs with the

@@ -359,13 +359,10 @@ class Executor:
         return spare
 
     def _reduce(self, instruction: ReduceGradients) -> None:
-        s, step = instruction.stage, self.first_step
-        if s in self.shared:
-            grad = self.stages[s].flat.settle_grads()
-        else:
-            if Item("g", s, step) not in self.store:  # a holder that computes nothing of s adds zeros
-                self._keep(Item("g", s, step), self._zeros("g", s))
-            grad = self._take(Item("g", s, step))
+        s, step = instruction.stage, self.first_step  # a stage several workers compute is never shared (config.py)
+        if Item("g", s, step) not in self.store:  # a holder that computes nothing of s adds zeros
+            self._keep(Item("g", s, step), self._zeros("g", s))
+        grad = self._take(Item("g", s, step))
         comm = self.stage_comms[s]
         with self.comm.traffic.phase("stage-reduce"):
             if instruction.root is None:

@@ -11,12 +11,12 @@ One step of `Trainer.train_step`, on every rank:
 Because each micro-batch's loss is scaled by its share of the global batch, the
 summed gradient is the global batch's gradient whatever the split: 1 rank with 4
 micro-batches and 4 ranks with 1 each update the parameters identically (up to the
-order of floating-point additions). The micro-batches run as the rank's program
-(engine.py): data parallelism is the program of one stage on one worker, replicated on
-every rank; a pipeline's is its strategy's. How gradients are summed and where
-parameters, gradients and optimizer state live is the sharding flow's business
-(data_parallel.py): the same loop runs DDP, ZeRO-3, PaRO-IIG or 1F1B x ZeRO-3.
-Cyclic Data Parallelism runs whole epochs in its own engine (cyclic.py).
+order of floating-point additions). The micro-batches run as the rank's program on the
+one executor (executor.py, plans.py): data parallelism is the program of one stage on one
+worker, replicated on every rank; a pipeline's is its strategy's. How gradients are summed
+and where parameters, gradients and optimizer state live is the sharding flow's business
+(data_parallel.py): the same loop runs DDP, ZeRO-3, PaRO-IIG or 1F1B x ZeRO-3. Cyclic
+Data Parallelism runs on the same executor a whole epoch at a time, as its steps overlap.
 
 Exercised by: mpipar train   (and python -m pytest tests/test_trainer.py)
 """

@@ -9,7 +9,8 @@ compiles the strategy into one Program per rank (the ones `mpipar train` runs), 
 them to prove them sound and time them, and prints the diagram (rows workers, columns
 time, cells like F3b2 with a legend line under them), then per worker: activation and
 weight transfers, peak activation storage, weights owned and the idle fraction (the
-bubble), and the latency. `--programs` also lists every rank's instructions. With
+bubble), and the latency. `--programs` also lists every rank's instructions, and `--items`
+the same programs lowered to what the executor runs (plans.py: items made, sent, dropped). With
 `--replicas D` the ranks are D copies of a pipeline of W/D workers (mesh.py): the
 placement is printed, and each program line of a shared stage says what its replica
 group does there under `--shard` (the flow of data_parallel.py). The
@@ -26,8 +27,9 @@ import click
 from mpipar.cli.params import RenamedOption
 from mpipar.errors import ConfigError
 from mpipar.mesh import Mesh
+from mpipar.plans import lower
 from mpipar.schedule import diagram
-from mpipar.schedule.instructions import Backward, Forward, OptimizerStep, describe
+from mpipar.schedule.instructions import Backward, Compute, Forward, OptimizerStep, Update, describe
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
 from mpipar.schedule.strategies import STRATEGIES, Shape, get_strategy, load_table, shared_stages
@@ -56,12 +58,14 @@ def schedule() -> None:
 @click.option("--png", default=None, metavar="FILE",
               help="also draw the diagram into this PNG file (needs the plot extra: pip install -e '.[plot]')")
 @click.option("--programs", is_flag=True, help="also list every rank's program, instruction by instruction")
+@click.option("--items", is_flag=True,
+              help="also list every rank's program as the executor runs it: lowered to item instructions")
 @click.option("--replicas", "-D", type=POSITIVE, default=1, show_default=True,
               help="pipeline replicas D: the W ranks are D pipelines of W/D workers (docs/composition.md)")
 @click.option("--shard", default="ddp", show_default=True,
               help="how a stage's replicas share it: a data-parallel scheme or P,G,OS letters such as I,G,G")
 def show(scheme: str, table: str | None, workers: int, stages: int, micro_batches: int, loops: int,
-         png: str | None, programs: bool, replicas: int, shard: str) -> None:
+         png: str | None, programs: bool, items: bool, replicas: int, shard: str) -> None:
     """Compile one step of a schedule, replay it, and print its diagram and costs."""
     strategy = load_table(table) if table else get_strategy(scheme)
     if workers % replicas:
@@ -101,6 +105,25 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
                 last = isinstance(instruction, Backward) and last_backward[instruction.stage] == index
                 flow = replica_flow(instruction, sharding, len(ranks), last)
                 click.echo(f"  {describe(instruction)}" + (f"   | {flow}" if flow and replicas > 1 else ""))
+    if items:  # plans.py's lowering: a stage held with replicas is its replica group's, not items
+        for worker, program in enumerate(compiled.programs):
+            shared = {s for s in range(stages)
+                      if worker in compiled.holders[s] and (replicas > 1 or stages == 1 == workers)}
+            click.echo(f"worker {worker}, as the executor runs it:")
+            lowered, updates_from = lower(program, stages, shared)
+            backwards = [i for i in lowered if isinstance(i, Compute) and i.job.direction == "B"]
+            for index, instruction in enumerate(lowered):
+                if index == updates_from:
+                    click.echo("  -- the update: after the trainer has summed the loss")
+                flow = ""
+                if isinstance(instruction, Compute) and instruction.job.stage in shared:
+                    job = instruction.job
+                    last = instruction is [i for i in backwards if i.job.stage == job.stage][-1]
+                    flow = replica_flow((Forward if job.direction == "F" else Backward)(job.stage, job.micro_batch),
+                                        sharding, replicas, last)
+                elif isinstance(instruction, Update) and instruction.stage in shared:
+                    flow = replica_flow(OptimizerStep((instruction.stage,)), sharding, replicas, False)
+                click.echo(f"  {describe(instruction)}" + (f"   | {flow}" if flow else ""))
     if png:
         diagram.png(timeline, png, f"{strategy.name}, W={workers} S={stages} B={micro_batches} G={loops}")
         click.echo(f"drawn into {png}")

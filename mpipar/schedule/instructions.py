@@ -1,19 +1,22 @@
 """Every instruction a rank's program is made of, each with what it does.
 
 A schedule compiles into one program per rank: a tuple of these small frozen
-dataclasses, which the engines execute one after the other. They come in two families
-that share this file:
+dataclasses. There are two levels, and one executor (executor.py):
 
-    pipeline programs   (program.py compiles them; engine.py runs them) move activations,
-                        gradients and stage weights between pipeline workers and reduce a
-                        stage's gradient among its holders; data parallelism is the program of
-                        one stage on one worker, replicated on every rank
-    cyclic programs     (cyclic_compiler.py compiles them; cyclic.py runs them) move *items*,
-                        versioned pieces of state (an activation, a weight version, a step's
-                        gradient sum, an optimizer state), between the ranks of a CDP layout
+    job programs    what program.py compiles from a strategy: jobs, the activations,
+                    gradients and stage weights they move between pipeline workers, a stage's
+                    gradient reduction among its holders, the optimizer step. The soundness
+                    checker and the replay (replay.py), the peak (peak.py) and the diagrams
+                    read them. Data parallelism is the program of one stage on one worker,
+                    replicated on every rank
+    item programs   what the executor runs: Receive, Compute, Send, Drop, ReduceGradients,
+                    Update over *items*, versioned pieces of state (an activation, a weight
+                    version, a step's gradient sum, an optimizer state). plans.py lowers a job
+                    program into one, one rule per instruction; the CDP compiler
+                    (cyclic_compiler.py) writes them directly, updates interleaved per stage
 
 Inside a replica group the sharding flow of a stage (gather P, reduce G, step OS, publish)
-runs within Forward, Backward and OptimizerStep: data_parallel.py.
+runs within Compute and Update: data_parallel.py.
 
 Exercised by: mpipar schedule show --scheme 1f1b --workers 4 --stages 4 --micro-batches 8 --programs
               mpipar cdp messages --layout dp --micro-batches 4
@@ -140,28 +143,7 @@ def job_of(instruction: Forward | Backward) -> Job:
     return Job(instruction.stage, instruction.batch, FORWARD if isinstance(instruction, Forward) else BACKWARD)
 
 
-def describe(instruction: Instruction) -> str:
-    """One instruction in a few words, for listings and error messages."""
-    name = type(instruction).__name__
-    if isinstance(instruction, COMPUTE):
-        return f"{name} {job_of(instruction)}"
-    if isinstance(instruction, (SendWeights, FetchWeights, ReleaseWeights)):
-        job = f"{instruction.direction}{instruction.stage}b{instruction.batch}"
-        if isinstance(instruction, SendWeights):
-            return f"{name} {job} to {instruction.dest}"
-        if isinstance(instruction, FetchWeights):
-            return f"{name} {job} from {instruction.source}"
-        return f"{name} {job}"
-    if isinstance(instruction, ReduceGradients):
-        target = f"to {instruction.root}" if instruction.root is not None else "all-reduce"
-        return f"{name} stage {instruction.stage} over {list(instruction.members)} ({target})"
-    if isinstance(instruction, OptimizerStep):
-        return f"{name} stages {list(instruction.stages)}"
-    peer = f"to {instruction.dest}" if hasattr(instruction, "dest") else f"from {instruction.source}"
-    return f"{name} s{instruction.stage}b{instruction.batch} {peer}"
-
-
-# -- cyclic programs (Cyclic Data Parallelism) ------------------------------------------------
+# -- item programs (what the executor runs) ---------------------------------------------------
 
 class Item(NamedTuple):
     """What can move between ranks: kind x (input of F(index, stage)), dy (gradient entering
@@ -242,3 +224,42 @@ class EndTimeStep:
 
 CyclicInstruction = Receive | Compute | Update | Send | Drop | EndTimeStep | ReduceGradients
 PHASES = {Receive: 0, Compute: 1, Update: 2, Send: 3, Drop: 4, EndTimeStep: 5}
+
+
+def describe(instruction: Instruction | CyclicInstruction) -> str:
+    """One instruction in a few words, for listings and error messages."""
+    name = type(instruction).__name__
+    if isinstance(instruction, (Receive, Send, Drop)):
+        peer = (f" from {instruction.source}" if isinstance(instruction, Receive) else
+                f" to {instruction.dest}" if isinstance(instruction, Send) else "")
+        arrives = f" as {_item(instruction.arrives_as)}" if getattr(instruction, "arrives_as", None) else ""
+        return f"{name} {_item(instruction.item)}{peer}{arrives}"
+    if isinstance(instruction, Compute):
+        job = instruction.job
+        start = ", gradient from zero" if instruction.new_gradient else ""
+        return (f"{name} {job.direction}{job.stage}b{job.micro_batch} of step {job.step} with "
+                f"{_item(instruction.weights)}{start}")
+    if isinstance(instruction, Update):
+        return f"{name} stage {instruction.stage} of step {instruction.step}"
+    if isinstance(instruction, EndTimeStep):
+        return f"{name} {instruction.time}"
+    if isinstance(instruction, COMPUTE):
+        return f"{name} {job_of(instruction)}"
+    if isinstance(instruction, (SendWeights, FetchWeights, ReleaseWeights)):
+        job = f"{instruction.direction}{instruction.stage}b{instruction.batch}"
+        if isinstance(instruction, SendWeights):
+            return f"{name} {job} to {instruction.dest}"
+        if isinstance(instruction, FetchWeights):
+            return f"{name} {job} from {instruction.source}"
+        return f"{name} {job}"
+    if isinstance(instruction, ReduceGradients):
+        target = f"to {instruction.root}" if instruction.root is not None else "all-reduce"
+        return f"{name} stage {instruction.stage} over {list(instruction.members)} ({target})"
+    if isinstance(instruction, OptimizerStep):
+        return f"{name} stages {list(instruction.stages)}"
+    peer = f"to {instruction.dest}" if hasattr(instruction, "dest") else f"from {instruction.source}"
+    return f"{name} s{instruction.stage}b{instruction.batch} {peer}"
+
+
+def _item(item: Item) -> str:
+    return f"{item.kind}({item.stage}, {item.index})"

@@ -16,8 +16,8 @@ the order of the simulated timeline. Everything else is derived from w(s, b, d):
 Stage s's reduction group is every worker that computes or holds it. With one holder
 the gradients are reduced to it; otherwise they are all-reduced among the group (DDP:
 all workers; LPP: one worker per loop). Every rank compiles the same programs, so each
-send has its receive. `replay.py` proves a program set sound and times it; `engine.py`
-runs one rank's program over MPI.
+send has its receive. `replay.py` proves a program set sound and times it; `plans.py`
+lowers one rank's program to items, which `executor.py` runs over MPI.
 
 Exercised by: mpipar schedule show --scheme 1f1b --workers 4 --stages 4 --micro-batches 8 --programs
 """
