@@ -64,6 +64,7 @@ def timed_round(trainer: Trainer, first: int) -> float:
 results = {}
 for name, options in CONTENDERS.items():
     trainer = Trainer(TrainConfig(**common, **options))
+    trainer.engine.record_timeline = True  # live activation bytes per time step (CDP only)
     seconds = [timed_round(trainer, args.steps * r) for r in range(args.rounds + 1)][1:]
     messages = sum(c.intra_messages + c.inter_messages + c.library_calls
                    for phase, c in trainer.counted.traffic.by_phase.items() if phase not in ("metrics", "setup"))

@@ -130,6 +130,7 @@ def activation_timeline(rule: str, count: int, *, width: int = 256, classes: int
     engine = Executor(make_world(None, MPI.COMM_SELF), stages, plan, cache, SoftmaxCrossEntropy(),
                       input_shapes=[(width,)] * count + [(classes,)], optimizer="sgd",
                       optimizer_options=dict(momentum=0.9))
+    engine.record_timeline = True
     engine.run_steps(0, steps, lambda step, i: (data[step, i], labels[step, i]), seed=seed,
                      batch_size=count * micro_batch, lr_at=lambda step: 0.01)
     one_micro_batch = micro_batch * (count * width + classes) * np.dtype(np.float64).itemsize

@@ -57,7 +57,8 @@ KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "f": Ki
 PHASE_OF = {"x": "activations", "dy": "gradients", "w": "weights", "f": "weights", "g": "gradient-ring",
             "o": "optimizer-state"}
 LEDGER_KIND = {"w": "parameters", "f": "parameters", "g": "gradients", "o": "optimizer_state"}
-WHAT = {"x": "the activation of stage {s}, micro-batch {i}", "dy": "the gradient of stage {s}, micro-batch {i}",
+WHAT = {"x": "the activation of stage {s}, micro-batch {b} at step {t}",
+        "dy": "the gradient of stage {s}, micro-batch {b} at step {t}",
         "w": "the weights of stage {s} after {i} updates", "f": "the weights of stage {s} for job {i}",
         "g": "the gradient sum of stage {s} of step {i}", "o": "the optimizer state of stage {s}"}
 
@@ -100,7 +101,9 @@ class Executor:
         self.taken_over: set[Item] = set()  # versions an update took the buffer of: their Drop is done
         self.spares: dict[Item, np.ndarray] = {}  # per (kind, stage): a dropped buffer kept for the next use
         self.reductions: dict[int, object] = {}  # stage -> its gradient reduction in flight
-        self.next_step, self.timeline = 0, []  # timeline: (time step, live activation bytes, peak within it)
+        # (time step, live activation bytes, peak within it): CDP's Fig. 4, kept only when asked
+        # for (record_timeline), as a long run would grow it without bound
+        self.next_step, self.timeline, self.record_timeline = 0, [], False
         self.job_times: list[tuple[Job, float, float]] = []  # (job, start, end) of a step by perf_counter
 
     def predicted_peak(self, training: ActivationBytes, evaluation: ActivationBytes | None = None, *,
@@ -178,10 +181,11 @@ class Executor:
             self._take(item)
         self.outbox.wait_all(f"the sends of steps {self.first_step}..{self.first_step + len(self.totals) - 1}")
         self.next_step = self.first_step + len(self.totals)
-        expected = self.plan.persistent(self.next_step)
-        if sorted(self.store) != sorted(expected):
-            raise RuntimeError(f"rank {self.comm.rank}: the run ended holding {sorted(self.store)}, "
-                               f"not the persistent state {sorted(expected)}")
+        expected = set(self.plan.persistent(self.next_step))
+        if set(self.store) != expected:
+            extra, missing = sorted(set(self.store) - expected), sorted(expected - set(self.store))
+            raise RuntimeError(f"rank {self.comm.rank}: the run ended holding {len(extra)} item(s) beyond its "
+                               f"persistent state (first {extra[:3]}) and lacking {missing[:3]}")
         self.pool.clear()  # between steps a rank holds its model state and nothing else
         for comm in (self.comm, *self.stage_comms.values()):
             if comm is not None:  # None: a stage whose reduction group this rank is not in
@@ -231,7 +235,8 @@ class Executor:
         """The item, waiting for it if it is still arriving."""
         if item in self.inbox:
             buffer, request, source = self.inbox.pop(item)
-            what = WHAT[item.kind].format(s=item.stage, i=item.index)
+            step, batch = divmod(item.index, self.plan.micro_batches)  # x and dy count micro-batches over the run
+            what = WHAT[item.kind].format(s=item.stage, i=item.index, b=batch, t=step)
             wait_requests([request], f"the receive of {what}", [source], rank=self.comm.rank)
             self.store[item] = buffer  # counted in the ledger when its receive was posted
         return self.store[item]
@@ -383,7 +388,8 @@ class Executor:
         overwrite, done = self.run.weight_plan[(instruction.stage, instruction.step)]
         with self.ledger.phase("update"):
             weights = self._take(old)
-            self.outbox.wait_buffer(weights, f"the sends of {WHAT['w'].format(s=s, i=step)}")  # it is overwritten
+            # the update overwrites it
+            self.outbox.wait_buffer(weights, f"the sends of the weights of stage {s} after {step} updates")
             if overwrite:
                 del self.store[old]
                 self.taken_over.add(old)
@@ -423,8 +429,9 @@ class Executor:
         return self.optimizers[s]
 
     def _end_time_step(self, instruction: EndTimeStep) -> None:
-        self.timeline.append((instruction.time + self.time_offset, self.cache.live_bytes, self.cache.window_peak))
-        self.cache.window_peak = self.cache.live_bytes
+        if self.record_timeline:
+            self.timeline.append((instruction.time + self.time_offset, self.cache.live_bytes, self.cache.window_peak))
+            self.cache.window_peak = self.cache.live_bytes
         self.poll()
 
     handlers = {Receive: _receive, Send: _send, Drop: _drop, Compute: _compute, Update: _update,

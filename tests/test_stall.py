@@ -23,7 +23,7 @@ ENDS_WITHIN = COMM_TIMEOUT + 12
     ("pipeline", 0, 1, "the receive of the activation of stage 1, micro-batch 0 at step 0"),
     ("pipeline", 1, 0, "the receive of the gradient of stage 0, micro-batch 0 at step 0"),
     ("cdp-dp", 1, 0, "the receive of the weights of stage 1 after 1 updates"),
-    ("cdp-pp", 0, 1, "the receive of the activation of stage 1 micro-batch 0 (counted over the run)"),
+    ("cdp-pp", 0, 1, "the receive of the activation of stage 1, micro-batch 0 at step 0"),
 ])
 def test_a_rank_stalled_before_a_send_ends_every_rank_naming_the_wait_and_the_peer(run, stalled, waiting, operation):
     result = run_mpi(2, sys.executable, str(SCRIPTS / "check_stall.py"), run, str(stalled), timeout=120)

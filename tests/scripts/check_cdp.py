@@ -99,6 +99,7 @@ for layout, count in CASES:
                                  micro_batches=count)
             label = f"rank {world.rank}: {layout} N={count} {rule} {optimizer}"
             trainer = Trainer(config)
+            trainer.engine.record_timeline = True
             records = traced(trainer)
             trainer.run()
             got = trainer.engine.full_parameters()
