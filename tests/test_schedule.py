@@ -119,6 +119,18 @@ def test_show_prints_the_diagram_and_the_costs():
     assert str(Job(3, 5, BACKWARD)) == "B3b5"
 
 
+def test_show_items_lists_each_worker_s_program_as_the_executor_runs_it():
+    result = CliRunner().invoke(cli, ["schedule", "show", "--scheme", "1f1b", "-W", "2", "-S", "2", "-B", "2", "--items"])
+    assert result.exit_code == 0, result.output
+    worker_1 = result.output[result.output.index("worker 1, as the executor runs it:"):].splitlines()[1:]
+    assert worker_1 == ["  Receive x(1, 0) from 0", "  Compute F1b0 of step 0 with w(1, 0)", "  Drop x(1, 0)",
+                        "  Receive x(1, 1) from 0", "  Compute B1b0 of step 0 with w(1, 0), gradient from zero",
+                        "  Send dy(0, 0) to 0", "  Drop dy(0, 0)", "  Compute F1b1 of step 0 with w(1, 0)",
+                        "  Drop x(1, 1)", "  Compute B1b1 of step 0 with w(1, 0)", "  Send dy(0, 1) to 0",
+                        "  Drop dy(0, 1)", "  -- the update: after the trainer has summed the loss",
+                        "  Update stage 1 of step 0", "  Drop g(1, 0)", "  Drop w(1, 0)"]
+
+
 # Seed 001's table, row by row. Units: one job (one stage of one micro-batch, one direction)
 # takes one unit, so a latency L of the table (forward only, big-O) is 2L here with both
 # passes; transfers are counted per job (forward and backward each), storage in (s, b)
