@@ -272,12 +272,11 @@ class Executor:
         if item.kind not in LEDGER_KIND:
             return
         self._let_go(item.stage, buffer)
-        # A rank that updates a stage keeps one dropped version for its next copy of an old one, and
-        # a pipeline keeps a stage's gradient for the next step (still counted); CDP's zero layout
-        # lets all of a stage's buffers leave with it
+        # A rank that updates a stage may keep one dropped version for its next copy of an old one,
+        # and a pipeline keeps a stage's gradient for the next step (both still counted)
         spare = Item(item.kind, item.stage, 0)
         if spare not in self.spares and ((item.kind == "w" and item.stage in self.optimizers
-                                          and getattr(self.plan, "layout", None) != "zero")
+                                          and self.plan.keeps_spare_weights)
                                          or (item.kind == "g" and self.plan.keeps_gradients)):
             self.spares[spare] = buffer
         else:

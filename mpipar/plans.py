@@ -123,6 +123,7 @@ class PipelinePlan:
     settles_each_step = True  # the trainer sums the loss over ranks before every update
     keeps_gradients = True  # a stage's gradient buffer is reused step after step (Table 1's G)
     steps_in_any_order = True  # its state does not depend on the steps before (checks run step N alone)
+    keeps_spare_weights = True  # (an update never copies an old version aside here)
 
     def __init__(self, compiled: Compiled, mesh: Mesh, rank: int, stage_sizes: list[int]) -> None:
         self.compiled, self.mesh, self.rank, self.stage_sizes = compiled, mesh, rank, stage_sizes
@@ -181,6 +182,9 @@ class CdpPlan:
     def __init__(self, layout: str, rule: str, count: int, rank: int, world_size: int, stage_sizes: list[int], *,
                  itemsize: int, state_kinds: int) -> None:
         self.layout, self.rule, self.count, self.rank, self.world_size = layout, rule, count, rank, world_size
+        # an updater keeps a dropped weight version for its next copy of an old one, except in the
+        # zero layout, where all of a stage's buffers leave with the stage
+        self.keeps_spare_weights = layout != "zero"
         self.micro_batches, self.mesh, self.shared = count, Mesh(world_size, 1), []
         self.stage_sizes, self.itemsize, self.state_kinds = stage_sizes, itemsize, state_kinds
         self.runs: dict[tuple[int, int], Run] = {}  # only this rank's: every rank's grows with ranks x steps
