@@ -101,3 +101,17 @@ def test_a_job_on_fetched_weights_computes_with_its_own_copy():
     assert copies and len(copies) == len(set(copies))
     assert all(item.kind == "f" for item in copies)
     assert {i.job.direction for i in lowered if isinstance(i, Compute)} == {FORWARD, BACKWARD}
+
+
+def test_a_stage_shared_by_its_replica_group_is_no_item_only_its_jobs_and_update():
+    """In a composed run a held stage's weights and gradient live in its replica group's
+    sharding flow (data_parallel.py): the lowered program computes and updates it but never
+    names its w or g, while activations still move as items."""
+    compiled = compile_programs(get_strategy("1f1b"), Shape(2, 2, 4, 1))
+    for worker, program in enumerate(compiled.programs):
+        lowered, _ = lower(program, 2, shared={worker})
+        named = {i.item for i in lowered if isinstance(i, (Receive, Send, Drop))}
+        assert not [item for item in named if item.kind in "wgf"], f"worker {worker}: {sorted(named)}"
+        assert [i for i in lowered if isinstance(i, Update)] == [Update(worker, 0)]
+        assert sum(isinstance(i, Compute) for i in lowered) == 8
+        assert {item.kind for item in named} == {"x", "dy"}
