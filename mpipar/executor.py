@@ -99,7 +99,7 @@ class Executor:
         self.workspace: np.ndarray | None = None  # their scratch, shared: updates never overlap
         self.bound: list[tuple] = [(None, None)] * len(stages)  # the (weights, gradient) each stage's layers view
         self.taken_over: set[Item] = set()  # versions an update took the buffer of: their Drop is done
-        self.spares: dict[Item, np.ndarray] = {}  # per (kind, stage): a dropped buffer kept for the next use
+        self.spares: dict[tuple[str, int], np.ndarray] = {}  # per (kind, stage): a dropped buffer kept for reuse
         self.reductions: dict[int, object] = {}  # stage -> its gradient reduction in flight
         # (time step, live activation bytes, peak within it): CDP's Fig. 4, kept only when asked
         # for (record_timeline), as a long run would grow it without bound
@@ -169,8 +169,6 @@ class Executor:
         self.outbox = Outbox()  # sends in flight: each buffer lives until its send completes
         self.time_offset, self.job_times = len(self.timeline), []
         self.backwards_done = dict.fromkeys(self.shared, 0)
-        self.backwards = {s: sum(isinstance(i, Compute) and i.job.stage == s and i.job.direction == BACKWARD
-                                 for i in self.run.program) for s in self.shared}
         for shared in self.shared.values():
             shared.start_step()
         return self.run
@@ -274,7 +272,7 @@ class Executor:
         self._let_go(item.stage, buffer)
         # A rank that updates a stage may keep one dropped version for its next copy of an old one,
         # and a pipeline keeps a stage's gradient for the next step (both still counted)
-        spare = Item(item.kind, item.stage, 0)
+        spare = (item.kind, item.stage)
         if spare not in self.spares and ((item.kind == "w" and item.stage in self.optimizers
                                           and self.plan.keeps_spare_weights)
                                          or (item.kind == "g" and self.plan.keeps_gradients)):
@@ -345,7 +343,7 @@ class Executor:
         with self.ledger.phase("backward"):
             if s in self.shared:  # the stage's gradient goes to its replica group's scope as the layers finish
                 done = self.backwards_done[s]
-                dx = self.shared[s].backward(dy, ctx, done, last=done == self.backwards[s] - 1)
+                dx = self.shared[s].backward(dy, ctx, done, last=done == self.run.backwards[s] - 1)
                 self.backwards_done[s] = done + 1
             else:
                 dx = self.stages[s].backward(dy, ctx, after_layer=self.poll)
@@ -355,7 +353,7 @@ class Executor:
 
     def _zeros(self, kind: str, s: int) -> np.ndarray:
         """A zeroed buffer of stage s's size: the spare of that kind, else a new one."""
-        spare = self.spares.pop(Item(kind, s, 0), None)
+        spare = self.spares.pop((kind, s), None)
         if spare is None:
             return np.zeros(self.stages[s].flat.size, dtype=self.dtype)
         self.ledger.free(LEDGER_KIND[kind], spare.nbytes)  # _keep counts it again
@@ -404,13 +402,13 @@ class Executor:
     def _aside(self, s: int, done: Item | None, weights: np.ndarray) -> np.ndarray:
         """A buffer for stage s's old version: that of version `done`, which this rank only drops
         from now on, else the stage's spare, else a new one."""
-        if done is None and Item("w", s, 0) not in self.spares:
+        if done is None and ("w", s) not in self.spares:
             self.ledger.hold("parameters", weights.nbytes)
             return np.empty_like(weights)
         if done is not None:
             done = self._shifted(done)
             self.taken_over.add(done)
-        buffer = self.spares.pop(Item("w", s, 0)) if done is None else self.store.pop(done)
+        buffer = self.spares.pop(("w", s)) if done is None else self.store.pop(done)
         self.outbox.wait_buffer(buffer, f"the sends of a buffer of stage {s}")  # it is about to be overwritten
         return buffer
 

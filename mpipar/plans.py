@@ -21,7 +21,8 @@ Exercised by: python -m pytest tests/test_plans.py
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 
 from mpipar.mesh import Mesh
 from mpipar.peak import ActivationBytes, Peak, cyclic_peak, mesh_peak
@@ -57,13 +58,20 @@ class Run:
     """A program for steps [first_step, first_step + steps): its instructions name steps from
     `shift` earlier; `updates_from` is where its update part starts (pipelines: the trainer
     checks the summed loss before it); `weight_plan` is cyclic_compiler.weight_buffers of it;
-    `step_ends` the positions where each step's last instruction here is behind."""
+    `step_ends` the positions where each step's last instruction here is behind; `backwards`
+    how many backward jobs of each stage it computes (a shared stage's last one finishes its
+    gradient)."""
 
     program: tuple
     shift: int
     updates_from: int
     weight_plan: dict
     step_ends: tuple[tuple[int, int], ...]
+    backwards: dict[int, int]
+
+    def shifted(self, first_step: int) -> Run:
+        """The same program, run from `first_step`."""
+        return replace(self, shift=first_step)
 
 
 def job_number(batch: int, direction: str) -> int:
@@ -135,12 +143,12 @@ class PipelinePlan:
         # replica group under a sharding triple; a stage without parameters has nothing to share
         self.shared = [s for s in self.held if stage_sizes[s] and (mesh.replicas > 1 or data_parallel)]
         program, updates_from = lower(compiled.programs[self.worker], len(stage_sizes), set(self.shared))
-        self.run = Run(program, 0, updates_from, weight_buffers(program), ((len(program), 0),))
+        self.run = _run(program, updates_from, ((len(program), 0),))
 
     def program(self, first_step: int, steps: int) -> Run:
         if steps != 1:
             raise ValueError(f"a pipeline program is one step, not {steps}")
-        return Run(self.run.program, first_step, self.run.updates_from, self.run.weight_plan, self.run.step_ends)
+        return self.run.shifted(first_step)
 
     def persistent(self, step: int) -> list[Item]:
         """The items this rank holds between steps: its held stages' weights and optimizer state."""
@@ -196,9 +204,8 @@ class CdpPlan:
         if key not in self.runs:
             plan = compile_cyclic(self.layout, self.rule, self.count, key[0], steps)
             program = plan.programs[self.rank]
-            self.runs[key] = Run(program, 0, len(program), weight_buffers(program), tuple(_step_ends(program)))
-        run = self.runs[key]
-        return Run(run.program, first_step - key[0], run.updates_from, run.weight_plan, run.step_ends)
+            self.runs[key] = _run(program, len(program), tuple(_step_ends(program)))
+        return self.runs[key].shifted(first_step - key[0])
 
     def persistent(self, step: int) -> list[Item]:
         return [item for item in persistent_items(self.rule, self.count, step) if self.rank in self._homes(item)]
@@ -226,6 +233,11 @@ class CdpPlan:
         return cyclic_peak(self.program(0, steps).program, rank, self.layout, self.rule, self.stage_sizes,
                            itemsize=self.itemsize, state_kinds=self.state_kinds, training=training,
                            evaluation=evaluation)
+
+
+def _run(program: tuple, updates_from: int, step_ends: tuple) -> Run:
+    backwards = Counter(i.job.stage for i in program if isinstance(i, Compute) and i.job.direction == BACKWARD)
+    return Run(program, 0, updates_from, weight_buffers(program), step_ends, dict(backwards))
 
 
 def _step_ends(program: tuple) -> list[tuple[int, int]]:

@@ -27,7 +27,7 @@ import click
 from mpipar.cli.params import RenamedOption
 from mpipar.errors import ConfigError
 from mpipar.mesh import Mesh
-from mpipar.plans import lower
+from mpipar.plans import PipelinePlan
 from mpipar.schedule import diagram
 from mpipar.schedule.instructions import Backward, Compute, Forward, OptimizerStep, Update, describe
 from mpipar.schedule.program import compile_programs
@@ -105,23 +105,22 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
                 last = isinstance(instruction, Backward) and last_backward[instruction.stage] == index
                 flow = replica_flow(instruction, sharding, len(ranks), last)
                 click.echo(f"  {describe(instruction)}" + (f"   | {flow}" if flow and replicas > 1 else ""))
-    if items:  # plans.py's lowering: a stage held with replicas is its replica group's, not items
-        for worker, program in enumerate(compiled.programs):
-            shared = {s for s in range(stages)
-                      if worker in compiled.holders[s] and (replicas > 1 or stages == 1 == workers)}
+    if items:  # the executor's plan of each worker's first rank (every stage taken to have parameters)
+        for worker in range(workers):
+            plan = PipelinePlan(compiled, mesh, mesh.rank(worker, 0), [1] * stages)
             click.echo(f"worker {worker}, as the executor runs it:")
-            lowered, updates_from = lower(program, stages, shared)
-            backwards = [i for i in lowered if isinstance(i, Compute) and i.job.direction == "B"]
-            for index, instruction in enumerate(lowered):
-                if index == updates_from:
+            backwards_seen = dict.fromkeys(plan.shared, 0)
+            for index, instruction in enumerate(plan.run.program):
+                if index == plan.run.updates_from:
                     click.echo("  -- the update: after the trainer has summed the loss")
                 flow = ""
-                if isinstance(instruction, Compute) and instruction.job.stage in shared:
+                if isinstance(instruction, Compute) and instruction.job.stage in plan.shared:
                     job = instruction.job
-                    last = instruction is [i for i in backwards if i.job.stage == job.stage][-1]
+                    last = job.direction == "B" and backwards_seen[job.stage] == plan.run.backwards[job.stage] - 1
+                    backwards_seen[job.stage] += job.direction == "B"
                     flow = replica_flow((Forward if job.direction == "F" else Backward)(job.stage, job.micro_batch),
                                         sharding, replicas, last)
-                elif isinstance(instruction, Update) and instruction.stage in shared:
+                elif isinstance(instruction, Update) and instruction.stage in plan.shared:
                     flow = replica_flow(OptimizerStep((instruction.stage,)), sharding, replicas, False)
                 click.echo(f"  {describe(instruction)}" + (f"   | {flow}" if flow else ""))
     if png:

@@ -34,7 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from mpipar.errors import ConfigError, unknown_name
-from mpipar.schedule.instructions import CyclicInstruction, CyclicJob, EndTimeStep, Item, Send
+from mpipar.schedule.instructions import CyclicJob, EndTimeStep, Item, ItemInstruction, Send
 from mpipar.schedule.strategies import FORWARD
 
 LAYOUTS = ("single", "dp", "zero", "pp", "mp")
@@ -119,7 +119,7 @@ class CyclicPlan:
     count: int
     first_step: int
     steps: int
-    programs: tuple[tuple[CyclicInstruction, ...], ...]
+    programs: tuple[tuple[ItemInstruction, ...], ...]
 
     def sends_per_time_step(self) -> list[dict[int, int]]:
         """Per rank: time step -> messages it sends at the end of that time step."""

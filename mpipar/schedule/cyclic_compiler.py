@@ -33,11 +33,11 @@ from mpipar.schedule.cyclic import (
 from mpipar.schedule.instructions import (
     PHASES,
     Compute,
-    CyclicInstruction,
     CyclicJob,
     Drop,
     EndTimeStep,
     Item,
+    ItemInstruction,
     Receive,
     Send,
     Update,
@@ -62,7 +62,7 @@ class _Compiler:
         self.acquired: dict[tuple[int, Item], int] = {}  # (rank, item) -> time it is usable from
         self.last_use: dict[tuple[int, Item], int] = {}  # (rank, item) -> time of its latest use there
 
-    def emit(self, rank: int, time: int, instruction: CyclicInstruction) -> None:
+    def emit(self, rank: int, time: int, instruction: ItemInstruction) -> None:
         self.events[rank].append((time, PHASES[type(instruction)], len(self.events[rank]), instruction))
 
     def holds(self, rank: int, item: Item, time: int) -> None:
@@ -127,8 +127,8 @@ class _Compiler:
         return CyclicPlan(self.layout, rule, count, first_step, steps, tuple(programs))
 
     @staticmethod
-    def _with_time_steps(events: list[tuple], end: int) -> tuple[CyclicInstruction, ...]:
-        program: list[CyclicInstruction] = []
+    def _with_time_steps(events: list[tuple], end: int) -> tuple[ItemInstruction, ...]:
+        program: list[ItemInstruction] = []
         position = 0
         for time in range(-1, end + 1):
             while position < len(events) and events[position][0] == time:
@@ -198,7 +198,7 @@ class _Compiler:
         return live
 
 
-def weight_buffers(program: tuple[CyclicInstruction, ...]) -> dict[tuple[int, int], tuple[bool, Item | None]]:
+def weight_buffers(program: tuple[ItemInstruction, ...]) -> dict[tuple[int, int], tuple[bool, Item | None]]:
     """For each update (stage, step) of `program`: may it overwrite the old version (whose
     next use is its Drop), and which version of the stage, if any, is also only dropped
     afterwards (its buffer can take the old version's copy instead of a new one)."""

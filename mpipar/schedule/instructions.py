@@ -222,11 +222,11 @@ class EndTimeStep:
     time: int
 
 
-CyclicInstruction = Receive | Compute | Update | Send | Drop | EndTimeStep | ReduceGradients
+ItemInstruction = Receive | Compute | Update | Send | Drop | EndTimeStep | ReduceGradients
 PHASES = {Receive: 0, Compute: 1, Update: 2, Send: 3, Drop: 4, EndTimeStep: 5}
 
 
-def describe(instruction: Instruction | CyclicInstruction) -> str:
+def describe(instruction: Instruction | ItemInstruction) -> str:
     """One instruction in a few words, for listings and error messages."""
     name = type(instruction).__name__
     if isinstance(instruction, (Receive, Send, Drop)):
