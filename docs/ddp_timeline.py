@@ -2,11 +2,11 @@
 
     mpiexec -n 2 python docs/ddp_timeline.py [SCHEME]   (its output is pasted into docs/data_parallel.md)
 
-A deep MLP (12 Linear layers of 256) runs one training step on each rank under the
-data-parallel engine with units of at most 512 KiB (one 256x256 layer each, the small
+A deep MLP (12 Linear layers of 256) runs one training step on each rank on the
+executor, data parallel, with units of at most 512 KiB (one 256x256 layer each, the small
 last layer on its own), scheme ddp unless given. After each layer's
-backward the engine posts the reduction of any unit that just finished and polls every
-posted one; rank 0 prints, layer by layer, how many reductions are posted and how many
+backward the executor polls every posted reduction, and after each unit's backward its
+ReduceUnit posts that unit's reduction; rank 0 prints, layer by layer, how many reductions are posted and how many
 have completed.
 """
 
@@ -17,39 +17,42 @@ import numpy as np
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.comms.topology import make_world
-from mpipar.data_parallel import DataParallel
+from mpipar.executor import Executor
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
 from mpipar.model import Sequential, build_stages
-from mpipar.sharding import parse_sharding
+from mpipar.plans import data_parallel_plan
+from mpipar.sharding import make_units, parse_sharding
 
 comm = make_world(1)
 layers = [Linear(64, 256)]
 for _ in range(10):
     layers += [ReLU(), Linear(256, 256)]
 layers += [ReLU(), Linear(256, 10)]
-(stage,) = build_stages(Sequential(layers, input_shape=(64,)), 1, make_backend("cpu", "float64"), seed=0)
+(stage,) = build_stages(Sequential(layers, input_shape=(64,)), 1, make_backend("cpu", "float64"), seed=0,
+                        materialize=False)
 scheme = parse_sharding(sys.argv[1] if len(sys.argv) > 1 else "ddp")
-engine = DataParallel(comm, stage, scheme, optimizer="sgd", optimizer_options={}, collective="ring",
-                      unit_bytes=512 * 1024)
+unit_bytes = 512 * 1024
+plan = data_parallel_plan(comm.rank, comm.size, stage.flat.size, sharding=scheme,
+                          units=len(make_units(stage, unit_bytes)))
+engine = Executor(comm, [stage], plan, ActivationCache(), SoftmaxCrossEntropy(), input_shapes=[(64,), (10,)],
+                  optimizer="sgd", optimizer_options={}, collective="ring", sharding=scheme, unit_bytes=unit_bytes)
+shared = engine.shared[0]
 rng = np.random.default_rng(comm.rank)
 x, y = rng.standard_normal((512, 64)), rng.integers(0, 10, 512)
-loss = SoftmaxCrossEntropy()
-ctx = ActivationCache().context(0, 0)
-engine.start_step()
-loss.forward(engine.forward(x, ctx), y, ctx, 512 * comm.size)
 rows = []
 
 
 def observe(layer):
     if layer.param_specs():
-        done = engine.reductions_done
-        posted = done + len(engine.queue)  # finished, plus the ones still running
-        rows.append(f"{layer.name:<28} {'#' * done}{'+' * (posted - done)}{'.' * (len(engine.units) - posted)}")
+        done = shared.reductions_done
+        posted = done + len(shared.queue)  # finished, plus the ones still running
+        rows.append(f"{layer.name:<28} {'#' * done}{'+' * (posted - done)}{'.' * (len(shared.units) - posted)}")
 
 
-engine.backward(loss.backward(ctx), ctx, 0, last=True, observe=observe)
+engine.observe = observe
+engine.run_step(0, seed=0, load=lambda step, micro_batch: (x, y), batch_size=512 * comm.size)
 engine.finish_gradients()
 if comm.rank == 0:
-    print(f"{comm.size} ranks, scheme {scheme}, {len(engine.units)} units; after each layer's backward: "
+    print(f"{comm.size} ranks, scheme {scheme}, {len(shared.units)} units; after each layer's backward: "
           "# reduced, + posted and in flight, . not yet posted")
-    print("\n".join(rows))
+    print("\n".join(rows[sum(bool(layer.param_specs()) for layer in layers):]))  # the backward's rows

@@ -8,15 +8,18 @@ for one job, a gradient sum g, an optimizer state o) in one store and runs:
     Receive          Irecv into a fresh buffer (a received input becomes an activation: never reused)
     Compute          point the stage at the weights the job reads (and, in backward, at the step's
                      gradient sum) unless it already is, run it; pebbles go into the cache. A stage
-                     shared by a replica group runs the sharding flow instead (data_parallel.py:
-                     gather P, reduce G as the layers finish)
+                     shared by a replica group runs one unit of layers at a time, on the gathered
+                     unit (sharded_stage.py holds its blocks of P, G and OS)
     Send             Isend; the outbox keeps the buffer until the send completes, and no longer
     Drop             forget the item (a gradient waits for its reduction; see _drop for spares)
     ReduceGradients  non-blocking reduce of a stage's gradient to its holder, or all-reduce among
                      the workers that compute it, polled between layers
-    Update           the stage's optimizer steps the weights in place (a shared stage: its OS shard,
-                     then P published); an old version some later job still reads is copied aside
+    Update           the stage's optimizer steps the weights in place (a shared stage: its OS
+                     blocks); an old version some later job still reads is copied aside
     EndTimeStep      let messages progress; record live activation bytes (CDP's Fig. 4 timeline)
+    GatherUnit, ReleaseUnit, ReduceUnit, PublishUnit
+                     the sharding flow of a shared stage (schedule/sharding_flow.py places them):
+                     post a unit's all-gather, free it, post its gradient's reduction, publish P
 
 Pipelines run one step at a time: `run_step` (every instruction before the updates),
 `finish_gradients`, then `step(lr)` once the trainer knows the summed loss is finite.
@@ -41,21 +44,37 @@ from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.handle import wait_requests
 from mpipar.comms.outbox import Outbox
 from mpipar.comms.tags import MAX_MICRO_BATCHES, Kind, p2p_tag
-from mpipar.data_parallel import DataParallel
 from mpipar.errors import NonFiniteLossError
 from mpipar.ledger import MemoryLedger
-from mpipar.model import Stage
+from mpipar.model import LayerHook, Stage
 from mpipar.optim import CHUNK, make_optimizer, state_kinds
 from mpipar.peak import ActivationBytes, Peak
 from mpipar.plans import CdpPlan, PipelinePlan, Run
-from mpipar.schedule.instructions import Compute, Drop, EndTimeStep, Item, Receive, ReduceGradients, Send, Update
-from mpipar.schedule.strategies import BACKWARD, Job
+from mpipar.schedule.instructions import (
+    Compute,
+    CyclicJob,
+    Drop,
+    EndTimeStep,
+    GatherUnit,
+    Item,
+    PublishUnit,
+    Receive,
+    ReduceGradients,
+    ReduceUnit,
+    ReleaseUnit,
+    Send,
+    Update,
+)
+from mpipar.schedule.sharding_flow import job_flow
+from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
+from mpipar.sharded_stage import ShardedStage
 from mpipar.sharding import SCHEMES, Sharding, make_units
 
 KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "f": Kind.WEIGHTS,
            "g": Kind.GRADIENT_SUM, "o": Kind.OPTIMIZER_STATE}
 PHASE_OF = {"x": "activations", "dy": "gradients", "w": "weights", "f": "weights", "g": "gradient-ring",
             "o": "optimizer-state"}
+GATHER_PHASE = {FORWARD: "forward-gather", BACKWARD: "backward-gather"}
 LEDGER_KIND = {"w": "parameters", "f": "parameters", "g": "gradients", "o": "optimizer_state"}
 WHAT = {"x": "the activation of stage {s}, micro-batch {b} at step {t}",
         "dy": "the gradient of stage {s}, micro-batch {b} at step {t}",
@@ -85,10 +104,13 @@ class Executor:
         # A stage shared by its replica group keeps its state in the sharding flow: one
         # communicator per stage (the world's own where the group is every rank)
         group = self.mesh.replica_group(self.mesh.worker(comm.rank))
-        self.shared = {s: DataParallel(comm if len(group) == comm.size else comm.subset(group), stages[s], sharding,
+        self.shared = {s: ShardedStage(comm if len(group) == comm.size else comm.subset(group), stages[s], sharding,
                                        optimizer=optimizer, optimizer_options=optimizer_options, collective=collective,
-                                       unit_bytes=unit_bytes, prefetch=prefetch, ledger=self.ledger)
+                                       unit_bytes=unit_bytes, ledger=self.ledger)
                        for s in plan.shared}
+        for s, shared in self.shared.items():
+            if len(shared.units) != plan.units[s]:  # the plan and the stage cut it alike (make_units)
+                raise ValueError(f"stage {s} is {len(shared.units)} units, its plan was lowered for {plan.units[s]}")
         for item in plan.persistent(0):  # the rest arrives laid out, not allocated: items are bound per job
             flat = stages[item.stage].flat
             self._keep(item, flat.initial(0, flat.size) if item.kind == "w" else np.zeros(self._size(item), self.dtype))
@@ -105,6 +127,9 @@ class Executor:
         # for (record_timeline), as a long run would grow it without bound
         self.next_step, self.timeline, self.record_timeline = 0, [], False
         self.job_times: list[tuple[Job, float, float]] = []  # (job, start, end) of a step by perf_counter
+        self.flowing: tuple = (None, None)  # a shared stage's job between two units: (value, targets)
+        self.gather_phase: str | None = None  # set while an evaluation gathers (its traffic phase)
+        self.observe: LayerHook | None = None  # called after every layer, once polled (timelines, tests)
 
     def predicted_peak(self, training: ActivationBytes, evaluation: ActivationBytes | None = None, *,
                        rank: int | None = None, steps: int = 1) -> Peak:
@@ -168,7 +193,6 @@ class Executor:
         self.inbox: dict[Item, tuple[np.ndarray, MPI.Request, int]] = {}  # buffer, request, source
         self.outbox = Outbox()  # sends in flight: each buffer lives until its send completes
         self.time_offset, self.job_times = len(self.timeline), []
-        self.backwards_done = dict.fromkeys(self.shared, 0)
         for shared in self.shared.values():
             shared.start_step()
         return self.run
@@ -184,6 +208,8 @@ class Executor:
             extra, missing = sorted(set(self.store) - expected), sorted(expected - set(self.store))
             raise RuntimeError(f"rank {self.comm.rank}: the run ended holding {len(extra)} item(s) beyond its "
                                f"persistent state (first {extra[:3]}) and lacking {missing[:3]}")
+        for s in sorted(self.shared):  # the publishes complete, in stage order on every rank
+            self.shared[s].end_step()
         self.pool.clear()  # between steps a rank holds its model state and nothing else
         for comm in (self.comm, *self.stage_comms.values()):
             if comm is not None:  # None: a stage whose reduction group this rank is not in
@@ -193,8 +219,15 @@ class Executor:
         for instruction in instructions:
             self.handlers[type(instruction)](self, instruction)
 
-    def poll(self, _layer=None) -> None:
-        """Between layers: let reductions and messages in flight progress."""
+    def _after_layer(self, layer) -> None:
+        self.poll()
+        if self.observe is not None:
+            self.observe(layer)
+
+    def poll(self) -> None:
+        """Between layers: let gathers, reductions and messages in flight progress."""
+        for shared in self.shared.values():
+            shared.poll()
         for handle in self.reductions.values():
             handle.test()
         if self.inbox:
@@ -301,52 +334,67 @@ class Executor:
         self.bound[s] = (bound[0] if weights is None else weights, bound[1] if gradient is None else gradient)
 
     def _compute(self, instruction: Compute) -> None:
-        job = instruction.job
+        """Run a job, or one unit of a shared stage's job: the units of a job follow each other
+        in the program, the output of one (`flowing`) the input of the next."""
+        job, unit = instruction.job, instruction.unit
         step, s, i = job.step + self.run.shift, job.stage, job.micro_batch
         g, last = step * self.plan.micro_batches + i, s == len(self.stages) - 1
-        if s not in self.shared:
-            self._bind(s, weights=self._take(self._shifted(instruction.weights)))
-        start = time.perf_counter()
-        if job.direction == BACKWARD:
-            self._backward(step, s, g, instruction.new_gradient)
+        backward = job.direction == BACKWARD
+        units = len(self.shared[s].units) if s in self.shared else 1
+        opens = unit is None or unit == (units - 1 if backward else 0)  # the job's first unit
+        closes = unit is None or unit == (0 if backward else units - 1)  # and its last
+        if s in self.shared:
+            self.shared[s].enter(unit, backward)
         else:
-            self._forward(step, s, i, g, last)
-        if len(self.totals) == 1:  # a run of one step (a pipeline's): its bubble; an epoch's would grow with it
-            self.job_times.append((Job(s, i, job.direction), start, time.perf_counter()))
-
-    def _forward(self, step: int, s: int, i: int, g: int, last: bool) -> None:
-        inputs, targets = self.load(step, i) if s == 0 or last else (None, None)
-        x = inputs if s == 0 else self._take(Item("x", s, g))
-        first = self.mesh.replica(self.comm.rank) * (self.batch_size // self.mesh.replicas) + i * self.micro_size
-        ctx = self.cache.context(s, g, step=step, seed=self.seed, sample_ids=np.arange(first, first + self.micro_size))
-        with self.ledger.phase("forward"):
-            y = self.shared[s].forward(x, ctx) if s in self.shared else self.stages[s].forward(x, ctx,
-                                                                                            after_layer=self.poll)
-        if not last:
-            self._keep(Item("x", s + 1, g), y)
-            return
-        loss = float(self.loss_fn.forward(y, targets, ctx, self.batch_size))
-        if not self.plan.settles_each_step and not np.isfinite(loss):
-            raise NonFiniteLossError(f"step {step}, micro-batch {i}: the training loss is {loss} "
-                                     f"(rank {self.comm.rank}); try a lower --lr")
-        self.totals[step - self.first_step] += (loss, float((y.argmax(axis=-1) == targets).sum()), targets.size)
-        self.losses_computed[step - self.first_step] += 1
-
-    def _backward(self, step: int, s: int, g: int, new_gradient: bool) -> None:
-        gradient = Item("g", s, step)
-        if new_gradient:
-            self._keep(gradient, self._zeros("g", s))
-        if s not in self.shared:
-            self._bind(s, gradient=self._take(gradient))  # layers add into the sum so far
-        ctx = self.cache.contexts[(s, g)]
-        dy = self.loss_fn.backward(ctx) if s == len(self.stages) - 1 else self._take(Item("dy", s, g))
-        with self.ledger.phase("backward"):
-            if s in self.shared:  # the stage's gradient goes to its replica group's scope as the layers finish
-                done = self.backwards_done[s]
-                dx = self.shared[s].backward(dy, ctx, done, last=done == self.run.backwards[s] - 1)
-                self.backwards_done[s] = done + 1
+            self._bind(s, weights=self._take(self._shifted(instruction.weights)))
+        if opens:
+            self.job_start = time.perf_counter()
+        span = None if unit is None else self.shared[s].layers(unit)
+        with self.ledger.phase("backward" if backward else "forward"):
+            if backward:
+                self._backward(step, s, g, instruction.new_gradient, span, opens, closes)
             else:
-                dx = self.stages[s].backward(dy, ctx, after_layer=self.poll)
+                self._forward(step, s, i, g, last, span, opens, closes)
+        if closes and len(self.totals) == 1:  # a one-step run (a pipeline's): its bubble; an epoch's would grow
+            self.job_times.append((Job(s, i, job.direction), self.job_start, time.perf_counter()))
+
+    def _forward(self, step: int, s: int, i: int, g: int, last: bool, span, opens: bool, closes: bool) -> None:
+        if opens:
+            inputs, targets = self.load(step, i) if s == 0 or last else (None, None)
+            x = inputs if s == 0 else self._take(Item("x", s, g))
+            first = self.mesh.replica(self.comm.rank) * (self.batch_size // self.mesh.replicas) + i * self.micro_size
+            ctx = self.cache.context(s, g, step=step, seed=self.seed,
+                                     sample_ids=np.arange(first, first + self.micro_size))
+        else:
+            (x, targets), ctx = self.flowing, self.cache.contexts[(s, g)]
+        y = self.stages[s].forward(x, ctx, self._after_layer, span)
+        if not closes:
+            self.flowing = (y, targets)
+        elif not last:
+            self._keep(Item("x", s + 1, g), y)
+        else:
+            loss = float(self.loss_fn.forward(y, targets, ctx, self.batch_size))
+            if not self.plan.settles_each_step and not np.isfinite(loss):
+                raise NonFiniteLossError(f"step {step}, micro-batch {i}: the training loss is {loss} "
+                                         f"(rank {self.comm.rank}); try a lower --lr")
+            self.totals[step - self.first_step] += (loss, float((y.argmax(axis=-1) == targets).sum()), targets.size)
+            self.losses_computed[step - self.first_step] += 1
+
+    def _backward(self, step: int, s: int, g: int, new_gradient: bool, span, opens: bool, closes: bool) -> None:
+        ctx = self.cache.contexts[(s, g)]
+        if opens:
+            gradient = Item("g", s, step)
+            if new_gradient:
+                self._keep(gradient, self._zeros("g", s))
+            if s not in self.shared:
+                self._bind(s, gradient=self._take(gradient))  # layers add into the sum so far
+            dy = self.loss_fn.backward(ctx) if s == len(self.stages) - 1 else self._take(Item("dy", s, g))
+        else:
+            dy, _ = self.flowing
+        dx = self.stages[s].backward(dy, ctx, self._after_layer, span)
+        if not closes:
+            self.flowing = (dx, None)
+            return
         self.cache.release(s, g)
         if s > 0:
             self._keep(Item("dy", s - 1, g), dx)
@@ -378,7 +426,7 @@ class Executor:
         s, step = instruction.stage, instruction.step + self.run.shift
         if s in self.reductions:
             self.reductions.pop(s).wait()
-        if s in self.shared:
+        if s in self.shared:  # its OS blocks; PublishUnit follows
             self.shared[s].step(self.lr_at(step))
             return
         old, new = Item("w", s, step), Item("w", s, step + 1)
@@ -431,8 +479,24 @@ class Executor:
             self.cache.window_peak = self.cache.live_bytes
         self.poll()
 
+    def _gather_unit(self, instruction: GatherUnit) -> None:
+        phase = self.gather_phase or GATHER_PHASE[instruction.direction]
+        self.shared[instruction.stage].gather(instruction.unit, phase)
+
+    def _release_unit(self, instruction: ReleaseUnit) -> None:
+        self.shared[instruction.stage].release(instruction.unit)
+
+    def _reduce_unit(self, instruction: ReduceUnit) -> None:
+        with self.ledger.phase("backward"):
+            self.shared[instruction.stage].reduce(instruction.unit, instruction.first, instruction.last)
+
+    def _publish_unit(self, instruction: PublishUnit) -> None:
+        with self.ledger.phase("update"):
+            self.shared[instruction.stage].publish(instruction.unit)
+
     handlers = {Receive: _receive, Send: _send, Drop: _drop, Compute: _compute, Update: _update,
-                ReduceGradients: _reduce, EndTimeStep: _end_time_step}
+                ReduceGradients: _reduce, EndTimeStep: _end_time_step, GatherUnit: _gather_unit,
+                ReleaseUnit: _release_unit, ReduceUnit: _reduce_unit, PublishUnit: _publish_unit}
 
     # -- the whole model, the same for every plan (evaluation, checks, checkpoints) ------------
     def _whole_stage(self, s: int, phase: str, out: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
@@ -462,7 +526,7 @@ class Executor:
         to every rank, used, and forgotten, as ZeRO-3 gathers a unit."""
         for s, stage in enumerate(self.stages):
             if s in self.shared and self.plan.everywhere(s):
-                x = self.shared[s].forward(x, ctx, gather_phase)
+                x = self._forward_units(s, x, ctx, gather_phase)
                 continue
             weights, owned = self._whole_stage(s, gather_phase)
             self._bind(s, weights=weights)
@@ -471,6 +535,20 @@ class Executor:
                 self._let_go(s, weights)
                 self.ledger.free("parameters", weights.nbytes)
                 self.pool.give(weights)
+        return x
+
+    def _forward_units(self, s: int, x, ctx: Context, gather_phase: str):
+        """Shared stage s on one batch, by the forward of the sharding flow (its gathers counted
+        under `gather_phase`); the Computes run here, outside any step."""
+        self.gather_phase = gather_phase
+        for instruction in job_flow(CyclicJob(0, 0, s, FORWARD), len(self.shared[s].units), self.sharding,
+                                    self.prefetch):
+            if isinstance(instruction, Compute):
+                self.shared[s].enter(instruction.unit, backward=False)
+                x = self.stages[s].forward(x, ctx, span=self.shared[s].layers(instruction.unit))
+            else:
+                self.handlers[type(instruction)](self, instruction)
+        self.gather_phase = None
         return x
 
     def full_parameters(self) -> np.ndarray:

@@ -1,6 +1,6 @@
 """The memory ledger: bytes of parameters, gradients, optimizer state and workspace a rank holds.
 
-The data-parallel engine records every buffer of model state it allocates or frees
+The sharding flow (sharded_stage.py) records every buffer of model state it allocates or frees
 — persistent shards as well as the full copies of a unit that exist only while the
 unit is computed (a gathered layer, a gradient waiting to be reduce-scattered). The
 ledger keeps the bytes held now per kind, and per phase of the step (forward,

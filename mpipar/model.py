@@ -216,29 +216,26 @@ class Stage:
                 if layer.param_specs() or layer.children():
                     break
 
-    def forward(self, x, ctx, before_layer: LayerHook | None = None, after_layer: LayerHook | None = None):
-        """Forward through the stage; the hooks run around each layer (a sharded engine
-        gathers a layer's parameters before it and frees them after)."""
-        for layer in self.layers:
-            if before_layer is not None:
-                before_layer(layer)
+    def forward(self, x, ctx, after_layer: LayerHook | None = None, span: tuple[int, int] | None = None):
+        """Forward through the stage, or through its layers [start, stop) of `span` (one unit of
+        a shared stage); `after_layer(layer)` runs as each layer finishes (communication in
+        flight is polled there)."""
+        for layer in self.layers if span is None else self.layers[span[0]:span[1]]:
             x = layer.forward(x, ctx)
             if after_layer is not None:
                 after_layer(layer)
         return x
 
-    def backward(self, dy, ctx, before_layer: LayerHook | None = None, after_layer: LayerHook | None = None):
-        """Backward through the stage; `after_layer(layer)` runs as each layer finishes
-        (reductions of finished gradients are posted and polled there)."""
-        for layer in reversed(self.layers):
-            if before_layer is not None:
-                before_layer(layer)
+    def backward(self, dy, ctx, after_layer: LayerHook | None = None, span: tuple[int, int] | None = None):
+        """Backward through the stage (or `span` of it); `after_layer(layer)` runs as each layer
+        finishes. It stops where no layer below needs an input gradient (dy None)."""
+        for layer in reversed(self.layers if span is None else self.layers[span[0]:span[1]]):
+            if dy is None:
+                break
             dy = layer.backward(dy, ctx)
             mark_written(layer)
             if after_layer is not None:
                 after_layer(layer)
-            if dy is None:
-                break
         return dy
 
 

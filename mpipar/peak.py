@@ -5,7 +5,7 @@ live only while they are used, and each has an owner in the engines and a bound:
 
     gathered units      P sharded: the unit being computed and the --prefetch units after it
     unit gradients      G sharded: the unit whose backward runs, plus at most REDUCTIONS_IN_FLIGHT
-                        waiting for their reduce-scatter (data_parallel.py)
+                        waiting for their reduce-scatter (sharded_stage.py)
     spare               the scratch pool keeps one buffer of a unit for the next take (comms/comm.py)
     collective scratch  a ring reduce-scatter receives partial sums into one block per operation
     workspace           the optimizer updates in chunks of optim.CHUNK elements
@@ -85,7 +85,7 @@ class Peak:
 def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, world_size: int, group_size: int, *,
                        itemsize: int, state_kinds: int, training: ActivationBytes,
                        evaluation: ActivationBytes | None = None, prefetch: int = 1) -> Peak:
-    """The peak of one rank of the data-parallel engine (per rank sizes rounded up)."""
+    """The peak of one rank of a stage shared by its replica group (per rank sizes rounded up)."""
     P, G, OS = sharding.triple
     share = {scope: sharing_ranks(scope, world_size, group_size) for scope in "NIG"}
     steady = {"parameters": math.ceil(parameters / share[P]) * itemsize,

@@ -1,12 +1,13 @@
 """What the executor runs on a rank: its program for a run of steps, and where state rests between runs.
 
 Both families of schedule reach the executor (executor.py) as the same item instructions
-(schedule/instructions.py: Receive, Compute, Send, Drop, ReduceGradients, Update):
+(schedule/instructions.py: Receive, Compute, Send, Drop, ReduceGradients, Update, and the
+unit instructions of the sharding flow):
 
     PipelinePlan   a strategy's per-worker program (schedule/program.py: jobs and the
                    transfers they imply) lowered to items, one step per run. Data parallelism
                    is its S = 1 case: one stage on one worker, replicated on every rank, where
-                   the stage's replica group shares it by a sharding triple (data_parallel.py)
+                   the stage's replica group shares it by a sharding triple
     CdpPlan        Cyclic Data Parallelism: the cyclic compiler's program for a run of steps
                    (an epoch), whose steps overlap in time and whose updates interleave
 
@@ -14,14 +15,16 @@ Lowering a pipeline program is one rule per instruction: an activation or gradie
 item x or dy of (stage, micro-batch), kept by the job that makes it and dropped by the one
 that consumes it or once sent; a stage's held weights are w(stage, step), a copy fetched
 for one job is f(stage, job); a job's gradient adds into g(stage, step); the optimizer step
-is one Update per held stage, after which the old gradient and weights are dropped.
+is one Update per held stage, after which the old gradient and weights are dropped. A
+stage shared by its replica group lowers instead to the sharding flow of its triple, unit
+by unit (schedule/sharding_flow.py): gathers, computes, releases and reductions per job, and
+its Update followed by the publishing of P.
 
 Exercised by: python -m pytest tests/test_plans.py
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, replace
 
 from mpipar.mesh import Mesh
@@ -48,9 +51,10 @@ from mpipar.schedule.instructions import (
     SendWeights,
     Update,
 )
-from mpipar.schedule.program import Compiled
-from mpipar.schedule.strategies import BACKWARD, FORWARD
-from mpipar.sharding import Sharding
+from mpipar.schedule.program import Compiled, compile_programs
+from mpipar.schedule.sharding_flow import job_flow, update_flow
+from mpipar.schedule.strategies import BACKWARD, FORWARD, Shape, get_strategy
+from mpipar.sharding import SCHEMES, Sharding
 
 
 @dataclass(frozen=True)
@@ -58,16 +62,13 @@ class Run:
     """A program for steps [first_step, first_step + steps): its instructions name steps from
     `shift` earlier; `updates_from` is where its update part starts (pipelines: the trainer
     checks the summed loss before it); `weight_plan` is cyclic_compiler.weight_buffers of it;
-    `step_ends` the positions where each step's last instruction here is behind; `backwards`
-    how many backward jobs of each stage it computes (a shared stage's last one finishes its
-    gradient)."""
+    `step_ends` the positions where each step's last instruction here is behind."""
 
     program: tuple
     shift: int
     updates_from: int
     weight_plan: dict
     step_ends: tuple[tuple[int, int], ...]
-    backwards: dict[int, int]
 
     def shifted(self, first_step: int) -> Run:
         """The same program, run from `first_step`."""
@@ -79,18 +80,29 @@ def job_number(batch: int, direction: str) -> int:
     return 2 * batch + (direction == BACKWARD)
 
 
-def lower(program: tuple, stages: int, shared: set[int]) -> tuple[tuple, int]:
+def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Sharding = SCHEMES["ddp"],
+          prefetch: int = 1) -> tuple[tuple, int]:
     """A pipeline worker's program as item instructions (of step 0), and where its update part
-    starts. Stages in `shared` are a replica group's (data_parallel.py): their weights and
-    gradients are the sharding flow's, not items."""
-    items, fetched, accumulating, reduced, updates_from = [], set(), set(), [], len(program)
+    starts. `shared` maps each stage its replica group shares to its number of units: its jobs
+    and update become the sharding flow of `sharding` (schedule/sharding_flow.py), and its
+    weights and gradients are that flow's, not items."""
+    backwards = [i.stage for i in program if isinstance(i, Backward)]
+    first_backward = {s: backwards.index(s) for s in shared if s in backwards}
+    last_backward = {s: len(backwards) - 1 - backwards[::-1].index(s) for s in first_backward}
+    items, fetched, accumulating, reduced, updates_from, seen = [], set(), set(), [], len(program), 0
     for instruction in program:
         if isinstance(instruction, (Forward, Backward)):
             s, b = instruction.stage, instruction.batch
             d = FORWARD if isinstance(instruction, Forward) else BACKWARD
-            copy = (s, b, d) in fetched
-            new_gradient = d == BACKWARD and s not in accumulating and s not in shared
-            items.append(Compute(CyclicJob(0, b, s, d), job_number(b, d) if copy else 0, new_gradient, copy))
+            if s in shared:
+                items += job_flow(CyclicJob(0, b, s, d), shared[s], sharding, prefetch,
+                                  first=d == BACKWARD and first_backward[s] == seen,
+                                  last=d == BACKWARD and last_backward[s] == seen)
+            else:
+                copy = (s, b, d) in fetched
+                new_gradient = d == BACKWARD and s not in accumulating
+                items.append(Compute(CyclicJob(0, b, s, d), job_number(b, d) if copy else 0, new_gradient, copy))
+            seen += d == BACKWARD
             accumulating |= {s} if d == BACKWARD else set()
             if d == FORWARD and s > 0:
                 items.append(Drop(Item("x", s, b)))
@@ -120,8 +132,10 @@ def lower(program: tuple, stages: int, shared: set[int]) -> tuple[tuple, int]:
             # a gradient reduced to another rank lives until its reduction completes: here
             items += [Drop(Item("g", s, 0)) for s in reduced if s not in instruction.stages and s not in shared]
             for s in instruction.stages:
-                items.append(Update(s, 0))
-                items += [] if s in shared else [Drop(Item("g", s, 0)), Drop(Item("w", s, 0))]
+                if s in shared:
+                    items += update_flow(s, 0, shared[s], sharding)
+                else:
+                    items += [Update(s, 0), Drop(Item("g", s, 0)), Drop(Item("w", s, 0))]
     return tuple(items), updates_from
 
 
@@ -133,7 +147,9 @@ class PipelinePlan:
     steps_in_any_order = True  # its state does not depend on the steps before (checks run step N alone)
     keeps_spare_weights = True  # (an update never copies an old version aside here)
 
-    def __init__(self, compiled: Compiled, mesh: Mesh, rank: int, stage_sizes: list[int]) -> None:
+    def __init__(self, compiled: Compiled, mesh: Mesh, rank: int, stage_sizes: list[int], *,
+                 sharding: Sharding = SCHEMES["ddp"], units: list[int] | None = None, prefetch: int = 1) -> None:
+        """`units`: per stage, how many units a replica group shares it in (default one each)."""
         self.compiled, self.mesh, self.rank, self.stage_sizes = compiled, mesh, rank, stage_sizes
         self.micro_batches = compiled.shape.micro_batches
         self.worker, self.replica = mesh.worker(rank), mesh.replica(rank)
@@ -142,7 +158,9 @@ class PipelinePlan:
         # a held stage with replicas (always in data parallelism, even on one rank) is shared by its
         # replica group under a sharding triple; a stage without parameters has nothing to share
         self.shared = [s for s in self.held if stage_sizes[s] and (mesh.replicas > 1 or data_parallel)]
-        program, updates_from = lower(compiled.programs[self.worker], len(stage_sizes), set(self.shared))
+        self.units = units = units or [1] * len(stage_sizes)
+        program, updates_from = lower(compiled.programs[self.worker], len(stage_sizes),
+                                      {s: units[s] for s in self.shared}, sharding, prefetch)
         self.run = _run(program, updates_from, ((len(program), 0),))
 
     def program(self, first_step: int, steps: int) -> Run:
@@ -178,6 +196,15 @@ class PipelinePlan:
         return mesh_peak(rank, self.compiled, self.mesh, sharding, self.stage_sizes, largest_units, group,
                          itemsize=itemsize, state_kinds=state_kinds, training=training, evaluation=evaluation,
                          prefetch=prefetch)
+
+
+def data_parallel_plan(rank: int, world_size: int, stage: int, *, sharding: Sharding, units: int,
+                       micro_batches: int = 1, prefetch: int = 1) -> PipelinePlan:
+    """The plan of plain data parallelism: one stage of `stage` parameters on one worker,
+    shared by all `world_size` ranks under `sharding` in `units` units."""
+    compiled = compile_programs(get_strategy("ddp"), Shape(1, 1, micro_batches))
+    return PipelinePlan(compiled, Mesh(1, world_size), rank, [stage], sharding=sharding, units=[units],
+                        prefetch=prefetch)
 
 
 class CdpPlan:
@@ -236,8 +263,7 @@ class CdpPlan:
 
 
 def _run(program: tuple, updates_from: int, step_ends: tuple) -> Run:
-    backwards = Counter(i.job.stage for i in program if isinstance(i, Compute) and i.job.direction == BACKWARD)
-    return Run(program, 0, updates_from, weight_buffers(program), step_ends, dict(backwards))
+    return Run(program, 0, updates_from, weight_buffers(program), step_ends)
 
 
 def _step_ends(program: tuple) -> list[tuple[int, int]]:

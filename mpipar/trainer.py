@@ -15,7 +15,7 @@ order of floating-point additions). The micro-batches run as the rank's program 
 one executor (executor.py, plans.py): data parallelism is the program of one stage on one
 worker, replicated on every rank; a pipeline's is its strategy's. How gradients are summed
 and where parameters, gradients and optimizer state live is the sharding flow's business
-(data_parallel.py): the same loop runs DDP, ZeRO-3, PaRO-IIG or 1F1B x ZeRO-3. Cyclic
+(schedule/sharding_flow.py, sharded_stage.py): the same loop runs DDP, ZeRO-3, PaRO-IIG or 1F1B x ZeRO-3. Cyclic
 Data Parallelism runs on the same executor a whole epoch at a time, as its steps overlap.
 
 Exercised by: mpipar train   (and python -m pytest tests/test_trainer.py)
@@ -50,7 +50,7 @@ from mpipar.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
 from mpipar.plans import CdpPlan, PipelinePlan
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
-from mpipar.sharding import SCHEMES, bytes_per_rank, unit_bytes_for
+from mpipar.sharding import SCHEMES, bytes_per_rank, make_units, unit_bytes_for
 from mpipar.units import format_bytes
 
 
@@ -205,7 +205,7 @@ class Trainer:
                                           self.world_size, len(engine.world.group_layout()[0]),
                                           itemsize=engine.flat.dtype.itemsize, state_kinds=engine.state_kinds,
                                           training=self.activations[0], evaluation=self.activations[1],
-                                          prefetch=engine.prefetch)
+                                          prefetch=self.engine.prefetch)
                 if peak.total <= limit:
                     fits.append(f"{name} ({format_bytes(peak.total)})")
             advice = (f"; {' or '.join(fits)} fit" if fits else
@@ -224,7 +224,9 @@ class Trainer:
             plan = CdpPlan(cfg.cdp_layout, cfg.scheme, cfg.micro_batches, self.rank, self.world_size, sizes,
                            itemsize=self.backend.dtype.itemsize, state_kinds=state_kinds(cfg.optimizer, cfg.momentum))
         else:
-            plan = PipelinePlan(self.compiled, cfg.mesh(self.world_size), self.rank, sizes)
+            units = [len(make_units(stage, unit_bytes_for(cfg.ddp, cfg.bucket_mb))) for stage in self.stages]
+            plan = PipelinePlan(self.compiled, cfg.mesh(self.world_size), self.rank, sizes, sharding=cfg.sharding(),
+                                units=units, prefetch=cfg.prefetch)
         first_layers = [layers.start for layers in partition(self.model, len(self.stages))]
         return Executor(self.counted, self.stages, plan, self.cache, self.loss_fn,
                         input_shapes=[self.model.shapes[first] for first in first_layers],

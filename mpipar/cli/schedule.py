@@ -4,16 +4,18 @@
     mpipar schedule show --scheme 1f1b --world-size 4 --stages 4 --micro-batches 8 --png 1f1b.png
     mpipar schedule show --table my_schedule.toml
     mpipar schedule show --scheme 1f1b --world-size 4 --stages 2 --micro-batches 2 --replicas 2 --shard zero3 --programs
+    mpipar schedule show --scheme 1f1b -W 4 -S 1 -B 2 --replicas 4 --shard zero3 --units 3 --items
 
 compiles the strategy into one Program per rank (the ones `mpipar train` runs), replays
 them to prove them sound and time them, and prints the diagram (rows workers, columns
 time, cells like F3b2 with a legend line under them), then per worker: activation and
 weight transfers, peak activation storage, weights owned and the idle fraction (the
 bubble), and the latency. `--programs` also lists every rank's instructions, and `--items`
-the same programs lowered to what the executor runs (plans.py: items made, sent, dropped). With
+the same programs lowered to what the executor runs (plans.py: items made, sent, dropped,
+and a shared stage's sharding flow unit by unit: gathers, reductions, publishes). With
 `--replicas D` the ranks are D copies of a pipeline of W/D workers (mesh.py): the
-placement is printed, and each program line of a shared stage says what its replica
-group does there under `--shard` (the flow of data_parallel.py). The
+placement is printed, and each `--programs` line of a shared stage says what its replica
+group does there under `--shard` (schedule/sharding_flow.py writes it out in `--items`). The
 options are `mpipar train`'s names for the same things; the short -W -S -B -G are the
 letters of docs/schedule.md and docs/glossary.md.
 
@@ -29,7 +31,7 @@ from mpipar.errors import ConfigError
 from mpipar.mesh import Mesh
 from mpipar.plans import PipelinePlan
 from mpipar.schedule import diagram
-from mpipar.schedule.instructions import Backward, Compute, Forward, OptimizerStep, Update, describe
+from mpipar.schedule.instructions import Backward, Forward, OptimizerStep, describe
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
 from mpipar.schedule.strategies import STRATEGIES, Shape, get_strategy, load_table, shared_stages
@@ -64,8 +66,12 @@ def schedule() -> None:
               help="pipeline replicas D: the W ranks are D pipelines of W/D workers (docs/composition.md)")
 @click.option("--shard", default="ddp", show_default=True,
               help="how a stage's replicas share it: a data-parallel scheme or P,G,OS letters such as I,G,G")
+@click.option("--units", type=POSITIVE, default=1, show_default=True,
+              help="with --items: the units of layers a shared stage runs in (mpipar train cuts them by --bucket-mb)")
+@click.option("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
+              help="with --items: units a sharded P gathers ahead of the one computing")
 def show(scheme: str, table: str | None, workers: int, stages: int, micro_batches: int, loops: int,
-         png: str | None, programs: bool, items: bool, replicas: int, shard: str) -> None:
+         png: str | None, programs: bool, items: bool, replicas: int, shard: str, units: int, prefetch: int) -> None:
     """Compile one step of a schedule, replay it, and print its diagram and costs."""
     strategy = load_table(table) if table else get_strategy(scheme)
     if workers % replicas:
@@ -107,29 +113,20 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
                 click.echo(f"  {describe(instruction)}" + (f"   | {flow}" if flow and replicas > 1 else ""))
     if items:  # the executor's plan of each worker's first rank (every stage taken to have parameters)
         for worker in range(workers):
-            plan = PipelinePlan(compiled, mesh, mesh.rank(worker, 0), [1] * stages)
+            plan = PipelinePlan(compiled, mesh, mesh.rank(worker, 0), [1] * stages, sharding=sharding,
+                                units=[units] * stages, prefetch=prefetch)
             click.echo(f"worker {worker}, as the executor runs it:")
-            backwards_seen = dict.fromkeys(plan.shared, 0)
             for index, instruction in enumerate(plan.run.program):
                 if index == plan.run.updates_from:
                     click.echo("  -- the update: after the trainer has summed the loss")
-                flow = ""
-                if isinstance(instruction, Compute) and instruction.job.stage in plan.shared:
-                    job = instruction.job
-                    last = job.direction == "B" and backwards_seen[job.stage] == plan.run.backwards[job.stage] - 1
-                    backwards_seen[job.stage] += job.direction == "B"
-                    flow = replica_flow((Forward if job.direction == "F" else Backward)(job.stage, job.micro_batch),
-                                        sharding, replicas, last)
-                elif isinstance(instruction, Update) and instruction.stage in plan.shared:
-                    flow = replica_flow(OptimizerStep((instruction.stage,)), sharding, replicas, False)
-                click.echo(f"  {describe(instruction)}" + (f"   | {flow}" if flow else ""))
+                click.echo(f"  {describe(instruction)}")
     if png:
         diagram.png(timeline, png, f"{strategy.name}, W={workers} S={stages} B={micro_batches} G={loops}")
         click.echo(f"drawn into {png}")
 
 
 def replica_flow(instruction, sharding: Sharding, replicas: int, last: bool) -> str:
-    """What a shared stage's replica group does around `instruction` (data_parallel.py's flow):
+    """What a shared stage's replica group does around `instruction` (schedule/sharding_flow.py):
     P gathered for each job where it is sharded, each micro-batch's gradient taken to G's
     scope, after the stage's last backward to OS's, and after the update P published again."""
     P, G, OS = sharding.triple

@@ -2,7 +2,7 @@
 
 A chain is a generator that starts a collective, yields its Handle, and — once that
 has completed — does some local work (add a reduced block into an accumulator, say)
-and perhaps starts the next collective. The data-parallel engine posts one chain
+and perhaps starts the next collective. The sharding flow posts one chain
 per sharding unit as the unit's backward finishes: "reduce-scatter inside the group,
 add into the gradient shard, then reduce-scatter across groups".
 

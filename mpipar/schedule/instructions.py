@@ -15,8 +15,10 @@ dataclasses. There are two levels, and one executor (executor.py):
                     program into one, one rule per instruction; the CDP compiler
                     (cyclic_compiler.py) writes them directly, updates interleaved per stage
 
-Inside a replica group the sharding flow of a stage (gather P, reduce G, step OS, publish)
-runs within Compute and Update: data_parallel.py.
+A stage shared by its replica group runs as units of layers, and the sharding flow of its
+triple is instructions too (schedule/sharding_flow.py writes them): GatherUnit before a
+unit's Compute, ReleaseUnit after it, ReduceUnit as a backward unit finishes, Update on the
+rank's OS blocks, PublishUnit after it. sharded_stage.py holds the state they act on.
 
 Exercised by: mpipar schedule show --scheme 1f1b --workers 4 --stages 4 --micro-batches 8 --programs
               mpipar cdp messages --layout dp --micro-batches 4
@@ -178,12 +180,15 @@ class Receive:
 class Compute:
     """Run `job` with stage weights w(stage, version), or with the copy f(stage, version)
     fetched for it when `copy`; a backward adds into g(stage, step), which it starts from
-    zero when `new_gradient`."""
+    zero when `new_gradient`. A stage shared by its replica group runs a job unit by unit:
+    `unit` names the run of layers, which waits for that unit's gather (and in a backward
+    under a sharded G writes a fresh full gradient of the unit, for ReduceUnit to take)."""
 
     job: CyclicJob
     version: int
     new_gradient: bool = False
     copy: bool = False
+    unit: int | None = None
 
     @property
     def weights(self) -> Item:
@@ -222,7 +227,53 @@ class EndTimeStep:
     time: int
 
 
-ItemInstruction = Receive | Compute | Update | Send | Drop | EndTimeStep | ReduceGradients
+# -- the sharding flow of a stage shared by its replica group (schedule/sharding_flow.py) --------
+
+@dataclass(frozen=True)
+class GatherUnit:
+    """Post the all-gather of unit `unit` of stage s's parameters from P's scope into a
+    full buffer of the unit. Placed `prefetch` units ahead of the Compute that uses it, so
+    the gather runs under the layers before; counted as a gather of the job's `direction`."""
+
+    stage: int
+    unit: int
+    direction: str
+
+
+@dataclass(frozen=True)
+class ReleaseUnit:
+    """Free unit `unit`'s gathered parameters: the job's last layer of the unit has run."""
+
+    stage: int
+    unit: int
+
+
+@dataclass(frozen=True)
+class ReduceUnit:
+    """Post the reduction of this micro-batch's gradient of the unit: to G's scope
+    (reduce-scatter in the group or over the replicas; nothing to send where G is N), added
+    into the rank's accumulator (`first`: it starts it); on the step's `last` micro-batch on
+    to OS's scope, summed over the replicas (all-reduce or reduce-scatter). It runs under the
+    backward of the units below; at most REDUCTIONS_IN_FLIGHT are in flight."""
+
+    stage: int
+    unit: int
+    first: bool
+    last: bool
+
+
+@dataclass(frozen=True)
+class PublishUnit:
+    """After the update of the OS blocks: post the all-gathers that bring unit `unit`'s new
+    parameters from OS's scope back to P's (in place; none where P and OS agree)."""
+
+    stage: int
+    unit: int
+
+
+UNIT_INSTRUCTIONS = (GatherUnit, ReleaseUnit, ReduceUnit, PublishUnit)
+ItemInstruction = (Receive | Compute | Update | Send | Drop | EndTimeStep | ReduceGradients | GatherUnit | ReleaseUnit
+                   | ReduceUnit | PublishUnit)
 PHASES = {Receive: 0, Compute: 1, Update: 2, Send: 3, Drop: 4, EndTimeStep: 5}
 
 
@@ -237,8 +288,16 @@ def describe(instruction: Instruction | ItemInstruction) -> str:
     if isinstance(instruction, Compute):
         job = instruction.job
         start = ", gradient from zero" if instruction.new_gradient else ""
+        if instruction.unit is not None:
+            return f"{name} {job.direction}{job.stage}b{job.micro_batch} of step {job.step}, unit {instruction.unit}"
         return (f"{name} {job.direction}{job.stage}b{job.micro_batch} of step {job.step} with "
                 f"{_item(instruction.weights)}{start}")
+    if isinstance(instruction, UNIT_INSTRUCTIONS):
+        what = {GatherUnit: "the parameters of", ReleaseUnit: "the parameters of",
+                ReduceUnit: "this micro-batch's gradient of", PublishUnit: "the new parameters of"}[type(instruction)]
+        ends = ("" if not isinstance(instruction, ReduceUnit) else
+                " (starts the sum)" * instruction.first + ", then to OS's scope" * instruction.last)
+        return f"{name} {what} stage {instruction.stage}, unit {instruction.unit}{ends}"
     if isinstance(instruction, Update):
         return f"{name} stage {instruction.stage} of step {instruction.step}"
     if isinstance(instruction, EndTimeStep):

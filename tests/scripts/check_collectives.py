@@ -135,7 +135,7 @@ for algorithm in C.ALGORITHMS[1:]:
                f"all-reduce {algorithm}: counted {(counts.intra_bytes, counts.inter_bytes)}, expected {expected}")
 
 # An all-gather in place: the send buffer is this rank's own block of the output
-# (how the data-parallel engine publishes updated parameters). A send buffer inside
+# (how the sharding flow publishes updated parameters). A send buffer inside
 # the output but elsewhere is refused before anything is sent.
 comm = Comm(world, tuple(r // max(1, N // 2) for r in range(N)))
 for algorithm in C.ALGORITHMS[:-1]:

@@ -5,7 +5,7 @@ every named scheme and the other valid triples, every group size 1, 2, 4 that
 divides N, 1 and 3 micro-batches, SGD with momentum and Adam: 3 float64 steps of
 `mpipar train` on N ranks must leave the parameters equal (rtol 1e-10) to plain
 training of the same global batches in one process — a loop written out (reference.py) that
-uses no part of the data-parallel engine. Collectives, unit sizes and prefetch depths
+uses no part of the executor or the sharding flow. Collectives, unit sizes and prefetch depths
 (0, 1, 3 units gathered ahead) rotate over the cases so that every algorithm, one-unit
 and per-layer units, and every depth are exercised.
 Rank 0 prints every failure and the number of cases; exit status 1 on any failure.

@@ -1,27 +1,33 @@
-"""Data parallelism with state sharding: one flow for every (P, G, OS) triple.
+"""A stage shared by its replica group under a (P, G, OS) triple: its state, and the operations of the flow.
 
 Every scheme — DDP, ZeRO-1/2/3, MiCS, PaRO-NIG/IIG/IGG or any valid triple (see
-sharding.py) — is this one flow, run per unit (a run of consecutive layers, see
-sharding.make_units):
+sharding.py) — is one flow, run per unit (a run of consecutive layers, see
+sharding.make_units). The *order* of the flow is instructions, written in one place
+(schedule/sharding_flow.py) and run by the executor; this file holds what they act on:
+this rank's blocks of P, G and OS, and one method per instruction:
 
-    forward, each unit      P not N: all-gather P to full (the next unit's is prefetched), free after
-    backward, each unit     the same gather; then this micro-batch's gradient goes to G's scope:
+    GatherUnit   gather     P not N: all-gather a unit's P from its scope into a full buffer
+    Compute      enter      wait for that gather and point the layers at it (backward, G not N:
+                            also at a fresh full gradient of the unit)
+    ReleaseUnit  release    free the gathered unit
+    ReduceUnit   reduce     this micro-batch's gradient to G's scope:
                             N: stays in the local accumulator   I: reduce-scatter in the group
                             G: reduce-scatter over all ranks (nested: in the group, then across groups)
-    last micro-batch        G's scope -> OS's scope, summed over all ranks: all-reduce (N->N,
-                            I->I across groups), reduce-scatter (N->G, I->G across groups, N->I)
-    update                  the optimizer steps this rank's OS block of every unit, then P is
-                            published back to P's scope by in-place all-gathers (G->I->N)
+                            and after the last micro-batch from G's scope to OS's, summed over all
+                            ranks: all-reduce (N->N, I->I across groups), reduce-scatter (N->G,
+                            I->G across groups, N->I)
+    Update       step       the optimizer steps this rank's OS block of every unit
+    PublishUnit  publish    P back to its scope by in-place all-gathers (G->I->N)
 
-Reductions are posted as soon as a unit's backward is done and advanced between
-layers (comms/chain.py), so they run under the backward of the layers below. With
-P and G replicated this is DDP; `--ddp` chooses how layers are packed into units:
-one unit (naive: one all-reduce after backward), one per layer (overlap) or units
-of about `--bucket-mb` (bucketed, the default).
+Reductions and publishes are chains of non-blocking collectives (comms/chain.py), advanced
+whenever the executor polls between layers, so a unit's reduction runs under the backward of
+the layers below it. With P and G replicated this is DDP; `--ddp` chooses how layers are
+packed into units: one unit (naive: one all-reduce after backward), one per layer (overlap)
+or units of about `--bucket-mb` (bucketed, the default).
 
-Every byte sent is counted per phase (forward-gather, backward-gather,
-backward-reduce, update-reduce, update-gather) and every buffer of model state is
-in the memory ledger (ledger.py).
+Every byte sent is counted per phase (forward-gather, backward-gather, backward-reduce,
+update-reduce, update-gather) and every buffer of model state is in the memory ledger
+(ledger.py).
 
 Exercised by: mpiexec -n 4 mpipar train --scheme paro-iig --group-size 2   (and tests/test_data_parallel.py)
 """
@@ -38,20 +44,19 @@ from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.routes import block_offsets
 from mpipar.comms.world import sum_across_ranks
 from mpipar.ledger import MemoryLedger
-from mpipar.model import LayerHook, Stage, leaf_layers
+from mpipar.model import Stage, leaf_layers
 from mpipar.optim import make_optimizer, state_kinds
-from mpipar.peak import REDUCTIONS_IN_FLIGHT, ActivationBytes, Peak, data_parallel_peak
+from mpipar.peak import REDUCTIONS_IN_FLIGHT
 from mpipar.sharding import Layout, Sharding, Unit, make_units
 
 
-class DataParallel:
-    """One rank's part of data-parallel training of `stage` under `sharding`."""
+class ShardedStage:
+    """One rank's part of `stage`, shared by its replica group (`comm`) under `sharding`."""
 
     def __init__(self, comm: Comm, stage: Stage, sharding: Sharding, *, optimizer: str, optimizer_options: dict,
-                 collective: str = "ring", unit_bytes: float = 25e6, prefetch: int = 1,
+                 collective: str = "ring", unit_bytes: float = 25e6,
                  ledger: MemoryLedger | None = None) -> None:
         self.world, self.stage, self.sharding, self.collective = comm, stage, sharding, collective
-        self.prefetch = prefetch  # units gathered ahead of the one in use
         self.flat = flat = stage.flat
         if sharding.nested:
             self.intra, self.inter = comm.hierarchy()
@@ -72,9 +77,10 @@ class DataParallel:
             self.units.append(Unit(index, first, last, start, stop, blocks, dict(stored)))
             stored["P"] += self.units[-1].length(P)
             stored["G"] += self.units[-1].length(G)
-        self.by_first = {unit.first: unit for unit in self.units}
-        self.by_last = {unit.last: unit for unit in self.units}
-        self.position = {id(layer): index for index, layer in enumerate(stage.layers)}
+        # the layers a unit's Compute runs: from its first to the next unit's first (every
+        # layer belongs to one unit; those without parameters run with the unit before them)
+        edges = [0] + [unit.first for unit in self.units[1:]] + [len(stage.layers)]
+        self.spans = [(edges[i], edges[i + 1]) for i in range(len(self.units))]
         self.unit_leaves = [leaf_layers(stage.layers[unit.first:unit.last + 1]) for unit in self.units]
         # Build only what this rank keeps: the whole stage where a scope is N, else each
         # unit's block, generated alone (the stage arrives laid out but not allocated).
@@ -87,14 +93,8 @@ class DataParallel:
         self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
         self.ledger.hold("parameters", self.p_store.nbytes)
         self.gathered: dict[int, tuple] = {}  # unit index -> (full parameters, gather in flight)
-        self.micro_batch, self.last_micro_batch, self.completed_before_step = 0, True, 0
-
-    def predicted_peak(self, training: ActivationBytes, evaluation: ActivationBytes | None = None) -> Peak:
-        """The most this rank should hold at once (peak.py), from its real units."""
-        return data_parallel_peak(self.sharding, self.flat.size, max(unit.size for unit in self.units),
-                                  self.world.size, len(self.world.group_layout()[0]),
-                                  itemsize=self.flat.dtype.itemsize, state_kinds=self.state_kinds,
-                                  training=training, evaluation=evaluation, prefetch=self.prefetch)
+        self.unit_grads: dict[int, object] = {}  # unit index -> its full gradient, computed, not yet reduced
+        self.completed_before_step = 0
 
     # -- storage -----------------------------------------------------------------
     def _initial_blocks(self, scope: str, total: int):
@@ -145,21 +145,9 @@ class DataParallel:
         as each finishes, so a reduction not yet posted cannot count)."""
         return self.queue.completed - self.completed_before_step
 
-    def forward(self, x, ctx, gather_phase: str = "forward-gather"):
-        """Forward of one micro-batch (or an evaluation batch, with its own `gather_phase`)."""
-        self.gather_phase = gather_phase
-        with self.ledger.phase("forward"):
-            return self.stage.forward(x, ctx, self._before_forward, self._after_forward)
-
-    def backward(self, dy, ctx, micro_batch: int, last: bool, observe: LayerHook | None = None):
-        """Backward of one micro-batch; `last` marks the step's last one; returns the gradient
-        of the input. `observe(layer)`, if given, runs after each layer once the engine has
-        posted and polled (timelines, tests)."""
-        self.micro_batch, self.last_micro_batch = micro_batch, last
-        after = self._after_backward if observe is None else lambda layer: (self._after_backward(layer),
-                                                                            observe(layer))
-        with self.ledger.phase("backward"):
-            return self.stage.backward(dy, ctx, self._before_backward, after)
+    def layers(self, unit: int) -> tuple[int, int]:
+        """The range of the stage's layers that unit `unit`'s Compute runs."""
+        return self.spans[unit]
 
     def finish_gradients(self) -> None:
         """After the last backward: every reduction done, the OS blocks hold the summed gradient."""
@@ -185,16 +173,18 @@ class DataParallel:
         return self.optimizer
 
     def step(self, lr: float) -> None:
-        """Update this rank's OS blocks and publish the parameters to P's scope."""
+        """Update this rank's OS blocks (PublishUnit then brings P back to its scope)."""
         with self.ledger.phase("update"):
             self._make_optimizer().step(lr)
-            for unit in self.units:
-                self.queue.post(self._publish(unit))
-            self.queue.drain()
-        self._release_scratch()
 
-    def _release_scratch(self) -> None:
-        """Between steps a rank holds its model state and nothing else: spare buffers go."""
+    def publish(self, unit: int) -> None:
+        """Post the all-gathers that take `unit`'s new parameters from OS's scope to P's."""
+        self.queue.post(self._publish(self.units[unit]))
+
+    def end_step(self) -> None:
+        """Every publish done; between steps a rank holds its model state and nothing else."""
+        with self.ledger.phase("update"):
+            self.queue.drain()
         self.pool.clear()
         for comm in {id(c): c for c in (self.world, self.intra, self.inter) if c is not None}.values():
             comm.scratch.clear()
@@ -205,78 +195,54 @@ class DataParallel:
             handle.test()
         self.queue.poll()
 
-    # -- hooks around each layer -----------------------------------------------------
-    def _before_forward(self, layer) -> None:
-        unit = self.by_first.get(self.position[id(layer)])
-        if unit is not None and self.sharding.parameters != "N":
-            self._use_parameters(unit, self.gather_phase)
-            for ahead in self.units[unit.index + 1:unit.index + 1 + self.prefetch]:
-                self._start_gather(ahead, self.gather_phase)
-
-    def _after_forward(self, layer) -> None:
-        unit = self.by_last.get(self.position[id(layer)])
-        if unit is not None and self.sharding.parameters != "N":
-            self._drop_parameters(unit)
-        self.poll()
-
-    def _before_backward(self, layer) -> None:
-        unit = self.by_last.get(self.position[id(layer)])
-        if unit is None:
-            return
-        if self.sharding.parameters != "N":
-            self._use_parameters(unit, "backward-gather")
-            for ahead in reversed(self.units[max(0, unit.index - self.prefetch):unit.index]):
-                self._start_gather(ahead, "backward-gather")
-        if self.sharding.gradients != "N":  # this micro-batch's full gradient, reduced after the unit
-            self.unit_grad = self._take("gradients", unit.size)
-            self.flat.bind(unit.start, unit.stop, grad=self.unit_grad)
-
-    def _after_backward(self, layer) -> None:
-        unit = self.by_first.get(self.position[id(layer)])
-        if unit is not None:
-            if self.sharding.parameters != "N":
-                self._drop_parameters(unit)
-            if self.sharding.gradients != "N":
-                self.flat.settle_grads(self.unit_leaves[unit.index], fresh_after=True)
-                self.flat.unbind(unit.start, unit.stop, params=False)
-                # A unit's full gradient lives until its reduction has moved it away: at most
-                # REDUCTIONS_IN_FLIGHT of them at once, or a slow network would let every unit's pile up.
-                self.queue.drain(keep=REDUCTIONS_IN_FLIGHT - 1)
-                self.queue.post(self._reduce(unit, self.unit_grad, self.micro_batch, self.last_micro_batch))
-                self.unit_grad = None  # the reduction owns it now, and frees it
-            elif self.last_micro_batch:
-                self.flat.settle_grads(self.unit_leaves[unit.index])
-                self.queue.post(self._finish(unit))
-        self.poll()
-
-    # -- parameters: gather, use, drop ---------------------------------------------------
+    # -- parameters: gather, use, release --------------------------------------------------
     def _p_comm(self) -> Comm:
         return self.intra if self.sharding.parameters == "I" else self.world
 
-    def _start_gather(self, unit: Unit, phase: str) -> None:
-        if unit.index in self.gathered:
-            return
-        full = self._take("parameters", unit.size)
-        mine = self.p_store[self._slice(unit, "P", self.sharding.parameters)]
-        self.gathered[unit.index] = (full, self._start(phase, iall_gather, self._p_comm(), mine, full))
+    def gather(self, unit: int, phase: str) -> None:
+        """Post the all-gather of `unit`'s parameters into a full buffer (once per use)."""
+        full = self._take("parameters", self.units[unit].size)
+        mine = self.p_store[self._slice(self.units[unit], "P", self.sharding.parameters)]
+        self.gathered[unit] = (full, self._start(phase, iall_gather, self._p_comm(), mine, full))
 
-    def _use_parameters(self, unit: Unit, phase: str) -> None:
-        self._start_gather(unit, phase)
-        full, handle = self.gathered[unit.index]
-        handle.wait()
-        self.flat.bind(unit.start, unit.stop, data=full)
+    def enter(self, unit: int, backward: bool) -> None:
+        """Before `unit`'s layers run: its parameters gathered and in place, and in a backward
+        under a sharded G, a full gradient of the unit for this micro-batch."""
+        start, stop = self.units[unit].start, self.units[unit].stop
+        if unit in self.gathered:
+            full, handle = self.gathered[unit]
+            handle.wait()
+            self.flat.bind(start, stop, data=full)
+        if backward and self.sharding.gradients != "N":
+            self.unit_grads[unit] = self._take("gradients", stop - start)
+            self.flat.bind(start, stop, grad=self.unit_grads[unit])
 
-    def _drop_parameters(self, unit: Unit) -> None:
-        full, _ = self.gathered.pop(unit.index)
-        self.flat.unbind(unit.start, unit.stop, grads=False)
+    def release(self, unit: int) -> None:
+        """Free `unit`'s gathered parameters."""
+        full, _ = self.gathered.pop(unit)
+        self.flat.unbind(self.units[unit].start, self.units[unit].stop, grads=False)
         self._give("parameters", full)
+
+    # -- gradients: to G's scope after each micro-batch, to OS's scope after the last ------
+    def reduce(self, unit: int, first: bool, last: bool) -> None:
+        """Post the reduction of this micro-batch's gradient of `unit` (ReduceUnit)."""
+        index, unit = unit, self.units[unit]
+        if self.sharding.gradients == "N":  # added locally: on the last micro-batch, summed over ranks
+            self.flat.settle_grads(self.unit_leaves[index])
+            self.queue.post(self._finish(unit))
+            return
+        self.flat.settle_grads(self.unit_leaves[index], fresh_after=True)
+        self.flat.unbind(unit.start, unit.stop, params=False)
+        # A unit's full gradient lives until its reduction has moved it away: at most
+        # REDUCTIONS_IN_FLIGHT of them at once, or a slow network would let every unit's pile up.
+        self.queue.drain(keep=REDUCTIONS_IN_FLIGHT - 1)
+        self.queue.post(self._reduce(unit, self.unit_grads.pop(index), first, last))
 
     def _start(self, phase: str, operation, comm: Comm, *buffers, **options):
         """Start a non-blocking collective whose bytes count under `phase`."""
         with self.traffic.phase(phase):
             return operation(comm, *buffers, self.collective, **options)
 
-    # -- gradients: to G's scope after each micro-batch, to OS's scope after the last ------
     def _take(self, kind: str, size: int):
         buffer = self.pool.take(size, self.flat.dtype)
         self.ledger.hold(kind, buffer.nbytes)
@@ -286,7 +252,7 @@ class DataParallel:
         self.ledger.free(kind, buffer.nbytes)
         self.pool.give(buffer)
 
-    def _reduce(self, unit: Unit, grad, micro_batch: int, last: bool) -> Chain:
+    def _reduce(self, unit: Unit, grad, first: bool, last: bool) -> Chain:
         """This micro-batch's full gradient of `unit` to G's scope, added into the accumulator.
         The full gradient is scratch for the reduce-scatter and holds the reduced block at
         this rank's place, so no second buffer of the unit's size exists."""
@@ -298,10 +264,10 @@ class DataParallel:
         for hop, comm in enumerate(hops):
             offsets = block_offsets(send.size, comm.size)
             mine = send[offsets[comm.rank]:offsets[comm.rank + 1]]
-            recv = accumulator if hop == len(hops) - 1 and micro_batch == 0 else mine
+            recv = accumulator if hop == len(hops) - 1 and first else mine
             yield self._start("backward-reduce", ireduce_scatter, comm, send, recv, send_is_scratch=True)
             send = recv
-        if micro_batch > 0:
+        if not first:
             accumulator += send
         self._give("gradients", grad)
         if last:

@@ -1,0 +1,60 @@
+"""The sharding flow of a (P, G, OS) triple, written as instructions: one place, pure.
+
+A stage shared by its replica group (every stage of data parallelism, each stage of a
+composed mesh) runs a job unit by unit, a unit being a run of layers (sharding.make_units).
+Where each collective goes is decided here, and nowhere else:
+
+    forward     GatherUnit for the first unit and the `prefetch` after it; then per unit:
+                Compute it, ReleaseUnit, GatherUnit the one `prefetch` further on
+    backward    the same, last unit first; after each unit's Compute, ReduceUnit takes its
+                gradient to G's scope (G sharded: every micro-batch; G = N: only the step's
+                last, which then sums over the replicas), so each reduction runs under the
+                backward of the units below it
+    update      Update steps the rank's OS blocks; PublishUnit per unit brings P back to its
+                scope (none where P and OS agree)
+
+With P = N there is no gather: the whole stage is held. plans.py calls these functions
+while it lowers a pipeline program; the executor runs what they return (for evaluation
+too), and sharded_stage.py holds the buffers the instructions act on.
+
+Exercised by: mpipar schedule show --scheme 1f1b -W 4 -S 1 -B 2 --replicas 4 --shard zero3 --units 3 --items
+"""
+
+from __future__ import annotations
+
+from mpipar.schedule.instructions import (
+    Compute,
+    CyclicJob,
+    GatherUnit,
+    PublishUnit,
+    ReduceUnit,
+    ReleaseUnit,
+    Update,
+)
+from mpipar.schedule.strategies import BACKWARD
+from mpipar.sharding import Sharding
+
+
+def job_flow(job: CyclicJob, units: int, sharding: Sharding, prefetch: int, *, first: bool = False,
+             last: bool = False) -> list:
+    """`job` of a shared stage of `units` units; `first` and `last` mark the stage's first and
+    last backward of the step on this rank (where the gradient sum starts, and goes to OS)."""
+    order = list(range(units)) if job.direction != BACKWARD else list(range(units - 1, -1, -1))
+    gathers = sharding.parameters != "N"
+    flow = []
+    for position, unit in enumerate(order):
+        if gathers:  # at the start the first units; then each unit keeps `prefetch` in flight ahead
+            ahead = order[:prefetch + 1] if position == 0 else order[position + prefetch:position + prefetch + 1]
+            flow += [GatherUnit(job.stage, u, job.direction) for u in ahead]
+        flow.append(Compute(job, 0, unit=unit))
+        if gathers:
+            flow.append(ReleaseUnit(job.stage, unit))
+        if job.direction == BACKWARD and (sharding.gradients != "N" or last):
+            flow.append(ReduceUnit(job.stage, unit, first, last))
+    return flow
+
+
+def update_flow(stage: int, step: int, units: int, sharding: Sharding) -> list:
+    """The update of a shared stage: the OS blocks stepped, then P published unit by unit."""
+    publishes = sharding.parameters != sharding.optimizer_state
+    return [Update(stage, step)] + [PublishUnit(stage, unit) for unit in range(units) if publishes]
