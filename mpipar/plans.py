@@ -202,7 +202,7 @@ def data_parallel_plan(rank: int, world_size: int, stage: int, *, sharding: Shar
                        micro_batches: int = 1, prefetch: int = 1) -> PipelinePlan:
     """The plan of plain data parallelism: one stage of `stage` parameters on one worker,
     shared by all `world_size` ranks under `sharding` in `units` units."""
-    compiled = compile_programs(get_strategy("ddp"), Shape(1, 1, micro_batches))
+    compiled = compile_programs(get_strategy("1f1b"), Shape(1, 1, micro_batches))  # as config.strategy()
     return PipelinePlan(compiled, Mesh(1, world_size), rank, [stage], sharding=sharding, units=[units],
                         prefetch=prefetch)
 

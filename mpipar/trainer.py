@@ -320,9 +320,9 @@ class Trainer:
             self.checkpoints.after_steps(step, self.step_totals[3:])
         return step
 
-    def _cyclic_epoch(self, epoch: int, first_step: int, report, watch: DivergenceWatch | None = None) -> int:
-        """An epoch of Cyclic Data Parallelism as one run of the cyclic engine (its steps
-        overlap in time, so they cannot be taken one by one); the step losses are summed over
+    def _epoch_as_one_run(self, epoch: int, first_step: int, report, watch: DivergenceWatch | None = None) -> int:
+        """An epoch as one run of the executor, for a plan whose steps overlap in time (CDP), so
+        that they cannot be taken one by one; the step losses are summed over
         ranks once, at the end. Progress is shown as this rank finishes each step, from the
         micro-batches it computed; the metrics and the divergence watch get the summed losses at
         the end. Returns the next step number."""
@@ -408,7 +408,10 @@ class Trainer:
         step, evaluation = self.start_step, None
         watch = DivergenceWatch(lr=cfg.lr, stop=bool(cfg.stop_on_divergence), warn=report.warn if report else None)
         for epoch in range(min(step // self.sampler.steps_per_epoch, cfg.epochs - 1), cfg.epochs):
-            step = (self._cyclic_epoch if cfg.cyclic else self._epoch)(epoch, step, report, watch)
+            # a plan that settles each step runs step by step, the loss checked before each update;
+            # one whose steps overlap (CDP) runs the epoch as one program
+            epoch_of = self._epoch if self.engine.plan.settles_each_step else self._epoch_as_one_run
+            step = epoch_of(epoch, step, report, watch)
             evaluation = self.evaluate(epoch)
             if report:
                 report.evaluation(evaluation, self)

@@ -35,7 +35,7 @@ def recording(engine, instruction):
 
 
 Executor.handlers[EndTimeStep] = recording
-trainer._cyclic_epoch(0, 0, None)
+trainer._epoch_as_one_run(0, 0, None)
 live = np.array([s[0] for s in samples])
 in_flight = np.array([s[1] for s in samples])
 per_step = 2 * N  # time steps per training step

@@ -1,0 +1,120 @@
+"""The whole model as every plan shows it: evaluation, full parameters, loading, checkpoint pieces.
+
+Whatever the scheme, a rank holds only part of the model: some stages whole (a pipeline
+worker's, an owner's), some in blocks shared by a replica group (sharded_stage.py), a
+CDP rank some weight versions. These methods, the executor's (executor.py mixes them
+in), read and write the whole model the same way for every plan: a stage that every
+worker shares is gathered unit by unit in its replica group, by the forward of the
+sharding flow; any other is brought to every rank from one that holds it.
+
+Exercised by: mpiexec -n 4 python tests/scripts/check_parameters_api.py   (via tests/test_composition.py)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpipar.cache import Context
+from mpipar.checkpoint.format import Piece
+from mpipar.comms.collectives import broadcast
+from mpipar.schedule.instructions import Compute, CyclicJob, Item
+from mpipar.schedule.sharding_flow import job_flow
+from mpipar.schedule.strategies import FORWARD
+
+
+class WholeModel:
+    """The executor's view of the whole model (it provides stages, plan, store, shared,
+    sharding, prefetch, comm, pool, ledger, dtype, next_step, _bind, _let_go, handlers)."""
+
+    def _whole_stage(self, s: int, phase: str, out: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+        """Stage s's newest parameters on every rank (collective where some rank lacks it:
+        gathered in its replica group where sharded, then broadcast from a rank that holds it),
+        and whether they are this rank's own buffer."""
+        flat = self.stages[s].flat
+        held = self.store.get(Item("w", s, self.next_step))
+        if s in self.shared and self.sharding.parameters == "N":
+            held = flat.data
+        weights = held if held is not None and out is None else out
+        if weights is None:
+            weights = self.pool.take(flat.size, self.dtype)
+            self.ledger.hold("parameters", weights.nbytes)
+        elif held is not None and weights is not held:
+            weights[:] = held
+        if s in self.shared and held is None:
+            self.shared[s].gather_parameters(weights, phase)
+        if not self.plan.everywhere(s):
+            with self.comm.traffic.phase(phase):
+                broadcast(self.comm, weights, self.plan.root(s), self.collective)
+        return weights, weights is held
+
+    def forward(self, x, ctx: Context, gather_phase: str = "evaluate"):
+        """The whole model on one batch with the newest weights (evaluation; collective): a stage
+        every worker shares is gathered unit by unit in its replica group, any other is brought
+        to every rank, used, and forgotten, as ZeRO-3 gathers a unit."""
+        for s, stage in enumerate(self.stages):
+            if s in self.shared and self.plan.everywhere(s):
+                x = self._forward_units(s, x, ctx, gather_phase)
+                continue
+            weights, owned = self._whole_stage(s, gather_phase)
+            self._bind(s, weights=weights)
+            x = stage.forward(x, ctx)
+            if not owned:
+                self._let_go(s, weights)
+                self.ledger.free("parameters", weights.nbytes)
+                self.pool.give(weights)
+        return x
+
+    def _forward_units(self, s: int, x, ctx: Context, gather_phase: str):
+        """Shared stage s on one batch, by the forward of the sharding flow (its gathers counted
+        under `gather_phase`); the Computes run here, outside any step."""
+        self.gather_phase = gather_phase
+        for instruction in job_flow(CyclicJob(0, 0, s, FORWARD), len(self.shared[s].units), self.sharding,
+                                    self.prefetch):
+            if isinstance(instruction, Compute):
+                self.shared[s].enter(instruction.unit, backward=False)
+                x = self.stages[s].forward(x, ctx, span=self.shared[s].layers(instruction.unit))
+            else:
+                self.handlers[type(instruction)](self, instruction)
+        self.gather_phase = None
+        return x
+
+    def full_parameters(self) -> np.ndarray:
+        """The whole model's newest parameters, on every rank (collective: for checks)."""
+        parts = []
+        for s, stage in enumerate(self.stages):
+            if s in self.shared and self.plan.everywhere(s):
+                parts.append(self.shared[s].full_parameters())
+            else:
+                parts.append(self._whole_stage(s, "inspect", np.empty(stage.flat.size, dtype=self.dtype))[0])
+        return np.concatenate(parts)
+
+    def load_parameters(self, full: np.ndarray) -> None:
+        """Set every weight version this rank holds to `full`'s (the whole model, stage after
+        stage); a shared stage keeps its blocks. CDP's rule starts again from these weights, as
+        it starts a run with the older version equal to the newest. Between runs only."""
+        offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
+        for s, shared in self.shared.items():
+            shared.load_parameters(full[offsets[s]:offsets[s + 1]])
+        for item, buffer in self.store.items():
+            if item.kind == "w":
+                buffer[:] = full[offsets[item.stage]:offsets[item.stage + 1]]
+
+    def state_pieces(self) -> tuple[list[Piece], list]:
+        """The state this rank holds between runs, as views placed in the whole model's flat order
+        (checkpoints: format.py): its newest weights (`params`), an older version the rule still
+        reads (`params.previous`), optimizer states, and the shared stages' blocks; plus the
+        optimizers that carry an update count (the shared stages'; an item's is the step's)."""
+        offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
+        pieces, optimizers = [], []
+        for s, shared in sorted(self.shared.items()):
+            shared_pieces, shared_optimizers = shared.state_pieces(int(offsets[s]))
+            pieces, optimizers = pieces + shared_pieces, optimizers + shared_optimizers
+        for item, buffer in self.store.items():
+            start, size = int(offsets[item.stage]), self.stages[item.stage].flat.size
+            if item.kind == "w":
+                vector = "params" if item.index == self.next_step else "params.previous"
+                pieces.append(Piece(vector, start, start + size, buffer))
+            else:
+                pieces += [Piece(f"optimizer.{kind}", start, start + size, buffer[kind * size:(kind + 1) * size])
+                           for kind in range(self.kinds)]
+        return pieces, optimizers
