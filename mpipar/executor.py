@@ -487,7 +487,7 @@ class Executor(WholeModel):
 
     def _reduce_unit(self, instruction: ReduceUnit) -> None:
         with self.ledger.phase("backward"):
-            self.shared[instruction.stage].reduce(instruction.unit, instruction.first, instruction.last)
+            self.shared[instruction.stage].reduce(instruction.unit, instruction.first, instruction.then_to_os)
 
     def _publish_unit(self, instruction: PublishUnit) -> None:
         with self.ledger.phase("update"):

@@ -224,7 +224,7 @@ class ShardedStage:
         self._give("parameters", full)
 
     # -- gradients: to G's scope after each micro-batch, to OS's scope after the last ------
-    def reduce(self, unit: int, first: bool, last: bool) -> None:
+    def reduce(self, unit: int, first: bool, then_to_os: bool) -> None:
         """Post the reduction of this micro-batch's gradient of `unit` (ReduceUnit)."""
         index, unit = unit, self.units[unit]
         if self.sharding.gradients == "N":  # added locally: on the last micro-batch, summed over ranks
@@ -236,7 +236,7 @@ class ShardedStage:
         # A unit's full gradient lives until its reduction has moved it away: at most
         # REDUCTIONS_IN_FLIGHT of them at once, or a slow network would let every unit's pile up.
         self.queue.drain(keep=REDUCTIONS_IN_FLIGHT - 1)
-        self.queue.post(self._reduce(unit, self.unit_grads.pop(index), first, last))
+        self.queue.post(self._reduce(unit, self.unit_grads.pop(index), first, then_to_os))
 
     def _start(self, phase: str, operation, comm: Comm, *buffers, **options):
         """Start a non-blocking collective whose bytes count under `phase`."""
@@ -252,7 +252,7 @@ class ShardedStage:
         self.ledger.free(kind, buffer.nbytes)
         self.pool.give(buffer)
 
-    def _reduce(self, unit: Unit, grad, first: bool, last: bool) -> Chain:
+    def _reduce(self, unit: Unit, grad, first: bool, then_to_os: bool) -> Chain:
         """This micro-batch's full gradient of `unit` to G's scope, added into the accumulator.
         The full gradient is scratch for the reduce-scatter and holds the reduced block at
         this rank's place, so no second buffer of the unit's size exists."""
@@ -270,14 +270,13 @@ class ShardedStage:
         if not first:
             accumulator += send
         self._give("gradients", grad)
-        if last:
+        if then_to_os:
             yield from self._finish(unit)
 
     def _finish(self, unit: Unit) -> Chain:
-        """Bring `unit`'s accumulated gradient from G's scope to OS's, summed over all ranks."""
+        """Bring `unit`'s accumulated gradient from G's scope to OS's, summed over all ranks
+        (never asked of ZeRO-2/3, whose reduce-scatter lands on OS's scope: sharding_flow.py)."""
         G, OS = self.sharding.gradients, self.sharding.optimizer_state
-        if G == OS == "G":
-            return
         held = self.g_store[self._slice(unit, "G", G)]
         if G == OS:  # replicated over the world (N) or over the groups (I): all-reduce in place
             if not self.host:  # a GPU's gradient goes through host memory (DDP naive only)
@@ -296,9 +295,8 @@ class ShardedStage:
 
     # -- parameters: published from OS's scope back to P's -------------------------------
     def _publish(self, unit: Unit) -> Chain:
+        """`unit`'s parameters from OS's scope to P's, where P's is wider (sharding_flow.py asks)."""
         P, OS = self.sharding.parameters, self.sharding.optimizer_state
-        if P == OS:
-            return
         if not self.sharding.nested:  # ZeRO-1/2: one global all-gather, in place
             full = self.p_store[self._slice(unit, "P", "N")]
             yield self._start("update-gather", iall_gather, self.world, self.p_store[self._slice(unit, "P", "G")],

@@ -251,15 +251,16 @@ class ReleaseUnit:
 @dataclass(frozen=True)
 class ReduceUnit:
     """Post the reduction of this micro-batch's gradient of the unit: to G's scope
-    (reduce-scatter in the group or over the replicas; nothing to send where G is N), added
-    into the rank's accumulator (`first`: it starts it); on the step's `last` micro-batch on
-    to OS's scope, summed over the replicas (all-reduce or reduce-scatter). It runs under the
+    (reduce-scatter in the group or over the replicas), added into the rank's accumulator
+    (`first`: it starts it). `then_to_os` on the step's last micro-batch where OS's scope
+    differs from G's or G is N: the sum goes on to OS's scope over the replicas (all-reduce or
+    reduce-scatter); where G is N this is the only reduction of the step. It runs under the
     backward of the units below; at most REDUCTIONS_IN_FLIGHT are in flight."""
 
     stage: int
     unit: int
     first: bool
-    last: bool
+    then_to_os: bool
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,7 @@ def describe(instruction: Instruction | ItemInstruction) -> str:
         what = {GatherUnit: "the parameters of", ReleaseUnit: "the parameters of",
                 ReduceUnit: "this micro-batch's gradient of", PublishUnit: "the new parameters of"}[type(instruction)]
         ends = ("" if not isinstance(instruction, ReduceUnit) else
-                " (starts the sum)" * instruction.first + ", then to OS's scope" * instruction.last)
+                " (starts the sum)" * instruction.first + ", then to OS's scope" * instruction.then_to_os)
         return f"{name} {what} stage {instruction.stage}, unit {instruction.unit}{ends}"
     if isinstance(instruction, Update):
         return f"{name} stage {instruction.stage} of step {instruction.step}"

@@ -41,6 +41,8 @@ def job_flow(job: CyclicJob, units: int, sharding: Sharding, prefetch: int, *, f
     last backward of the step on this rank (where the gradient sum starts, and goes to OS)."""
     order = list(range(units)) if job.direction != BACKWARD else list(range(units - 1, -1, -1))
     gathers = sharding.parameters != "N"
+    # ZeRO-2/3's reduce-scatter already lands on OS's scope; every other triple goes on from G's
+    then_to_os = last and not sharding.gradients == sharding.optimizer_state == "G"
     flow = []
     for position, unit in enumerate(order):
         if gathers:  # at the start the first units; then each unit keeps `prefetch` in flight ahead
@@ -50,7 +52,7 @@ def job_flow(job: CyclicJob, units: int, sharding: Sharding, prefetch: int, *, f
         if gathers:
             flow.append(ReleaseUnit(job.stage, unit))
         if job.direction == BACKWARD and (sharding.gradients != "N" or last):
-            flow.append(ReduceUnit(job.stage, unit, first, last))
+            flow.append(ReduceUnit(job.stage, unit, first, then_to_os))
     return flow
 
 
