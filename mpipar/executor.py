@@ -365,7 +365,7 @@ class Executor(WholeModel):
             ctx = self.cache.context(s, g, step=step, seed=self.seed,
                                      sample_ids=np.arange(first, first + self.micro_size))
         else:
-            (x, targets), ctx = self.flowing, self.cache.contexts[(s, g)]
+            (x, targets), ctx, self.flowing = self.flowing, self.cache.contexts[(s, g)], (None, None)
         y = self.stages[s].forward(x, ctx, self._after_layer, span)
         if not closes:
             self.flowing = (y, targets)
@@ -389,7 +389,7 @@ class Executor(WholeModel):
                 self._bind(s, gradient=self._take(gradient))  # layers add into the sum so far
             dy = self.loss_fn.backward(ctx) if s == len(self.stages) - 1 else self._take(Item("dy", s, g))
         else:
-            dy, _ = self.flowing
+            (dy, _), self.flowing = self.flowing, (None, None)  # held no longer than the next unit needs it
         dx = self.stages[s].backward(dy, ctx, self._after_layer, span)
         if not closes:
             self.flowing = (dx, None)
