@@ -12,7 +12,7 @@ Psi parameters of b bytes, g = N / M groups, and every collective a ring:
 An all-reduce is twice its reduce-scatter. Phases and what they cost:
 
     forward-gather   P=I: s group      P=G: s global
-    backward-gather  the same
+    backward-gather  the same; ZeRO++ (a secondary copy of P in the group): s group
     backward-reduce  G=I: s group      G=G: s global, or s (group + across) when the triple has an I
     update-reduce    N->N: 2 global    I->I: 2 across    N->G: global    N->I: group + 2 across    I->G: across
     update-gather    OS=G->P=N: global (no I) or across + group;  G->I: across;  I->N: group
@@ -72,6 +72,7 @@ def traffic_per_step(sharding: Sharding, parameter_count: float, world_size: int
     none = Volume()
     P, G, OS = sharding.triple
     gather = {"N": none, "I": group, "G": global_}[P] * s
+    backward_gather = group * s if sharding.secondary else gather  # ZeRO++: from the copy in the group
     reduce_ = {"N": none, "I": group, "G": (group + across) if sharding.nested else global_}[G] * s
     update_reduce = {("N", "N"): global_ * 2, ("I", "I"): across * 2, ("G", "G"): none, ("N", "G"): global_,
                      ("N", "I"): group + across * 2, ("I", "G"): across}[(G, OS)]
@@ -81,7 +82,7 @@ def traffic_per_step(sharding: Sharding, parameter_count: float, world_size: int
         publish = global_
     else:
         publish = (across if OS == "G" else none) + (group if P == "N" else none)
-    return dict(zip(PHASES, (gather, gather, reduce_, update_reduce, publish)))
+    return dict(zip(PHASES, (gather, backward_gather, reduce_, update_reduce, publish)))
 
 
 @dataclass(frozen=True)

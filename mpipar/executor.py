@@ -17,9 +17,10 @@ for one job, a gradient sum g, an optimizer state o) in one store and runs:
     Update           the stage's optimizer steps the weights in place (a shared stage: its OS
                      blocks); an old version some later job still reads is copied aside
     EndTimeStep      let messages progress; record live activation bytes (CDP's Fig. 4 timeline)
-    GatherUnit, ReleaseUnit, ReduceUnit, PublishUnit
+    GatherUnit, KeepSecondary, ReleaseUnit, ReduceUnit, PublishUnit
                      the sharding flow of a shared stage (schedule/sharding_flow.py places them):
-                     post a unit's all-gather, free it, post its gradient's reduction, publish P
+                     post a unit's all-gather, keep ZeRO++'s secondary copy of it, free it, post
+                     its gradient's reduction, publish P
 
 Pipelines run one step at a time: `run_step` (every instruction before the updates),
 `finish_gradients`, then `step(lr)` once the trainer knows the summed loss is finite.
@@ -56,6 +57,7 @@ from mpipar.schedule.instructions import (
     EndTimeStep,
     GatherUnit,
     Item,
+    KeepSecondary,
     PublishUnit,
     Receive,
     ReduceGradients,
@@ -480,7 +482,10 @@ class Executor(WholeModel):
 
     def _gather_unit(self, instruction: GatherUnit) -> None:
         phase = self.gather_phase or GATHER_PHASE[instruction.direction]
-        self.shared[instruction.stage].gather(instruction.unit, phase)
+        self.shared[instruction.stage].gather(instruction.unit, phase, instruction.from_secondary)
+
+    def _keep_secondary(self, instruction: KeepSecondary) -> None:
+        self.shared[instruction.stage].keep_secondary(instruction.unit)
 
     def _release_unit(self, instruction: ReleaseUnit) -> None:
         self.shared[instruction.stage].release(instruction.unit)
@@ -495,4 +500,5 @@ class Executor(WholeModel):
 
     handlers = {Receive: _receive, Send: _send, Drop: _drop, Compute: _compute, Update: _update,
                 ReduceGradients: _reduce, EndTimeStep: _end_time_step, GatherUnit: _gather_unit,
-                ReleaseUnit: _release_unit, ReduceUnit: _reduce_unit, PublishUnit: _publish_unit}
+                KeepSecondary: _keep_secondary, ReleaseUnit: _release_unit, ReduceUnit: _reduce_unit,
+                PublishUnit: _publish_unit}

@@ -88,7 +88,8 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
     """The peak of one rank of a stage shared by its replica group (per rank sizes rounded up)."""
     P, G, OS = sharding.triple
     share = {scope: sharing_ranks(scope, world_size, group_size) for scope in "NIG"}
-    steady = {"parameters": math.ceil(parameters / share[P]) * itemsize,
+    secondary = math.ceil(parameters / group_size) if sharding.secondary else 0  # ZeRO++'s copy in the group
+    steady = {"parameters": (math.ceil(parameters / share[P]) + secondary) * itemsize,
               "gradients": math.ceil(parameters / share[G]) * itemsize,
               "optimizer_state": state_kinds * math.ceil(parameters / share[OS]) * itemsize,
               "workspace": min(CHUNK, math.ceil(parameters / share[OS])) * itemsize}

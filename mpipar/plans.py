@@ -86,23 +86,23 @@ def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Shardin
     starts. `shared` maps each stage its replica group shares to its number of units: its jobs
     and update become the sharding flow of `sharding` (schedule/sharding_flow.py), and its
     weights and gradients are that flow's, not items."""
-    backwards = [i.stage for i in program if isinstance(i, Backward)]
-    first_backward = {s: backwards.index(s) for s in shared if s in backwards}
-    last_backward = {s: len(backwards) - 1 - backwards[::-1].index(s) for s in first_backward}
+    jobs = [(i.stage, isinstance(i, Backward)) for i in program if isinstance(i, (Forward, Backward))]
+    first = {job: jobs.index(job) for job in set(jobs)}  # a shared stage's first and last job of a direction
+    last = {job: len(jobs) - 1 - jobs[::-1].index(job) for job in set(jobs)}
     items, fetched, accumulating, reduced, updates_from, seen = [], set(), set(), [], len(program), 0
     for instruction in program:
         if isinstance(instruction, (Forward, Backward)):
             s, b = instruction.stage, instruction.batch
             d = FORWARD if isinstance(instruction, Forward) else BACKWARD
             if s in shared:
-                items += job_flow(CyclicJob(0, b, s, d), shared[s], sharding, prefetch,
-                                  first=d == BACKWARD and first_backward[s] == seen,
-                                  last=d == BACKWARD and last_backward[s] == seen)
+                job = (s, d == BACKWARD)
+                items += job_flow(CyclicJob(0, b, s, d), shared[s], sharding, prefetch, first=first[job] == seen,
+                                  last=last[job] == seen)
             else:
                 copy = (s, b, d) in fetched
                 new_gradient = d == BACKWARD and s not in accumulating
                 items.append(Compute(CyclicJob(0, b, s, d), job_number(b, d) if copy else 0, new_gradient, copy))
-            seen += d == BACKWARD
+            seen += 1
             accumulating |= {s} if d == BACKWARD else set()
             if d == FORWARD and s > 0:
                 items.append(Drop(Item("x", s, b)))

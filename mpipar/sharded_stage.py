@@ -58,7 +58,7 @@ class ShardedStage:
                  ledger: MemoryLedger | None = None) -> None:
         self.world, self.stage, self.sharding, self.collective = comm, stage, sharding, collective
         self.flat = flat = stage.flat
-        if sharding.nested:
+        if sharding.nested or sharding.secondary:  # ZeRO++'s backward gathers in the group
             self.intra, self.inter = comm.hierarchy()
         else:  # one global ring: groups only say which messages count as inter-group
             self.intra = self.inter = None
@@ -71,12 +71,13 @@ class ShardedStage:
         self.traffic = comm.traffic
         self.host = flat.backend.xp is np  # False on a GPU: DDP naive only (config.py)
         P, G, OS = sharding.triple
-        self.units, stored = [], {"P": 0, "G": 0}
+        self.units, stored = [], {"P": 0, "G": 0, "secondary": 0}
         for index, (first, last, start, stop) in enumerate(make_units(stage, unit_bytes)):
             blocks = {scope: self.layout.block(scope, stop - start) for scope in "NIG"}
             self.units.append(Unit(index, first, last, start, stop, blocks, dict(stored)))
             stored["P"] += self.units[-1].length(P)
             stored["G"] += self.units[-1].length(G)
+            stored["secondary"] += self.units[-1].length("I") if sharding.secondary else 0
         # the layers a unit's Compute runs: from its first to the next unit's first (every
         # layer belongs to one unit; those without parameters run with the unit before them)
         edges = [0] + [unit.first for unit in self.units[1:]] + [len(stage.layers)]
@@ -91,7 +92,9 @@ class ShardedStage:
         self.gradient_elements, self.g_store, self.optimizer = stored["G"], None, None
         self.optimizer_factory = lambda: make_optimizer(optimizer, *self._optimizer_pieces(), **optimizer_options)
         self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
-        self.ledger.hold("parameters", self.p_store.nbytes)
+        # ZeRO++: this rank's I-blocks of every unit, filled by the step's first forward (else empty)
+        self.secondary_store = flat.backend.xp.empty(stored["secondary"], dtype=flat.dtype)
+        self.ledger.hold("parameters", self.p_store.nbytes + self.secondary_store.nbytes)
         self.gathered: dict[int, tuple] = {}  # unit index -> (full parameters, gather in flight)
         self.unit_grads: dict[int, object] = {}  # unit index -> its full gradient, computed, not yet reduced
         self.completed_before_step = 0
@@ -199,11 +202,23 @@ class ShardedStage:
     def _p_comm(self) -> Comm:
         return self.intra if self.sharding.parameters == "I" else self.world
 
-    def gather(self, unit: int, phase: str) -> None:
-        """Post the all-gather of `unit`'s parameters into a full buffer (once per use)."""
+    def gather(self, unit: int, phase: str, from_secondary: bool = False) -> None:
+        """Post the all-gather of `unit`'s parameters into a full buffer (once per use), from
+        P's scope or from ZeRO++'s secondary copy inside the group."""
         full = self._take("parameters", self.units[unit].size)
-        mine = self.p_store[self._slice(self.units[unit], "P", self.sharding.parameters)]
-        self.gathered[unit] = (full, self._start(phase, iall_gather, self._p_comm(), mine, full))
+        if from_secondary:
+            comm, mine = self.intra, self.secondary_store[self._secondary_slice(self.units[unit])]
+        else:
+            comm, mine = self._p_comm(), self.p_store[self._slice(self.units[unit], "P", self.sharding.parameters)]
+        self.gathered[unit] = (full, self._start(phase, iall_gather, comm, mine, full))
+
+    def keep_secondary(self, unit: int) -> None:
+        """ZeRO++: this rank's block in the group of the unit just gathered from all ranks."""
+        start, stop = self.units[unit].blocks["I"]
+        self.secondary_store[self._secondary_slice(self.units[unit])] = self.gathered[unit][0][start:stop]
+
+    def _secondary_slice(self, unit: Unit) -> slice:
+        return slice(unit.offsets["secondary"], unit.offsets["secondary"] + unit.length("I"))
 
     def enter(self, unit: int, backward: bool) -> None:
         """Before `unit`'s layers run: its parameters gathered and in place, and in a backward

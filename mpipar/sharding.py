@@ -7,6 +7,11 @@ replicated across groups) or G (sharded over all N ranks). Seed 004's schemes:
     zero1       N  N  G         paro-nig    N  I  G
     zero2       N  G  G         paro-iig    I  I  G
     zero3       G  G  G         paro-igg    I  G  G
+    zeropp      G  G  G  + a secondary copy of P sharded in the group (ZeRO++'s hpZ)
+
+ZeRO++ is ZeRO-3 whose forward, having gathered a unit from all ranks, keeps this rank's
+block of the group (I scope) as a *secondary* copy, so the backward gathers the unit
+inside the group only. It holds Psi/N + Psi/M of parameters (Table 1's row).
 
 A triple is valid when sharding never gets coarser from P to G to OS (N < I < G):
 a rank can only update the optimizer state it holds from gradients it holds, and
@@ -51,8 +56,12 @@ class Sharding:
     parameters: str
     gradients: str
     optimizer_state: str
+    secondary: bool = False  # ZeRO++: the backward gathers P from a copy sharded in the group
 
     def __post_init__(self) -> None:
+        if self.secondary and self.parameters != "G":
+            raise ConfigError("a secondary copy of the parameters (ZeRO++) is for parameters sharded over all ranks "
+                              f"(P = G), not P = {self.parameters}")
         for what, scope in zip(("parameters", "gradients", "optimizer state"), self.triple):
             if scope not in SCOPES:
                 raise ConfigError(f"the scope of the {what} must be one of N, I, G; got {scope!r}")
@@ -73,7 +82,8 @@ class Sharding:
 
     def __str__(self) -> str:
         name = next((name for name, scheme in SCHEMES.items() if scheme == self), None)
-        return f"{name} ({','.join(self.triple)})" if name else ",".join(self.triple)
+        letters = ",".join(self.triple) + (" + P in the group" if self.secondary else "")
+        return f"{name} ({letters})" if name else letters
 
 
 SCHEMES = {
@@ -85,6 +95,7 @@ SCHEMES = {
     "paro-nig": Sharding("N", "I", "G"),
     "paro-iig": Sharding("I", "I", "G"),
     "paro-igg": Sharding("I", "G", "G"),
+    "zeropp": Sharding("G", "G", "G", secondary=True),
 }
 
 
@@ -126,8 +137,9 @@ def bytes_per_rank(sharding: Sharding, parameter_count: float, world_size: int, 
     if group_size < 1 or world_size % group_size:
         raise ConfigError(f"--group-size {group_size} does not divide the world size {world_size}")
     share = [sharing_ranks(scope, world_size, group_size) for scope in sharding.triple]
-    return StateBytes(parameter_count * parameter_bytes / share[0], parameter_count * gradient_bytes / share[1],
-                      parameter_count * state_bytes / share[2])
+    secondary = parameter_count * parameter_bytes / group_size if sharding.secondary else 0
+    return StateBytes(parameter_count * parameter_bytes / share[0] + secondary,
+                      parameter_count * gradient_bytes / share[1], parameter_count * state_bytes / share[2])
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ SEED_TABLE_2 = {
     "paro-igg": (grouped(S), grouped(S), add(across(S), grouped(S)), (0, 0), None),
     "paro-iig": (grouped(S), grouped(S), grouped(S), across(1), across(1)),
     "paro-nig": ((0, 0), (0, 0), None, across(1), add(across(1), grouped(1))),
+    "zeropp": (flat(S), grouped(S), flat(S), (0, 0), (0, 0)),
 }
 
 
@@ -71,9 +72,14 @@ def test_fig_5_ordering():
     assert inter["mics"] == inter["paro-iig"] == min(inter[n] for n in ("zero2", "zero3", "mics", "paro-igg",
                                                                          "paro-iig"))
     assert inter["paro-nig"] < inter["zero2"] and inter["paro-igg"] < inter["zero3"]
+    assert inter["zeropp"] < inter["zero3"] and memory_of(rows, "zero3") < memory_of(rows, "zeropp")
     memory = {name: row.memory.total for name, row in rows.items()}
     assert memory["zero1"] > memory["zero2"] > memory["zero3"]
     assert memory["zero3"] < memory["paro-igg"] < memory["paro-iig"] < memory["mics"]
+
+
+def memory_of(rows, name):
+    return rows[name].memory.total
 
 
 def test_no_groups_no_inter_group_bytes():

@@ -16,6 +16,7 @@ TABLE_1 = {
     "paro-igg": (2 * PSI / M, 2 * PSI / N, K * PSI / N),
     "paro-iig": (2 * PSI / M, 2 * PSI / M, K * PSI / N),
     "paro-nig": (2 * PSI, 2 * PSI / M, K * PSI / N),
+    "zeropp": (2 * PSI / N + 2 * PSI / M, 2 * PSI / N, K * PSI / N),
     "ddp": (2 * PSI, 2 * PSI, K * PSI),
 }
 
@@ -24,6 +25,12 @@ TABLE_1 = {
 def test_memory_per_rank_is_table_1(scheme):
     memory = bytes_per_rank(SCHEMES[scheme], PSI, N, M, state_bytes=K)
     assert (memory.parameters, memory.gradients, memory.optimizer_state) == pytest.approx(TABLE_1[scheme])
+
+
+def test_a_secondary_copy_is_only_for_parameters_sharded_over_all_ranks():
+    assert str(SCHEMES["zeropp"]) == "zeropp (G,G,G + P in the group)" and SCHEMES["zeropp"] != SCHEMES["zero3"]
+    with pytest.raises(ConfigError, match="for parameters sharded over all ranks"):
+        Sharding("I", "G", "G", secondary=True)
 
 
 def test_names_and_triples_parse_to_the_same_scheme():

@@ -9,7 +9,15 @@ import pytest
 
 from mpipar.mesh import Mesh
 from mpipar.plans import PipelinePlan, data_parallel_plan
-from mpipar.schedule.instructions import Compute, GatherUnit, PublishUnit, ReduceUnit, ReleaseUnit, Update
+from mpipar.schedule.instructions import (
+    Compute,
+    GatherUnit,
+    KeepSecondary,
+    PublishUnit,
+    ReduceUnit,
+    ReleaseUnit,
+    Update,
+)
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.strategies import BACKWARD, Shape, get_strategy
 from mpipar.sharding import SCHEMES, parse_sharding
@@ -72,6 +80,27 @@ def test_the_update_steps_the_shard_and_publishes_p_only_where_p_is_wider_than_o
     assert published == (list(range(UNITS)) if sharding.parameters != sharding.optimizer_state else [])
     if sharding.parameters == "N":
         assert not [i for i in plan.run.program if isinstance(i, (GatherUnit, ReleaseUnit))]
+
+
+@pytest.mark.parametrize("strategy", ["1f1b", "gpipe"])
+def test_zeropp_keeps_a_secondary_copy_in_the_first_forward_and_every_backward_gathers_from_it(strategy):
+    """ZeRO++: the step's first forward keeps each unit's block in the group before freeing
+    the unit; no other forward does (the parameters do not change within a step); every
+    backward gather reads the secondary copy, and only backward gathers do."""
+    compiled = compile_programs(get_strategy(strategy), Shape(1, 1, MICRO_BATCHES))
+    plan = PipelinePlan(compiled, Mesh(1, 4), 0, [100], sharding=SCHEMES["zeropp"], units=[UNITS])
+    instructions, kept = plan.run.program, []
+    for position, instruction in enumerate(instructions):
+        if isinstance(instruction, KeepSecondary):
+            compute = instructions[position - 1]
+            assert isinstance(compute, Compute) and compute.job.micro_batch == 0 and compute.unit == instruction.unit
+            assert instructions[position + 1] == ReleaseUnit(0, instruction.unit)
+            kept.append(instruction.unit)
+        elif isinstance(instruction, GatherUnit):
+            assert instruction.from_secondary == (instruction.direction == BACKWARD)
+            if instruction.from_secondary:
+                assert instruction.unit in kept, f"unit {instruction.unit} gathered before its copy was kept"
+    assert kept == list(range(UNITS))
 
 
 def test_a_composed_pipeline_runs_the_flow_for_each_stage_it_holds_and_none_for_the_others():

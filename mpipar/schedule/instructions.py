@@ -232,12 +232,23 @@ class EndTimeStep:
 @dataclass(frozen=True)
 class GatherUnit:
     """Post the all-gather of unit `unit` of stage s's parameters from P's scope into a
-    full buffer of the unit. Placed `prefetch` units ahead of the Compute that uses it, so
-    the gather runs under the layers before; counted as a gather of the job's `direction`."""
+    full buffer of the unit (`from_secondary`: from ZeRO++'s secondary copy, inside the
+    group). Placed `prefetch` units ahead of the Compute that uses it, so the gather runs
+    under the layers before; counted as a gather of the job's `direction`."""
 
     stage: int
     unit: int
     direction: str
+    from_secondary: bool = False
+
+
+@dataclass(frozen=True)
+class KeepSecondary:
+    """ZeRO++: copy this rank's block of the group (I scope) out of the unit the forward
+    gathered from all ranks, into its secondary copy, for the backward's gathers."""
+
+    stage: int
+    unit: int
 
 
 @dataclass(frozen=True)
@@ -272,9 +283,9 @@ class PublishUnit:
     unit: int
 
 
-UNIT_INSTRUCTIONS = (GatherUnit, ReleaseUnit, ReduceUnit, PublishUnit)
-ItemInstruction = (Receive | Compute | Update | Send | Drop | EndTimeStep | ReduceGradients | GatherUnit | ReleaseUnit
-                   | ReduceUnit | PublishUnit)
+UNIT_INSTRUCTIONS = (GatherUnit, KeepSecondary, ReleaseUnit, ReduceUnit, PublishUnit)
+ItemInstruction = (Receive | Compute | Update | Send | Drop | EndTimeStep | ReduceGradients | GatherUnit
+                   | KeepSecondary | ReleaseUnit | ReduceUnit | PublishUnit)
 PHASES = {Receive: 0, Compute: 1, Update: 2, Send: 3, Drop: 4, EndTimeStep: 5}
 
 
@@ -295,9 +306,11 @@ def describe(instruction: Instruction | ItemInstruction) -> str:
                 f"{_item(instruction.weights)}{start}")
     if isinstance(instruction, UNIT_INSTRUCTIONS):
         what = {GatherUnit: "the parameters of", ReleaseUnit: "the parameters of",
-                ReduceUnit: "this micro-batch's gradient of", PublishUnit: "the new parameters of"}[type(instruction)]
-        ends = ("" if not isinstance(instruction, ReduceUnit) else
-                " (starts the sum)" * instruction.first + ", then to OS's scope" * instruction.then_to_os)
+                KeepSecondary: "this rank's block in the group of", ReduceUnit: "this micro-batch's gradient of",
+                PublishUnit: "the new parameters of"}[type(instruction)]
+        ends = (" (starts the sum)" * instruction.first + ", then to OS's scope" * instruction.then_to_os
+                if isinstance(instruction, ReduceUnit) else
+                " from the secondary copy" if getattr(instruction, "from_secondary", False) else "")
         return f"{name} {what} stage {instruction.stage}, unit {instruction.unit}{ends}"
     if isinstance(instruction, Update):
         return f"{name} stage {instruction.stage} of step {instruction.step}"

@@ -5,7 +5,9 @@ composed mesh) runs a job unit by unit, a unit being a run of layers (sharding.m
 Where each collective goes is decided here, and nowhere else:
 
     forward     GatherUnit for the first unit and the `prefetch` after it; then per unit:
-                Compute it, ReleaseUnit, GatherUnit the one `prefetch` further on
+                Compute it, ReleaseUnit, GatherUnit the one `prefetch` further on (ZeRO++:
+                the step's first forward keeps a secondary copy, KeepSecondary, before the
+                release, and every backward gathers from it inside the group)
     backward    the same, last unit first; after each unit's Compute, ReduceUnit takes its
                 gradient to G's scope (G sharded: every micro-batch; G = N: only the step's
                 last, which then sums over the replicas), so each reduction runs under the
@@ -26,6 +28,7 @@ from mpipar.schedule.instructions import (
     Compute,
     CyclicJob,
     GatherUnit,
+    KeepSecondary,
     PublishUnit,
     ReduceUnit,
     ReleaseUnit,
@@ -38,20 +41,26 @@ from mpipar.sharding import Sharding
 def job_flow(job: CyclicJob, units: int, sharding: Sharding, prefetch: int, *, first: bool = False,
              last: bool = False) -> list:
     """`job` of a shared stage of `units` units; `first` and `last` mark the stage's first and
-    last backward of the step on this rank (where the gradient sum starts, and goes to OS)."""
-    order = list(range(units)) if job.direction != BACKWARD else list(range(units - 1, -1, -1))
-    gathers = sharding.parameters != "N"
+    last job of that direction in the step on this rank: the first backward starts the
+    gradient sum and the last takes it on to OS's scope; under ZeRO++ the first forward keeps
+    the secondary copy of P that every backward of the step gathers from."""
+    backward = job.direction == BACKWARD
+    order = list(range(units - 1, -1, -1)) if backward else list(range(units))
+    gathers, from_secondary = sharding.parameters != "N", backward and sharding.secondary
+    keeps_secondary = sharding.secondary and not backward and first
     # ZeRO-2/3's reduce-scatter already lands on OS's scope; every other triple goes on from G's
-    then_to_os = last and not sharding.gradients == sharding.optimizer_state == "G"
+    then_to_os = backward and last and not sharding.gradients == sharding.optimizer_state == "G"
     flow = []
     for position, unit in enumerate(order):
         if gathers:  # at the start the first units; then each unit keeps `prefetch` in flight ahead
             ahead = order[:prefetch + 1] if position == 0 else order[position + prefetch:position + prefetch + 1]
-            flow += [GatherUnit(job.stage, u, job.direction) for u in ahead]
+            flow += [GatherUnit(job.stage, u, job.direction, from_secondary) for u in ahead]
         flow.append(Compute(job, 0, unit=unit))
+        if keeps_secondary:
+            flow.append(KeepSecondary(job.stage, unit))
         if gathers:
             flow.append(ReleaseUnit(job.stage, unit))
-        if job.direction == BACKWARD and (sharding.gradients != "N" or last):
+        if backward and (sharding.gradients != "N" or last):
             flow.append(ReduceUnit(job.stage, unit, first, then_to_os))
     return flow
 

@@ -5,7 +5,7 @@ N = 8 ranks in groups of M = 4, s = 2 micro-batches, ring collectives, float64,
 Adam. The model (an MLP 64-32-34-10, 3552 parameters, one unit) divides evenly into
 every block, so the formulas hold exactly, without padding:
 
-For the 8 named schemes and two more triples (N,N,I and N,I,I):
+For the 9 named schemes (ZeRO++ among them) and two more triples (N,N,I and N,I,I):
 
 - memory: the ledger's bytes per rank between steps equal Table 1 (K = 2 x 8 bytes);
 - communication: the bytes every rank sent in one step, per phase, summed over
