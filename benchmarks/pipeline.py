@@ -1,6 +1,6 @@
 """The bubble of GPipe, 1F1B and a looped pipeline, measured against the replay's prediction.
 
-    mpiexec -n 4 python benchmarks/pipeline.py [--steps 12] [--warmup 3] [--json FILE]
+    mpiexec -n 4 python benchmarks/pipeline.py [--steps 12] [--warmup 3] [--recompute stage] [--json FILE]
 
 MLP 64-(512 x 8)-10 on the digits (float32, global batch 512, SGD momentum), cut into
 S stages of near-equal FLOPs. Contenders on W ranks:
@@ -15,7 +15,9 @@ as the simulator defines it. The prediction replays the same Programs with the
 measured per-stage costs (median forward and backward time of each stage over all
 ranks) and gives each worker's idle fraction and the latency. Rank 0 prints both per
 rank, and samples/s of whole steps (metrics and update included). Medians over the
-timed steps. `--loops` sets G for lpp (default 2, or 1 on fewer than 4 ranks).
+timed steps. `--loops` sets G for lpp (default 2, or 1 on fewer than 4 ranks). With
+`--recompute stage` every backward job first runs its stage's forward again
+(docs/peak.md): its backward time should grow by about one forward.
 """
 
 import argparse
@@ -35,12 +37,14 @@ parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--micro-batches", type=int, default=8)
 parser.add_argument("--loops", type=int, default=None)
+parser.add_argument("--recompute", default="none", choices=("none", "stage"))
 parser.add_argument("--json", default=None, help="also write the figures to this file")
 args = parser.parse_args()
 world = MPI.COMM_WORLD
 W = world.size
 common = dict(model="mlp", hidden=(512,) * 8, dataset="digits", optimizer="sgd", momentum=0.9, lr=0.01,
-              dtype="float32", epochs=1000, batch_size=512, micro_batches=args.micro_batches, collective="mpi")
+              dtype="float32", epochs=1000, batch_size=512, micro_batches=args.micro_batches, collective="mpi",
+              recompute=args.recompute)
 CONTENDERS = {"gpipe": dict(scheme="gpipe", stages=W), "1f1b": dict(scheme="1f1b", stages=W),
               "lpp": dict(scheme="lpp-breadth", stages=2 * W, loops=args.loops or (2 if W >= 4 else 1))}
 

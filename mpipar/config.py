@@ -49,6 +49,9 @@ def _option(default, help: str, kind: click.ParamType, group: str):
     return field(default=default, metadata={"help": help, "type": kind, "group": group})
 
 
+RECOMPUTE = ("none", "stage")  # --recompute: keep every stash, or only each stage's (unit's) input
+
+
 @dataclass
 class TrainConfig:
     model: str = _option("mlp", "the network", click.Choice(MODELS), "model")
@@ -110,6 +113,10 @@ class TrainConfig:
                                FloatRange(0.0, min_open=True), "parallelism")
     prefetch: int = _option(1, "units of parameters gathered ahead of their use by the P-sharded schemes "
                                "(each costs one unit of memory)", NATURAL, "parallelism")
+    recompute: str = _option("none", "activation recomputation: stage keeps only each stage's input (each unit's, "
+                                     "where a replica group shares the stage) and runs its forward again before "
+                                     "the backward: less activation memory for one more forward",
+                             click.Choice(RECOMPUTE), "parallelism")
     collective: str = _option("mpi", "algorithm of every collective (2d: ddp only)", click.Choice(ALGORITHMS),
                               "parallelism")
     comm_timeout: float = _option(0.0, "seconds any communication may wait before the job is stopped "
@@ -247,6 +254,9 @@ class TrainConfig:
             raise ConfigError(f"{given} needs --checkpoint-dir DIR, where the checkpoints are written")
 
     def _validate_cyclic(self, world_size: int) -> None:
+        if self.recompute != "none":
+            raise ConfigError(f"--recompute {self.recompute} is for pipelines and data parallelism; Cyclic Data "
+                              "Parallelism keeps its activations flat by its schedule: drop --recompute")
         count = self.micro_batches
         if self.stages not in (0, count):
             raise ConfigError(f"--scheme {self.scheme} cuts the model into N = --micro-batches = {count} stages; "

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.cache import ActivationCache
+from mpipar.cache import ActivationCache, Context
 from mpipar.comms.collectives import iall_reduce, ireduce
 from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.handle import wait_requests
@@ -93,10 +93,11 @@ class Executor(WholeModel):
     def __init__(self, comm: Comm, stages: list[Stage], plan: PipelinePlan | CdpPlan, cache: ActivationCache,
                  loss_fn, *, input_shapes: list[tuple[int, ...]], optimizer: str, optimizer_options: dict,
                  collective: str = "ring", sharding: Sharding = SCHEMES["ddp"], unit_bytes: float = 25e6,
-                 prefetch: int = 1) -> None:
+                 prefetch: int = 1, recompute: bool = False) -> None:
         self.comm, self.stages, self.plan, self.cache, self.loss_fn = comm, stages, plan, cache, loss_fn
         self.input_shapes = input_shapes  # per stage; the last entry is the model's output
         self.collective, self.sharding, self.unit_bytes, self.prefetch = collective, sharding, unit_bytes, prefetch
+        self.recompute = recompute  # each Compute span keeps only its input; backward runs its forward again
         self.optimizer_name, self.optimizer_options = optimizer, optimizer_options
         self.kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
         self.dtype, self.mesh = stages[0].flat.dtype, plan.mesh
@@ -368,13 +369,17 @@ class Executor(WholeModel):
                                      sample_ids=np.arange(first, first + self.micro_size))
         else:
             (x, targets), ctx, self.flowing = self.flowing, self.cache.contexts[(s, g)], (None, None)
-        y = self.stages[s].forward(x, ctx, self._after_layer, span)
+        stash = ctx
+        if self.recompute:  # keep only the input; the layers stash into a context forgotten after the forward
+            ctx.save(("input", span), x, targets)
+            stash = Context(None, ctx.key, step=ctx.step, sample_ids=ctx.sample_ids, seed=ctx.seed)
+        y = self.stages[s].forward(x, stash, self._after_layer, span)
         if not closes:
             self.flowing = (y, targets)
         elif not last:
             self._keep(Item("x", s + 1, g), y)
         else:
-            loss = float(self.loss_fn.forward(y, targets, ctx, self.batch_size))
+            loss = float(self.loss_fn.forward(y, targets, stash, self.batch_size))
             if not self.plan.settles_each_step and not np.isfinite(loss):
                 raise NonFiniteLossError(f"step {step}, micro-batch {i}: the training loss is {loss} "
                                          f"(rank {self.comm.rank}); try a lower --lr")
@@ -383,6 +388,11 @@ class Executor(WholeModel):
 
     def _backward(self, step: int, s: int, g: int, new_gradient: bool, span, opens: bool, closes: bool) -> None:
         ctx = self.cache.contexts[(s, g)]
+        if self.recompute:  # the forward again, from the kept input, stashing for this backward
+            x, targets = ctx.pop(("input", span))
+            y = self.stages[s].forward(x, ctx, self._after_layer, span)
+            if opens and s == len(self.stages) - 1:
+                self.loss_fn.forward(y, targets, ctx, self.batch_size)
         if opens:
             gradient = Item("g", s, step)
             if new_gradient:

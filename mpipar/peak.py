@@ -62,12 +62,26 @@ class ActivationBytes:
     stashed: tuple[int, ...]
     inputs: tuple[int, ...]
     largest_output: tuple[int, ...]
+    recomputed_stash: tuple[int, ...] = ()  # --recompute stage: what each stage's backward rebuilds
 
     def training(self, stages: list[int] | None = None) -> int:
         """Stashes of `stages` (all by default) plus what a layer has in flight in them:
-        its output, that output's gradient and the gradient below (three of the largest)."""
+        its output, that output's gradient and the gradient below (three of the largest);
+        under recomputation, plus the largest stash a backward rebuilds."""
         stages = range(len(self.stashed)) if stages is None else stages
-        return sum(self.stashed[s] for s in stages) + 3 * max(self.largest_output[s] for s in stages)
+        return (sum(self.stashed[s] for s in stages) + 3 * max(self.largest_output[s] for s in stages)
+                + self.rebuilt(stages))
+
+    def rebuilt(self, stages) -> int:
+        """The largest stash a backward of `stages` rebuilds (0 without recomputation)."""
+        return max((self.recomputed_stash[s] for s in stages), default=0) if self.recomputed_stash else 0
+
+    def recomputed(self) -> ActivationBytes:
+        """The same micro-batch under --recompute stage: between its forward and its backward a
+        stage keeps only its input; a backward rebuilds the rest of its stash, one stage at a
+        time (the stash beyond the input: a stage's first layer keeps the input it already holds)."""
+        rebuilt = tuple(max(stash - kept, 0) for stash, kept in zip(self.stashed, self.inputs))
+        return ActivationBytes(self.inputs, self.inputs, self.largest_output, recomputed_stash=rebuilt)
 
 
 @dataclass(frozen=True)
@@ -138,7 +152,8 @@ def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, item
     stashes = compiled.timeline.peak_activation_bytes(list(training.stashed))[rank]
     last = len(stage_sizes) - 1
     loaded = training.inputs[0] if last in computed and last > 0 else 0  # the last stage loads a whole micro-batch
-    step = {"activations": stashes + (3 * max(training.largest_output[s] for s in computed) if computed else 0),
+    step = {"activations": stashes + (3 * max(training.largest_output[s] for s in computed) if computed else 0)
+            + training.rebuilt(computed),
             "loaded inputs": loaded,
             "received buffers": 2 * boundary, "sends in flight": in_flight * boundary,
             "fetched weights": 3 * fetched * itemsize, "collective scratch": scratch * itemsize}

@@ -147,8 +147,10 @@ class Trainer:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
         cfg = self.config
         per_rank = 1 if cfg.cyclic else cfg.mesh(self.world_size).replicas
-        return dry_run(self.stages, self.train_set, self.loss_fn, cfg.batch_size // per_rank // cfg.micro_batches,
-                       min(cfg.eval_batch, len(self.test_set)), cfg.seed, self._to_device)
+        training, evaluation = dry_run(self.stages, self.train_set, self.loss_fn,
+                                       cfg.batch_size // per_rank // cfg.micro_batches,
+                                       min(cfg.eval_batch, len(self.test_set)), cfg.seed, self._to_device)
+        return (training.recomputed() if cfg.recompute == "stage" else training), evaluation
 
     def _predicted_peak(self) -> Peak:
         """The engine's prediction of this rank's peak (for CDP: over the first epoch's program)."""
@@ -233,7 +235,8 @@ class Trainer:
                         optimizer=cfg.optimizer, optimizer_options=dict(momentum=cfg.momentum,
                                                                         weight_decay=cfg.weight_decay),
                         collective=cfg.collective, sharding=SCHEMES["ddp"] if cfg.cyclic else cfg.sharding(),
-                        unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), prefetch=cfg.prefetch)
+                        unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), prefetch=cfg.prefetch,
+                        recompute=cfg.recompute == "stage")
 
     # -- the model, read and written the same way for every scheme -------------------------
     def full_parameters(self, root: int | None = None) -> dict[str, np.ndarray] | None:

@@ -61,6 +61,8 @@ def test_missing_file():
     (dict(shard="zero3"), "--shard takes three letters P,G,OS"),
     (dict(scheme="zero3", shard="G,G,G"), "give --scheme or --shard, not both"),
     (dict(scheme="zero3", collective="2d"), "--collective 2d is an all-reduce only"),
+    (dict(scheme="cdp-v2", recompute="stage"), "--recompute stage is for pipelines and data parallelism"),
+    (dict(recompute="every-2"), "unknown --recompute 'every-2'; choose one of: none, stage"),
 ])
 def test_validation_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -16,6 +16,13 @@ def test_every_strategy_equals_one_process_with_predicted_memory_and_messages(ra
     assert f"all 18 schedule cases equal one process on {ranks} ranks" in result.stdout
 
 
+def test_recomputation_equals_one_process_and_stashes_what_the_replay_predicts():
+    """--recompute stage with gpipe, 1f1b and zero3 (tests/scripts/check_recompute.py)."""
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "check_recompute.py"), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "recomputation equals one process in 6 cases" in result.stdout
+
+
 def test_a_pipeline_learns_the_digits_through_the_cli(tmp_path):
     metrics = tmp_path / "run.jsonl"
     result = run_mpi(2, sys.executable, "-m", "mpipar", "train", "--scheme", "1f1b", "--stages", "2",

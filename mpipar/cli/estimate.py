@@ -26,11 +26,13 @@ Exercised by: python -m pytest tests/test_estimate.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import click
 
 from mpipar.cli.params import RenamedOption
+from mpipar.config import RECOMPUTE
 from mpipar.data import DATASETS
 from mpipar.errors import ConfigError
 from mpipar.estimate import PHASES, make_layout, predicted_peaks, scheme_rows
@@ -97,6 +99,8 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
               help="unit size in MB for --ddp bucketed")
 @click.option("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
               help="units of parameters gathered ahead by the schemes that shard them")
+@click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True,
+              help="activation recomputation, as in mpipar train: its peak keeps only each stage's input")
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True)
 @click.option("--momentum", type=click.FloatRange(min=0), default=0.9, show_default=True,
               help="SGD momentum (0: SGD keeps no state)")
@@ -107,8 +111,8 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def estimate(params: float | None, model: str | None, dataset: str, hidden: tuple[int, ...], world_size: int,
              group_size: int, micro_batches: int | None, stages: int, scheme: str | None, replicas: int, loops: int,
-             batch_size: int, ddp: str, bucket_mb: float, prefetch: int, optimizer: str, momentum: float,
-             precision: str, as_json: bool) -> None:
+             batch_size: int, ddp: str, bucket_mb: float, prefetch: int, recompute: str, optimizer: str,
+             momentum: float, precision: str, as_json: bool) -> None:
     """Memory per rank and bytes sent per step of every sharding scheme, and the predicted peak.
 
     The tables are the PaRO paper's Tables 1 and 2 in bytes (seed 004; terms in docs/glossary.md).
@@ -121,6 +125,8 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
     element, k = state_bytes_per_parameter(precision, optimizer, momentum)
     layout = make_layout(params, built, world_size, group_size, stages, scheme, replicas, micro_batches, loops,
                          batch_size, ddp, bucket_mb, 8 if precision == "float64" else 4)
+    if recompute == "stage":
+        layout = dataclasses.replace(layout, training=layout.training.recomputed())
     count = params if params is not None else sum(layout.stage_sizes)
     micro_batches = layout.compiled.shape.micro_batches
     rows = scheme_rows(layout, micro_batches, element, k)
