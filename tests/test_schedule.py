@@ -51,6 +51,16 @@ def test_gpipe_and_1f1b_latency_is_b_plus_s_minus_1(stages, batches):
     assert one_f_one_b.peak_activations() == [min(batches, stages - w) for w in range(stages)]
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_recomputation_makes_each_backward_a_forward_longer_in_the_replay(name):
+    """Seed 001's latency (B + S - 1)(F + B) with F = 1 and B = 2: a backward reruns its forward."""
+    args = ["schedule", "show", "--scheme", name, "-W", "4", "-S", "4", "-B", "8"]
+    assert "latency 22 time units" in CliRunner().invoke(cli, args).output
+    result = CliRunner().invoke(cli, [*args, "--recompute", "stage"])
+    assert result.exit_code == 0, result.output
+    assert "latency 33 time units" in result.output and "a backward two" in result.output
+
+
 def test_looped_placement_interpolates_between_gpipe_and_ddp():
     gpipe_like = Shape(workers=4, stages=4, micro_batches=6, loops=1)  # G = 1, R = W = S
     assert all(looped_worker(s, b, gpipe_like) == s for s in range(4) for b in range(6))

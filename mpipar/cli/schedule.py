@@ -27,6 +27,7 @@ from __future__ import annotations
 import click
 
 from mpipar.cli.params import RenamedOption
+from mpipar.config import RECOMPUTE
 from mpipar.errors import ConfigError
 from mpipar.mesh import Mesh
 from mpipar.plans import PipelinePlan
@@ -66,12 +67,16 @@ def schedule() -> None:
               help="pipeline replicas D: the W ranks are D pipelines of W/D workers (docs/composition.md)")
 @click.option("--shard", default="ddp", show_default=True,
               help="how a stage's replicas share it: a data-parallel scheme or P,G,OS letters such as I,G,G")
+@click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True,
+              help="activation recomputation, as in mpipar train: a backward job reruns its forward first, so it "
+                   "takes two time units")
 @click.option("--units", type=POSITIVE, default=1, show_default=True,
               help="with --items: the units of layers a shared stage runs in (mpipar train cuts them by --bucket-mb)")
 @click.option("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
               help="with --items: units a sharded P gathers ahead of the one computing")
 def show(scheme: str, table: str | None, workers: int, stages: int, micro_batches: int, loops: int,
-         png: str | None, programs: bool, items: bool, replicas: int, shard: str, units: int, prefetch: int) -> None:
+         png: str | None, programs: bool, items: bool, replicas: int, shard: str, recompute: str, units: int,
+         prefetch: int) -> None:
     """Compile one step of a schedule, replay it, and print its diagram and costs."""
     strategy = load_table(table) if table else get_strategy(scheme)
     if workers % replicas:
@@ -83,9 +88,11 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
         raise ConfigError(f"{strategy.name} computes a stage on several workers of a pipeline, which cannot yet be "
                           f"combined with --replicas {replicas}")
     compiled = compile_programs(strategy, shape)
-    timeline = replay(compiled.programs, shape, compiled.holders)
+    backward = [2.0] * stages if recompute == "stage" else None  # the forward again, then the backward
+    timeline = replay(compiled.programs, shape, compiled.holders, backward=backward)
     click.echo(f"{strategy.name}: W={workers} workers, S={stages} stages, B={micro_batches} micro-batches, "
-               f"G={loops} loop(s); each job takes one time unit")
+               f"G={loops} loop(s); each job takes one time unit"
+               + (", a backward two (--recompute stage: it reruns its forward)" if backward else ""))
     click.echo(diagram.text(timeline))
     click.echo(diagram.LEGEND)
     click.echo(f"latency {timeline.latency:g} time units (the step, first job to last)")
