@@ -14,6 +14,8 @@ in alternating timed rounds inside one job so that machine noise hits them all:
     ddp          DDP with units posted during backward (the default)
     zero1 ... paro-igg   the sharded schemes, --group-size 1 (each rank its own group;
                  on 2 ranks an I scope is then a replica, see docs/sharding.md)
+    ddp-allgather  --ddp allgather-activations: the two 512-wide layers all-gather their
+                 rows, each rank computing their whole dW, instead of all-reducing it (seed 002)
 
 Rank 0 prints samples/s (global batch per second), the ratio to no-sync, the model
 state each rank holds (ledger) beside seed 004's Table 1, and the peak during a step.
@@ -47,6 +49,7 @@ contenders = {"no-sync": Trainer(TrainConfig(batch_size=256 // world.size, **com
               "ddp-naive": Trainer(TrainConfig(batch_size=256, ddp="naive", **common))}
 for name in SCHEMES:
     contenders[name] = Trainer(TrainConfig(batch_size=256, scheme=name, group_size=args.group_size, **common))
+contenders["ddp-allgather"] = Trainer(TrainConfig(batch_size=256, ddp="allgather-activations", **common))
 steps_done = dict.fromkeys(contenders, 0)
 
 
@@ -76,12 +79,12 @@ if world.rank == 0:
     print(f"{world.size} ranks, MLP 784-512-512-10 float32 ({psi:,} parameters), global batch 256, "
           f"collective {args.collective}, units of {args.bucket_mb} MB, group size {args.group_size}; "
           f"median of {args.rounds} rounds of {args.steps} steps")
-    print(f"  {'scheme':<10}{'samples/s':>10}{'of no-sync':>12}   {'P / G / OS held, KiB':<26}"
+    print(f"  {'scheme':<14}{'samples/s':>10}{'of no-sync':>12}   {'P / G / OS held, KiB':<26}"
           f"{'Table 1, KiB':<22}{'peak, KiB':>10}")
     figures = {}
     for name, values in rates.items():
         median = statistics.median(values)
-        line = f"  {name:<10}{median:10.0f}{median / ceiling:12.1%}"
+        line = f"  {name:<14}{median:10.0f}{median / ceiling:12.1%}"
         figures[name] = {"samples_per_s": median, "of_no_sync": median / ceiling, "rounds": values}
         if name in SCHEMES:
             ledger = contenders[name].engine.ledger
@@ -95,6 +98,10 @@ if world.rank == 0:
                      f"{peak / 1024:10.0f}")
             figures[name].update(held=held, peak=peak, table_1=vars(table))
         print(line)
+    print(f"  ddp-allgather: {contenders['ddp-allgather'].scheme_name}")
+    sent = {name: contenders[name].counted.traffic.read().sent_bytes / steps_done[name]
+            for name in ("ddp", "ddp-allgather")}
+    print(f"  bytes sent per rank and step: ddp {sent['ddp']:,.0f}, ddp-allgather {sent['ddp-allgather']:,.0f}")
     for name, target in (("ddp", 0.85), ("zero3", 0.75)):
         ratio = figures[name]["of_no_sync"]
         verdict = "PASS" if ratio >= target else "FAIL"

@@ -1,4 +1,4 @@
-"""The bubble of GPipe, 1F1B and a looped pipeline, measured against the replay's prediction.
+"""The bubble of GPipe, 1F1B, zero-bubble ZB1 and a looped pipeline, measured against the replay's prediction.
 
     mpiexec -n 4 python benchmarks/pipeline.py [--steps 12] [--warmup 3] [--recompute stage] [--json FILE]
 
@@ -6,6 +6,7 @@ MLP 64-(512 x 8)-10 on the digits (float32, global batch 512, SGD momentum), cut
 S stages of near-equal FLOPs. Contenders on W ranks:
 
     gpipe   S = W, B micro-batches             1f1b   S = W, B micro-batches
+    zb1     S = W, B micro-batches, each backward split into B and W jobs (W fills the bubble)
     lpp     S = 2W, G = 2 loops (breadth first, the order the seed's LPP latency describes)
 
 For each step every rank records when each of its jobs computed (Executor.job_times),
@@ -13,7 +14,8 @@ from a barrier at the start of the step. The schedule's measured latency is the 
 job's end on any rank; a rank's measured bubble is 1 - (its time computing) / latency,
 as the simulator defines it. The prediction replays the same Programs with the
 measured per-stage costs (median forward and backward time of each stage over all
-ranks) and gives each worker's idle fraction and the latency. Rank 0 prints both per
+ranks; zb1's backward is its B and W medians added, which the replay splits evenly) and
+gives each worker's idle fraction and the latency. Rank 0 prints both per
 rank, and samples/s of whole steps (metrics and update included). Medians over the
 timed steps. `--loops` sets G for lpp (default 2, or 1 on fewer than 4 ranks). With
 `--recompute stage` every backward job first runs its stage's forward again
@@ -38,6 +40,7 @@ parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--micro-batches", type=int, default=8)
 parser.add_argument("--loops", type=int, default=None)
 parser.add_argument("--recompute", default="none", choices=("none", "stage"))
+parser.add_argument("--only", nargs="*", default=None, help="run only these contenders")
 parser.add_argument("--json", default=None, help="also write the figures to this file")
 args = parser.parse_args()
 world = MPI.COMM_WORLD
@@ -46,6 +49,7 @@ common = dict(model="mlp", hidden=(512,) * 8, dataset="digits", optimizer="sgd",
               dtype="float32", epochs=1000, batch_size=512, micro_batches=args.micro_batches, collective="mpi",
               recompute=args.recompute)
 CONTENDERS = {"gpipe": dict(scheme="gpipe", stages=W), "1f1b": dict(scheme="1f1b", stages=W),
+              "zb1": dict(scheme="zb1", stages=W),
               "lpp": dict(scheme="lpp-breadth", stages=2 * W, loops=args.loops or (2 if W >= 4 else 1))}
 
 
@@ -59,6 +63,8 @@ def one_step(trainer: Trainer, step: int) -> tuple[float, list]:
 
 results = {}
 for name, options in CONTENDERS.items():
+    if args.only and name not in args.only or (args.recompute != "none" and name == "zb1"):
+        continue
     trainer = Trainer(TrainConfig(**common, **options))
     for step in range(args.warmup):
         one_step(trainer, step)
@@ -78,7 +84,8 @@ for name, options in CONTENDERS.items():
             merged.setdefault(key, []).extend(values)
     stages = trainer.config.stages
     forward = [statistics.median(merged[(s, FORWARD)]) for s in range(stages)]
-    backward = [statistics.median(merged[(s, "B")]) for s in range(stages)]
+    backward = [statistics.median(merged[(s, "B")]) + (statistics.median(merged[(s, "W")]) if (s, "W") in merged
+                                                        else 0.0) for s in range(stages)]
     compiled = trainer.compiled
     predicted = replay(compiled.programs, compiled.shape, compiled.holders, forward, backward)
     step_s = statistics.median(walls)

@@ -107,6 +107,8 @@ class TrainConfig:
                               click.Choice(LAYOUTS), "parallelism")
     ddp: str | None = _option(None, "layers per communication unit: naive (all in one, reduced after backward), "
                                     "overlap (one per layer), bucketed (units of at most --bucket-mb); "
+                                    "allgather-activations (one per layer, and a Linear layer whose rows are "
+                                    "fewer bytes than its gradient all-gathers them instead: seed 002); "
                                     "default bucketed, naive on a GPU",
                        click.Choice(DDP_MODES), "parallelism")
     bucket_mb: float = _option(25.0, "largest communication unit in MB for --ddp bucketed",
@@ -235,6 +237,12 @@ class TrainConfig:
             except ImportError:
                 raise ConfigError("--device gpu needs CuPy, which is not installed here: pip install "
                                   "'mpipar[gpu]' (or the cupy-cudaXXx wheel matching your CUDA)") from None
+        if self.ddp == "allgather-activations" and (self.cyclic or self.stages or self.sharding() != SCHEMES["ddp"]
+                                                     or self.device == "gpu"):
+            raise ConfigError("--ddp allgather-activations replaces the all-reduce of plain data parallelism "
+                              f"(--scheme ddp, on the CPU); with --scheme {self.scheme}"
+                              + (f" --stages {self.stages}" if self.stages else "") + " choose --ddp bucketed, overlap "
+                              "or naive")
         if self.cyclic:
             self._validate_cyclic(world_size)
         elif self.stages:
@@ -320,6 +328,14 @@ class TrainConfig:
             raise ConfigError(f"{self.scheme} computes stage {shared[0]} on several workers of a pipeline, which "
                               f"cannot yet be combined with --replicas {replicas}; use gpipe, 1f1b, or lpp/fslpp "
                               "with one loop and at least as many stages as workers")
+        if self.strategy().split_backward and replicas > 1:
+            raise ConfigError(f"{self.scheme} splits each backward into B and W jobs, which a stage shared by "
+                              f"--replicas {replicas} cannot yet run unit by unit: use 1f1b with replicas, or "
+                              f"{self.scheme} without")
+        if self.strategy().split_backward and self.recompute != "none":
+            raise ConfigError(f"{self.scheme} keeps a stage's activations from its B to its W, and --recompute "
+                              f"{self.recompute} would rebuild them in B only: use 1f1b with --recompute, or "
+                              f"{self.scheme} without")
         if replicas == 1:
             _check_divisible(self.batch_size, self.micro_batches, f"the schedule's {self.micro_batches} micro-batches")
         else:

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 from mpipar.backend import make_backend
 from mpipar.mesh import Mesh
 from mpipar.peak import ActivationBytes, Peak, dry_run, mesh_peak
+from mpipar.plans import shared_stages
 from mpipar.schedule.instructions import Backward
 from mpipar.schedule.program import Compiled, compile_programs
-from mpipar.sharding import SCHEMES, Sharding, StateBytes, bytes_per_rank, make_units, unit_bytes_for
+from mpipar.sharding import SCHEMES, Sharding, StateBytes, bytes_per_rank, compute_spans, make_units, unit_bytes_for
 
 PHASES = ("forward-gather", "backward-gather", "backward-reduce", "update-reduce", "update-gather")
 
@@ -118,9 +119,10 @@ class Layout:
 
 def make_layout(count: float, built, world_size: int, group_size: int, stages: int, scheme: str | None,
                 replicas: int, micro_batches: int | None, loops: int, batch_size: int, ddp: str,
-                bucket_mb: float, itemsize: int) -> Layout:
+                bucket_mb: float, itemsize: int, recompute: bool = False) -> Layout:
     """The layout of `count` parameters (or of `built`, built_model's result) on `world_size`
-    ranks: data parallelism without --stages, else S stages on a mesh of workers x replicas."""
+    ranks: data parallelism without --stages, else S stages on a mesh of workers x replicas;
+    its activations those of --recompute stage where `recompute`."""
     from mpipar.config import TrainConfig
     from mpipar.model import build_stages
 
@@ -146,7 +148,10 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
         sizes = [stage.flat.size for stage in laid_out]
         units = [max((stop - start for _, _, start, stop in make_units(stage, unit_bytes_for(ddp, bucket_mb))),
                      default=0) for stage in laid_out]
-        training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch, seed=0)
+        spans = (compute_spans(laid_out, shared_stages(mesh, sizes), unit_bytes_for(ddp, bucket_mb)) if recompute
+                 else None)
+        training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch, seed=0,
+                                       recompute_spans=spans)
     groups = []
     for worker in range(mesh.workers):  # ranks are grouped by --group-size consecutive ranks
         ranks = mesh.replica_group(worker)

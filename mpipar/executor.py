@@ -7,7 +7,8 @@ for one job, a gradient sum g, an optimizer state o) in one store and runs:
 
     Receive          Irecv into a fresh buffer (a received input becomes an activation: never reused)
     Compute          point the stage at the weights the job reads (and, in backward, at the step's
-                     gradient sum) unless it already is, run it; pebbles go into the cache. A stage
+                     gradient sum) unless it already is, run it; pebbles go into the cache (a
+                     zero-bubble schedule's B leaves them for its W, which frees them). A stage
                      shared by a replica group runs one unit of layers at a time, on the gathered
                      unit (sharded_stage.py holds its blocks of P, G and OS)
     Send             Isend; the outbox keeps the buffer until the send completes, and no longer
@@ -66,9 +67,9 @@ from mpipar.schedule.instructions import (
     Send,
     Update,
 )
-from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
+from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job
 from mpipar.sharded_stage import ShardedStage
-from mpipar.sharding import SCHEMES, Sharding, make_units
+from mpipar.sharding import make_units
 from mpipar.whole_model import WholeModel
 
 KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "f": Kind.WEIGHTS,
@@ -92,11 +93,12 @@ class Executor(WholeModel):
 
     def __init__(self, comm: Comm, stages: list[Stage], plan: PipelinePlan | CdpPlan, cache: ActivationCache,
                  loss_fn, *, input_shapes: list[tuple[int, ...]], optimizer: str, optimizer_options: dict,
-                 collective: str = "ring", sharding: Sharding = SCHEMES["ddp"], unit_bytes: float = 25e6,
-                 prefetch: int = 1, recompute: bool = False) -> None:
+                 collective: str = "ring", unit_bytes: float = 25e6, recompute: bool = False,
+                 gathered_layers: tuple[int, ...] = ()) -> None:
         self.comm, self.stages, self.plan, self.cache, self.loss_fn = comm, stages, plan, cache, loss_fn
         self.input_shapes = input_shapes  # per stage; the last entry is the model's output
-        self.collective, self.sharding, self.unit_bytes, self.prefetch = collective, sharding, unit_bytes, prefetch
+        self.collective, self.unit_bytes = collective, unit_bytes
+        self.sharding, self.prefetch = plan.sharding, plan.prefetch
         self.recompute = recompute  # each Compute span keeps only its input; backward runs its forward again
         self.optimizer_name, self.optimizer_options = optimizer, optimizer_options
         self.kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
@@ -106,9 +108,10 @@ class Executor(WholeModel):
         # A stage shared by its replica group keeps its state in the sharding flow: one
         # communicator per stage (the world's own where the group is every rank)
         group = self.mesh.replica_group(self.mesh.worker(comm.rank))
-        self.shared = {s: ShardedStage(comm if len(group) == comm.size else comm.subset(group), stages[s], sharding,
-                                       optimizer=optimizer, optimizer_options=optimizer_options, collective=collective,
-                                       unit_bytes=unit_bytes, ledger=self.ledger)
+        self.shared = {s: ShardedStage(comm if len(group) == comm.size else comm.subset(group), stages[s],
+                                       self.sharding, optimizer=optimizer, optimizer_options=optimizer_options,
+                                       collective=collective, unit_bytes=unit_bytes, ledger=self.ledger,
+                                       gathered_layers=gathered_layers)
                        for s in plan.shared}
         for s, shared in self.shared.items():
             if len(shared.units) != plan.units[s]:  # the plan and the stage cut it alike (make_units)
@@ -130,7 +133,6 @@ class Executor(WholeModel):
         self.next_step, self.timeline, self.record_timeline = 0, [], False
         self.job_times: list[tuple[Job, float, float]] = []  # (job, start, end) of a step by perf_counter
         self.flowing: tuple = (None, None)  # a shared stage's job between two units: (value, targets)
-        self.gather_phase: str | None = None  # set while an evaluation gathers (its traffic phase)
         self.observe: LayerHook | None = None  # called after every layer, once polled (timelines, tests)
 
     def predicted_peak(self, training: ActivationBytes, evaluation: ActivationBytes | None = None, *,
@@ -140,9 +142,8 @@ class Executor(WholeModel):
         group = len(self.comm.subset_layout(self.mesh.replica_group(self.mesh.worker(rank)))[0])
         units = [max((last - first for _, _, first, last in make_units(stage, self.unit_bytes)), default=0)
                  for stage in self.stages]
-        return self.plan.peak(rank, training, evaluation, steps, sharding=self.sharding, largest_units=units,
-                              group=group, itemsize=self.dtype.itemsize, state_kinds=self.kinds,
-                              prefetch=self.prefetch)
+        return self.plan.peak(rank, training, evaluation, steps, largest_units=units, group=group,
+                              itemsize=self.dtype.itemsize, state_kinds=self.kinds)
 
     # -- runs of steps ---------------------------------------------------------------------
     def run_steps(self, first_step: int, steps: int, load: Load, *, seed: int, batch_size: int,
@@ -194,7 +195,7 @@ class Executor(WholeModel):
         self.losses_computed = np.zeros(steps, dtype=int)  # per step: micro-batches whose loss is in totals
         self.inbox: dict[Item, tuple[np.ndarray, MPI.Request, int]] = {}  # buffer, request, source
         self.outbox = Outbox()  # sends in flight: each buffer lives until its send completes
-        self.time_offset, self.job_times = len(self.timeline), []
+        self.time_offset, self.job_times, self.flowing = len(self.timeline), [], (None, None)
         for shared in self.shared.values():
             shared.start_step()
         return self.run
@@ -346,15 +347,17 @@ class Executor(WholeModel):
         opens = unit is None or unit == (units - 1 if backward else 0)  # the job's first unit
         closes = unit is None or unit == (0 if backward else units - 1)  # and its last
         if s in self.shared:
-            self.shared[s].enter(unit, backward)
+            self.shared[s].enter(unit)
         else:
             self._bind(s, weights=self._take(self._shifted(instruction.weights)))
         if opens:
             self.job_start = time.perf_counter()
         span = None if unit is None else self.shared[s].layers(unit)
-        with self.ledger.phase("backward" if backward else "forward"):
-            if backward:
-                self._backward(step, s, g, instruction.new_gradient, span, opens, closes)
+        with self.ledger.phase("forward" if job.direction == FORWARD else "backward"):
+            if job.direction == WEIGHTS:
+                self._weight_gradients(step, s, g)
+            elif backward:
+                self._backward(step, s, g, instruction.new_gradient, unit, span, opens, closes)
             else:
                 self._forward(step, s, i, g, last, span, opens, closes)
         if closes and len(self.totals) == 1:  # a one-step run (a pipeline's): its bubble; an epoch's would grow
@@ -386,13 +389,16 @@ class Executor(WholeModel):
             self.totals[step - self.first_step] += (loss, float((y.argmax(axis=-1) == targets).sum()), targets.size)
             self.losses_computed[step - self.first_step] += 1
 
-    def _backward(self, step: int, s: int, g: int, new_gradient: bool, span, opens: bool, closes: bool) -> None:
+    def _backward(self, step: int, s: int, g: int, new_gradient: bool, unit: int | None, span, opens: bool,
+                  closes: bool) -> None:
         ctx = self.cache.contexts[(s, g)]
         if self.recompute:  # the forward again, from the kept input, stashing for this backward
             x, targets = ctx.pop(("input", span))
-            y = self.stages[s].forward(x, ctx, self._after_layer, span)
+            y = self.stages[s].forward(x, ctx, lambda _layer: self.poll(), span)  # not a step's layer: unobserved
             if opens and s == len(self.stages) - 1:
                 self.loss_fn.forward(y, targets, ctx, self.batch_size)
+        if unit is not None:
+            self.shared[s].open_gradient(unit)
         if opens:
             gradient = Item("g", s, step)
             if new_gradient:
@@ -402,13 +408,21 @@ class Executor(WholeModel):
             dy = self.loss_fn.backward(ctx) if s == len(self.stages) - 1 else self._take(Item("dy", s, g))
         else:
             (dy, _), self.flowing = self.flowing, (None, None)  # held no longer than the next unit needs it
-        dx = self.stages[s].backward(dy, ctx, self._after_layer, span)
+        split = self.plan.splits_backward  # a zero-bubble B: the input gradient only; its W follows later
+        dx = (self.stages[s].backward_input if split else self.stages[s].backward)(dy, ctx, self._after_layer, span)
         if not closes:
             self.flowing = (dx, None)
             return
-        self.cache.release(s, g)
+        if not split:
+            self.cache.release(s, g)
         if s > 0:
             self._keep(Item("dy", s - 1, g), dx)
+
+    def _weight_gradients(self, step: int, s: int, g: int) -> None:
+        """A zero-bubble W job: the weight gradients from what its B left; then the activations go."""
+        self._bind(s, gradient=self._take(Item("g", s, step)))
+        self.stages[s].backward_weights(self.cache.contexts[(s, g)], self._after_layer)
+        self.cache.release(s, g)
 
     def _zeros(self, kind: str, s: int) -> np.ndarray:
         """A zeroed buffer of stage s's size: the spare of that kind, else a new one."""
@@ -475,7 +489,8 @@ class Executor(WholeModel):
         """Stage s's optimizer on this rank, pointed at this update's buffers (built at the first)."""
         if s not in self.optimizers:
             if self.workspace is None:
-                largest = max(self.stages[stage].flat.size for stage, _ in self.run.weight_plan)
+                largest = max(self.stages[stage].flat.size for stage, _ in self.run.weight_plan
+                              if stage not in self.shared)
                 self.workspace = np.empty(min(CHUNK, largest), dtype=self.dtype)
                 self.ledger.hold("workspace", self.workspace.nbytes)
             self.optimizers[s] = make_optimizer(self.optimizer_name, [weights], [gradient], [self.decay[s]],
@@ -491,8 +506,8 @@ class Executor(WholeModel):
         self.poll()
 
     def _gather_unit(self, instruction: GatherUnit) -> None:
-        phase = self.gather_phase or GATHER_PHASE[instruction.direction]
-        self.shared[instruction.stage].gather(instruction.unit, phase, instruction.from_secondary)
+        self.shared[instruction.stage].gather(instruction.unit, GATHER_PHASE[instruction.direction],
+                                              instruction.from_secondary)
 
     def _keep_secondary(self, instruction: KeepSecondary) -> None:
         self.shared[instruction.stage].keep_secondary(instruction.unit)

@@ -4,7 +4,7 @@ The sharding flow (sharded_stage.py) records every buffer of model state it allo
 — persistent shards as well as the full copies of a unit that exist only while the
 unit is computed (a gathered layer, a gradient waiting to be reduce-scattered). The
 ledger keeps the bytes held now per kind, and per phase of the step (forward,
-backward, update) the most that was held at once. "Steady" is what stays between
+backward, update, and an evaluation's forward: evaluate) the most that was held at once. "Steady" is what stays between
 steps: seed 004's Table 1.
 
     ledger.hold("parameters", nbytes)      ledger.free("parameters", nbytes)

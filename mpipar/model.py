@@ -238,6 +238,29 @@ class Stage:
                 after_layer(layer)
         return dy
 
+    def backward_input(self, dy, ctx, after_layer: LayerHook | None = None, span: tuple[int, int] | None = None):
+        """The first part of a split backward (a zero-bubble B job): each layer's input gradient,
+        down to where none is needed; a layer that cannot split runs its whole backward here."""
+        for layer in reversed(self.layers if span is None else self.layers[span[0]:span[1]]):
+            if dy is None:
+                break
+            dy = layer.backward_input(dy, ctx)
+            if not layer.splits_backward:
+                mark_written(layer)
+            if after_layer is not None:
+                after_layer(layer)
+        return dy
+
+    def backward_weights(self, ctx, after_layer: LayerHook | None = None, span: tuple[int, int] | None = None):
+        """The second part (a W job): the weight gradients of the layers that split, from what
+        backward_input left in `ctx`."""
+        for layer in reversed(self.layers if span is None else self.layers[span[0]:span[1]]):
+            if layer.splits_backward and layer.param_specs():
+                layer.backward_weights(ctx)
+                mark_written(layer)
+                if after_layer is not None:
+                    after_layer(layer)
+
 
 def mark_written(layer: Layer) -> None:
     """After `layer`'s backward: its gradients now hold a value, so later micro-batches add."""

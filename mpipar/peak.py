@@ -63,6 +63,14 @@ class ActivationBytes:
     inputs: tuple[int, ...]
     largest_output: tuple[int, ...]
     recomputed_stash: tuple[int, ...] = ()  # --recompute stage: what each stage's backward rebuilds
+    deferred: tuple[int, ...] = ()  # a split backward (zero-bubble): what each stage's B leaves for its W
+    during_backward: tuple[int, ...] = ()  # and the most its stash weighs while B runs
+
+    def stash_peaks(self, timeline) -> list[int]:
+        """Per worker of `timeline` (simulate.Timeline), the most its micro-batches' stashes
+        weigh at once."""
+        return timeline.peak_activation_bytes(list(self.stashed), list(self.deferred) or None,
+                                              list(self.during_backward) or None)
 
     def training(self, stages: list[int] | None = None) -> int:
         """Stashes of `stages` (all by default) plus what a layer has in flight in them:
@@ -75,13 +83,6 @@ class ActivationBytes:
     def rebuilt(self, stages) -> int:
         """The largest stash a backward of `stages` rebuilds (0 without recomputation)."""
         return max((self.recomputed_stash[s] for s in stages), default=0) if self.recomputed_stash else 0
-
-    def recomputed(self) -> ActivationBytes:
-        """The same micro-batch under --recompute stage: between its forward and its backward a
-        stage keeps only its input; a backward rebuilds the rest of its stash, one stage at a
-        time (the stash beyond the input: a stage's first layer keeps the input it already holds)."""
-        rebuilt = tuple(max(stash - kept, 0) for stash, kept in zip(self.stashed, self.inputs))
-        return ActivationBytes(self.inputs, self.inputs, self.largest_output, recomputed_stash=rebuilt)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, item
     fetched = max((stage_sizes[i.stage] for i in compiled.programs[rank] if isinstance(i, FetchWeights)), default=0)
     scratch = sum(math.ceil(stage_sizes[s] / len(compiled.members[s])) for s in members
                   if len(compiled.members[s]) > 1)
-    stashes = compiled.timeline.peak_activation_bytes(list(training.stashed))[rank]
+    stashes = training.stash_peaks(compiled.timeline)[rank]
     last = len(stage_sizes) - 1
     loaded = training.inputs[0] if last in computed and last > 0 else 0  # the last stage loads a whole micro-batch
     step = {"activations": stashes + (3 * max(training.largest_output[s] for s in computed) if computed else 0)
@@ -272,42 +273,109 @@ def _output_bytes(training: ActivationBytes, stage: int) -> int:
     return training.inputs[stage + 1] if stage + 1 < len(training.inputs) else 0
 
 
-def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 0) -> ActivationBytes:
+def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 0,
+                     recompute_spans: list[list[tuple[int, int]]] | None = None,
+                     split: bool = False) -> ActivationBytes:
     """Run one micro-batch forward through every stage, layer by layer, with zeros for
     weights, each stage in a cache of its own (as on a pipeline rank, whose received input
     is its own buffer), and count what each stashes. Only one layer's parameters exist at
-    a time, so a sharded rank can measure without building the model."""
-    x, stashed, boundary, largest = inputs, [], [], []
+    a time, so a sharded rank can measure without building the model.
+
+    With `recompute_spans` (per stage, the layer ranges of its Computes: the whole stage, or
+    a shared stage's units), the figures are those of --recompute stage, measured the way the
+    executor runs it: each span keeps only its input (`stashed`), and its backward pops that
+    input and rebuilds the span's stash (`recomputed_stash`: the most a rebuild adds to all
+    the kept inputs, the spans after it having released theirs). With `split` (a zero-bubble
+    schedule) each stage also runs its B on a zero output gradient: `during_backward` is the
+    most its stash weighs meanwhile, `deferred` what it weighs after, until W."""
+    x, stashed, boundary, largest, rebuilt, deferred, during = inputs, [], [], [], [], [], []
     for stage in stages:
-        cache = ActivationCache()
-        ctx = cache.context(stage.index, 0, sample_ids=np.arange(len(inputs)), seed=seed)
-        xp = stage.flat.backend.xp
-        x, most = x.copy(), 0
+        x = x.copy()
         boundary.append(x.nbytes)
-        for layer in stage.layers:
-            names = {leaf.name for leaf in leaf_layers([layer])}
-            segments = [s for s in stage.flat.segments if s.layer in names]
-            if segments:
-                start, stop = segments[0].offset, segments[-1].offset + segments[-1].size
-                stage.flat.bind(start, stop, data=xp.zeros(stop - start, dtype=stage.flat.dtype))
-            x = layer.forward(x, ctx)
-            most = max(most, x.nbytes)
-            if segments:
-                stage.flat.unbind(start, stop, grads=False)
-        if stage is stages[-1]:
-            loss_fn.forward(x, targets, ctx, len(inputs))
-        stashed.append(cache.peak_bytes)
+        last = stage is stages[-1]
+        spans = [(0, len(stage.layers))] if recompute_spans is None else recompute_spans[stage.index]
+        most, stash, rebuilds = 0, 0, []  # rebuilds: per span (its kept bytes, what its rebuild adds)
+        kept = ActivationCache()  # the spans' inputs, each kept until its backward (targets are one array)
+        holder = kept.context(stage.index, 0)
+        for first, stop in spans:
+            before = kept.live_bytes
+            if recompute_spans is not None:  # as the executor keeps it (the first and last stages load targets)
+                holder.save(("input", (first, stop)), x, targets if last or stage.index == 0 else None)
+            cache = ActivationCache()  # what the span stashes (rebuilt, under recomputation)
+            ctx = cache.context(stage.index, 0, sample_ids=np.arange(len(inputs)), seed=seed)
+            # its backward pops the kept input before it reruns: the rebuild adds what lies beyond it
+            popped = x.nbytes if recompute_spans is not None else 0
+            x, output = _forward_zeros(stage, first, stop, x, ctx)
+            most = max(most, output)
+            if last and stop == len(stage.layers):
+                loss_fn.forward(x, targets, ctx, len(inputs))
+            stash = cache.peak_bytes
+            rebuilds.append((kept.live_bytes - before, cache.peak_bytes - popped))
+            if split:  # (never with recomputation: config.py)
+                dy = loss_fn.backward(ctx) if last else stage.flat.backend.xp.zeros_like(x)
+                cache.peak_bytes = cache.live_bytes
+                _backward_input_zeros(stage, dy, ctx)
+                deferred.append(cache.live_bytes)
+                during.append(cache.peak_bytes)
+            cache.release(stage.index, 0)
+        # The backward runs the spans last first, each releasing its input: while span u is
+        # rebuilt, the inputs of the spans after it are gone already.
+        most_rebuilt = max(max(0, adds - sum(later for later, _ in rebuilds[u + 1:])) for u, (_, adds) in
+                           enumerate(rebuilds))
+        stashed.append(stash if recompute_spans is None else kept.live_bytes)
+        rebuilt.append(most_rebuilt)
         largest.append(most)
-        cache.release(stage.index, 0)
-    return ActivationBytes(tuple(stashed), tuple(boundary), tuple(largest))
+    return ActivationBytes(tuple(stashed), tuple(boundary), tuple(largest),
+                           tuple(rebuilt) if recompute_spans is not None else (), tuple(deferred), tuple(during))
+
+
+def _forward_zeros(stage: Stage, first: int, stop: int, x, ctx) -> tuple[object, int]:
+    """Layers [first, stop) of `stage` on x with zero weights, bound one layer at a time;
+    returns the output and the largest output on the way."""
+    xp, most = stage.flat.backend.xp, 0
+    for layer in stage.layers[first:stop]:
+        names = {leaf.name for leaf in leaf_layers([layer])}
+        segments = [s for s in stage.flat.segments if s.layer in names]
+        if segments:
+            start, end = segments[0].offset, segments[-1].offset + segments[-1].size
+            stage.flat.bind(start, end, data=xp.zeros(end - start, dtype=stage.flat.dtype))
+        x = layer.forward(x, ctx)
+        most = max(most, x.nbytes)
+        if segments:
+            stage.flat.unbind(start, end, grads=False)
+    return x, most
+
+
+def _backward_input_zeros(stage: Stage, dy, ctx) -> None:
+    """A split backward's B of `stage` from `dy`, with zero weights and gradients bound one
+    layer at a time (a layer that cannot split writes its gradients here)."""
+    xp = stage.flat.backend.xp
+    for layer in reversed(stage.layers):
+        if dy is None:
+            break
+        names = {leaf.name for leaf in leaf_layers([layer])}
+        segments = [s for s in stage.flat.segments if s.layer in names]
+        if segments:
+            start, end = segments[0].offset, segments[-1].offset + segments[-1].size
+            stage.flat.bind(start, end, data=xp.zeros(end - start, dtype=stage.flat.dtype),
+                            grad=xp.zeros(end - start, dtype=stage.flat.dtype))
+        dy = layer.backward_input(dy, ctx)
+        if segments:
+            stage.flat.unbind(start, end)
 
 
 def dry_run(stages: list[Stage], train_set, loss_fn, micro_batch: int, eval_batch: int, seed: int,
-            to_device=lambda inputs, targets: (inputs, targets)) -> tuple[ActivationBytes, ActivationBytes]:
+            to_device=lambda inputs, targets: (inputs, targets),
+            recompute_spans: list[list[tuple[int, int]]] | None = None,
+            split: bool = False) -> tuple[ActivationBytes, ActivationBytes]:
     """What a training micro-batch and an evaluation batch cost (a dry run of the first
-    `micro_batch` samples of `train_set`; evaluation scales its outputs)."""
-    training = activation_bytes(stages, *to_device(*train_set.batch(np.arange(micro_batch))), loss_fn, seed)
-    return training, evaluation_bytes(training, micro_batch, eval_batch)
+    `micro_batch` samples of `train_set`; evaluation scales its outputs). With
+    `recompute_spans`, training's figures are those of --recompute stage, and with `split`
+    those of a split backward (activation_bytes)."""
+    inputs, targets = to_device(*train_set.batch(np.arange(micro_batch)))
+    training = activation_bytes(stages, inputs, targets, loss_fn, seed, recompute_spans, split)
+    plain = training if recompute_spans is None else activation_bytes(stages, inputs, targets, loss_fn, seed)
+    return training, evaluation_bytes(plain, micro_batch, eval_batch)
 
 
 def evaluation_bytes(training: ActivationBytes, micro_batch: int, eval_batch: int) -> ActivationBytes:

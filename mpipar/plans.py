@@ -33,6 +33,7 @@ from mpipar.schedule.cyclic import home_ranks, optimizer_home, persistent_items
 from mpipar.schedule.cyclic_compiler import compile_cyclic, weight_buffers
 from mpipar.schedule.instructions import (
     Backward,
+    BackwardWeights,
     Compute,
     CyclicJob,
     Drop,
@@ -53,7 +54,7 @@ from mpipar.schedule.instructions import (
 )
 from mpipar.schedule.program import Compiled, compile_programs
 from mpipar.schedule.sharding_flow import job_flow, update_flow
-from mpipar.schedule.strategies import BACKWARD, FORWARD, Shape, get_strategy
+from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Shape, get_strategy
 from mpipar.sharding import SCHEMES, Sharding
 
 
@@ -77,7 +78,7 @@ class Run:
 
 def job_number(batch: int, direction: str) -> int:
     """The index of a weight copy fetched for job (stage, batch, direction)."""
-    return 2 * batch + (direction == BACKWARD)
+    return 3 * batch + (FORWARD, BACKWARD, WEIGHTS).index(direction)
 
 
 def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Sharding = SCHEMES["ddp"],
@@ -108,6 +109,10 @@ def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Shardin
                 items.append(Drop(Item("x", s, b)))
             elif d == BACKWARD and s < stages - 1:
                 items.append(Drop(Item("dy", s, b)))
+        elif isinstance(instruction, BackwardWeights):  # never of a shared stage (config.py)
+            s, b = instruction.stage, instruction.batch
+            copy = (s, b, WEIGHTS) in fetched
+            items.append(Compute(CyclicJob(0, b, s, WEIGHTS), job_number(b, WEIGHTS) if copy else 0, False, copy))
         elif isinstance(instruction, (SendActivation, SendGradient)):
             item = Item("x", instruction.stage + 1, instruction.batch) if isinstance(instruction, SendActivation) \
                 else Item("dy", instruction.stage - 1, instruction.batch)
@@ -139,6 +144,14 @@ def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Shardin
     return tuple(items), updates_from
 
 
+def shared_stages(mesh: Mesh, stage_sizes: list[int]) -> list[bool]:
+    """Per stage: is it shared by its replica group under a sharding triple? With replicas,
+    yes, and always in data parallelism, even on one rank; but a stage without parameters
+    has nothing to share."""
+    data_parallel = len(stage_sizes) == 1 and mesh.workers == 1
+    return [bool(size) and (mesh.replicas > 1 or data_parallel) for size in stage_sizes]
+
+
 class PipelinePlan:
     """The programs of a pipeline strategy (data parallelism: S = 1) on a mesh of workers x replicas."""
 
@@ -151,13 +164,12 @@ class PipelinePlan:
                  sharding: Sharding = SCHEMES["ddp"], units: list[int] | None = None, prefetch: int = 1) -> None:
         """`units`: per stage, how many units a replica group shares it in (default one each)."""
         self.compiled, self.mesh, self.rank, self.stage_sizes = compiled, mesh, rank, stage_sizes
+        self.sharding, self.prefetch = sharding, prefetch  # training and evaluation both follow them
+        self.splits_backward = compiled.shape.split  # zero-bubble: B and W jobs
         self.micro_batches = compiled.shape.micro_batches
         self.worker, self.replica = mesh.worker(rank), mesh.replica(rank)
         self.held = [s for s in range(len(stage_sizes)) if self.worker in compiled.holders[s]]
-        data_parallel = len(stage_sizes) == 1 and mesh.workers == 1
-        # a held stage with replicas (always in data parallelism, even on one rank) is shared by its
-        # replica group under a sharding triple; a stage without parameters has nothing to share
-        self.shared = [s for s in self.held if stage_sizes[s] and (mesh.replicas > 1 or data_parallel)]
+        self.shared = [s for s in self.held if shared_stages(mesh, stage_sizes)[s]]
         self.units = units = units or [1] * len(stage_sizes)
         program, updates_from = lower(compiled.programs[self.worker], len(stage_sizes),
                                       {s: units[s] for s in self.shared}, sharding, prefetch)
@@ -190,12 +202,11 @@ class PipelinePlan:
         return self.mesh.rank(self.compiled.holders[stage][0], 0)
 
     def peak(self, rank: int, training: ActivationBytes, evaluation: ActivationBytes | None, steps: int, *,
-             sharding: Sharding, largest_units: list[int], group: int, itemsize: int, state_kinds: int,
-             prefetch: int) -> Peak:
+             largest_units: list[int], group: int, itemsize: int, state_kinds: int) -> Peak:
         """Any rank's peak (peak.py), predicted anywhere: every rank compiles every program."""
-        return mesh_peak(rank, self.compiled, self.mesh, sharding, self.stage_sizes, largest_units, group,
+        return mesh_peak(rank, self.compiled, self.mesh, self.sharding, self.stage_sizes, largest_units, group,
                          itemsize=itemsize, state_kinds=state_kinds, training=training, evaluation=evaluation,
-                         prefetch=prefetch)
+                         prefetch=self.prefetch)
 
 
 def data_parallel_plan(rank: int, world_size: int, stage: int, *, sharding: Sharding, units: int,
@@ -210,6 +221,8 @@ def data_parallel_plan(rank: int, world_size: int, stage: int, *, sharding: Shar
 class CdpPlan:
     """Cyclic Data Parallelism's programs (schedule/cyclic.py) for runs of steps on this rank."""
 
+    sharding, prefetch = SCHEMES["ddp"], 0  # no stage is shared by a replica group
+    splits_backward = False
     settles_each_step = False  # steps overlap: a rank stops at the first non-finite loss it computes
     keeps_gradients = False  # a step's gradient sum travels around the ring and is freed after its update
     steps_in_any_order = False  # a step reads weights of the steps before it

@@ -7,8 +7,8 @@ sharding.make_units). The *order* of the flow is instructions, written in one pl
 this rank's blocks of P, G and OS, and one method per instruction:
 
     GatherUnit   gather     P not N: all-gather a unit's P from its scope into a full buffer
-    Compute      enter      wait for that gather and point the layers at it (backward, G not N:
-                            also at a fresh full gradient of the unit)
+    Compute      enter      wait for that gather and point the layers at it
+                 open_gradient  backward, G not N: point them at a fresh full gradient of the unit
     ReleaseUnit  release    free the gathered unit
     ReduceUnit   reduce     this micro-batch's gradient to G's scope:
                             N: stays in the local accumulator   I: reduce-scatter in the group
@@ -43,11 +43,12 @@ from mpipar.comms.collectives import iall_gather, iall_reduce, ireduce_scatter
 from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.routes import block_offsets
 from mpipar.comms.world import sum_across_ranks
+from mpipar.gathered_activations import RowGatherer
 from mpipar.ledger import MemoryLedger
 from mpipar.model import Stage, leaf_layers
 from mpipar.optim import make_optimizer, state_kinds
 from mpipar.peak import REDUCTIONS_IN_FLIGHT
-from mpipar.sharding import Layout, Sharding, Unit, make_units
+from mpipar.sharding import Layout, Sharding, Unit, make_units, unit_spans
 
 
 class ShardedStage:
@@ -55,8 +56,10 @@ class ShardedStage:
 
     def __init__(self, comm: Comm, stage: Stage, sharding: Sharding, *, optimizer: str, optimizer_options: dict,
                  collective: str = "ring", unit_bytes: float = 25e6,
-                 ledger: MemoryLedger | None = None) -> None:
-        self.world, self.stage, self.sharding, self.collective = comm, stage, sharding, collective
+                 ledger: MemoryLedger | None = None, gathered_layers: tuple[int, ...] = ()) -> None:
+        """`gathered_layers`: layers (Linear, each its own unit) whose gradient is summed by
+        all-gathering its rows instead of reducing it (--ddp allgather-activations)."""
+        self.world, self.sharding, self.collective = comm, sharding, collective
         self.flat = flat = stage.flat
         if sharding.nested or sharding.secondary:  # ZeRO++'s backward gathers in the group
             self.intra, self.inter = comm.hierarchy()
@@ -78,10 +81,7 @@ class ShardedStage:
             stored["P"] += self.units[-1].length(P)
             stored["G"] += self.units[-1].length(G)
             stored["secondary"] += self.units[-1].length("I") if sharding.secondary else 0
-        # the layers a unit's Compute runs: from its first to the next unit's first (every
-        # layer belongs to one unit; those without parameters run with the unit before them)
-        edges = [0] + [unit.first for unit in self.units[1:]] + [len(stage.layers)]
-        self.spans = [(edges[i], edges[i + 1]) for i in range(len(self.units))]
+        self.spans = unit_spans(stage, unit_bytes)  # the layers each unit's Compute runs
         self.unit_leaves = [leaf_layers(stage.layers[unit.first:unit.last + 1]) for unit in self.units]
         # Build only what this rank keeps: the whole stage where a scope is N, else each
         # unit's block, generated alone (the stage arrives laid out but not allocated).
@@ -97,6 +97,10 @@ class ShardedStage:
         self.ledger.hold("parameters", self.p_store.nbytes + self.secondary_store.nbytes)
         self.gathered: dict[int, tuple] = {}  # unit index -> (full parameters, gather in flight)
         self.unit_grads: dict[int, object] = {}  # unit index -> its full gradient, computed, not yet reduced
+        self.row_gathered = set()  # units complete on every rank after their backward: nothing to reduce
+        for index in gathered_layers:
+            stage.layers[index].weight_gradients = RowGatherer(stage.layers[index], comm, collective, self.ledger)
+            self.row_gathered |= {unit.index for unit in self.units if unit.first == unit.last == index}
         self.completed_before_step = 0
 
     # -- storage -----------------------------------------------------------------
@@ -205,6 +209,8 @@ class ShardedStage:
     def gather(self, unit: int, phase: str, from_secondary: bool = False) -> None:
         """Post the all-gather of `unit`'s parameters into a full buffer (once per use), from
         P's scope or from ZeRO++'s secondary copy inside the group."""
+        if unit in self.gathered:
+            raise RuntimeError(f"unit {unit} is gathered twice without a release between (sharding_flow.py)")
         full = self._take("parameters", self.units[unit].size)
         if from_secondary:
             comm, mine = self.intra, self.secondary_store[self._secondary_slice(self.units[unit])]
@@ -220,15 +226,18 @@ class ShardedStage:
     def _secondary_slice(self, unit: Unit) -> slice:
         return slice(unit.offsets["secondary"], unit.offsets["secondary"] + unit.length("I"))
 
-    def enter(self, unit: int, backward: bool) -> None:
-        """Before `unit`'s layers run: its parameters gathered and in place, and in a backward
-        under a sharded G, a full gradient of the unit for this micro-batch."""
-        start, stop = self.units[unit].start, self.units[unit].stop
+    def enter(self, unit: int) -> None:
+        """Before `unit`'s layers run: its parameters gathered and in place."""
         if unit in self.gathered:
             full, handle = self.gathered[unit]
             handle.wait()
-            self.flat.bind(start, stop, data=full)
-        if backward and self.sharding.gradients != "N":
+            self.flat.bind(self.units[unit].start, self.units[unit].stop, data=full)
+
+    def open_gradient(self, unit: int) -> None:
+        """Before `unit`'s backward (after a recomputed forward, so that it is held no longer):
+        under a sharded G, a full gradient of the unit for this micro-batch."""
+        if self.sharding.gradients != "N":
+            start, stop = self.units[unit].start, self.units[unit].stop
             self.unit_grads[unit] = self._take("gradients", stop - start)
             self.flat.bind(start, stop, grad=self.unit_grads[unit])
 
@@ -242,9 +251,10 @@ class ShardedStage:
     def reduce(self, unit: int, first: bool, then_to_os: bool) -> None:
         """Post the reduction of this micro-batch's gradient of `unit` (ReduceUnit)."""
         index, unit = unit, self.units[unit]
-        if self.sharding.gradients == "N":  # added locally: on the last micro-batch, summed over ranks
+        if self.sharding.gradients == "N":  # added locally; on the last micro-batch summed over ranks
             self.flat.settle_grads(self.unit_leaves[index])
-            self.queue.post(self._finish(unit))
+            if then_to_os:
+                self.queue.post(self._finish(unit))
             return
         self.flat.settle_grads(self.unit_leaves[index], fresh_after=True)
         self.flat.unbind(unit.start, unit.stop, params=False)
@@ -290,7 +300,9 @@ class ShardedStage:
 
     def _finish(self, unit: Unit) -> Chain:
         """Bring `unit`'s accumulated gradient from G's scope to OS's, summed over all ranks
-        (never asked of ZeRO-2/3, whose reduce-scatter lands on OS's scope: sharding_flow.py)."""
+        (asked where Sharding.reduces_to_os)."""
+        if unit.index in self.row_gathered:  # every rank computed the whole batch's gradient
+            return
         G, OS = self.sharding.gradients, self.sharding.optimizer_state
         held = self.g_store[self._slice(unit, "G", G)]
         if G == OS:  # replicated over the world (N) or over the groups (I): all-reduce in place

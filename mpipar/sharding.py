@@ -80,6 +80,13 @@ class Sharding:
         """True when some state lives in the I scope: G blocks then nest inside I blocks."""
         return "I" in self.triple
 
+    @property
+    def reduces_to_os(self) -> bool:
+        """Whether the step's summed gradient goes on from G's scope to OS's after the last
+        backward: always, except where G and OS are both G (ZeRO-2/3, ZeRO++), whose
+        reduce-scatter already lands each rank's block where its optimizer state is."""
+        return not self.gradients == self.optimizer_state == "G"
+
     def __str__(self) -> str:
         name = next((name for name, scheme in SCHEMES.items() if scheme == self), None)
         letters = ",".join(self.triple) + (" + P in the group" if self.secondary else "")
@@ -171,7 +178,7 @@ class Layout:
 
 # -- units: the runs of layers that are sharded, gathered and reduced together ----------
 
-DDP_MODES = ("naive", "overlap", "bucketed")
+DDP_MODES = ("naive", "overlap", "bucketed", "allgather-activations")
 
 
 @dataclass
@@ -199,7 +206,7 @@ class Unit:
 
 def unit_bytes_for(mode: str, bucket_mb: float) -> float:
     """How large a unit grows before the next layer starts a new one."""
-    return {"naive": math.inf, "overlap": 0.0, "bucketed": bucket_mb * 1e6}[mode]
+    return {"naive": math.inf, "overlap": 0.0, "bucketed": bucket_mb * 1e6, "allgather-activations": 0.0}[mode]
 
 
 def make_units(stage: Stage, unit_bytes: float) -> list[tuple[int, int, int, int]]:
@@ -221,3 +228,18 @@ def make_units(stage: Stage, unit_bytes: float) -> list[tuple[int, int, int, int
         else:
             units.append([position, position, start, stop])
     return [tuple(unit) for unit in reversed(units)]
+
+
+def unit_spans(stage: Stage, unit_bytes: float) -> list[tuple[int, int]]:
+    """The range of layers each unit's Compute runs: from its first layer to the next unit's
+    first (every layer belongs to one unit; those without parameters run with the unit
+    before them). A stage without parameters is one span."""
+    firsts = [first for first, _, _, _ in make_units(stage, unit_bytes)][1:]
+    edges = [0] + firsts + [len(stage.layers)]
+    return list(zip(edges, edges[1:]))
+
+
+def compute_spans(stages: list[Stage], shared: list[bool], unit_bytes: float) -> list[list[tuple[int, int]]]:
+    """Per stage, the layer ranges of its Computes: a shared stage's units, else the whole stage."""
+    return [unit_spans(stage, unit_bytes) if share else [(0, len(stage.layers))]
+            for stage, share in zip(stages, shared)]

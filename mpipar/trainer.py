@@ -41,16 +41,18 @@ from mpipar.data import GlobalBatchSampler, agree_on_data, eval_slice, load_data
 from mpipar.divergence import DivergenceWatch
 from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.executor import Executor
+from mpipar.gathered_activations import choose as choose_gathered
+from mpipar.gathered_activations import describe as describe_gathered
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.memory import available_bytes, make_probe, peak_rss_bytes
 from mpipar.model import build_stages, partition
 from mpipar.models import build_model
 from mpipar.optim import make_schedule, state_kinds
 from mpipar.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
-from mpipar.plans import CdpPlan, PipelinePlan
+from mpipar.plans import CdpPlan, PipelinePlan, shared_stages
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
-from mpipar.sharding import SCHEMES, bytes_per_rank, make_units, unit_bytes_for
+from mpipar.sharding import SCHEMES, bytes_per_rank, compute_spans, make_units, unit_bytes_for
 from mpipar.units import format_bytes
 
 
@@ -78,6 +80,7 @@ class Trainer:
         self.config = config
         self.comm = comm if comm is not None else world()
         self.rank, self.world_size = self.comm.rank, self.comm.size
+        self.gathered_layers: tuple[int, ...] = ()  # --ddp allgather-activations: the layers it chose
         abort_on_uncaught_exception(self.comm)
         set_default_timeout(config.comm_timeout)
         # With --memory-profile the allocator is watched from here; the data set is
@@ -120,6 +123,10 @@ class Trainer:
             mesh = cfg.mesh(self.world_size)
             if not cfg.stages:
                 self.scheme_name = str(cfg.sharding())
+                if cfg.ddp == "allgather-activations":  # seed 002's rule, layer by layer
+                    choices = choose_gathered(self.model.layers, self.model.shapes, cfg.batch_size, self.world_size)
+                    self.gathered_layers = tuple(choice.layer for choice in choices if choice.gathers)
+                    self.scheme_name += "; " + describe_gathered(choices, self.backend.dtype.itemsize)
             else:
                 self.scheme_name = (f"{cfg.scheme} over {cfg.stages} stages, {cfg.micro_batches} micro-batches"
                                     + (f", {cfg.loops} loops" if cfg.loops > 1 else "")
@@ -147,10 +154,13 @@ class Trainer:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
         cfg = self.config
         per_rank = 1 if cfg.cyclic else cfg.mesh(self.world_size).replicas
-        training, evaluation = dry_run(self.stages, self.train_set, self.loss_fn,
-                                       cfg.batch_size // per_rank // cfg.micro_batches,
-                                       min(cfg.eval_batch, len(self.test_set)), cfg.seed, self._to_device)
-        return (training.recomputed() if cfg.recompute == "stage" else training), evaluation
+        spans = None
+        if cfg.recompute == "stage":  # (refused for CDP)
+            shared = shared_stages(cfg.mesh(self.world_size), [stage.flat.size for stage in self.stages])
+            spans = compute_spans(self.stages, shared, unit_bytes_for(cfg.ddp, cfg.bucket_mb))
+        return dry_run(self.stages, self.train_set, self.loss_fn, cfg.batch_size // per_rank // cfg.micro_batches,
+                       min(cfg.eval_batch, len(self.test_set)), cfg.seed, self._to_device, spans,
+                       split=not cfg.cyclic and cfg.strategy().split_backward)
 
     def _predicted_peak(self) -> Peak:
         """The engine's prediction of this rank's peak (for CDP: over the first epoch's program)."""
@@ -234,9 +244,8 @@ class Trainer:
                         input_shapes=[self.model.shapes[first] for first in first_layers],
                         optimizer=cfg.optimizer, optimizer_options=dict(momentum=cfg.momentum,
                                                                         weight_decay=cfg.weight_decay),
-                        collective=cfg.collective, sharding=SCHEMES["ddp"] if cfg.cyclic else cfg.sharding(),
-                        unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb), prefetch=cfg.prefetch,
-                        recompute=cfg.recompute == "stage")
+                        collective=cfg.collective, unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb),
+                        recompute=cfg.recompute == "stage", gathered_layers=self.gathered_layers)
 
     # -- the model, read and written the same way for every scheme -------------------------
     def full_parameters(self, root: int | None = None) -> dict[str, np.ndarray] | None:

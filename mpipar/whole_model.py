@@ -17,14 +17,14 @@ import numpy as np
 from mpipar.cache import Context
 from mpipar.checkpoint.format import Piece
 from mpipar.comms.collectives import broadcast
-from mpipar.schedule.instructions import Compute, CyclicJob, Item
+from mpipar.schedule.instructions import Compute, CyclicJob, GatherUnit, Item
 from mpipar.schedule.sharding_flow import job_flow
 from mpipar.schedule.strategies import FORWARD
 
 
 class WholeModel:
-    """The executor's view of the whole model (it provides stages, plan, store, shared,
-    sharding, prefetch, comm, pool, ledger, dtype, next_step, _bind, _let_go, handlers)."""
+    """The executor's view of the whole model (it provides stages, plan, store, shared, sharding,
+    prefetch, comm, collective, pool, ledger, dtype, kinds, next_step, _bind, _let_go, handlers)."""
 
     def _whole_stage(self, s: int, phase: str, out: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
         """Stage s's newest parameters on every rank (collective where some rank lacks it:
@@ -51,6 +51,10 @@ class WholeModel:
         """The whole model on one batch with the newest weights (evaluation; collective): a stage
         every worker shares is gathered unit by unit in its replica group, any other is brought
         to every rank, used, and forgotten, as ZeRO-3 gathers a unit."""
+        with self.ledger.phase("evaluate"):
+            return self._forward_stages(x, ctx, gather_phase)
+
+    def _forward_stages(self, x, ctx: Context, gather_phase: str):
         for s, stage in enumerate(self.stages):
             if s in self.shared and self.plan.everywhere(s):
                 x = self._forward_units(s, x, ctx, gather_phase)
@@ -67,15 +71,15 @@ class WholeModel:
     def _forward_units(self, s: int, x, ctx: Context, gather_phase: str):
         """Shared stage s on one batch, by the forward of the sharding flow (its gathers counted
         under `gather_phase`); the Computes run here, outside any step."""
-        self.gather_phase = gather_phase
         for instruction in job_flow(CyclicJob(0, 0, s, FORWARD), len(self.shared[s].units), self.sharding,
                                     self.prefetch):
-            if isinstance(instruction, Compute):
-                self.shared[s].enter(instruction.unit, backward=False)
+            if isinstance(instruction, GatherUnit):
+                self.shared[s].gather(instruction.unit, gather_phase)
+            elif isinstance(instruction, Compute):
+                self.shared[s].enter(instruction.unit)
                 x = self.stages[s].forward(x, ctx, span=self.shared[s].layers(instruction.unit))
             else:
                 self.handlers[type(instruction)](self, instruction)
-        self.gather_phase = None
         return x
 
     def full_parameters(self) -> np.ndarray:

@@ -89,3 +89,12 @@ def test_reductions_complete_during_backward(scheme):
     result = run_mpi(2, sys.executable, str(SCRIPTS / "check_overlap.py"), scheme, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert ": overlapped" in result.stdout
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_allgather_activations_equals_one_process_and_moves_fewer_bytes_for_the_layers_it_chose(ranks):
+    """Seed 002's all-gather of a layer's rows instead of the all-reduce of its gradient
+    (tests/scripts/check_gathered_activations.py)."""
+    result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_gathered_activations.py"), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"allgather-activations equals one process on {ranks} ranks in 4 cases" in result.stdout

@@ -101,3 +101,35 @@ def test_first_stage_skips_the_input_gradient():
     build_stages(model, 2, F64, seed=0, boundaries=[2])
     assert model.layers[1].needs_input_grad is False  # first Linear of stage 0, after Flatten
     assert model.layers[3].needs_input_grad is True   # first layer of stage 1 gets activations
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_a_split_backward_gives_the_whole_backward_gradients_in_any_interleaving(model):
+    """Zero-bubble B and W jobs: backward_input of two micro-batches, then their
+    backward_weights in the other order, equal two whole backwards (dx and every gradient,
+    stale values overwritten by the first write); the CNN's convolutions cannot split and
+    run whole in B, its Linear layers split."""
+    from mpipar.cache import ActivationCache
+
+    (stage,) = build_stages(build_model(model, input_shape=(1, 8, 8), num_classes=10), 1, F64, seed=0)
+    stage.layers[1 if model == "mlp" else 0].needs_input_grad = True  # pass dx down to compare it too
+    rng = np.random.default_rng(2)
+    xs, dys = rng.standard_normal((2, 4, 1, 8, 8)), rng.standard_normal((2, 4, 10))
+    cache = ActivationCache()
+    contexts = [cache.context(0, b) for b in range(2)]
+
+    stage.flat.zero_grad()
+    whole = [stage.backward(dys[b], contexts[b]) for b in range(2) if stage.forward(xs[b], contexts[b]) is not None]
+    expected = stage.flat.settle_grads().copy()
+    stage.flat.grad[:] = 7.0  # stale: the first write must overwrite it
+    stage.flat.zero_grad()
+    for b in range(2):
+        stage.forward(xs[b], contexts[b])
+    split = [stage.backward_input(dys[b], contexts[b]) for b in range(2)]
+    assert any(layer.splits_backward for layer in stage.layers)
+    for b in (1, 0):
+        stage.backward_weights(contexts[b])
+    np.testing.assert_allclose(stage.flat.settle_grads(), expected, rtol=1e-13)
+    for got, want in zip(split, whole):
+        np.testing.assert_allclose(got, want, rtol=1e-13)
+    assert cache.live_bytes == 0  # W popped what B left

@@ -13,7 +13,7 @@ from conftest import SCRIPTS, run_mpi
 def test_every_strategy_equals_one_process_with_predicted_memory_and_messages(ranks):
     result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_pipeline.py"), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"all 18 schedule cases equal one process on {ranks} ranks" in result.stdout
+    assert f"all 20 schedule cases equal one process on {ranks} ranks" in result.stdout
 
 
 def test_recomputation_equals_one_process_and_stashes_what_the_replay_predicts():

@@ -50,6 +50,8 @@ def walk(program: tuple, stages: int, held: list[int]) -> set[Item]:
                     use(Item("x", s, b), instruction)
                 if s < stages - 1:
                     store.add(Item("x", s + 1, b))
+            elif job.direction == "W":  # a split backward's weight gradient: from its B's stash, into g
+                use(Item("g", s, 0), instruction)
             else:
                 if s < stages - 1:
                     use(Item("dy", s, b), instruction)

@@ -129,7 +129,7 @@ def test_members_must_agree_on_a_reduction():
 def test_a_broken_custom_strategy_is_refused_before_anything_runs():
     split = register(Strategy("split-directions", lambda j, sh: (0, j.stage if j.direction == "F" else 1 - j.stage),
                               depth_first))
-    with pytest.raises(ConfigError, match="F0b0 and its backward are computed on different workers"):
+    with pytest.raises(ConfigError, match="F0b0 and B0b0 are computed on different workers"):
         compile_programs(split, Shape(2, 2, 2))
     register(Strategy("no-room", lambda j, sh: (j.stage, j.stage), depth_first, in_flight=lambda w, sh: 0))
     with pytest.raises(ConfigError, match="no-room: no job can start"):

@@ -61,6 +61,35 @@ def test_recomputation_makes_each_backward_a_forward_longer_in_the_replay(name):
     assert "latency 33 time units" in result.output and "a backward two" in result.output
 
 
+@pytest.mark.parametrize("stages,batches", [(4, 8), (2, 6), (4, 4), (8, 16)])
+def test_zb1_fills_1f1b_bubble_with_deferred_weight_gradients_at_the_same_activation_count(stages, batches):
+    """The zero-bubble split: the same work (a backward of one unit is a B and a W of half a
+    unit each), a smaller bubble than 1F1B's, no more micro-batches in flight, and every W
+    after its B on the worker of its F."""
+    one_f_one_b = simulate(get_strategy("1f1b"), Shape(stages, stages, batches))
+    zb1 = simulate(get_strategy("zb1"), Shape(stages, stages, batches))
+    busy = [sum(slot.end - slot.start for slot in slots) for slots in zb1.by_worker]
+    assert busy == [sum(slot.end - slot.start for slot in slots) for slots in one_f_one_b.by_worker]
+    assert zb1.latency < one_f_one_b.latency
+    assert max(zb1.idle_fraction()) < min(one_f_one_b.idle_fraction())
+    assert zb1.peak_activations() == one_f_one_b.peak_activations()
+    end = {slot.job: (slot.worker, slot.end) for slot in zb1.slots}
+    for slot in zb1.slots:
+        if slot.job.direction == "W":
+            worker, b_end = end[Job(slot.job.stage, slot.job.batch, BACKWARD)]
+            assert worker == slot.worker == end[Job(slot.job.stage, slot.job.batch, FORWARD)][0]
+            assert slot.start >= b_end
+
+
+def test_zb1_shows_its_smaller_bubble_in_schedule_show():
+    args = ["schedule", "show", "-W", "4", "-S", "4", "-B", "8"]
+    one_f_one_b = CliRunner().invoke(cli, [*args, "--scheme", "1f1b"]).output
+    zb1 = CliRunner().invoke(cli, [*args, "--scheme", "zb1"]).output
+    assert "latency 22 time units" in one_f_one_b and " 27%" in one_f_one_b
+    assert "latency 20.5 time units" in zb1 and " 22%" in zb1 and "W3b2: its weight gradient" in zb1
+    assert "split into B and W of half that each" in zb1
+
+
 def test_looped_placement_interpolates_between_gpipe_and_ddp():
     gpipe_like = Shape(workers=4, stages=4, micro_batches=6, loops=1)  # G = 1, R = W = S
     assert all(looped_worker(s, b, gpipe_like) == s for s in range(4) for b in range(6))

@@ -26,7 +26,6 @@ Exercised by: python -m pytest tests/test_estimate.py
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import click
@@ -124,9 +123,7 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
     built = None if model is None else built_model(model, dataset, hidden)
     element, k = state_bytes_per_parameter(precision, optimizer, momentum)
     layout = make_layout(params, built, world_size, group_size, stages, scheme, replicas, micro_batches, loops,
-                         batch_size, ddp, bucket_mb, 8 if precision == "float64" else 4)
-    if recompute == "stage":
-        layout = dataclasses.replace(layout, training=layout.training.recomputed())
+                         batch_size, ddp, bucket_mb, 8 if precision == "float64" else 4, recompute == "stage")
     count = params if params is not None else sum(layout.stage_sizes)
     micro_batches = layout.compiled.shape.micro_batches
     rows = scheme_rows(layout, micro_batches, element, k)

@@ -89,12 +89,13 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
                           f"combined with --replicas {replicas}")
     compiled = compile_programs(strategy, shape)
     backward = [2.0] * stages if recompute == "stage" else None  # the forward again, then the backward
-    timeline = replay(compiled.programs, shape, compiled.holders, backward=backward)
+    timeline = replay(compiled.programs, compiled.shape, compiled.holders, backward=backward)
     click.echo(f"{strategy.name}: W={workers} workers, S={stages} stages, B={micro_batches} micro-batches, "
-               f"G={loops} loop(s); each job takes one time unit"
-               + (", a backward two (--recompute stage: it reruns its forward)" if backward else ""))
+               f"G={loops} loop(s); a forward takes one time unit, a backward "
+               + ("two (--recompute stage: it reruns its forward)" if backward else "one")
+               + (", split into B and W of half that each" if compiled.shape.split else ""))
     click.echo(diagram.text(timeline))
-    click.echo(diagram.LEGEND)
+    click.echo(diagram.legend(timeline))
     click.echo(f"latency {timeline.latency:g} time units (the step, first job to last)")
     click.echo(f"{'worker':<8}{'activations in':>16}{'weights fetched':>17}{'most held':>11}{'stages owned':>14}"
                f"{'idle':>7}")
@@ -143,7 +144,7 @@ def replica_flow(instruction, sharding: Sharding, replicas: int, last: bool) -> 
         steps.append(f"all-gather P {scope[P]}, unit by unit, freed after use")
     if isinstance(instruction, Backward):
         steps.append("gradient added locally" if G == "N" else f"reduce-scatter G {scope[G]}")
-        if last and not G == OS == "G":  # ZeRO-2/3 are done: the reduce-scatter reached OS's scope
+        if last and sharding.reduces_to_os:
             steps.append(f"then to OS ({scope[OS]}): " + ("all-reduce" if G == OS else "reduce-scatter"))
     if isinstance(instruction, OptimizerStep):
         published = "whole on every replica" if P == "N" else scope[P]

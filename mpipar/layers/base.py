@@ -2,7 +2,8 @@
 
 A layer owns parameters and their gradients, never activations. `forward(x, ctx)`
 returns y and saves into `ctx` what backward needs; `backward(dy, ctx)` pops that,
-returns dx and *adds* into the gradients (so micro-batches accumulate).
+returns dx and *adds* into the gradients (so micro-batches accumulate). For zero-bubble
+schedules a layer may split its backward into `backward_input` and `backward_weights`.
 
 "Adds" has one shortcut. After `FlatParams.zero_grad` a layer's gradients are
 *fresh*: logically zero but not yet written. The first backward then writes its
@@ -88,6 +89,19 @@ class Layer:
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         raise NotImplementedError
+
+    # A zero-bubble schedule runs the backward in two parts, at different times: the input
+    # gradient (passed down the pipeline at once) and the weight gradient (deferred into
+    # the bubble). A layer that can split says so and overrides both; any other runs its
+    # whole backward as the first part, which is as correct and only less flexible.
+    splits_backward = False
+
+    def backward_input(self, dy: Array, ctx: Context) -> Array | None:
+        """The first part: dx, leaving in `ctx` what backward_weights needs."""
+        return self.backward(dy, ctx)
+
+    def backward_weights(self, ctx: Context) -> None:
+        """The second part: add the weight gradients from what backward_input left."""
 
     def grad_matmul(self, grad: Array, a: Array, b: Array) -> None:
         """grad += a @ b (or grad = a @ b while the gradients are fresh)."""

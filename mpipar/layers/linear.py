@@ -3,6 +3,11 @@
     forward   y  = x W + b
     backward  dW += x^T dy     db += sum over rows of dy     dx = dy W^T
 
+Split for zero-bubble schedules: backward_input computes dx and keeps (x, dy);
+backward_weights adds dW and db from them. Under --ddp allgather-activations the data
+parallelism sets `weight_gradients`, which computes dW and db from every rank's rows
+instead of this rank's (gathered_activations.py).
+
 Exercised by: python -m pytest tests/test_layers.py -k Linear
 """
 
@@ -23,6 +28,8 @@ class Linear(Layer):
         # The first layer of a network has no one to pass dx to; skipping it saves
         # a matmul as large as the weight gradient's.
         self.needs_input_grad = True
+        # (x rows, dy rows) -> None: who adds dW and db; this layer from its own rows unless set
+        self.weight_gradients = self._weight_gradients
 
     def param_specs(self) -> list[ParamSpec]:
         bound = 1.0 / math.sqrt(self.in_features)
@@ -50,11 +57,25 @@ class Linear(Layer):
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
+        self.weight_gradients(x, dy)
+        return self._input_gradient(dy)
+
+    splits_backward = True
+
+    def backward_input(self, dy: Array, ctx: Context) -> Array | None:
+        (x,) = ctx.pop(self)
+        ctx.save((self, "weights"), x, dy)
+        return self._input_gradient(dy)
+
+    def backward_weights(self, ctx: Context) -> None:
+        self.weight_gradients(*ctx.pop((self, "weights")))
+
+    def _input_gradient(self, dy: Array) -> Array | None:
+        return dy @ self.params["weight"].T if self.needs_input_grad else None
+
+    def _weight_gradients(self, x: Array, dy: Array) -> None:
         x_rows = x.reshape(-1, self.in_features)
         dy_rows = dy.reshape(-1, self.out_features)
         self.grad_matmul(self.grads["weight"], x_rows.T, dy_rows)
         if self.has_bias:
             self.grad_sum(self.grads["bias"], dy_rows, axis=0)
-        if not self.needs_input_grad:
-            return None
-        return dy @ self.params["weight"].T

@@ -210,6 +210,8 @@ def weight_buffers(program: tuple[ItemInstruction, ...]) -> dict[tuple[int, int]
             plan[(instruction.stage, instruction.step)] = (old in done, min(done - {old}, default=None))
             done -= {old, Item("w", instruction.stage, instruction.step + 1)}  # it reads one, makes the other
             continue
+        if isinstance(instruction, Compute) and instruction.unit is not None:
+            continue  # a shared stage's unit: its weights are the sharding flow's, not items
         item = instruction.weights if isinstance(instruction, Compute) else getattr(instruction, "item", None)
         if item is not None and item.kind == "w" and isinstance(instruction, Drop):
             dropped_next[item.stage].add(item)

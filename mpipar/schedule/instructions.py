@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
+from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job
 
 # -- pipeline programs ---------------------------------------------------------------------
 
@@ -75,6 +75,17 @@ class RecvGradient:
 class Backward:
     """Run B(s, b): the stage's backward on the activations F(s, b) left here, adding into
     the stage's gradient; the (s, b) activations are freed."""
+
+    stage: int
+    batch: int
+
+
+@dataclass(frozen=True)
+class BackwardWeights:
+    """Run W(s, b) of a schedule that splits the backward (zero-bubble): the weight gradient
+    of stage s on micro-batch b, from the inputs and output gradients its B(s, b) left in the
+    cache (Layer.backward_weights), adding into the stage's gradient; then the (s, b)
+    activations are freed. B(s, b) has already passed the input gradient down."""
 
     stage: int
     batch: int
@@ -136,13 +147,15 @@ class OptimizerStep:
     stages: tuple[int, ...]
 
 
-Instruction = (RecvActivation | Forward | SendActivation | RecvGradient | Backward | SendGradient | SendWeights
-               | FetchWeights | ReleaseWeights | ReduceGradients | OptimizerStep)
-COMPUTE = (Forward, Backward)
+Instruction = (RecvActivation | Forward | SendActivation | RecvGradient | Backward | BackwardWeights | SendGradient
+               | SendWeights | FetchWeights | ReleaseWeights | ReduceGradients | OptimizerStep)
+COMPUTE = (Forward, Backward, BackwardWeights)
+DIRECTION_OF = {Forward: FORWARD, Backward: BACKWARD, BackwardWeights: WEIGHTS}
+COMPUTE_OF = {direction: kind for kind, direction in DIRECTION_OF.items()}
 
 
-def job_of(instruction: Forward | Backward) -> Job:
-    return Job(instruction.stage, instruction.batch, FORWARD if isinstance(instruction, Forward) else BACKWARD)
+def job_of(instruction: Forward | Backward | BackwardWeights) -> Job:
+    return Job(instruction.stage, instruction.batch, DIRECTION_OF[type(instruction)])
 
 
 # -- item programs (what the executor runs) ---------------------------------------------------
@@ -150,8 +163,8 @@ def job_of(instruction: Forward | Backward) -> Job:
 class Item(NamedTuple):
     """What can move between ranks: kind x (input of F(index, stage)), dy (gradient entering
     B(index, stage)), w (stage weights after `index` updates), f (a copy of the stage's
-    weights fetched for one job alone, `index` numbering the job: 2 b + 1 for B(stage, b),
-    2 b for F), g (stage gradient of step `index`) or o (stage optimizer state, index 0)."""
+    weights fetched for one job alone, `index` numbering the job: 3 b for F(stage, b), 3 b + 1
+    for B, 3 b + 2 for W), g (stage gradient of step `index`) or o (stage optimizer state, index 0)."""
 
     kind: str
     stage: int
@@ -261,12 +274,13 @@ class ReleaseUnit:
 
 @dataclass(frozen=True)
 class ReduceUnit:
-    """Post the reduction of this micro-batch's gradient of the unit: to G's scope
+    """Post the reduction of this micro-batch's gradient of the unit to G's scope
     (reduce-scatter in the group or over the replicas), added into the rank's accumulator
-    (`first`: it starts it). `then_to_os` on the step's last micro-batch where OS's scope
-    differs from G's or G is N: the sum goes on to OS's scope over the replicas (all-reduce or
-    reduce-scatter); where G is N this is the only reduction of the step. It runs under the
-    backward of the units below; at most REDUCTIONS_IN_FLIGHT are in flight."""
+    (`first`: it starts it); where G is N it is added locally and this instruction comes only
+    after the step's last micro-batch. `then_to_os` on the step's last micro-batch unless G and
+    OS are both G (Sharding.reduces_to_os): the sum goes on over the replicas to OS's scope, by
+    all-reduce where G and OS agree (DDP, MiCS) or reduce-scatter where OS is finer. It runs
+    under the backward of the units below; at most REDUCTIONS_IN_FLIGHT are in flight."""
 
     stage: int
     unit: int

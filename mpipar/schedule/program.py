@@ -6,10 +6,10 @@ the order of the simulated timeline. Everything else is derived from w(s, b, d):
     before a job        post its receives one job ahead (the prefetch of seed 001):
                         RecvActivation / RecvGradient when its predecessor ran elsewhere,
                         FetchWeights when another worker owns the stage's weights
-    the job             Forward or Backward
+    the job             Forward or Backward (and BackwardWeights where the strategy splits it)
     after the job       SendActivation / SendGradient when its successor runs elsewhere,
                         ReleaseWeights when the weights were fetched, ReduceGradients after
-                        the worker's last backward of a stage
+                        the worker's last backward of a stage (its last W where split)
     step start / end    SendWeights for every fetch of the owner's stages (weights do not
                         change during a step); OptimizerStep on the stages the worker holds
 
@@ -27,9 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpipar.schedule.instructions import (
-    Backward,
+    COMPUTE_OF,
     FetchWeights,
-    Forward,
     Instruction,
     OptimizerStep,
     RecvActivation,
@@ -60,6 +59,7 @@ class Compiled:
 def compile_programs(strategy: Strategy, shape: Shape) -> Compiled:
     """Simulate `strategy` on `shape` and turn each worker's part into its Program."""
     timeline = simulate(strategy, shape)
+    shape = timeline.shape  # with the strategy's jobs: B and W where it splits the backward
     place = {job: strategy.place(job, shape) for job in shape.jobs()}
     stages = range(shape.stages)
     holders = tuple(tuple(sorted({place[j][0] for j in place if j.stage == s})) for s in stages)
@@ -67,15 +67,14 @@ def compile_programs(strategy: Strategy, shape: Shape) -> Compiled:
     programs = []
     for worker, slots in enumerate(timeline.by_worker):
         jobs = [slot.job for slot in slots]
-        last_backward = {job.stage: index for index, job in enumerate(jobs) if job.direction == BACKWARD}
+        last_backward = {job.stage: index for index, job in enumerate(jobs) if job.direction == shape.last_use}
         program: list[Instruction] = [SendWeights(j.stage, j.batch, j.direction, place[j][1]) for j in shape.jobs()
                                       if place[j][0] == worker != place[j][1]]
         program += _prefetch(jobs[0], worker, place, shape) if jobs else []
         for index, job in enumerate(jobs):
             if index + 1 < len(jobs):
                 program += _prefetch(jobs[index + 1], worker, place, shape)
-            compute = Forward if job.direction == FORWARD else Backward
-            program.append(compute(job.stage, job.batch))
+            program.append(COMPUTE_OF[job.direction](job.stage, job.batch))
             program += _after(job, worker, place, shape)
             if last_backward.get(job.stage) == index:
                 program += _reduction(job.stage, worker, holders, members)

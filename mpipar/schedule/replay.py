@@ -5,7 +5,8 @@ exists (a receive's message has been sent, a reduction's members have all posted
 compute takes its duration, messages are instantaneous (hidden by prefetching, as in
 the simulator). A program set is sound when this finishes with:
 
-    every job computed exactly once, on the worker that holds its activations
+    every job computed exactly once, on the worker that holds its activations (with a
+    split backward, B and W of a micro-batch where its F ran)
     every job after its predecessor, its input received (or made here), its weights at hand
     every receive matched by a send, and no send left unreceived
     no stage updated before its gradient covers every micro-batch, every holder updating
@@ -42,7 +43,7 @@ from mpipar.schedule.instructions import (
     describe,
     job_of,
 )
-from mpipar.schedule.simulate import Slot, Timeline
+from mpipar.schedule.simulate import Slot, Timeline, job_durations
 from mpipar.schedule.strategies import BACKWARD, FORWARD, Job, Shape, predecessor
 
 
@@ -58,14 +59,13 @@ def replay(programs, shape: Shape, holders, forward: list[float] | None = None,
            backward: list[float] | None = None) -> Timeline:
     """Execute `programs` (one per rank) on `shape`, `holders[s]` being the ranks that hold
     stage s's weights; raise UnsoundSchedule on the first violation, else return the timeline."""
-    return _Replay(programs, shape, holders, forward or [1.0] * shape.stages,
-                   backward or [1.0] * shape.stages).run()
+    return _Replay(programs, shape, holders, forward, backward).run()
 
 
 class _Replay:
     def __init__(self, programs, shape: Shape, holders, forward, backward) -> None:
         self.programs, self.shape, self.holders = programs, shape, holders
-        self.durations = {FORWARD: forward, BACKWARD: backward}
+        self.durations = job_durations(shape, forward, backward)
         self.clock = [0.0] * len(programs)
         self.done: dict[Job, tuple[int, float]] = {}  # job -> (rank, end)
         self.slots: list[Slot] = []
@@ -91,7 +91,7 @@ class _Replay:
             raise UnsoundSchedule(f"{missing[0]} is never computed ({len(missing)} job(s) missing)")
         for job, rank in where.items():
             twin = Job(job.stage, job.batch, FORWARD)
-            if job.direction == BACKWARD and where[twin] != rank:
+            if job.direction != FORWARD and where[twin] != rank:
                 raise UnsoundSchedule(f"{job} runs on rank {rank} but the activations of {twin} are on rank "
                                       f"{where[twin]}")
         return where
@@ -186,7 +186,7 @@ class _Replay:
         self.clock[rank] = end
         self.done[job] = (rank, end)
         self.slots.append(Slot(job, rank, weights, start, end))
-        if job.direction == BACKWARD:
+        if job.direction == self.shape.last_use:  # the micro-batch's gradient of the stage is complete
             self.gradient_of[rank][job.stage].add(job.batch)
 
     def _reduce(self, rank: int, instruction: ReduceGradients) -> None:

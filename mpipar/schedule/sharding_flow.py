@@ -48,8 +48,7 @@ def job_flow(job: CyclicJob, units: int, sharding: Sharding, prefetch: int, *, f
     order = list(range(units - 1, -1, -1)) if backward else list(range(units))
     gathers, from_secondary = sharding.parameters != "N", backward and sharding.secondary
     keeps_secondary = sharding.secondary and not backward and first
-    # ZeRO-2/3's reduce-scatter already lands on OS's scope; every other triple goes on from G's
-    then_to_os = backward and last and not sharding.gradients == sharding.optimizer_state == "G"
+    then_to_os = backward and last and sharding.reduces_to_os
     flow = []
     for position, unit in enumerate(order):
         if gathers:  # at the start the first units; then each unit keeps `prefetch` in flight ahead

@@ -4,7 +4,9 @@ Greedy list scheduling, as the seed's recursion: of all jobs whose predecessor h
 finished, take the one that can start soonest — when both its predecessor and its
 worker are free — with ties broken by the strategy's priority n(s, b, d); it ends a
 duration later. Durations are one unit per job unless per-stage costs are given
-(`forward[s]`, `backward[s]`). Transfers are assumed hidden by prefetching.
+(`forward[s]`, `backward[s]`); where the strategy splits the backward, its B and W take
+half of `backward[s]` each, so that every strategy does the same work. Transfers are
+assumed hidden by prefetching.
 
 From the resulting timeline, per worker:
 
@@ -13,7 +15,7 @@ From the resulting timeline, per worker:
                             or a backward iterate arrives over the network)
     weight_fetches          jobs run on weights another worker owns (fetched, released after)
     peak_activations        most (s, b) activations held at once (or their bytes): from the start of F(s, b)
-                            to the end of B(s, b), on the worker that computes them
+                            to the end of B(s, b) (of W(s, b) where split), on the worker that computes them
     weights_owned           stages whose weights the worker is the source of truth for
     idle_fraction           the bubble: 1 - busy time / latency
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mpipar.errors import ConfigError
-from mpipar.schedule.strategies import BACKWARD, FORWARD, Job, Shape, Strategy, predecessor
+from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job, Shape, Strategy, predecessor
 
 
 @dataclass(frozen=True)
@@ -75,16 +77,27 @@ class Timeline:
         """Most (s, b) activations held at once per worker."""
         return self.peak_activation_bytes([1] * self.shape.stages)
 
-    def peak_activation_bytes(self, stage_bytes: list[int]) -> list[int]:
-        """Most activation bytes held at once per worker, one (s, b) weighing `stage_bytes[s]`:
-        held from the start of F(s, b) to the end of B(s, b); at one instant, frees come first."""
+    def peak_activation_bytes(self, stage_bytes: list[int], deferred_bytes: list[int] | None = None,
+                              backward_bytes: list[int] | None = None) -> list[int]:
+        """Most activation bytes held at once per worker, one (s, b) weighing `stage_bytes[s]`
+        from the start of F(s, b) to the end of B(s, b). Where the backward is split, B(s, b)
+        may weigh up to `backward_bytes[s]` while it runs (it keeps output gradients for W
+        before it frees the rest), then `deferred_bytes[s]` (what it leaves for W) to the end
+        of W(s, b); both are `stage_bytes` by default. At one instant, frees come first."""
+        events_of = {FORWARD: lambda slot, s: [(slot.start, stage_bytes[s])],
+                     BACKWARD: lambda slot, s: [(slot.end, -stage_bytes[s])]}
+        if self.shape.split:
+            deferred = deferred_bytes or stage_bytes
+            during = backward_bytes or stage_bytes
+            events_of[BACKWARD] = lambda slot, s: [(slot.start, during[s] - stage_bytes[s]),
+                                                   (slot.end, deferred[s] - during[s])]
+            events_of[WEIGHTS] = lambda slot, s: [(slot.end, -deferred[s])]
         peaks = []
         for slots in self.by_worker:
-            events = sorted((slot.start, 1, stage_bytes[slot.job.stage]) if slot.job.direction == FORWARD
-                            else (slot.end, -1, stage_bytes[slot.job.stage]) for slot in slots)
+            events = sorted(event for slot in slots for event in events_of[slot.job.direction](slot, slot.job.stage))
             held = peak = 0
-            for _, sign, nbytes in events:
-                held += sign * nbytes
+            for _, nbytes in events:
+                held += nbytes
                 peak = max(peak, held)
             peaks.append(peak)
         return peaks
@@ -97,18 +110,18 @@ def simulate(strategy: Strategy, shape: Shape, forward: list[float] | None = Non
              backward: list[float] | None = None) -> Timeline:
     """Run the greedy schedule of `strategy` on `shape`; durations default to one unit."""
     strategy.validate(shape)
-    forward = forward or [1.0] * shape.stages
-    backward = backward or [1.0] * shape.stages
+    shape = strategy.shape(shape)
+    durations = job_durations(shape, forward, backward)
     place = {job: strategy.place(job, shape) for job in shape.jobs()}
     for job, (weights, compute) in place.items():
         if not (0 <= weights < shape.workers and 0 <= compute < shape.workers):
             raise ConfigError(f"{strategy.name}: job {job} is placed on worker {(weights, compute)}, "
                               f"outside 0..{shape.workers - 1}")
-        twin = Job(job.stage, job.batch, BACKWARD)
-        if job.direction == FORWARD and place[twin][1] != compute:
-            raise ConfigError(f"{strategy.name}: F{job.stage}b{job.batch} and its backward are computed on "
-                              f"different workers ({compute} and {place[twin][1]}); mpipar keeps a "
-                              "micro-batch's activations where they were made")
+        twin = Job(job.stage, job.batch, FORWARD)
+        if job.direction != FORWARD and place[twin][1] != compute:
+            raise ConfigError(f"{strategy.name}: {twin} and {job} are computed on different workers "
+                              f"({place[twin][1]} and {compute}); mpipar keeps a micro-batch's activations "
+                              "where they were made")
     rank = {job: strategy.priority(job, shape) for job in place}
     cap = [strategy.in_flight(w, shape) if strategy.in_flight else len(place) for w in range(shape.workers)]
     finish: dict[Job, float] = {}
@@ -121,9 +134,9 @@ def simulate(strategy: Strategy, shape: Shape, forward: list[float] | None = Non
         return job.direction == FORWARD and (before is None or place[before][1] != place[job][1])
 
     def departs(job: Job) -> bool:
-        """A backward after which the micro-batch leaves this worker."""
-        return job.direction == BACKWARD and (job.stage == 0 or place[Job(job.stage - 1, job.batch, BACKWARD)][1]
-                                              != place[job][1])
+        """A backward (W where split) after which the micro-batch leaves this worker."""
+        return job.direction == shape.last_use and (
+            job.stage == 0 or place[Job(job.stage - 1, job.batch, BACKWARD)][1] != place[job][1])
 
     def ready_at(job: Job) -> float:
         before = predecessor(job, shape)
@@ -138,9 +151,21 @@ def simulate(strategy: Strategy, shape: Shape, forward: list[float] | None = Non
         job = min(ready, key=lambda j: (ready_at(j), rank[j], j))
         weights, worker = place[job]
         start = ready_at(job)
-        end = start + (forward if job.direction == FORWARD else backward)[job.stage]
+        end = start + durations[job.direction][job.stage]
         finish[job], free[worker] = end, end
         held[worker] += arrives(job) - departs(job)
         slots.append(Slot(job, worker, weights, start, end))
         waiting.remove(job)
     return Timeline(shape, sorted(slots, key=lambda slot: (slot.start, slot.worker)))
+
+
+def job_durations(shape: Shape, forward: list[float] | None = None,
+                  backward: list[float] | None = None) -> dict[str, list[float]]:
+    """Per direction, each stage's job duration (one unit by default); a split backward's B
+    and W take half of the whole backward's each."""
+    forward = forward or [1.0] * shape.stages
+    backward = backward or [1.0] * shape.stages
+    if not shape.split:
+        return {FORWARD: forward, BACKWARD: backward}
+    half = [cost / 2 for cost in backward]
+    return {FORWARD: forward, BACKWARD: half, WEIGHTS: half}

@@ -5,13 +5,16 @@ A strategy says, for every job, which worker holds the stage's weights and which
 computes it — w(s, b, d) = (w_weights, w_compute) — and how a worker breaks ties
 between jobs that are ready at once: the job with the smallest n(s, b, d) goes first.
 The dependencies are the same for every strategy (`predecessor`): F(s, b) needs
-F(s-1, b); B(S-1, b) needs F(S-1, b); B(s, b) needs B(s+1, b).
+F(s-1, b); B(S-1, b) needs F(S-1, b); B(s, b) needs B(s+1, b); and where a strategy
+splits the backward (zero-bubble), W(s, b), the weight gradient, needs B(s, b).
 
     scheme   w(s, b, d)                 constraint      order
     ddp      (b, b)                     W = B           depth first
     fsdp-stage (s mod W, b)             W = B           depth first
     gpipe    (s, s)                     W = S           all forwards, then backwards
     1f1b     (s, s)                     W = S           backward first, at most S - w in flight
+    zb1      (s, s)                     W = S           1f1b with each backward split in B and W,
+                                                        a W only where no B or F is ready
     lpp      (h(s,b), h(s,b))           W = G R, R | S  depth or breadth first
     fslpp    (h(s,s), h(s,b))           W = G R, R | S  depth or breadth first
 
@@ -26,19 +29,19 @@ Exercised by: mpipar schedule show --scheme lpp --workers 4 --stages 8 --micro-b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 from mpipar.errors import ConfigError, unknown_name
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, WEIGHTS = "F", "B", "W"
 
 
 class Job(NamedTuple):
     stage: int
     batch: int
-    direction: str  # FORWARD or BACKWARD
+    direction: str  # FORWARD, BACKWARD, or WEIGHTS where the backward is split
 
     def __str__(self) -> str:
         return f"{self.direction}{self.stage}b{self.batch}"
@@ -46,25 +49,39 @@ class Job(NamedTuple):
 
 @dataclass(frozen=True)
 class Shape:
-    """W workers, S stages, B micro-batches, G loops (groups of R = W / G workers)."""
+    """W workers, S stages, B micro-batches, G loops (groups of R = W / G workers); `split`:
+    each backward is two jobs, B (the input gradient, passed down) and W (the weight
+    gradient, which nothing else waits for), as the zero-bubble schedules run it."""
 
     workers: int
     stages: int
     micro_batches: int
     loops: int = 1
+    split: bool = False
 
     @property
     def group_size(self) -> int:
         return self.workers // self.loops
 
+    @property
+    def directions(self) -> tuple[str, ...]:
+        return (FORWARD, BACKWARD, WEIGHTS) if self.split else (FORWARD, BACKWARD)
+
+    @property
+    def last_use(self) -> str:
+        """The direction after which a micro-batch's activations of a stage are freed and its
+        gradient of the stage is complete: W where the backward is split, else B."""
+        return WEIGHTS if self.split else BACKWARD
+
     def jobs(self) -> list[Job]:
-        return [Job(s, b, d) for d in (FORWARD, BACKWARD) for b in range(self.micro_batches)
-                for s in range(self.stages)]
+        return [Job(s, b, d) for d in self.directions for b in range(self.micro_batches) for s in range(self.stages)]
 
 
 def predecessor(job: Job, shape: Shape) -> Job | None:
     """The one job that must finish before `job` can start (None for F(0, b))."""
     s, b, d = job
+    if d == WEIGHTS:
+        return Job(s, b, BACKWARD)
     if d == FORWARD:
         return Job(s - 1, b, FORWARD) if s > 0 else None
     return Job(s, b, FORWARD) if s == shape.stages - 1 else Job(s + 1, b, BACKWARD)
@@ -81,7 +98,8 @@ class Strategy:
     shape)` (smaller first) and `check(shape)`, which returns why a shape cannot work, or
     None. `in_flight(worker, shape)`, if given, caps the micro-batches whose activations a
     worker holds at once: a forward waits until a backward frees a place (1F1B's warm-up).
-    Only a `looped` strategy reads the loops G; the others refuse G > 1."""
+    Only a `looped` strategy reads the loops G; the others refuse G > 1. A `split_backward`
+    strategy runs each backward as B and W jobs (Shape.split), W placed with its B."""
 
     name: str
     place: Placement
@@ -89,6 +107,11 @@ class Strategy:
     check: Check = lambda shape: None
     in_flight: Callable[[int, Shape], int] | None = None
     looped: bool = False
+    split_backward: bool = False
+
+    def shape(self, shape: Shape) -> Shape:
+        """`shape` with the jobs this strategy runs (B and W where it splits the backward)."""
+        return replace(shape, split=self.split_backward)
 
     def validate(self, shape: Shape) -> None:
         """Refuse a shape the strategy's constraints exclude, naming the constraint."""
@@ -119,8 +142,14 @@ def backward_first(job: Job, shape: Shape) -> tuple:
     return (job.direction == FORWARD, job.batch)
 
 
+def weights_last(job: Job, shape: Shape) -> tuple:
+    """Zero-bubble (ZB-H1): B before F as 1F1B, and a W only where neither is ready (it fills
+    the bubble), the older micro-batch first."""
+    return ((BACKWARD, FORWARD, WEIGHTS).index(job.direction), job.batch)
+
+
 def _progress(job: Job, shape: Shape) -> int:
-    """Position on the 2S-long path F0 .. F(S-1), B(S-1) .. B0."""
+    """Position on the 2S-long path F0 .. F(S-1), B(S-1) .. B0 (a W where its B is)."""
     return job.stage if job.direction == FORWARD else 2 * shape.stages - 1 - job.stage
 
 
@@ -165,6 +194,8 @@ register(Strategy("fsdp-stage", lambda j, sh: (j.stage % sh.workers, j.batch), d
 register(Strategy("gpipe", lambda j, sh: (j.stage, j.stage), breadth_first, _one_per_stage))
 register(Strategy("1f1b", lambda j, sh: (j.stage, j.stage), backward_first, _one_per_stage,
                   in_flight=lambda worker, sh: sh.stages - worker))
+register(Strategy("zb1", lambda j, sh: (j.stage, j.stage), weights_last, _one_per_stage,
+                  in_flight=lambda worker, sh: sh.stages - worker, split_backward=True))
 for _order, _priority in (("", depth_first), ("-breadth", breadth_first)):
     register(Strategy(f"lpp{_order}", lambda j, sh: (looped_worker(j.stage, j.batch, sh),) * 2, _priority,
                       _looped_check, looped=True))

@@ -35,7 +35,7 @@ unit_bytes = unit_bytes_for("overlap", 0)
 plan = data_parallel_plan(comm.rank, comm.size, stage.flat.size, sharding=scheme,
                           units=len(make_units(stage, unit_bytes)))
 engine = Executor(comm, [stage], plan, ActivationCache(), SoftmaxCrossEntropy(), input_shapes=[(64,), (10,)],
-                  optimizer="sgd", optimizer_options={}, collective="ring", sharding=scheme, unit_bytes=unit_bytes)
+                  optimizer="sgd", optimizer_options={}, collective="ring", unit_bytes=unit_bytes)
 shared = engine.shared[0]
 rng = np.random.default_rng(comm.rank)
 x, y = rng.standard_normal((512, 64)), rng.integers(0, 10, 512)

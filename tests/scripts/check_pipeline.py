@@ -33,16 +33,18 @@ COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=24, hidden=(32,
               log_every=1000)
 # (scheme, stages, micro-batches, loops): every strategy where it applies on W ranks
 CASES = {2: [("gpipe", 2, 1, 1), ("gpipe", 2, 4, 1), ("1f1b", 2, 3, 1), ("1f1b", 2, 6, 1), ("ddp", 3, 2, 1),
-             ("fsdp-stage", 3, 2, 1), ("lpp", 4, 4, 1), ("fslpp", 4, 6, 1), ("lpp", 3, 2, 2)],
+             ("fsdp-stage", 3, 2, 1), ("lpp", 4, 4, 1), ("fslpp", 4, 6, 1), ("lpp", 3, 2, 2),
+             ("zb1", 2, 6, 1)],
          4: [("gpipe", 4, 4, 1), ("1f1b", 4, 6, 1), ("lpp", 4, 4, 2), ("fslpp", 4, 4, 2), ("lpp-breadth", 8, 8, 2),
-             ("fslpp-breadth", 8, 6, 2), ("fslpp", 6, 2, 2), ("ddp", 3, 4, 1), ("fsdp-stage", 4, 4, 1)]}[W]
+             ("fslpp-breadth", 8, 6, 2), ("fslpp", 6, 2, 2), ("ddp", 3, 4, 1), ("fsdp-stage", 4, 4, 1),
+             ("zb1", 4, 8, 1)]}[W]
 KINDS = {"activations": RecvActivation, "gradients": RecvGradient, "weights": FetchWeights}
 
 
 def check_costs(trainer: Trainer, label: str) -> list[str]:
     compiled, rank, problems = trainer.compiled, world.rank, []
     timeline = replay(compiled.programs, compiled.shape, compiled.holders)
-    predicted = timeline.peak_activation_bytes(list(trainer.activations[0].stashed))[rank]
+    predicted = trainer.activations[0].stash_peaks(timeline)[rank]
     if trainer.cache.peak_bytes != predicted:
         problems.append(f"{label}: peak activation bytes {trainer.cache.peak_bytes}, replay predicts {predicted}")
     program = compiled.programs[rank]

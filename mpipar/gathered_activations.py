@@ -1,0 +1,98 @@
+"""Seed 002's other way to sum a weight gradient: all-gather the rows it is made of.
+
+A Linear layer's gradient over the global batch is a sum over its rows (samples, or
+samples x positions), dW = X^T dY and db = the column sums of dY. Data parallelism sums
+each rank's partial dW with an all-reduce; seed 002 observes that when the batch is small
+against the layer, the rows are cheaper to move than the matrix: every rank all-gathers
+the layer's inputs X and output errors dY of each micro-batch and computes the whole dW
+itself, which then needs no reduction. With R ranks, N rows in the global batch (all its
+micro-batches), and a layer of `in` x `out` weights plus `out` biases, what one rank sends
+per step by a ring is
+
+    all-reduce of dW and db      2 (R - 1) / R * (in out + out)        elements
+    all-gather of X and dY       (R - 1) * N / R * (in + out)          elements
+
+so gathering moves fewer bytes exactly where   N (in + out) < 2 (in out + out).
+`--ddp allgather-activations` applies the rule to every Linear layer (one unit per layer,
+as --ddp overlap cuts them) and says which it chose; the others are all-reduced as usual.
+The rule needs no measurement: N is the batch size times the rows per sample of the
+layer's input (1 for an MLP or a CNN's head, the sequence length in a transformer).
+
+Exercised by: mpiexec -n 4 mpipar train --ddp allgather-activations --batch-size 32
+              mpiexec -n 4 python tests/scripts/check_gathered_activations.py   (tests/test_data_parallel.py)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpipar.comms.collectives import iall_gather
+from mpipar.comms.comm import Comm
+from mpipar.layers import Linear
+from mpipar.ledger import MemoryLedger
+
+PHASE = "activation-gather"  # the traffic phase the gathers are counted under
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One Linear layer (its index in the model's layers) and the elements one rank sends
+    per step for its gradient either way."""
+
+    layer: int
+    name: str
+    all_reduce: float
+    all_gather: float
+
+    @property
+    def gathers(self) -> bool:
+        return self.all_gather < self.all_reduce
+
+
+def choose(layers: list, input_shapes: list[tuple[int, ...]], batch_size: int, ranks: int) -> list[Choice]:
+    """The rule above for every Linear of `layers` (the model's, with their per-sample input shapes)."""
+    choices = []
+    for index, (layer, shape) in enumerate(zip(layers, input_shapes)):
+        if not isinstance(layer, Linear):
+            continue
+        rows = batch_size * math.prod(shape[:-1])
+        size = layer.in_features * layer.out_features + layer.out_features * layer.has_bias
+        choices.append(Choice(index, layer.name, 2 * (ranks - 1) / ranks * size,
+                              (ranks - 1) * rows / ranks * (layer.in_features + layer.out_features)))
+    return choices
+
+
+def describe(choices: list[Choice], itemsize: int) -> str:
+    """Which layers gather, with the bytes per rank and step each way, for the run's header."""
+    chosen = [c for c in choices if c.gathers]
+    if not chosen:
+        return "no layer moves fewer bytes by all-gathering its activations here: every layer is all-reduced"
+    parts = [f"{c.name} ({c.all_gather * itemsize / 1e3:.1f} kB gathered instead of "
+             f"{c.all_reduce * itemsize / 1e3:.1f} kB all-reduced per rank and step)" for c in chosen]
+    return "all-gathering the activations and errors of " + ", ".join(parts)
+
+
+class RowGatherer:
+    """Installed as a chosen Linear's `weight_gradients`: gathers X and dY of this
+    micro-batch from every rank of `comm` (blocking: the layers below wait for nothing of
+    it, but the gathered rows are freed before the backward goes on) and adds the whole
+    batch's dW and db."""
+
+    def __init__(self, layer: Linear, comm: Comm, collective: str, ledger: MemoryLedger) -> None:
+        self.layer, self.comm, self.collective, self.ledger = layer, comm, collective, ledger
+        self.own = layer.weight_gradients  # the layer's own arithmetic, run on the gathered rows
+
+    def __call__(self, x, dy) -> None:
+        rows = [np.ascontiguousarray(part.reshape(-1, part.shape[-1])) for part in (x, dy)]
+        # small by the rule's choice (fewer elements than the layer's gradient), so fresh each time
+        gathered = [np.empty((part.shape[0] * self.comm.size, part.shape[1]), part.dtype) for part in rows]
+        nbytes = sum(part.nbytes for part in gathered)
+        self.ledger.hold("workspace", nbytes)
+        with self.comm.traffic.phase(PHASE):
+            for mine, everyone in zip(rows, gathered):
+                iall_gather(self.comm, mine.ravel(), everyone.ravel(), self.collective).wait()
+        self.own(*gathered)
+        self.ledger.free("workspace", nbytes)
