@@ -99,8 +99,8 @@ if world.rank == 0:
             figures[name].update(held=held, peak=peak, table_1=vars(table))
         print(line)
     print(f"  ddp-allgather: {contenders['ddp-allgather'].scheme_name}")
-    sent = {name: contenders[name].counted.traffic.read().sent_bytes / steps_done[name]
-            for name in ("ddp", "ddp-allgather")}
+    counts = {name: contenders[name].counted.traffic.read() for name in ("ddp", "ddp-allgather")}
+    sent = {name: (c.sent_bytes + c.library_bytes) / steps_done[name] for name, c in counts.items()}
     print(f"  bytes sent per rank and step: ddp {sent['ddp']:,.0f}, ddp-allgather {sent['ddp-allgather']:,.0f}")
     for name, target in (("ddp", 0.85), ("zero3", 0.75)):
         ratio = figures[name]["of_no_sync"]

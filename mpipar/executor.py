@@ -350,7 +350,11 @@ class Executor(WholeModel):
             self.shared[s].enter(unit)
         else:
             self._bind(s, weights=self._take(self._shifted(instruction.weights)))
-        if opens:
+        if opens:  # a job's time is its computing, not its wait for an input (that is the bubble)
+            arriving = (Item("x", s, g) if job.direction == FORWARD and s > 0 else
+                        Item("dy", s, g) if backward and not last else None)
+            if arriving is not None:
+                self._take(arriving)
             self.job_start = time.perf_counter()
         span = None if unit is None else self.shared[s].layers(unit)
         with self.ledger.phase("forward" if job.direction == FORWARD else "backward"):
