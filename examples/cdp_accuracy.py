@@ -34,14 +34,15 @@ COMMON = ["--dataset", "fashion-mnist", "--model", "cnn", "--micro-batches", "4"
           "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "5e-4", "--log-every", "1000"]
 
 
-def train(rule: str, seed: int, epochs: int, max_steps: int) -> tuple[float, float]:
+def train(rule: str, seed: int, epochs: int, max_steps: int, warmup_steps: int) -> tuple[float, float]:
     """(test accuracy, seconds) after `epochs` epochs (at most `max_steps` steps, 0: no limit) of `rule`
     with `seed`."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         metrics = Path(folder) / "run.jsonl"
         command = [sys.executable, "-m", "mpipar", "train", *COMMON, *RULES[rule], "--seed", str(seed),
-                   "--epochs", str(epochs), "--max-steps", str(max_steps), "--metrics", str(metrics)]
+                   "--epochs", str(epochs), "--max-steps", str(max_steps), "--warmup-steps", str(warmup_steps),
+                   "--metrics", str(metrics)]
         run = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
         if run.returncode:
             raise SystemExit(f"cdp_accuracy.py: the {rule} run with seed {seed} failed:\n{run.stderr[-2000:]}")
@@ -55,19 +56,23 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one core each)")
     parser.add_argument("--out", default="cdp_accuracy.json")
     parser.add_argument("--max-steps", type=int, default=0, help="stop every run after this many steps (0: no limit)")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="raise the learning rate linearly over this many first steps, for every rule")
     args = parser.parse_args()
     runs = [(rule, seed) for seed in range(args.seeds) for rule in RULES]
     with ThreadPoolExecutor(args.jobs) as pool:
-        outcomes = list(pool.map(lambda run: train(*run, args.epochs, args.max_steps), runs))
+        outcomes = list(pool.map(lambda run: train(*run, args.epochs, args.max_steps, args.warmup_steps), runs))
     results = {rule: [acc for (r, _), (acc, _) in zip(runs, outcomes) if r == rule] for rule in RULES}
     seconds = [took for _, took in outcomes]
-    print(f"Fashion-MNIST, cnn, N=4, {args.epochs} epochs, {args.seeds} seeds: test accuracy (%)")
+    print(f"Fashion-MNIST, cnn, N=4, {args.epochs} epochs, {args.seeds} seeds, {args.warmup_steps} warm-up steps: "
+          "test accuracy (%)")
     for rule, values in results.items():
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         print(f"  {rule:<7} {100 * statistics.mean(values):.2f} +- {100 * spread:.2f}   "
               + " ".join(f"{100 * value:.2f}" for value in values))
     print(f"each run took {min(seconds):.0f} to {max(seconds):.0f} s, {args.jobs} at a time")
-    write_atomically(args.out, json.dumps({"epochs": args.epochs, "seeds": args.seeds, "test_accuracy": results,
+    write_atomically(args.out, json.dumps({"epochs": args.epochs, "seeds": args.seeds,
+                                           "warmup_steps": args.warmup_steps, "test_accuracy": results,
                                            "seconds_per_run": [round(took, 1) for took in seconds]},
                                           indent=1).encode())
 

@@ -29,7 +29,7 @@ from mpipar.errors import ConfigError
 from mpipar.mesh import Mesh
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, SCHEDULES
-from mpipar.options import FloatRange, IntListType, IntRange, LiveChoice, SizeType, check
+from mpipar.options import FloatRange, IntListType, IntRange, LiveChoice, RecomputeType, SizeType, check
 from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
 from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy, shared_stages
 from mpipar.sharding import DDP_MODES, SCHEMES, Sharding, parse_sharding
@@ -48,8 +48,6 @@ POSITIVE, NATURAL = IntRange(min=1), IntRange(min=0)
 def _option(default, help: str, kind: click.ParamType, group: str):
     return field(default=default, metadata={"help": help, "type": kind, "group": group})
 
-
-RECOMPUTE = ("none", "stage")  # --recompute: keep every stash, or only each stage's (unit's) input
 
 
 @dataclass
@@ -117,8 +115,9 @@ class TrainConfig:
                                "(each costs one unit of memory)", NATURAL, "parallelism")
     recompute: str = _option("none", "activation recomputation: stage keeps only each stage's input (each unit's, "
                                      "where a replica group shares the stage) and runs its forward again before "
-                                     "the backward: less activation memory for one more forward",
-                             click.Choice(RECOMPUTE), "parallelism")
+                                     "the backward: less activation memory for one more forward; every-K keeps "
+                                     "the input of every K layers and reruns them K at a time",
+                             RecomputeType(), "parallelism")
     collective: str = _option("mpi", "algorithm of every collective (2d: ddp only)", click.Choice(ALGORITHMS),
                               "parallelism")
     comm_timeout: float = _option(0.0, "seconds any communication may wait before the job is stopped "

@@ -119,10 +119,10 @@ class Layout:
 
 def make_layout(count: float, built, world_size: int, group_size: int, stages: int, scheme: str | None,
                 replicas: int, micro_batches: int | None, loops: int, batch_size: int, ddp: str,
-                bucket_mb: float, itemsize: int, recompute: bool = False) -> Layout:
+                bucket_mb: float, itemsize: int, recompute: int | None = None) -> Layout:
     """The layout of `count` parameters (or of `built`, built_model's result) on `world_size`
     ranks: data parallelism without --stages, else S stages on a mesh of workers x replicas;
-    its activations those of --recompute stage where `recompute`."""
+    its activations those of --recompute where `recompute` (options.recompute_segment) is not None."""
     from mpipar.config import TrainConfig
     from mpipar.model import build_stages
 
@@ -148,8 +148,8 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
         sizes = [stage.flat.size for stage in laid_out]
         units = [max((stop - start for _, _, start, stop in make_units(stage, unit_bytes_for(ddp, bucket_mb))),
                      default=0) for stage in laid_out]
-        spans = (compute_spans(laid_out, shared_stages(mesh, sizes), unit_bytes_for(ddp, bucket_mb)) if recompute
-                 else None)
+        spans = (None if recompute is None else
+                 compute_spans(laid_out, shared_stages(mesh, sizes), unit_bytes_for(ddp, bucket_mb), recompute))
         training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch, seed=0,
                                        recompute_spans=spans)
     groups = []

@@ -69,7 +69,7 @@ from mpipar.schedule.instructions import (
 )
 from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job
 from mpipar.sharded_stage import ShardedStage
-from mpipar.sharding import make_units
+from mpipar.sharding import make_units, segments
 from mpipar.whole_model import WholeModel
 
 KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "f": Kind.WEIGHTS,
@@ -93,13 +93,15 @@ class Executor(WholeModel):
 
     def __init__(self, comm: Comm, stages: list[Stage], plan: PipelinePlan | CdpPlan, cache: ActivationCache,
                  loss_fn, *, input_shapes: list[tuple[int, ...]], optimizer: str, optimizer_options: dict,
-                 collective: str = "ring", unit_bytes: float = 25e6, recompute: bool = False,
+                 collective: str = "ring", unit_bytes: float = 25e6, recompute: int | None = None,
                  gathered_layers: tuple[int, ...] = ()) -> None:
         self.comm, self.stages, self.plan, self.cache, self.loss_fn = comm, stages, plan, cache, loss_fn
         self.input_shapes = input_shapes  # per stage; the last entry is the model's output
         self.collective, self.unit_bytes = collective, unit_bytes
         self.sharding, self.prefetch = plan.sharding, plan.prefetch
-        self.recompute = recompute  # each Compute span keeps only its input; backward runs its forward again
+        # --recompute: None, or the layers of a segment whose input a Compute keeps (0: the whole
+        # Compute); its backward reruns each segment's forward first
+        self.recompute = recompute
         self.optimizer_name, self.optimizer_options = optimizer, optimizer_options
         self.kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
         self.dtype, self.mesh = stages[0].flat.dtype, plan.mesh
@@ -376,11 +378,14 @@ class Executor(WholeModel):
                                      sample_ids=np.arange(first, first + self.micro_size))
         else:
             (x, targets), ctx, self.flowing = self.flowing, self.cache.contexts[(s, g)], (None, None)
-        stash = ctx
-        if self.recompute:  # keep only the input; the layers stash into a context forgotten after the forward
-            ctx.save(("input", span), x, targets)
+        stash, y = ctx, x
+        if self.recompute is None:
+            y = self.stages[s].forward(x, ctx, self._after_layer, span)
+        else:  # keep only each segment's input; the layers stash into a context forgotten after the forward
             stash = Context(None, ctx.key, step=ctx.step, sample_ids=ctx.sample_ids, seed=ctx.seed)
-        y = self.stages[s].forward(x, stash, self._after_layer, span)
+            for segment in self._segments(s, span):
+                ctx.save(("input", segment), y, targets)
+                y = self.stages[s].forward(y, stash, self._after_layer, segment)
         if not closes:
             self.flowing = (y, targets)
         elif not last:
@@ -395,25 +400,20 @@ class Executor(WholeModel):
 
     def _backward(self, step: int, s: int, g: int, new_gradient: bool, unit: int | None, span, opens: bool,
                   closes: bool) -> None:
-        ctx = self.cache.contexts[(s, g)]
-        if self.recompute:  # the forward again, from the kept input, stashing for this backward
-            x, targets = ctx.pop(("input", span))
-            y = self.stages[s].forward(x, ctx, lambda _layer: self.poll(), span)  # not a step's layer: unobserved
-            if opens and s == len(self.stages) - 1:
-                self.loss_fn.forward(y, targets, ctx, self.batch_size)
-        if unit is not None:
-            self.shared[s].open_gradient(unit)
-        if opens:
-            gradient = Item("g", s, step)
-            if new_gradient:
-                self._keep(gradient, self._zeros("g", s))
-            if s not in self.shared:
-                self._bind(s, gradient=self._take(gradient))  # layers add into the sum so far
-            dy = self.loss_fn.backward(ctx) if s == len(self.stages) - 1 else self._take(Item("dy", s, g))
-        else:
-            (dy, _), self.flowing = self.flowing, (None, None)  # held no longer than the next unit needs it
+        ctx, dy = self.cache.contexts[(s, g)], None
         split = self.plan.splits_backward  # a zero-bubble B: the input gradient only; its W follows later
-        dx = (self.stages[s].backward_input if split else self.stages[s].backward)(dy, ctx, self._after_layer, span)
+        backward = self.stages[s].backward_input if split else self.stages[s].backward
+        parts = [span] if self.recompute is None else self._segments(s, span)[::-1]
+        for index, part in enumerate(parts):
+            if self.recompute is not None:  # the segment's forward again, from its kept input, stashing for real
+                x, targets = ctx.pop(("input", part))
+                y = self.stages[s].forward(x, ctx, lambda _layer: self.poll(), part)  # not a step's layer: unobserved
+                if opens and index == 0 and s == len(self.stages) - 1:
+                    self.loss_fn.forward(y, targets, ctx, self.batch_size)
+            if index == 0:
+                dy = self._output_gradient(step, s, g, new_gradient, unit, opens)
+            dy = backward(dy, ctx, self._after_layer, part)
+        dx = dy
         if not closes:
             self.flowing = (dx, None)
             return
@@ -421,6 +421,27 @@ class Executor(WholeModel):
             self.cache.release(s, g)
         if s > 0:
             self._keep(Item("dy", s - 1, g), dx)
+
+    def _output_gradient(self, step: int, s: int, g: int, new_gradient: bool, unit: int | None, opens: bool):
+        """What a backward starts from (the loss's gradient, a received one, or the unit above's),
+        with the gradient buffers its layers add into in place (after any recomputed forward,
+        so that they are not held during it)."""
+        if unit is not None:
+            self.shared[s].open_gradient(unit)
+        if not opens:
+            (dy, _), self.flowing = self.flowing, (None, None)  # held no longer than the next unit needs it
+            return dy
+        gradient = Item("g", s, step)
+        if new_gradient:
+            self._keep(gradient, self._zeros("g", s))
+        if s not in self.shared:
+            self._bind(s, gradient=self._take(gradient))  # layers add into the sum so far
+        return (self.loss_fn.backward(self.cache.contexts[(s, g)]) if s == len(self.stages) - 1
+                else self._take(Item("dy", s, g)))
+
+    def _segments(self, s: int, span: tuple[int, int] | None) -> list[tuple[int, int]]:
+        """The runs of layers whose inputs a recomputing Compute keeps (--recompute)."""
+        return segments(span or (0, len(self.stages[s].layers)), self.recompute)
 
     def _weight_gradients(self, step: int, s: int, g: int) -> None:
         """A zero-bubble W job: the weight gradients from what its B left; then the activations go."""

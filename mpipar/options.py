@@ -55,6 +55,25 @@ class SizeType(click.ParamType):
         return nbytes
 
 
+class RecomputeType(click.ParamType):
+    """--recompute: none, stage (keep each Compute's input) or every-K (the input of every K layers)."""
+
+    name = "none|stage|every-K"
+
+    def convert(self, value, param, ctx) -> str:
+        text = str(value)
+        count = text.removeprefix("every-")
+        if text in ("none", "stage") or (count != text and count.isdigit() and int(count) >= 1):
+            return text
+        self.fail(f"takes none, stage or every-K with K a number of layers >= 1 (every-2); got {value!r}", param, ctx)
+
+
+def recompute_segment(value: str) -> int | None:
+    """Layers per recomputed segment of a --recompute value: None (no recomputation), 0 (a
+    whole Compute: a stage, or a shared stage's unit) or K (every K layers within it)."""
+    return None if value == "none" else 0 if value == "stage" else int(value.removeprefix("every-"))
+
+
 class IntListType(click.ParamType):
     """Positive integers separated by commas ('512,512'), or a TOML list ([512, 512])."""
 

@@ -239,7 +239,17 @@ def unit_spans(stage: Stage, unit_bytes: float) -> list[tuple[int, int]]:
     return list(zip(edges, edges[1:]))
 
 
-def compute_spans(stages: list[Stage], shared: list[bool], unit_bytes: float) -> list[list[tuple[int, int]]]:
-    """Per stage, the layer ranges of its Computes: a shared stage's units, else the whole stage."""
-    return [unit_spans(stage, unit_bytes) if share else [(0, len(stage.layers))]
-            for stage, share in zip(stages, shared)]
+def compute_spans(stages: list[Stage], shared: list[bool], unit_bytes: float,
+                  segment: int = 0) -> list[list[tuple[int, int]]]:
+    """Per stage, the layer ranges of its Computes (a shared stage's units, else the whole
+    stage), each cut into segments of `segment` layers (0: not cut; --recompute every-K)."""
+    return [[part for span in (unit_spans(stage, unit_bytes) if share else [(0, len(stage.layers))])
+             for part in segments(span, segment)] for stage, share in zip(stages, shared)]
+
+
+def segments(span: tuple[int, int], segment: int) -> list[tuple[int, int]]:
+    """`span` of layers cut into runs of `segment` layers, the last perhaps shorter (0: whole)."""
+    first, stop = span
+    if not segment:
+        return [span]
+    return [(start, min(start + segment, stop)) for start in range(first, stop, segment)]

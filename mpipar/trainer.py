@@ -48,6 +48,7 @@ from mpipar.memory import available_bytes, make_probe, peak_rss_bytes
 from mpipar.model import build_stages, partition
 from mpipar.models import build_model
 from mpipar.optim import make_schedule, state_kinds
+from mpipar.options import recompute_segment
 from mpipar.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
 from mpipar.plans import CdpPlan, PipelinePlan, shared_stages
 from mpipar.schedule.program import compile_programs
@@ -154,10 +155,10 @@ class Trainer:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
         cfg = self.config
         per_rank = 1 if cfg.cyclic else cfg.mesh(self.world_size).replicas
-        spans = None
-        if cfg.recompute == "stage":  # (refused for CDP)
+        spans, segment = None, recompute_segment(cfg.recompute)
+        if segment is not None:  # (refused for CDP)
             shared = shared_stages(cfg.mesh(self.world_size), [stage.flat.size for stage in self.stages])
-            spans = compute_spans(self.stages, shared, unit_bytes_for(cfg.ddp, cfg.bucket_mb))
+            spans = compute_spans(self.stages, shared, unit_bytes_for(cfg.ddp, cfg.bucket_mb), segment)
         return dry_run(self.stages, self.train_set, self.loss_fn, cfg.batch_size // per_rank // cfg.micro_batches,
                        min(cfg.eval_batch, len(self.test_set)), cfg.seed, self._to_device, spans,
                        split=not cfg.cyclic and cfg.strategy().split_backward)
@@ -245,7 +246,7 @@ class Trainer:
                         optimizer=cfg.optimizer, optimizer_options=dict(momentum=cfg.momentum,
                                                                         weight_decay=cfg.weight_decay),
                         collective=cfg.collective, unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb),
-                        recompute=cfg.recompute == "stage", gathered_layers=self.gathered_layers)
+                        recompute=recompute_segment(cfg.recompute), gathered_layers=self.gathered_layers)
 
     # -- the model, read and written the same way for every scheme -------------------------
     def full_parameters(self, root: int | None = None) -> dict[str, np.ndarray] | None:

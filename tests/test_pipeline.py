@@ -20,7 +20,7 @@ def test_recomputation_equals_one_process_and_stashes_what_the_replay_predicts()
     """--recompute stage with gpipe, 1f1b and zero3 (tests/scripts/check_recompute.py)."""
     result = run_mpi(2, sys.executable, str(SCRIPTS / "check_recompute.py"), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "recomputation equals one process in 6 cases" in result.stdout
+    assert "recomputation equals one process in 12 cases" in result.stdout
 
 
 def test_a_pipeline_learns_the_digits_through_the_cli(tmp_path):

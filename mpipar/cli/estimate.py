@@ -31,13 +31,12 @@ import json
 import click
 
 from mpipar.cli.params import RenamedOption
-from mpipar.config import RECOMPUTE
 from mpipar.data import DATASETS
 from mpipar.errors import ConfigError
 from mpipar.estimate import PHASES, make_layout, predicted_peaks, scheme_rows
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, state_kinds
-from mpipar.options import IntListType
+from mpipar.options import IntListType, RecomputeType, recompute_segment
 from mpipar.schedule.strategies import STRATEGIES
 from mpipar.sharding import DDP_MODES
 from mpipar.units import format_bytes
@@ -98,8 +97,9 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
               help="unit size in MB for --ddp bucketed")
 @click.option("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
               help="units of parameters gathered ahead by the schemes that shard them")
-@click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True,
-              help="activation recomputation, as in mpipar train: its peak keeps only each stage's input")
+@click.option("--recompute", type=RecomputeType(), default="none", show_default=True,
+              help="activation recomputation, as in mpipar train: its peak keeps only the input of each stage "
+                   "(or of every K layers)")
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True)
 @click.option("--momentum", type=click.FloatRange(min=0), default=0.9, show_default=True,
               help="SGD momentum (0: SGD keeps no state)")
@@ -123,7 +123,7 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
     built = None if model is None else built_model(model, dataset, hidden)
     element, k = state_bytes_per_parameter(precision, optimizer, momentum)
     layout = make_layout(params, built, world_size, group_size, stages, scheme, replicas, micro_batches, loops,
-                         batch_size, ddp, bucket_mb, 8 if precision == "float64" else 4, recompute == "stage")
+                         batch_size, ddp, bucket_mb, 8 if precision == "float64" else 4, recompute_segment(recompute))
     count = params if params is not None else sum(layout.stage_sizes)
     micro_batches = layout.compiled.shape.micro_batches
     rows = scheme_rows(layout, micro_batches, element, k)

@@ -27,9 +27,9 @@ from __future__ import annotations
 import click
 
 from mpipar.cli.params import RenamedOption
-from mpipar.config import RECOMPUTE
 from mpipar.errors import ConfigError
 from mpipar.mesh import Mesh
+from mpipar.options import RecomputeType
 from mpipar.plans import PipelinePlan
 from mpipar.schedule import diagram
 from mpipar.schedule.instructions import Backward, Forward, OptimizerStep, describe
@@ -67,7 +67,7 @@ def schedule() -> None:
               help="pipeline replicas D: the W ranks are D pipelines of W/D workers (docs/composition.md)")
 @click.option("--shard", default="ddp", show_default=True,
               help="how a stage's replicas share it: a data-parallel scheme or P,G,OS letters such as I,G,G")
-@click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True,
+@click.option("--recompute", type=RecomputeType(), default="none", show_default=True,
               help="activation recomputation, as in mpipar train: a backward job reruns its forward first, so it "
                    "takes two time units")
 @click.option("--units", type=POSITIVE, default=1, show_default=True,
@@ -88,11 +88,11 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
         raise ConfigError(f"{strategy.name} computes a stage on several workers of a pipeline, which cannot yet be "
                           f"combined with --replicas {replicas}")
     compiled = compile_programs(strategy, shape)
-    backward = [2.0] * stages if recompute == "stage" else None  # the forward again, then the backward
+    backward = None if recompute == "none" else [2.0] * stages  # the forward again, then the backward
     timeline = replay(compiled.programs, compiled.shape, compiled.holders, backward=backward)
     click.echo(f"{strategy.name}: W={workers} workers, S={stages} stages, B={micro_batches} micro-batches, "
                f"G={loops} loop(s); a forward takes one time unit, a backward "
-               + ("two (--recompute stage: it reruns its forward)" if backward else "one")
+               + (f"two (--recompute {recompute}: it reruns its forward)" if backward else "one")
                + (", split into B and W of half that each" if compiled.shape.split else ""))
     click.echo(diagram.text(timeline))
     click.echo(diagram.legend(timeline))

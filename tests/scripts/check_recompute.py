@@ -1,9 +1,9 @@
-"""Activation recomputation (--recompute stage): the same training, in less activation memory.
+"""Activation recomputation (--recompute stage|every-K): the same training, in less activation memory.
 
 Run by tests/test_pipeline.py as `mpiexec -n 2 python check_recompute.py`. For gpipe (S = 2,
 B = 4), 1f1b (S = 2, B = 6) and zero3 (data parallel, 3 micro-batches, one unit per layer),
-with SGD with momentum and with Adam, dropout on: 3 float64 steps with --recompute stage
-must equal plain one-process training (rtol 1e-10). The pebble cache's peak (what the rank
+with SGD with momentum and with Adam, dropout on, --recompute stage and every-2 (the input
+of every 2 layers kept): 3 float64 steps must equal plain one-process training (rtol 1e-10). The pebble cache's peak (what the rank
 really stashed) must also:
   - lie within 10% of the replay's prediction: each (stage, micro-batch) between its forward
     and its backward weighs only its input (zero3: the input of each of its units), plus the
@@ -12,6 +12,8 @@ really stashed) must also:
     it falls (nothing, on a rank that never holds more than one micro-batch: 1F1B's last stage).
 Rank 0 prints every failure and the measured figures; exit status 1 on any failure.
 """
+
+from itertools import product
 
 import numpy as np
 from mpi4py import MPI
@@ -31,34 +33,33 @@ CASES = [dict(scheme="gpipe", stages=2, micro_batches=4), dict(scheme="1f1b", st
          dict(scheme="zero3", micro_batches=3, ddp="overlap")]
 references = {name: one_process(TrainConfig(**COMMON, **options)) for name, options in OPTIMIZERS.items()}
 failures, figures = [], []
-for case in CASES:
-    for optimizer, options in OPTIMIZERS.items():
-        label = f"rank {world.rank}: {case['scheme']} {optimizer}"
-        runs = {}
-        for recompute in ("none", "stage"):
-            trainer = Trainer(TrainConfig(**COMMON, **options, **case, recompute=recompute))
-            trainer.run()
-            runs[recompute] = trainer
-        trainer = runs["stage"]
-        got = trainer.engine.full_parameters()
-        if not np.allclose(got, references[optimizer], rtol=1e-10, atol=0):
-            failures.append(f"{label}: with recomputation differs from one process by up to "
-                            f"{np.abs(got - references[optimizer]).max():.3g}")
-        activations = trainer.activations[0]
-        worker = trainer.engine.mesh.worker(world.rank)  # data parallelism: every rank plays worker 0
-        computed = sorted({i.stage for i in trainer.compiled.programs[worker] if isinstance(i, Backward)})
-        replayed = trainer.compiled.timeline.peak_activation_bytes
-        predicted = replayed(list(activations.stashed))[worker] + activations.rebuilt(computed)
-        predicted_without = replayed(list(runs["none"].activations[0].stashed))[worker]
-        measured, without = trainer.cache.peak_bytes, runs["none"].cache.peak_bytes
-        figures.append(f"{label}: stashed at most {measured} B with recomputation (replay predicts {predicted}), "
-                       f"{without} B without ({predicted_without})")
-        if without - measured < 0.75 * (predicted_without - predicted):
-            failures.append(f"{label}: recomputation stashed {measured} B at most against {without} B without; the "
-                            f"replay says {predicted} against {predicted_without}")
-        if abs(measured - predicted) > 0.1 * predicted:
-            failures.append(f"{label}: recomputation stashed {measured} B at most, the replay predicts {predicted}")
+for case, (optimizer, options), kept in product(CASES, OPTIMIZERS.items(), ("stage", "every-2")):
+    label = f"rank {world.rank}: {case['scheme']} {optimizer} --recompute {kept}"
+    runs = {}
+    for recompute in ("none", kept):
+        trainer = Trainer(TrainConfig(**COMMON, **options, **case, recompute=recompute))
+        trainer.run()
+        runs[recompute] = trainer
+    trainer = runs[kept]
+    got = trainer.engine.full_parameters()
+    if not np.allclose(got, references[optimizer], rtol=1e-10, atol=0):
+        failures.append(f"{label}: with recomputation differs from one process by up to "
+                        f"{np.abs(got - references[optimizer]).max():.3g}")
+    activations = trainer.activations[0]
+    worker = trainer.engine.mesh.worker(world.rank)  # data parallelism: every rank plays worker 0
+    computed = sorted({i.stage for i in trainer.compiled.programs[worker] if isinstance(i, Backward)})
+    replayed = trainer.compiled.timeline.peak_activation_bytes
+    predicted = replayed(list(activations.stashed))[worker] + activations.rebuilt(computed)
+    predicted_without = replayed(list(runs["none"].activations[0].stashed))[worker]
+    measured, without = trainer.cache.peak_bytes, runs["none"].cache.peak_bytes
+    figures.append(f"{label}: stashed at most {measured} B with recomputation (replay predicts {predicted}), "
+                   f"{without} B without ({predicted_without})")
+    if without - measured < 0.75 * (predicted_without - predicted):
+        failures.append(f"{label}: recomputation stashed {measured} B at most against {without} B without; the "
+                        f"replay says {predicted} against {predicted_without}")
+    if abs(measured - predicted) > 0.1 * predicted:
+        failures.append(f"{label}: recomputation stashed {measured} B at most, the replay predicts {predicted}")
 everyone = world.gather(figures, root=0)  # every rank's figures, printed by rank 0
 if world.rank == 0:
     print("\n".join(line for part in everyone for line in part))
-deadline.finish(world, failures, f"recomputation equals one process in {len(CASES) * len(OPTIMIZERS)} cases")
+deadline.finish(world, failures, f"recomputation equals one process in {len(CASES) * len(OPTIMIZERS) * 2} cases")
