@@ -27,6 +27,7 @@ from mpipar.comms.cost import Network, predict
 from mpipar.config import TrainConfig
 from mpipar.estimate import PHASES
 from mpipar.files import write_atomically
+from mpipar.schedule.cyclic_compiler import compile_cyclic
 from mpipar.schedule.simulate import simulate
 from mpipar.schedule.strategies import Shape, get_strategy
 from mpipar.trainer import Trainer
@@ -221,8 +222,31 @@ def section_000() -> list[str]:
         dp, _ = activation_timeline("dp", count)
         ratio = max(peak for time, _, peak in cdp if time >= 0) / max(peak for time, _, peak in dp if time >= 0)
         lines.append(f"| {count} | {ratio:.3f} | {(count + 1) / (2 * count):.3f} |")
-    return lines + ["", "Not regenerated here yet: Table 1's model state per rank (CDP's busiest rank holds "
-                        "more than DP's), and Table 2's accuracies (docs/cdp.md has a small run)."]
+    lines += ["", "## Seed 000: Table 1, messages between two time steps", "",
+              f"The cyclic compiler's programs (`mpipar cdp messages`), N = {CDP_N} stages and micro-batches, "
+              "3 steps of cdp-v2: the ranks a layout uses, and the most messages one rank sends at the end of "
+              "one steady-state time step, beside the seed's number of GPUs and its 'max com. steps'. "
+              f"DP instead all-reduces once a step: a ring takes 2 (N - 1) = {2 * (CDP_N - 1)} steps, the "
+              "seed's O(log N) at best.", "",
+              "| layout | the seed's row | ranks | seed's GPUs | most messages a time step | seed |",
+              "| --- | --- | ---: | --- | ---: | --- |"]
+    for layout, row, gpus in CDP_ROWS:
+        plan = compile_cyclic(layout, "cdp-v2", CDP_N, 0, 3)
+        sends = plan.sends_per_time_step()
+        steady = range(2 * CDP_N, 2 * CDP_N * 2)  # after the first step, before the last one drains
+        worst = max(per_rank.get(t, 0) for per_rank in sends for t in steady)
+        lines.append(f"| {layout} | {row} | {len(plan.programs)} | {gpus} | {worst} | O(1) |")
+    return lines + ["", "Every message is point to point, so the exchange between two time steps is one step, "
+                        "O(1) in the seed's sense: the zero layout's 4 are a stage's whole state (two weight "
+                        "versions, the optimizer state, the gradient sum) passed to the one next worker. Not "
+                        "regenerated here yet: Table 1's model state "
+                        "per rank (CDP's busiest rank of the dp layout holds more than DP's: docs/performance.md), "
+                        "and Table 2's accuracies (docs/cdp.md)."]
+
+
+CDP_N = 4
+CDP_ROWS = [("dp", "Multi-GPU DP + Cyclic", "N = 4"), ("mp", "DP with MP + Cyclic", "(N + 1) N / 2 = 10"),
+            ("pp", "PP", "N = 4"), ("zero", "ZeRO-DP + Cyclic", "N = 4")]
 
 
 def page(results: dict) -> str:
