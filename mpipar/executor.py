@@ -492,8 +492,10 @@ class Executor(WholeModel):
                 self.store[old] = self._aside(s, done, weights)
                 self.store[old][:] = weights
             self.store[new] = weights
-            if weights.size:
-                optimizer = self._optimizer(s, weights, self._take(Item("g", s, step)), self._take(Item("o", s, 0)))
+            # taken whatever the size: a gradient sum still arriving must land before it is dropped
+            gradient, state = self._take(Item("g", s, step)), self._take(Item("o", s, 0))
+            if weights.size:  # a stage without parameters has nothing to step
+                optimizer = self._optimizer(s, weights, gradient, state)
                 optimizer.steps = step  # Adam's bias correction counts the updates so far
                 optimizer.step(self.lr_at(step))
 

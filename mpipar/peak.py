@@ -221,7 +221,7 @@ def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[in
                "w": weights.__getitem__, "g": weights.__getitem__, "o": lambda s: state_kinds * weights[s]}
     alive = {item: size_of[item.kind](item.stage) for item in persistent_items(rule, count, 0)
              if rank in (home_ranks(layout, count, item.stage) if item.kind == "w"
-                         else (optimizer_home(layout, count, item.stage),))}
+                         else (optimizer_home(layout, rule, count, item.stage),))}
     steady = {"home state": sum(alive.values()), "compiled program": len(program) * INSTRUCTION_BYTES}
     stashed, most = 0, sum(alive.values())
     sent_per_time_step, sent = [], 0

@@ -252,7 +252,7 @@ class CdpPlan:
 
     def _homes(self, item: Item) -> tuple[int, ...]:
         if item.kind == "o":
-            return (optimizer_home(self.layout, self.count, item.stage),)
+            return (optimizer_home(self.layout, self.rule, self.count, item.stage),)
         return home_ranks(self.layout, self.count, item.stage)
 
     def peer(self, rank: int) -> int:

@@ -175,3 +175,13 @@ def test_cdp_learns_the_digits_through_the_cli_on_two_ranks(tmp_path):
     assert sent["weights"]["intra"] > 0 and sent["optimizer-state"]["intra"] > 0 and sent["gradient-ring"]["intra"] > 0
     assert "activations" not in sent  # rank i computes micro-batch i through every stage
     assert all(sent[phase]["library"] == 0 for phase in ("weights", "optimizer-state", "gradient-ring"))
+
+
+@pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])
+def test_a_stage_without_parameters_still_receives_the_gradient_sum_it_drops(rule):
+    """The default mlp cut into 4 stages leaves one with a ReLU only: its update has no weights
+    to step, but the gradient sum the ring sends it must land before the program drops it."""
+    result = run_mpi(4, sys.executable, "-m", "mpipar", "train", "--scheme", rule, "--cdp-layout", "dp",
+                     "--micro-batches", "4", "--max-steps", "3", "--batch-size", "64", timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "done: 3 steps" in result.stdout

@@ -83,10 +83,20 @@ def home_ranks(layout: str, count: int, stage: int) -> tuple[int, ...]:
     return tuple(sorted({compute_rank(layout, count, stage, g) for g in range(count)}))
 
 
-def optimizer_home(layout: str, count: int, stage: int) -> int:
+def deferred_update(layout: str, rule: str) -> bool:
+    """cdp-v1 on the dp layout updates stage s on rank s, one time step after the step's last
+    backward of it: every read is a step old, so the update can wait for the gradient sum to
+    arrive, and the optimizer states and second weight versions are spread over the ranks
+    instead of all resting on rank N - 1 (whose micro-batch is every step's last)."""
+    return layout == "dp" and rule == "cdp-v1"
+
+
+def optimizer_home(layout: str, rule: str, count: int, stage: int) -> int:
     """Where stage `stage`'s optimizer state rests between runs: for zero with its weights,
-    else where the first step's last micro-batch updates it."""
-    return stage if layout == "zero" else compute_rank(layout, count, stage, count - 1)
+    rank s where the update is deferred, else where the step's last micro-batch updates it."""
+    if layout == "zero" or deferred_update(layout, rule):
+        return stage
+    return compute_rank(layout, count, stage, count - 1)
 
 
 def weight_version(rule: str, count: int, job: CyclicJob) -> int:

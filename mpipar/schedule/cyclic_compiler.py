@@ -6,7 +6,8 @@ step's start. x, dy, g and o move (one holder at a time); weights are copied (dp
 mp: from the rank that got them last, so fresh weights travel around a ring) or move
 with the rest of the stage (zero: before each job the stage's whole state comes to the
 rank that computes it). The last micro-batch's backward of a stage updates the stage
-where it ran. Items are dropped after their last use on a rank. A run of steps starts
+where it ran (cdp-v1 on the dp layout: on rank s, a time step later, schedule/cyclic.py:
+deferred_update). Items are dropped after their last use on a rank. A run of steps starts
 and ends with each stage's persistent state (the weights the next step reads, the
 optimizer state) at its home ranks. A read of something that cannot have arrived yet
 is refused with a ConfigError: the rule does not fit the timetable.
@@ -23,6 +24,7 @@ from mpipar.schedule.cyclic import (
     LAYOUTS,
     CyclicPlan,
     compute_rank,
+    deferred_update,
     home_ranks,
     job_time,
     optimizer_home,
@@ -102,7 +104,8 @@ class _Compiler:
                 for s in range(count) for d in (FORWARD, BACKWARD)]
         jobs.sort(key=lambda j: (job_time(rule, count, j), j.direction == BACKWARD,
                                  j.stage if j.direction == FORWARD else -j.stage, j.step, j.micro_batch))
-        end = max(job_time(rule, count, job) for job in jobs) + 1
+        # the next run's state is home a time step after the last job (two after a deferred update)
+        end = max(job_time(rule, count, job) for job in jobs) + 1 + deferred_update(self.layout, rule)
         persistent = persistent_items(rule, count, first_step + steps)  # the state the next run starts from
         self.last_read = {item: end for item in persistent}  # zero carries a weight version until then
         for job in jobs:
@@ -139,7 +142,7 @@ class _Compiler:
 
     def homes(self, item: Item) -> tuple[int, ...]:
         if item.kind == "o":
-            return (optimizer_home(self.layout, self.count, item.stage),)
+            return (optimizer_home(self.layout, self.rule, self.count, item.stage),)
         return home_ranks(self.layout, self.count, item.stage)
 
     def job(self, job: CyclicJob) -> None:
@@ -173,10 +176,14 @@ class _Compiler:
                 self.holds(rank, Item("dy", s - 1, g), time)
             if new_gradient:
                 self.holds(rank, gradient, time)
-            if job.micro_batch == count - 1:  # the step's last backward of this stage: update it here
-                self.update(s, job.step, rank, time)
+            if job.micro_batch == count - 1:  # the step's last backward of this stage: update it here,
+                if deferred_update(self.layout, rule):  # or at its optimizer's home one time step later
+                    self.update(s, job.step, optimizer_home(self.layout, rule, count, s), time + 1)
+                else:
+                    self.update(s, job.step, rank, time)
 
     def update(self, stage: int, step: int, rank: int, time: int) -> None:
+        self.need(Item("g", stage, step), rank, time, moves=True)
         self.need(Item("w", stage, step), rank, time, moves=self.moving_state)
         self.need(Item("o", stage, 0), rank, time, moves=True)
         self.emit(rank, time, Update(stage, step))
