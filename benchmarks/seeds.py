@@ -3,15 +3,19 @@
     mpiexec -n 8 python benchmarks/seeds.py --out docs/seeds.md     # write the page
     mpiexec -n 8 python benchmarks/seeds.py --check docs/seeds.md   # is it current? (tests/test_seeds.py)
 
-Every figure on the page is computed here, beside the seed's own, and every difference
-has its sentence. Nothing is timed, so two runs write the same page:
+Every figure in the page's tables is computed here (seed 000's accuracies are read from
+the runs examples/cdp_accuracy.py recorded), beside the seed's own, and every difference
+has its sentence; the prose quotes those figures. Nothing is timed, so two runs write
+the same page:
 
     seed 001   the latency / transfers / storage table: the clock-free simulator (no MPI)
     seed 004   Table 1 (state per rank) from the memory ledger and Table 2 (elements sent
                per step, intra and inter group) from the comms counters, every scheme
                trained one step on these 8 ranks (N = 8, M = 4, s = 2, float64, Adam)
     seed 004   the HO-Ring's 32.6%: the alpha-beta model on the seed's 2 nodes of 8
-    seed 000   Fig. 4's activation ratio: the pebble cache of one-rank CDP against DP
+    seed 000   Fig. 4's activation ratio: the pebble cache of one-rank CDP against DP;
+               Table 1's ranks and messages per time step: the cyclic compiler; Table 2:
+               docs/cdp_accuracy*.json
 
 The seeds' formulas are transcribed in `seed_table_1`, `seed_table_2` and `SEED_001`.
 """

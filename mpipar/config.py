@@ -237,11 +237,13 @@ class TrainConfig:
                 raise ConfigError("--device gpu needs CuPy, which is not installed here: pip install "
                                   "'mpipar[gpu]' (or the cupy-cudaXXx wheel matching your CUDA)") from None
         if self.ddp == "allgather-activations" and (self.cyclic or self.stages or self.sharding() != SCHEMES["ddp"]
-                                                     or self.device == "gpu"):
+                                                     or self.device == "gpu" or self.collective == "2d"):
+            this = ("--device gpu" if self.device == "gpu" else "--collective 2d (an all-reduce only)"
+                    if self.collective == "2d" else f"--stages {self.stages}" if self.stages and not self.cyclic
+                    else f"--scheme {self.scheme or self.sharding()}")
             raise ConfigError("--ddp allgather-activations replaces the all-reduce of plain data parallelism "
-                              f"(--scheme ddp, on the CPU); with --scheme {self.scheme}"
-                              + (f" --stages {self.stages}" if self.stages else "") + " choose --ddp bucketed, overlap "
-                              "or naive")
+                              f"(--scheme ddp, on the CPU, with a routed or the library's collective); with {this} "
+                              "choose --ddp bucketed, overlap or naive")
         if self.cyclic:
             self._validate_cyclic(world_size)
         elif self.stages:
@@ -327,10 +329,12 @@ class TrainConfig:
             raise ConfigError(f"{self.scheme} computes stage {shared[0]} on several workers of a pipeline, which "
                               f"cannot yet be combined with --replicas {replicas}; use gpipe, 1f1b, or lpp/fslpp "
                               "with one loop and at least as many stages as workers")
-        if self.strategy().split_backward and replicas > 1:
+        mesh = self.mesh(world_size)
+        if self.strategy().split_backward and (mesh.replicas > 1 or (self.stages == 1 and mesh.workers == 1)):
+            why = f"--replicas {replicas}" if mesh.replicas > 1 else "every rank (one stage: data parallelism)"
             raise ConfigError(f"{self.scheme} splits each backward into B and W jobs, which a stage shared by "
-                              f"--replicas {replicas} cannot yet run unit by unit: use 1f1b with replicas, or "
-                              f"{self.scheme} without")
+                              f"{why} cannot yet run unit by unit: use 1f1b there, or {self.scheme} with one "
+                              "worker per stage and no replicas")
         if self.strategy().split_backward and self.recompute != "none":
             raise ConfigError(f"{self.scheme} keeps a stage's activations from its B to its W, and --recompute "
                               f"{self.recompute} would rebuild them in B only: use 1f1b with --recompute, or "

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from mpipar.backend import make_backend
 from mpipar.mesh import Mesh
+from mpipar.options import recompute_segment
 from mpipar.peak import ActivationBytes, Peak, dry_run, mesh_peak
 from mpipar.plans import shared_stages
 from mpipar.schedule.instructions import Backward
@@ -119,16 +120,17 @@ class Layout:
 
 def make_layout(count: float, built, world_size: int, group_size: int, stages: int, scheme: str | None,
                 replicas: int, micro_batches: int | None, loops: int, batch_size: int, ddp: str,
-                bucket_mb: float, itemsize: int, recompute: int | None = None) -> Layout:
+                bucket_mb: float, itemsize: int, recompute: str = "none") -> Layout:
     """The layout of `count` parameters (or of `built`, built_model's result) on `world_size`
     ranks: data parallelism without --stages, else S stages on a mesh of workers x replicas;
-    its activations those of --recompute where `recompute` (options.recompute_segment) is not None."""
+    its activations those of `recompute` (--recompute's value), and of a split backward where the
+    schedule splits it."""
     from mpipar.config import TrainConfig
     from mpipar.model import build_stages
 
     config = TrainConfig(stages=stages, scheme=scheme if stages else None, replicas=replicas,
                          micro_batches=micro_batches or 0, loops=loops, batch_size=batch_size,
-                         group_size=group_size, ddp=ddp).for_world(world_size)
+                         group_size=group_size, ddp=ddp, recompute=recompute).for_world(world_size)
     mesh = config.mesh(world_size)
     if built is None:  # no activations to size: any batch the layout divides will do
         config = dataclasses.replace(config, batch_size=mesh.replicas * config.micro_batches)
@@ -148,10 +150,11 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
         sizes = [stage.flat.size for stage in laid_out]
         units = [max((stop - start for _, _, start, stop in make_units(stage, unit_bytes_for(ddp, bucket_mb))),
                      default=0) for stage in laid_out]
-        spans = (None if recompute is None else
-                 compute_spans(laid_out, shared_stages(mesh, sizes), unit_bytes_for(ddp, bucket_mb), recompute))
+        segment = recompute_segment(recompute)
+        spans = (None if segment is None else
+                 compute_spans(laid_out, shared_stages(mesh, sizes), unit_bytes_for(ddp, bucket_mb), segment))
         training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch, seed=0,
-                                       recompute_spans=spans)
+                                       recompute_spans=spans, split=config.strategy().split_backward)
     groups = []
     for worker in range(mesh.workers):  # ranks are grouped by --group-size consecutive ranks
         ranks = mesh.replica_group(worker)

@@ -350,7 +350,7 @@ class Executor(WholeModel):
         closes = unit is None or unit == (0 if backward else units - 1)  # and its last
         if s in self.shared:
             self.shared[s].enter(unit)
-        else:
+        elif job.direction != WEIGHTS:  # a W job reads its B's stash, not the weights
             self._bind(s, weights=self._take(self._shifted(instruction.weights)))
         if opens:  # a job's time is its computing, not its wait for an input (that is the bubble)
             arriving = (Item("x", s, g) if job.direction == FORWARD and s > 0 else
@@ -405,6 +405,8 @@ class Executor(WholeModel):
         backward = self.stages[s].backward_input if split else self.stages[s].backward
         parts = [span] if self.recompute is None else self._segments(s, span)[::-1]
         for index, part in enumerate(parts):
+            if index and dy is None:  # stage 0 below its first layer with parameters: nothing more to do
+                break
             if self.recompute is not None:  # the segment's forward again, from its kept input, stashing for real
                 x, targets = ctx.pop(("input", part))
                 y = self.stages[s].forward(x, ctx, lambda _layer: self.poll(), part)  # not a step's layer: unobserved

@@ -75,15 +75,23 @@ def describe(choices: list[Choice], itemsize: int) -> str:
     return "all-gathering the activations and errors of " + ", ".join(parts)
 
 
+def gathered_bytes(layers: list, input_shapes: list[tuple[int, ...]], chosen: tuple[int, ...], rows: int,
+                   ranks: int, itemsize: int) -> int:
+    """The most a rank holds at once of gathered rows (X and dY of one chosen layer, from all
+    `ranks`, `rows` samples of a micro-batch each): a transient of the backward."""
+    return max((ranks * rows * math.prod(input_shapes[index][:-1]) * itemsize
+                * (layers[index].in_features + layers[index].out_features) for index in chosen), default=0)
+
+
 class RowGatherer:
     """Installed as a chosen Linear's `weight_gradients`: gathers X and dY of this
-    micro-batch from every rank of `comm` (blocking: the layers below wait for nothing of
-    it, but the gathered rows are freed before the backward goes on) and adds the whole
-    batch's dW and db."""
+    micro-batch from every rank of `comm` and adds the whole batch's dW and db. The gathers
+    block: the layers below wait for them, though they do not need the result, so that the
+    gathered rows are freed before the backward goes on."""
 
     def __init__(self, layer: Linear, comm: Comm, collective: str, ledger: MemoryLedger) -> None:
         self.layer, self.comm, self.collective, self.ledger = layer, comm, collective, ledger
-        self.own = layer.weight_gradients  # the layer's own arithmetic, run on the gathered rows
+        self.own = layer._weight_gradients  # the layer's own arithmetic (never another gatherer), on all rows
 
     def __call__(self, x, dy) -> None:
         rows = [np.ascontiguousarray(part.reshape(-1, part.shape[-1])) for part in (x, dy)]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from mpipar.errors import ConfigError
 from mpipar.mesh import Mesh
 from mpipar.peak import ActivationBytes, Peak, cyclic_peak, mesh_peak
 from mpipar.schedule.cyclic import home_ranks, optimizer_home, persistent_items
@@ -109,10 +110,8 @@ def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Shardin
                 items.append(Drop(Item("x", s, b)))
             elif d == BACKWARD and s < stages - 1:
                 items.append(Drop(Item("dy", s, b)))
-        elif isinstance(instruction, BackwardWeights):  # never of a shared stage (config.py)
-            s, b = instruction.stage, instruction.batch
-            copy = (s, b, WEIGHTS) in fetched
-            items.append(Compute(CyclicJob(0, b, s, WEIGHTS), job_number(b, WEIGHTS) if copy else 0, False, copy))
+        elif isinstance(instruction, BackwardWeights):  # never of a shared stage (config.py), and reads no weights
+            items.append(Compute(CyclicJob(0, instruction.batch, instruction.stage, WEIGHTS), 0))
         elif isinstance(instruction, (SendActivation, SendGradient)):
             item = Item("x", instruction.stage + 1, instruction.batch) if isinstance(instruction, SendActivation) \
                 else Item("dy", instruction.stage - 1, instruction.batch)
@@ -171,6 +170,9 @@ class PipelinePlan:
         self.held = [s for s in range(len(stage_sizes)) if self.worker in compiled.holders[s]]
         self.shared = [s for s in self.held if shared_stages(mesh, stage_sizes)[s]]
         self.units = units = units or [1] * len(stage_sizes)
+        if self.splits_backward and self.shared:
+            raise ConfigError(f"{compiled.strategy.name}'s W jobs cannot run on stage {self.shared[0]}, which a "
+                              "replica group shares unit by unit (config.py refuses this layout)")
         program, updates_from = lower(compiled.programs[self.worker], len(stage_sizes),
                                       {s: units[s] for s in self.shared}, sharding, prefetch)
         self.run = _run(program, updates_from, ((len(program), 0),))

@@ -100,7 +100,10 @@ class ShardedStage:
         self.row_gathered = set()  # units complete on every rank after their backward: nothing to reduce
         for index in gathered_layers:
             stage.layers[index].weight_gradients = RowGatherer(stage.layers[index], comm, collective, self.ledger)
-            self.row_gathered |= {unit.index for unit in self.units if unit.first == unit.last == index}
+            own_unit = {unit.index for unit in self.units if unit.first == unit.last == index}
+            if not own_unit:  # its gradient would be complete and then all-reduced as well: R times too large
+                raise ValueError(f"layer {index} gathers its rows but shares a unit with other layers")
+            self.row_gathered |= own_unit
         self.completed_before_step = 0
 
     # -- storage -----------------------------------------------------------------

@@ -43,6 +43,7 @@ from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.executor import Executor
 from mpipar.gathered_activations import choose as choose_gathered
 from mpipar.gathered_activations import describe as describe_gathered
+from mpipar.gathered_activations import gathered_bytes
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.memory import available_bytes, make_probe, peak_rss_bytes
 from mpipar.model import build_stages, partition
@@ -164,9 +165,17 @@ class Trainer:
                        split=not cfg.cyclic and cfg.strategy().split_backward)
 
     def _predicted_peak(self) -> Peak:
-        """The engine's prediction of this rank's peak (for CDP: over the first epoch's program)."""
-        steps = min(self.sampler.steps_per_epoch, self.total_steps) if self.config.cyclic else 1
-        return self.engine.predicted_peak(*self.activations, steps=steps)
+        """The engine's prediction of this rank's peak (for CDP: over the first epoch's program), and the
+        rows --ddp allgather-activations gathers in backward."""
+        cfg = self.config
+        steps = min(self.sampler.steps_per_epoch, self.total_steps) if cfg.cyclic else 1
+        peak = self.engine.predicted_peak(*self.activations, steps=steps)
+        if not self.gathered_layers:
+            return peak
+        rows = gathered_bytes(self.model.layers, self.model.shapes, self.gathered_layers,
+                              cfg.batch_size // self.world_size // cfg.micro_batches, self.world_size,
+                              self.backend.dtype.itemsize)
+        return Peak(peak.steady, {**peak.transients, "gathered rows": rows})
 
     def _check_model_fits(self) -> None:
         """Refuse in one sentence, before anything is allocated, a model whose parameters,

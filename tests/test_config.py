@@ -63,7 +63,9 @@ def test_missing_file():
     (dict(scheme="zero3", collective="2d"), "--collective 2d is an all-reduce only"),
     (dict(scheme="cdp-v2", recompute="stage"), "--recompute stage is for pipelines and data parallelism"),
     (dict(recompute="every-0"), "--recompute: takes none, stage or every-K with K a number of layers >= 1"),
-    (dict(scheme="zb1", stages=1, recompute="stage"), "zb1 keeps a stage's activations from its B to its W"),
+    (dict(scheme="zb1", stages=1), r"zb1 splits each backward into B and W jobs, which a stage shared by every rank "
+                                   r"\(one stage: data parallelism\) cannot yet run"),
+    (dict(collective="2d", ddp="allgather-activations"), "with --collective 2d"),
     (dict(scheme="zero3", ddp="allgather-activations"), "--ddp allgather-activations replaces the all-reduce of "
                                                          "plain data parallelism"),
 ])
@@ -105,6 +107,12 @@ def test_scheme_and_shard_name_the_scopes():
     assert TrainConfig().sharding().triple == ("N", "N", "N")
     assert TrainConfig(scheme="paro-iig").sharding().triple == ("I", "I", "G")
     assert TrainConfig(shard="n,i,g").sharding().triple == ("N", "I", "G")
+
+
+def test_zb1_with_recomputation_is_refused_in_one_sentence():
+    with pytest.raises(ConfigError, match="zb1 keeps a stage's activations from its B to its W, and --recompute "
+                                          "every-2 would rebuild them in B only"):
+        TrainConfig(scheme="zb1", stages=2, micro_batches=2, recompute="every-2").validate(world_size=2)
 
 
 def test_zb1_with_replicas_is_refused_in_one_sentence():

@@ -247,3 +247,11 @@ def test_seed_table_fslpp_rows(loops, stages, batches):  # W = G^2: weights on G
     assert timeline.latency == simulate(get_strategy("lpp"), shape).latency  # compute placed as LPP
     non_owner = next(w for w in range(shape.workers) if w not in owners)
     assert timeline.weight_fetches()[non_owner] == len(timeline.by_worker[non_owner])  # fetches for every job
+
+
+def test_schedule_show_refuses_zb1_where_train_does():
+    args = ["schedule", "show", "--scheme", "zb1", "-W", "4", "-S", "2", "-B", "4"]
+    replicated = CliRunner().invoke(cli, [*args, "--replicas", "2"])
+    recomputed = CliRunner().invoke(cli, [*args[:-4], "-W", "2", "-S", "2", "--recompute", "stage"])
+    assert "cannot yet run on stages shared by --replicas" in str(replicated.exception)
+    assert "cannot yet run with --recompute stage" in str(recomputed.exception)

@@ -36,7 +36,7 @@ from mpipar.errors import ConfigError
 from mpipar.estimate import PHASES, make_layout, predicted_peaks, scheme_rows
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, state_kinds
-from mpipar.options import IntListType, RecomputeType, recompute_segment
+from mpipar.options import IntListType, RecomputeType
 from mpipar.schedule.strategies import STRATEGIES
 from mpipar.sharding import DDP_MODES
 from mpipar.units import format_bytes
@@ -123,7 +123,7 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
     built = None if model is None else built_model(model, dataset, hidden)
     element, k = state_bytes_per_parameter(precision, optimizer, momentum)
     layout = make_layout(params, built, world_size, group_size, stages, scheme, replicas, micro_batches, loops,
-                         batch_size, ddp, bucket_mb, 8 if precision == "float64" else 4, recompute_segment(recompute))
+                         batch_size, ddp, bucket_mb, 8 if precision == "float64" else 4, recompute)
     count = params if params is not None else sum(layout.stage_sizes)
     micro_batches = layout.compiled.shape.micro_batches
     rows = scheme_rows(layout, micro_batches, element, k)

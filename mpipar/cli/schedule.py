@@ -79,6 +79,10 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
          prefetch: int) -> None:
     """Compile one step of a schedule, replay it, and print its diagram and costs."""
     strategy = load_table(table) if table else get_strategy(scheme)
+    if strategy.split_backward and (replicas > 1 or recompute != "none"):
+        raise ConfigError(f"{strategy.name} splits each backward into B and W jobs, which cannot yet run "
+                          + ("on stages shared by --replicas" if replicas > 1 else f"with --recompute {recompute}")
+                          + " (mpipar train refuses it too)")
     if workers % replicas:
         raise ConfigError(f"--replicas {replicas} does not divide the {workers} ranks")
     mesh, sharding = Mesh(workers // replicas, replicas), parse_sharding(shard)

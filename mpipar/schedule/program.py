@@ -40,7 +40,7 @@ from mpipar.schedule.instructions import (
     SendWeights,
 )
 from mpipar.schedule.simulate import Timeline, simulate
-from mpipar.schedule.strategies import BACKWARD, FORWARD, Job, Shape, Strategy, predecessor
+from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job, Shape, Strategy, predecessor
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def compile_programs(strategy: Strategy, shape: Shape) -> Compiled:
         jobs = [slot.job for slot in slots]
         last_backward = {job.stage: index for index, job in enumerate(jobs) if job.direction == shape.last_use}
         program: list[Instruction] = [SendWeights(j.stage, j.batch, j.direction, place[j][1]) for j in shape.jobs()
-                                      if place[j][0] == worker != place[j][1]]
+                                      if place[j][0] == worker != place[j][1] and reads_weights(j)]
         program += _prefetch(jobs[0], worker, place, shape) if jobs else []
         for index, job in enumerate(jobs):
             if index + 1 < len(jobs):
@@ -93,9 +93,14 @@ def _prefetch(job: Job, worker: int, place: dict, shape: Shape) -> list[Instruct
         source = place[before][1]
         posted.append(RecvActivation(job.stage, job.batch, source) if job.direction == FORWARD
                       else RecvGradient(job.stage, job.batch, source))
-    if place[job][0] != worker:
+    if place[job][0] != worker and reads_weights(job):
         posted.append(FetchWeights(job.stage, job.batch, job.direction, place[job][0]))
     return posted
+
+
+def reads_weights(job: Job) -> bool:
+    """A W job computes dW from its B's stash and dY alone: it needs no weights fetched."""
+    return job.direction != WEIGHTS
 
 
 def _after(job: Job, worker: int, place: dict, shape: Shape) -> list[Instruction]:
@@ -105,7 +110,7 @@ def _after(job: Job, worker: int, place: dict, shape: Shape) -> list[Instruction
         done.append(SendActivation(s, b, place[Job(s + 1, b, FORWARD)][1]))
     if d == BACKWARD and s > 0 and place[Job(s - 1, b, BACKWARD)][1] != worker:
         done.append(SendGradient(s, b, place[Job(s - 1, b, BACKWARD)][1]))
-    if place[job][0] != worker:
+    if place[job][0] != worker and reads_weights(job):
         done.append(ReleaseWeights(s, b, d))
     return done
 

@@ -44,7 +44,7 @@ from mpipar.schedule.instructions import (
     job_of,
 )
 from mpipar.schedule.simulate import Slot, Timeline, job_durations
-from mpipar.schedule.strategies import BACKWARD, FORWARD, Job, Shape, predecessor
+from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job, Shape, predecessor
 
 
 class UnsoundSchedule(ConfigError):
@@ -164,7 +164,7 @@ class _Replay:
             else:
                 kind = "activation" if job.direction == FORWARD else "gradient"
                 needed.append(((kind, job.stage, job.batch, self.where[before], rank), f"its input from {before}"))
-        if rank not in self.holders[job.stage]:
+        if rank not in self.holders[job.stage] and job.direction != WEIGHTS:  # a W reads no weights
             key = next((k for k in self.posted[rank] if k[:4] == ("weights", job.stage, job.batch, job.direction)),
                        None)
             if key is None:

@@ -64,7 +64,7 @@ class Timeline:
     def weight_fetches(self) -> list[int]:
         counts = [0] * self.shape.workers
         for slot in self.slots:
-            counts[slot.worker] += slot.weights != slot.worker
+            counts[slot.worker] += slot.weights != slot.worker and slot.job.direction != WEIGHTS  # W reads none
         return counts
 
     def weights_owned(self) -> list[int]:
