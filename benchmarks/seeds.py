@@ -17,7 +17,8 @@ the same page:
                Table 1's ranks and messages per time step: the cyclic compiler; Table 2:
                docs/cdp_accuracy*.json
 
-The seeds' formulas are transcribed in `seed_table_1`, `seed_table_2` and `SEED_001`.
+Seed 004's tables are transcribed in mpipar/seed_tables.py (tests/test_estimate.py reads them
+too), seed 001's in `SEED_001` here.
 """
 
 import argparse
@@ -37,57 +38,10 @@ from mpipar.files import write_atomically
 from mpipar.schedule.cyclic_compiler import compile_cyclic
 from mpipar.schedule.simulate import simulate
 from mpipar.schedule.strategies import Shape, get_strategy
+from mpipar.seed_tables import SCHEMES_004, WHY_TABLE_2, seed_table_1, seed_table_2
 from mpipar.trainer import Trainer
 
 N, M, S, ITEM = 8, 4, 2, 8  # ranks, group size, micro-batches, float64
-G_ = N // M
-SCHEMES_004 = ["zero1", "zero2", "zero3", "mics", "zeropp", "paro-igg", "paro-iig", "paro-nig"]
-
-
-def seed_table_1(name: str, psi: float, k: int) -> tuple[float, float, float]:
-    """Seed 004's Table 1 in elements per rank (the seed's 2 bytes a parameter become one element, K kinds)."""
-    return {"zero1": (psi, psi, k * psi / N), "zero2": (psi, psi / N, k * psi / N),
-            "zero3": (psi / N, psi / N, k * psi / N), "mics": (psi / M, psi / M, k * psi / M),
-            "zeropp": (psi / N + psi / M, psi / N, k * psi / N), "paro-igg": (psi / M, psi / N, k * psi / N),
-            "paro-iig": (psi / M, psi / M, k * psi / N), "paro-nig": (psi, psi / M, k * psi / N)}[name]
-
-
-def seed_table_2(name: str, psi: float) -> list[tuple[float, float]]:
-    """Seed 004's Table 2 in elements summed over ranks, (intra, inter) per phase, as we read its cells."""
-    def flat(t):  # g ring links of the N cross groups
-        return ((N - G_) * t * psi / N * (N - 1), G_ * t * psi / N * (N - 1))
-
-    def grouped(t):
-        return (N * t * psi / M * (M - 1), 0)
-
-    def across(t):
-        return (0, N * t * psi / N * (G_ - 1))
-
-    def add(a, b):
-        return (a[0] + b[0], a[1] + b[1])
-
-    zero = (0, 0)
-    return {"zero1": [zero, zero, zero, add(flat(1), flat(1)), flat(1)],
-            "zero2": [zero, zero, flat(S), zero, flat(1)],
-            "zero3": [flat(S), flat(S), flat(S), zero, zero],
-            "mics": [grouped(S), grouped(S), grouped(S), (2 * (N - G_) * psi / M * (G_ - 1),
-                                                          2 * G_ * psi / M * (G_ - 1)), zero],
-            "zeropp": [flat(S), grouped(S), flat(S), zero, zero],
-            "paro-igg": [grouped(S), grouped(S), add(across(S), grouped(S)), zero, across(S)],
-            "paro-iig": [grouped(S), grouped(S), grouped(S), across(1), across(1)],
-            "paro-nig": [zero, zero, grouped(1), across(1), add(across(1), grouped(1))]}[name]
-
-
-WHY_002 = {  # the cells where our flow and the seed's table part, on purpose (docs/sharding.md)
-    ("zero1", "update-reduce"): "the summed gradient is reduce-scattered, not all-reduced: each rank "
-                                "needs only its OS block of it (seed 003 does the same)",
-    ("mics", "update-reduce"): "each Psi/M block is all-reduced across the g groups, (g-1)/g of it sent "
-                               "by each of the N ranks, all between groups; the seed counts g times that, part of "
-                               "it inside groups",
-    ("paro-nig", "backward-reduce"): "the gradient is reduce-scattered in the group after every micro-batch "
-                                     "(s times), as the seed's text and PaRO-IIG do; the cell has no s",
-    ("paro-igg", "update-gather"): "parameters are published once per step, not once per micro-batch",
-}
 
 
 def measure_004() -> dict:
@@ -123,9 +77,9 @@ def section_004(results: dict) -> list[str]:
              "| scheme | P, measured | P, seed | G, measured | G, seed | OS, measured | OS, seed |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in SCHEMES_004:
-        held, seed = results[name]["held"], seed_table_1(name, psi, k)
+        held, seed = results[name]["held"], seed_table_1(name, psi, N, M, k)
         lines.append(f"| {name} | " + " | ".join(f"{number(a)} | {number(b)}" for a, b in zip(held, seed)) + " |")
-    differing = [name for name in SCHEMES_004 if results[name]["held"] != list(seed_table_1(name, psi, k))]
+    differing = [name for name in SCHEMES_004 if results[name]["held"] != list(seed_table_1(name, psi, N, M, k))]
     lines += ["", "Every cell equals the seed's." if not differing else f"UNEXPLAINED: cells differ for "
               f"{', '.join(differing)}.", "The ledger itself is checked against what the allocator holds in "
               "`tests/test_memory_held.py`.",
@@ -136,13 +90,13 @@ def section_004(results: dict) -> list[str]:
               "| --- | --- | ---: | ---: | --- |"]
     notes = []
     for name in SCHEMES_004:
-        for phase, got, seed in zip(PHASES, results[name]["sent"], seed_table_2(name, psi)):
+        for phase, got, seed in zip(PHASES, results[name]["sent"], seed_table_2(name, psi, N, M, S)):
             if got == (0, 0) and seed == (0, 0):
                 continue
             same = all(abs(a - b) < 1e-6 for a, b in zip(got, seed))
             mark = "=" if same else f"differs ({len(notes) + 1})"
             if not same:
-                notes.append(f"({len(notes) + 1}) {name}, {phase}: " + WHY_002.get((name, phase), "UNEXPLAINED"))
+                notes.append(f"({len(notes) + 1}) {name}, {phase}: " + WHY_TABLE_2.get((name, phase), "UNEXPLAINED"))
             lines.append(f"| {name} | {phase} | {number(got[0])} / {number(got[1])} | "
                          f"{number(seed[0])} / {number(seed[1])} | {mark} |")
     return lines + ["", "Phases not listed send nothing in both. Where they differ:", ""] + notes

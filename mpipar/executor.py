@@ -402,7 +402,6 @@ class Executor(WholeModel):
                   closes: bool) -> None:
         ctx, dy = self.cache.contexts[(s, g)], None
         split = self.plan.splits_backward  # a zero-bubble B: the input gradient only; its W follows later
-        backward = self.stages[s].backward_input if split else self.stages[s].backward
         parts = [span] if self.recompute is None else self._segments(s, span)[::-1]
         for index, part in enumerate(parts):
             if index and dy is None:  # stage 0 below its first layer with parameters: nothing more to do
@@ -414,7 +413,7 @@ class Executor(WholeModel):
                     self.loss_fn.forward(y, targets, ctx, self.batch_size)
             if index == 0:
                 dy = self._output_gradient(step, s, g, new_gradient, unit, opens)
-            dy = backward(dy, ctx, self._after_layer, part)
+            dy = self.stages[s].backward(dy, ctx, self._after_layer, part, split)
         dx = dy
         if not closes:
             self.flowing = (dx, None)

@@ -39,11 +39,13 @@ PHASE = "activation-gather"  # the traffic phase the gathers are counted under
 
 @dataclass(frozen=True)
 class Choice:
-    """One Linear layer (its index in the model's layers) and the elements one rank sends
-    per step for its gradient either way."""
+    """One Linear layer (its index in the model's layers), the elements of X and dY one
+    sample brings (its rows times in + out), and the elements one rank sends per step for
+    the layer's gradient either way."""
 
     layer: int
     name: str
+    sample_elements: int
     all_reduce: float
     all_gather: float
 
@@ -58,10 +60,10 @@ def choose(layers: list, input_shapes: list[tuple[int, ...]], batch_size: int, r
     for index, (layer, shape) in enumerate(zip(layers, input_shapes)):
         if not isinstance(layer, Linear):
             continue
-        rows = batch_size * math.prod(shape[:-1])
+        sample = math.prod(shape[:-1]) * (layer.in_features + layer.out_features)
         size = layer.in_features * layer.out_features + layer.out_features * layer.has_bias
-        choices.append(Choice(index, layer.name, 2 * (ranks - 1) / ranks * size,
-                              (ranks - 1) * rows / ranks * (layer.in_features + layer.out_features)))
+        choices.append(Choice(index, layer.name, sample, 2 * (ranks - 1) / ranks * size,
+                              (ranks - 1) / ranks * batch_size * sample))
     return choices
 
 
@@ -75,12 +77,11 @@ def describe(choices: list[Choice], itemsize: int) -> str:
     return "all-gathering the activations and errors of " + ", ".join(parts)
 
 
-def gathered_bytes(layers: list, input_shapes: list[tuple[int, ...]], chosen: tuple[int, ...], rows: int,
-                   ranks: int, itemsize: int) -> int:
-    """The most a rank holds at once of gathered rows (X and dY of one chosen layer, from all
-    `ranks`, `rows` samples of a micro-batch each): a transient of the backward."""
-    return max((ranks * rows * math.prod(input_shapes[index][:-1]) * itemsize
-                * (layers[index].in_features + layers[index].out_features) for index in chosen), default=0)
+def gathered_bytes(choices: list[Choice], micro_batch: int, ranks: int, itemsize: int) -> int:
+    """The most a rank holds at once of gathered rows: X and dY of one chosen layer, from all
+    `ranks`, `micro_batch` samples each (a transient of the backward)."""
+    return max((ranks * micro_batch * choice.sample_elements * itemsize for choice in choices if choice.gathers),
+               default=0)
 
 
 class RowGatherer:

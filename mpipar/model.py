@@ -154,6 +154,12 @@ class FlatParams:
             self._owners_in[key] = [owner for owner in self._owners if start <= owner[2].offset < stop]
         return self._owners_in[key]
 
+    def span_of(self, layer: Layer) -> tuple[int, int] | None:
+        """The elements [start, stop) that `layer`'s parameters (its leaves' too) fill, or None."""
+        names = {leaf.name for leaf in leaf_layers([layer])}
+        segments = [s for s in self.segments if s.layer in names]
+        return (segments[0].offset, segments[-1].offset + segments[-1].size) if segments else None
+
     def bind(self, start: int, stop: int, data=None, grad=None) -> None:
         """Point the layers whose parameters fill elements [start, stop) at `data` and/or
         `grad`: buffers of stop - start elements holding that range (a gathered unit of a
@@ -226,34 +232,25 @@ class Stage:
                 after_layer(layer)
         return x
 
-    def backward(self, dy, ctx, after_layer: LayerHook | None = None, span: tuple[int, int] | None = None):
+    def backward(self, dy, ctx, after_layer: LayerHook | None = None, span: tuple[int, int] | None = None,
+                 split: bool = False):
         """Backward through the stage (or `span` of it); `after_layer(layer)` runs as each layer
-        finishes. It stops where no layer below needs an input gradient (dy None)."""
+        finishes. It stops where no layer below needs an input gradient (dy None). `split`: the
+        first part of a split backward (a zero-bubble B job), the input gradients only, from
+        the layers that can split; backward_weights adds their weight gradients later."""
         for layer in reversed(self.layers if span is None else self.layers[span[0]:span[1]]):
             if dy is None:
                 break
-            dy = layer.backward(dy, ctx)
-            mark_written(layer)
-            if after_layer is not None:
-                after_layer(layer)
-        return dy
-
-    def backward_input(self, dy, ctx, after_layer: LayerHook | None = None, span: tuple[int, int] | None = None):
-        """The first part of a split backward (a zero-bubble B job): each layer's input gradient,
-        down to where none is needed; a layer that cannot split runs its whole backward here."""
-        for layer in reversed(self.layers if span is None else self.layers[span[0]:span[1]]):
-            if dy is None:
-                break
-            dy = layer.backward_input(dy, ctx)
-            if not layer.splits_backward:
+            dy = layer.backward_input(dy, ctx) if split else layer.backward(dy, ctx)
+            if not (split and layer.splits_backward):
                 mark_written(layer)
             if after_layer is not None:
                 after_layer(layer)
         return dy
 
     def backward_weights(self, ctx, after_layer: LayerHook | None = None, span: tuple[int, int] | None = None):
-        """The second part (a W job): the weight gradients of the layers that split, from what
-        backward_input left in `ctx`."""
+        """The second part of a split backward (a W job): the weight gradients of the layers
+        that split, from what `backward(..., split=True)` left in `ctx`."""
         for layer in reversed(self.layers if span is None else self.layers[span[0]:span[1]]):
             if layer.splits_backward and layer.param_specs():
                 layer.backward_weights(ctx)

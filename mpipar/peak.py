@@ -23,13 +23,14 @@ Exercised by: mpiexec -n 4 python tests/scripts/check_memory.py   (via python -m
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
 from mpipar.cache import ActivationCache
 from mpipar.mesh import Mesh
-from mpipar.model import Stage, leaf_layers
+from mpipar.model import Stage
 from mpipar.optim import CHUNK
 from mpipar.schedule.cyclic import home_ranks, optimizer_home, persistent_items
 from mpipar.schedule.instructions import (
@@ -332,36 +333,39 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
 def _forward_zeros(stage: Stage, first: int, stop: int, x, ctx) -> tuple[object, int]:
     """Layers [first, stop) of `stage` on x with zero weights, bound one layer at a time;
     returns the output and the largest output on the way."""
-    xp, most = stage.flat.backend.xp, 0
+    most = 0
     for layer in stage.layers[first:stop]:
-        names = {leaf.name for leaf in leaf_layers([layer])}
-        segments = [s for s in stage.flat.segments if s.layer in names]
-        if segments:
-            start, end = segments[0].offset, segments[-1].offset + segments[-1].size
-            stage.flat.bind(start, end, data=xp.zeros(end - start, dtype=stage.flat.dtype))
-        x = layer.forward(x, ctx)
+        with _zero_bound(stage, layer):
+            x = layer.forward(x, ctx)
         most = max(most, x.nbytes)
-        if segments:
-            stage.flat.unbind(start, end, grads=False)
     return x, most
 
 
 def _backward_input_zeros(stage: Stage, dy, ctx) -> None:
     """A split backward's B of `stage` from `dy`, with zero weights and gradients bound one
     layer at a time (a layer that cannot split writes its gradients here)."""
-    xp = stage.flat.backend.xp
     for layer in reversed(stage.layers):
         if dy is None:
             break
-        names = {leaf.name for leaf in leaf_layers([layer])}
-        segments = [s for s in stage.flat.segments if s.layer in names]
-        if segments:
-            start, end = segments[0].offset, segments[-1].offset + segments[-1].size
-            stage.flat.bind(start, end, data=xp.zeros(end - start, dtype=stage.flat.dtype),
-                            grad=xp.zeros(end - start, dtype=stage.flat.dtype))
-        dy = layer.backward_input(dy, ctx)
-        if segments:
-            stage.flat.unbind(start, end)
+        with _zero_bound(stage, layer, grads=True):
+            dy = layer.backward_input(dy, ctx)
+
+
+@contextmanager
+def _zero_bound(stage: Stage, layer, grads: bool = False):
+    """`layer`'s parameters (and gradients) bound to zeros while the block runs: only one
+    layer's exist at a time, so a dry run never builds the model."""
+    span = stage.flat.span_of(layer)
+    if span is None:
+        yield
+        return
+    (start, end), xp = span, stage.flat.backend.xp
+    stage.flat.bind(start, end, data=xp.zeros(end - start, dtype=stage.flat.dtype),
+                    grad=xp.zeros(end - start, dtype=stage.flat.dtype) if grads else None)
+    try:
+        yield
+    finally:
+        stage.flat.unbind(start, end, grads=grads)
 
 
 def dry_run(stages: list[Stage], train_set, loss_fn, micro_batch: int, eval_batch: int, seed: int,

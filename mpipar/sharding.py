@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from mpipar.comms.routes import block_offsets
 from mpipar.errors import ConfigError, unknown_name
-from mpipar.model import Stage, leaf_layers
+from mpipar.model import Stage
 
 SCOPES = ("N", "I", "G")
 _ORDER = {scope: rank for rank, scope in enumerate(SCOPES)}
@@ -214,12 +214,7 @@ def make_units(stage: Stage, unit_bytes: float) -> list[tuple[int, int, int, int
     packed from the last one backwards (the order gradients appear in) while the unit
     stays within `unit_bytes` of parameters: a cap, so that a sharded scheme's transients
     (a few units) are bounded by it; a layer larger than the cap is a unit of its own."""
-    spans = []
-    for position, layer in enumerate(stage.layers):
-        names = {leaf.name for leaf in leaf_layers([layer])}
-        segments = [s for s in stage.flat.segments if s.layer in names]
-        if segments:
-            spans.append((position, segments[0].offset, segments[-1].offset + segments[-1].size))
+    spans = [(position, *span) for position, span in enumerate(map(stage.flat.span_of, stage.layers)) if span]
     itemsize = stage.flat.dtype.itemsize
     units: list[list] = []
     for position, start, stop in reversed(spans):

@@ -82,7 +82,7 @@ class Trainer:
         self.config = config
         self.comm = comm if comm is not None else world()
         self.rank, self.world_size = self.comm.rank, self.comm.size
-        self.gathered_layers: tuple[int, ...] = ()  # --ddp allgather-activations: the layers it chose
+        self.gathered: list = []  # --ddp allgather-activations: its choice for every Linear layer
         abort_on_uncaught_exception(self.comm)
         set_default_timeout(config.comm_timeout)
         # With --memory-profile the allocator is watched from here; the data set is
@@ -126,9 +126,9 @@ class Trainer:
             if not cfg.stages:
                 self.scheme_name = str(cfg.sharding())
                 if cfg.ddp == "allgather-activations":  # seed 002's rule, layer by layer
-                    choices = choose_gathered(self.model.layers, self.model.shapes, cfg.batch_size, self.world_size)
-                    self.gathered_layers = tuple(choice.layer for choice in choices if choice.gathers)
-                    self.scheme_name += "; " + describe_gathered(choices, self.backend.dtype.itemsize)
+                    self.gathered = choose_gathered(self.model.layers, self.model.shapes, cfg.batch_size,
+                                                    self.world_size)
+                    self.scheme_name += "; " + describe_gathered(self.gathered, self.backend.dtype.itemsize)
             else:
                 self.scheme_name = (f"{cfg.scheme} over {cfg.stages} stages, {cfg.micro_batches} micro-batches"
                                     + (f", {cfg.loops} loops" if cfg.loops > 1 else "")
@@ -172,10 +172,14 @@ class Trainer:
         peak = self.engine.predicted_peak(*self.activations, steps=steps)
         if not self.gathered_layers:
             return peak
-        rows = gathered_bytes(self.model.layers, self.model.shapes, self.gathered_layers,
-                              cfg.batch_size // self.world_size // cfg.micro_batches, self.world_size,
+        rows = gathered_bytes(self.gathered, cfg.batch_size // self.world_size // cfg.micro_batches, self.world_size,
                               self.backend.dtype.itemsize)
         return Peak(peak.steady, {**peak.transients, "gathered rows": rows})
+
+    @property
+    def gathered_layers(self) -> tuple[int, ...]:
+        """The layers --ddp allgather-activations chose (none otherwise)."""
+        return tuple(choice.layer for choice in self.gathered if choice.gathers)
 
     def _check_model_fits(self) -> None:
         """Refuse in one sentence, before anything is allocated, a model whose parameters,

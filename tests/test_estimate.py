@@ -6,7 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 from mpipar.cli import cli
-from mpipar.estimate import make_layout, scheme_rows, traffic_per_step
+from mpipar.estimate import PHASES, make_layout, scheme_rows, traffic_per_step
+from mpipar.seed_tables import SCHEMES_004, WHY_TABLE_2, seed_table_2
 from mpipar.sharding import SCHEMES
 
 PSI, N, M, S = 7e9, 64, 8, 8  # seed 004's Fig. 5 setting
@@ -25,33 +26,19 @@ def across(times):
     return (N * times * PSI / N * (G - 1), 0)
 
 
-def add(*cells):
-    return tuple(sum(parts) for parts in zip(*cells))
-
-
-# The cells of seed 004's Table 2 (one element = one byte here) that our flow follows to
-# the letter: (forward A-G(P), backward A-G(P), backward R-S(G), update R-S/A-R(G), update A-G(P)).
-# The cells where it differs are in docs/sharding.md with the reason.
-SEED_TABLE_2 = {
-    "zero2": (None, None, flat(S), (0, 0), flat(1)),
-    "zero3": (flat(S), flat(S), flat(S), (0, 0), (0, 0)),
-    "mics": (grouped(S), grouped(S), grouped(S), None, (0, 0)),
-    "paro-igg": (grouped(S), grouped(S), add(across(S), grouped(S)), (0, 0), None),
-    "paro-iig": (grouped(S), grouped(S), grouped(S), across(1), across(1)),
-    "paro-nig": ((0, 0), (0, 0), None, across(1), add(across(1), grouped(1))),
-    "zeropp": (flat(S), grouped(S), flat(S), (0, 0), (0, 0)),
-}
-
-
-@pytest.mark.parametrize("scheme", sorted(SEED_TABLE_2))
+@pytest.mark.parametrize("scheme", SCHEMES_004)
 def test_traffic_follows_seed_table_2(scheme):
+    """Every cell of seed 004's Table 2 (mpipar/seed_tables.py), one element a byte here, but
+    those where our flow differs on purpose (WHY_TABLE_2, checked below)."""
     ours = traffic_per_step(SCHEMES[scheme], PSI, N, M, S, element_bytes=1)
-    for (phase, volume), cell in zip(ours.items(), SEED_TABLE_2[scheme]):
-        if cell is not None:
-            assert (volume.inter, volume.intra) == pytest.approx(cell), phase
+    for phase, cell in zip(PHASES, seed_table_2(scheme, PSI, N, M, S)):
+        if (scheme, phase) not in WHY_TABLE_2:
+            assert (ours[phase].intra, ours[phase].inter) == pytest.approx(cell), phase
 
 
 def test_where_we_differ_from_the_extracted_table_and_why():
+    assert {cell for cell in WHY_TABLE_2} == {("zero1", "update-reduce"), ("mics", "update-reduce"),
+                                              ("paro-nig", "backward-reduce"), ("paro-igg", "update-gather")}
     ours = {name: traffic_per_step(SCHEMES[name], PSI, N, M, S, element_bytes=1) for name in SCHEMES}
     # ZeRO-1 reduce-scatters the accumulated gradient (seed 003) instead of all-reducing it: half the bytes
     assert ours["zero1"]["update-reduce"].total == pytest.approx(sum(flat(1)))

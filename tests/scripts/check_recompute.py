@@ -48,9 +48,9 @@ for case, (optimizer, options), kept in product(CASES, OPTIMIZERS.items(), ("sta
     activations = trainer.activations[0]
     worker = trainer.engine.mesh.worker(world.rank)  # data parallelism: every rank plays worker 0
     computed = sorted({i.stage for i in trainer.compiled.programs[worker] if isinstance(i, Backward)})
-    replayed = trainer.compiled.timeline.peak_activation_bytes
-    predicted = replayed(list(activations.stashed))[worker] + activations.rebuilt(computed)
-    predicted_without = replayed(list(runs["none"].activations[0].stashed))[worker]
+    timeline = trainer.compiled.timeline
+    predicted = activations.stash_peaks(timeline)[worker] + activations.rebuilt(computed)
+    predicted_without = runs["none"].activations[0].stash_peaks(timeline)[worker]
     measured, without = trainer.cache.peak_bytes, runs["none"].cache.peak_bytes
     figures.append(f"{label}: stashed at most {measured} B with recomputation (replay predicts {predicted}), "
                    f"{without} B without ({predicted_without})")
