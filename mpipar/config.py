@@ -29,7 +29,16 @@ from mpipar.errors import ConfigError
 from mpipar.mesh import Mesh
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, SCHEDULES
-from mpipar.options import FloatRange, IntListType, IntRange, LiveChoice, RecomputeType, SizeType, check
+from mpipar.options import (
+    FloatRange,
+    IntListType,
+    IntRange,
+    LiveChoice,
+    ModelType,
+    RecomputeType,
+    SizeType,
+    check,
+)
 from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
 from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy, shared_stages
 from mpipar.sharding import DDP_MODES, SCHEMES, Sharding, parse_sharding
@@ -52,7 +61,9 @@ def _option(default, help: str, kind: click.ParamType, group: str):
 
 @dataclass
 class TrainConfig:
-    model: str = _option("mlp", "the network", click.Choice(MODELS), "model")
+    model: str = _option("mlp", "the network: a built-in one, or FILE.py:FUNCTION returning a PyTorch module, "
+                         "a JAX (apply, params) pair or mpipar layers, and optionally a loss (docs/adapters.md)",
+                         ModelType(MODELS), "model")
     hidden: tuple[int, ...] = _option((128, 128), "hidden widths of the mlp, e.g. 512,512", IntListType(), "model")
     width: int = _option(64, "model width d_model (transformer)", POSITIVE, "model")
     heads: int = _option(4, "attention heads (transformer)", POSITIVE, "model")
@@ -252,7 +263,7 @@ class TrainConfig:
             self._validate_data_parallel(world_size)
         if self.model == "transformer" and self.width % self.heads:
             raise ConfigError(f"--width {self.width} is not divisible by --heads {self.heads}")
-        if (self.model == "transformer") != (self.dataset == "text"):
+        if self.model in MODELS and (self.model == "transformer") != (self.dataset == "text"):
             raise ConfigError(f"--model {self.model} cannot train on --dataset {self.dataset}: "
                               "the transformer trains on --dataset text, the mlp and cnn on image data sets")
         if self.dataset == "text" and not self.text_file:

@@ -74,6 +74,23 @@ def recompute_segment(value: str) -> int | None:
     return None if value == "none" else 0 if value == "stage" else int(value.removeprefix("every-"))
 
 
+class ModelType(click.ParamType):
+    """--model: a built-in model's name, or FILE.py:FUNCTION, a builder of one's own (mpipar/adapters)."""
+
+    name = "model"
+
+    def __init__(self, builtin: tuple[str, ...]) -> None:
+        self.builtin = builtin
+
+    def convert(self, value, param, ctx) -> str:
+        text = str(value)
+        path, _, function = text.rpartition(":")
+        if text in self.builtin or (path.endswith(".py") and function.isidentifier()):
+            return text
+        self.fail(f"{text!r} is neither a built-in model ({', '.join(self.builtin)}) nor FILE.py:FUNCTION",
+                  param, ctx)
+
+
 class IntListType(click.ParamType):
     """Positive integers separated by commas ('512,512'), or a TOML list ([512, 512])."""
 

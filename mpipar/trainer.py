@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from mpipar.adapters import build_user_model
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
 from mpipar.checkpoint.resume import FLAGS, Checkpoints
@@ -46,8 +47,8 @@ from mpipar.gathered_activations import describe as describe_gathered
 from mpipar.gathered_activations import gathered_bytes
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.memory import available_bytes, make_probe, peak_rss_bytes
-from mpipar.model import build_stages, partition
-from mpipar.models import build_model
+from mpipar.model import build_stages, leaf_layers, partition
+from mpipar.models import MODELS, build_model
 from mpipar.optim import make_schedule, state_kinds
 from mpipar.options import recompute_segment
 from mpipar.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
@@ -96,6 +97,8 @@ class Trainer:
         agree_on_setup(self.comm, self._setup)
         agree_on_data(self.comm, self.train_set, self.test_set)  # a rank with other data stops them all
         self.engine = self._make_engine()  # collective (sub-communicators): only once every rank is set up
+        for leaf in leaf_layers(self.model.layers):  # the engine holds the initial values now
+            leaf.release_initial()
         self.predicted = self._predicted_peak()
         if config.memory_limit is not None:
             self._check_memory_limit(config.memory_limit)
@@ -110,9 +113,14 @@ class Trainer:
                                                      text_file=cfg.text_file, seq_len=cfg.seq_len)
         if self.memory:
             self.memory.set_baseline()
-        self.model = build_model(cfg.model, input_shape=self.train_set.input_shape,
-                                 num_classes=self.train_set.num_classes, hidden=cfg.hidden,
-                                 dropout=cfg.dropout, width=cfg.width, heads=cfg.heads, blocks=cfg.blocks)
+        loss = None
+        if cfg.model in MODELS:
+            self.model = build_model(cfg.model, input_shape=self.train_set.input_shape,
+                                     num_classes=self.train_set.num_classes, hidden=cfg.hidden,
+                                     dropout=cfg.dropout, width=cfg.width, heads=cfg.heads, blocks=cfg.blocks)
+        else:  # a builder of the user's: PyTorch, JAX or mpipar layers (mpipar/adapters)
+            self.model, loss = build_user_model(cfg.model, self.train_set.input_shape, self.train_set.num_classes,
+                                                 cfg.seed)
         # Stages are laid out here and built by the engine, which allocates only what this rank keeps.
         if cfg.cyclic:  # Cyclic Data Parallelism: N stages, N micro-batches
             self.stages = build_stages(self.model, cfg.micro_batches, self.backend, cfg.seed, materialize=False)
@@ -139,7 +147,7 @@ class Trainer:
         self.parameter_count = sum(stage.flat.size for stage in self.stages)
         self.placement = getattr(self, "placement", [])
         self._check_model_fits()
-        self.loss_fn = SoftmaxCrossEntropy()
+        self.loss_fn = loss or SoftmaxCrossEntropy()
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, cfg.seed)
         self.total_steps = self.sampler.steps_per_epoch * cfg.epochs
         if cfg.max_steps:

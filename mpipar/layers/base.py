@@ -103,6 +103,10 @@ class Layer:
     def backward_weights(self, ctx: Context) -> None:
         """The second part: add the weight gradients from what backward_input left."""
 
+    def release_initial(self) -> None:
+        """Once the engine has built its buffers: a layer adapting another framework frees that
+        framework's copy of the initial parameters (mpipar's own layers keep none)."""
+
     def grad_matmul(self, grad: Array, a: Array, b: Array) -> None:
         """grad += a @ b (or grad = a @ b while the gradients are fresh)."""
         if self.fresh_grads:

@@ -1,0 +1,100 @@
+"""Models written in PyTorch or JAX, trained by every mpipar scheme: the stage protocol.
+
+The protocol is mpipar's Layer (mpipar/layers/base.py); the engines talk to nothing
+else. A layer declares its parameters (`param_specs`: names, shapes, initial values,
+which are decayed), and mpipar binds `params[name]` and `grads[name]` to views of its
+flat buffers (whole, a shard's gathered unit, a CDP weight version) before each call:
+
+    forward(x, ctx) -> y            saves into ctx what backward needs
+    backward(dy, ctx) -> dx         pops it, *adds* the parameter gradients into grads
+
+`torch_stage.TorchLayer` and `jax_stage.JaxLayer` implement it over autograd and
+`jax.vjp`. `mpipar train --model FILE.py:FUNCTION` calls FUNCTION(input_shape,
+num_classes) on every rank; it returns the model, or (model, loss), where the model is
+
+    an nn.Module (an nn.Sequential is cut between its children into stages),
+    an (apply, params) pair for JAX, or a list of such pairs (one stage piece each),
+    or mpipar layers (a list of Layer, or a Sequential),
+
+and the loss is the framework's `fn(output, targets) -> mean over the batch`
+(default: mpipar's softmax cross-entropy). docs/adapters.md tells how to add a framework.
+
+Exercised by: python -m pytest tests/test_adapters.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from mpipar.errors import ConfigError
+from mpipar.layers.base import Layer
+from mpipar.model import Sequential
+
+
+def load_builder(spec: str) -> Callable:
+    """FUNCTION from `FILE.py:FUNCTION`, imported from that file."""
+    path, _, name = spec.rpartition(":")
+    if not path.endswith(".py") or not name:
+        raise ConfigError(f"--model {spec!r}: give a built-in model or FILE.py:FUNCTION")
+    if not Path(path).is_file():
+        raise ConfigError(f"--model {spec!r}: no file {path}")
+    module_spec = importlib.util.spec_from_file_location(f"mpipar_user_model_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    builder = getattr(module, name, None)
+    if not callable(builder):
+        raise ConfigError(f"--model {spec!r}: {path} defines no function {name}")
+    return builder
+
+
+def _is_torch(value) -> bool:
+    return any(cls.__module__.startswith("torch") for cls in type(value).__mro__)
+
+
+def _is_jax_pair(value) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and callable(value[0]) and not callable(value[1])
+
+
+def build_user_model(spec: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0):
+    """(Sequential, loss or None) from the builder named by `spec`, called with torch's and NumPy's
+    global generators seeded by `seed`, so that every rank builds the same initial values."""
+    builder = load_builder(spec)
+    np.random.seed(seed)
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed)
+    built = builder(tuple(input_shape), num_classes)
+    model, loss = built if isinstance(built, tuple) and len(built) == 2 and callable(built[1]) \
+        and not _is_jax_pair(built) else (built, None)
+    if isinstance(model, Sequential):
+        layers, family = model.layers, "mpipar"
+    elif _is_torch(model):
+        from mpipar.adapters.torch_stage import torch_layers
+        layers, family = torch_layers(model), "torch"
+    elif _is_jax_pair(model) or (isinstance(model, list) and model and all(map(_is_jax_pair, model))):
+        from mpipar.adapters.jax_stage import jax_layers
+        layers, family = jax_layers(model), "jax"
+    elif isinstance(model, list) and model and all(isinstance(layer, Layer) for layer in model):
+        layers, family = model, "mpipar"
+    else:
+        raise ConfigError(f"--model {spec!r} returned {type(model).__name__}; expected an nn.Module, an "
+                          "(apply, params) pair or a list of them, or mpipar layers (optionally with a loss)")
+    return Sequential(layers, input_shape=input_shape), _loss(spec, loss, family)
+
+
+def _loss(spec: str, loss, family: str):
+    """The builder's loss as an mpipar loss (None: the default)."""
+    if loss is None or (hasattr(loss, "forward") and hasattr(loss, "backward") and not _is_torch(loss)):
+        return loss
+    if family == "torch" or _is_torch(loss):
+        from mpipar.adapters.torch_stage import TorchLoss
+        return TorchLoss(loss)
+    if family == "jax":
+        from mpipar.adapters.jax_stage import JaxLoss
+        return JaxLoss(loss)
+    raise ConfigError(f"--model {spec!r}: a loss for mpipar layers is an mpipar loss (forward and backward "
+                      f"with a Context), got {type(loss).__name__}")
