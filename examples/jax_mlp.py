@@ -31,7 +31,7 @@ def cross_entropy(logits, targets):
     return -jnp.take_along_axis(log_probs, targets[:, None], axis=1).mean()
 
 
-def build(input_shape: tuple[int, ...], num_classes: int, hidden: tuple[int, ...] = (64, 32), seed: int = 0):
+def build(input_shape: tuple[int, ...], num_classes: int, hidden: tuple[int, ...] = (64, 64, 32), seed: int = 0):
     widths = [math.prod(input_shape), *hidden, num_classes]
     keys = jax.random.split(jax.random.PRNGKey(seed), len(widths) - 1)
     pieces = []

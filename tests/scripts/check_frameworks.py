@@ -32,8 +32,8 @@ OPTIMIZERS = {"sgd": dict(optimizer="sgd", momentum=0.9, weight_decay=1e-3), "ad
 COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=48, lr=0.05, log_every=1000, seed=3)
 SCHEMES = {"ddp": dict(scheme="ddp"), "zero3": dict(scheme="zero3", micro_batches=2),
            "paro-iig": dict(scheme="paro-iig", group_size=2),
-           "gpipe": dict(scheme="gpipe", stages=world.size, micro_batches=4),
-           "1f1b": dict(scheme="1f1b", stages=world.size, micro_batches=4)}
+           "gpipe": dict(scheme="gpipe", stages=2, micro_batches=4),  # 4 ranks: 2 stages x 2 replicas
+           "1f1b": dict(scheme="1f1b", stages=world.size, micro_batches=4)}  # 4 ranks: 4 stages
 
 
 def torch_alone(spec: str, options: dict) -> np.ndarray:

@@ -1,0 +1,116 @@
+"""PyTorch and JAX models trained through mpipar's schemes (mpipar/adapters).
+
+The equality with the framework trained alone runs under mpiexec
+(tests/scripts/check_frameworks.py); here: that it passes on 2 and 4 ranks, that the
+parameters are never copied, and that what cannot work is refused in one sentence.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import SCRIPTS, run_mpi, small_config
+
+from mpipar.adapters import build_user_model
+from mpipar.cache import ActivationCache
+from mpipar.errors import ConfigError
+from mpipar.trainer import Trainer
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_a_framework_model_equals_the_framework_alone(framework, ranks):
+    pytest.importorskip(framework, reason=f"{framework} is not installed (pip install 'mpipar[{framework}]')")
+    result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_frameworks.py"), framework, timeout=500)
+    assert result.returncode == 0, result.stdout + result.stderr
+    cases = 20 if framework == "torch" else 10
+    assert f"{framework} equals itself trained alone in {cases} cases per rank" in result.stdout
+
+
+def _module_pointers(trainer):
+    return {f"{layer.name}.{name}": parameter.data_ptr() for layer in trainer.model.layers
+            for name, parameter in layer.module.named_parameters()}
+
+
+def test_a_torch_module_s_parameters_live_in_mpipar_s_flat_buffer():
+    torch = pytest.importorskip("torch")
+    trainer = Trainer(small_config(model=f"{EXAMPLES}/torch_cnn.py:build", max_steps=2))
+    flat = trainer.stages[0].flat.data
+    low, high = flat.ctypes.data, flat.ctypes.data + flat.nbytes
+    before = _module_pointers(trainer)
+    assert before and all(low <= pointer < high for pointer in before.values())
+    trainer.run()
+    assert _module_pointers(trainer) == before
+    # the module itself now computes with the trained values: what mpipar's forward computes
+    inputs, _ = trainer.test_set.batch(np.arange(5))
+    inputs = inputs.astype(np.float64)
+    from mpipar.cache import Context
+    ours = trainer.engine.forward(inputs, Context(cache=None, key=(0, -1), training=False), gather_phase="evaluate")
+    with torch.no_grad():
+        theirs = torch.nn.Sequential(*(layer.module for layer in trainer.model.layers))(torch.from_numpy(inputs))
+    np.testing.assert_allclose(theirs.numpy(), ours, rtol=1e-12)
+
+
+def test_autograd_keeps_no_parameter_buffer_between_forward_and_backward():
+    """What autograd saves is in the Context (counted by the cache), and the parameters it needs
+    are read at backward time from the views bound then: a ZeRO-3 unit released after forward
+    and gathered again before backward is not kept alive by the graph."""
+    torch = pytest.importorskip("torch")
+    import weakref
+
+    model, _ = build_user_model(f"{EXAMPLES}/torch_mlp.py:build", (8,), 3)
+    layer = model.layers[1]  # Linear(8 -> 64)
+    weight = np.random.default_rng(0).normal(size=(64, 8))
+    layer.params = {"weight": weight, "bias": np.zeros(64)}
+    layer.grads = {"weight": np.zeros((64, 8)), "bias": np.zeros(64)}
+    cache = ActivationCache()
+    ctx = cache.context(0, 0)
+    x = np.random.default_rng(1).normal(size=(5, 8))
+    y = layer.forward(x, ctx)
+    held = weakref.ref(weight)
+    layer.params = {"weight": weight.copy(), "bias": np.zeros(64)}  # released, then gathered again
+    del weight
+    assert held() is None, "the graph kept the forward's parameter buffer alive"
+    assert cache.live_bytes == x.nbytes  # a Linear keeps its input, nothing else
+    dy = np.ones_like(y)
+    dx = layer.backward(dy, ctx)
+    np.testing.assert_allclose(dx, dy @ layer.params["weight"], rtol=1e-12)
+    np.testing.assert_allclose(layer.grads["weight"], dy.T @ x, rtol=1e-12)
+    assert cache.live_bytes == 0
+    del torch
+
+
+def test_torch_modules_that_cannot_work_are_refused(tmp_path):
+    pytest.importorskip("torch")
+    builder = tmp_path / "models.py"
+    builder.write_text("import torch\n"
+                       "def normed(shape, classes):\n"
+                       "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8),\n"
+                       "                               torch.nn.BatchNorm1d(8), torch.nn.Linear(8, classes))\n"
+                       "def tied(shape, classes):\n"
+                       "    a, b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)\n"
+                       "    b.weight = a.weight\n"
+                       "    return torch.nn.Sequential(torch.nn.Flatten(), a, b, torch.nn.Linear(64, classes))\n"
+                       "def nothing(shape, classes):\n"
+                       "    return 42\n")
+    with pytest.raises(ConfigError, match="has buffers .*running_mean.*track_running_stats=False"):
+        build_user_model(f"{builder}:normed", (64,), 10)
+    with pytest.raises(ConfigError, match="share a parameter"):
+        build_user_model(f"{builder}:tied", (64,), 10)
+    with pytest.raises(ConfigError, match="returned int; expected an nn.Module"):
+        build_user_model(f"{builder}:nothing", (64,), 10)
+    with pytest.raises(ConfigError, match="defines no function absent"):
+        build_user_model(f"{builder}:absent", (64,), 10)
+    with pytest.raises(ConfigError, match="no file"):
+        build_user_model(f"{tmp_path}/missing.py:build", (64,), 10)
+
+
+def test_the_cli_names_what_a_model_option_may_be():
+    result = subprocess.run([sys.executable, "-m", "mpipar", "train", "--model", "resnet"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode != 0
+    assert "'resnet' is neither a built-in model (mlp, cnn, transformer) nor FILE.py:FUNCTION" in result.stderr
