@@ -111,8 +111,6 @@ class Trainer:
         self.backend = make_backend(cfg.device, cfg.dtype)
         self.train_set, self.test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
                                                      text_file=cfg.text_file, seq_len=cfg.seq_len)
-        if self.memory:
-            self.memory.set_baseline()
         loss = None
         if cfg.model in MODELS:
             self.model = build_model(cfg.model, input_shape=self.train_set.input_shape,
@@ -121,6 +119,8 @@ class Trainer:
         else:  # a builder of the user's: PyTorch, JAX or mpipar layers (mpipar/adapters)
             self.model, loss = build_user_model(cfg.model, self.train_set.input_shape, self.train_set.num_classes,
                                                  cfg.seed)
+        if self.memory:  # after the builder: a framework's imports are not the run's memory
+            self.memory.set_baseline()
         # Stages are laid out here and built by the engine, which allocates only what this rank keeps.
         if cfg.cyclic:  # Cyclic Data Parallelism: N stages, N micro-batches
             self.stages = build_stages(self.model, cfg.micro_batches, self.backend, cfg.seed, materialize=False)

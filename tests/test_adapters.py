@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SCRIPTS, run_mpi, small_config
 
+from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.adapters import build_user_model
 from mpipar.cache import ActivationCache
 from mpipar.errors import ConfigError
@@ -55,15 +55,17 @@ def test_a_torch_module_s_parameters_live_in_mpipar_s_flat_buffer():
     np.testing.assert_allclose(theirs.numpy(), ours, rtol=1e-12)
 
 
-def test_autograd_keeps_no_parameter_buffer_between_forward_and_backward():
+def test_autograd_keeps_no_parameter_buffer_between_forward_and_backward(tmp_path):
     """What autograd saves is in the Context (counted by the cache), and the parameters it needs
     are read at backward time from the views bound then: a ZeRO-3 unit released after forward
     and gathered again before backward is not kept alive by the graph."""
     torch = pytest.importorskip("torch")
     import weakref
 
-    model, _ = build_user_model(f"{EXAMPLES}/torch_mlp.py:build", (8,), 3)
-    layer = model.layers[1]  # Linear(8 -> 64)
+    builder = tmp_path / "linear.py"
+    builder.write_text("import torch\ndef build(shape, classes):\n    return torch.nn.Linear(8, 64)\n")
+    model, _ = build_user_model(f"{builder}:build", (8,), 3)
+    (layer,) = model.layers
     weight = np.random.default_rng(0).normal(size=(64, 8))
     layer.params = {"weight": weight, "bias": np.zeros(64)}
     layer.grads = {"weight": np.zeros((64, 8)), "bias": np.zeros(64)}

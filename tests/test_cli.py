@@ -36,7 +36,7 @@ def test_config_file_is_used(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "resnet"], "Invalid value for '--model': 'resnet' is not one of 'mlp', 'cnn', 'transformer'."),
+    (["--model", "resnet"], "Invalid value for '--model': 'resnet' is neither a built-in model (mlp, cnn, transformer) nor FILE.py:FUNCTION"),
     (["--dataset", "cifar"], "Invalid value for '--dataset': 'cifar' is not one of 'digits',"),
     (["--optimizer", "lion"], "Invalid value for '--optimizer': 'lion' is not one of 'sgd', 'adam', 'adamw'."),
     (["--epochs", "many"], "Invalid value for '--epochs': 'many' is not a valid integer"),

@@ -39,7 +39,7 @@ def test_missing_file():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(model="resnet"), "unknown --model 'resnet'; choose one of: mlp, cnn, transformer"),
+    (dict(model="resnet"), r"--model: 'resnet' is neither a built-in model \(mlp, cnn, transformer\) nor FILE.py:FUNCTION"),
     (dict(dataset="cifar"), "unknown --dataset 'cifar'; choose one of: digits, mnist, fashion-mnist, kmnist"),
     (dict(optimizer="lion"), "unknown --optimizer 'lion'; choose one of: sgd, adam, adamw"),
     (dict(schedule="linear"), "unknown --schedule 'linear'; choose one of: constant, step, cosine"),

@@ -1,7 +1,8 @@
 """A PyTorch module as mpipar layers: its parameters live in mpipar's flat buffers.
 
-`torch_layers(module)` turns an `nn.Sequential` into one TorchLayer per child (so the
-pipeline partitioner can cut between them) and any other module into one TorchLayer.
+`torch_layers(module)` turns an `nn.Sequential` into one TorchLayer per child with
+parameters, with the parameterless children after it (so the pipeline partitioner can
+cut between them), and any other module into one TorchLayer.
 A TorchLayer is an ordinary mpipar Layer (docs/adapters.md):
 
     forward   y = functional_call(module, {name: view of mpipar's buffer}, x)
@@ -151,7 +152,8 @@ class TorchLayer(Layer):
         torch = _torch()
         params = {name: to_torch(view) for name, view in self.params.items()}
         x_tensor = to_torch(x)
-        self.module.train(ctx.training)
+        if self.module.training != ctx.training:
+            self.module.train(ctx.training)
         if not ctx.training:
             with torch.no_grad():
                 return from_torch(self._call(self.module, params, (x_tensor,)), like=x)
@@ -213,17 +215,43 @@ class TorchLayer(Layer):
         return None if input_gradient is None else from_torch(input_gradient, like=dy)
 
 
+def _first_use(torch) -> None:
+    """Run functional_call and autograd.grad once on a 1x1 Linear. Torch imports about 40 MB of
+    modules on first use; here that happens while the model is built, which the memory probe
+    leaves out, instead of inside the first training step."""
+    layer = torch.nn.Linear(1, 1)
+    params = {name: value.detach().clone().requires_grad_() for name, value in layer.named_parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor):
+        output = torch.func.functional_call(layer, params, (torch.zeros(1, 1, requires_grad=True),))
+    torch.autograd.grad(output.sum(), list(params.values()))
+
+
 def torch_layers(module) -> list[Layer]:
-    """An nn.Sequential as one TorchLayer per child, any other module as one TorchLayer."""
+    """An nn.Sequential as one TorchLayer per child with parameters, together with the children
+    without any that follow it (activations, pooling: one autograd call fewer each); any other
+    module as one TorchLayer."""
     torch = _torch()
-    children = list(module.children()) if isinstance(module, torch.nn.Sequential) else [module]
+    _first_use(torch)
+    if not isinstance(module, torch.nn.Sequential):
+        return [TorchLayer(module)]
     owners: dict[int, int] = {}
-    for position, child in enumerate(children):
-        for parameter in child.parameters():
+    groups, leading = [], []
+    for position, child in enumerate(module.children()):
+        parameters = list(child.parameters())
+        for parameter in parameters:
             if owners.setdefault(id(parameter), position) != position:
                 raise ConfigError(f"torch children {owners[id(parameter)]} and {position} share a parameter "
                                   "(tied weights); wrap them in one module so that one layer owns it")
-    return [TorchLayer(child) for child in children]
+        if parameters:
+            groups.append(leading + [child])
+            leading = []
+        elif groups:
+            groups[-1].append(child)
+        else:
+            leading.append(child)
+    if leading:
+        groups.append(leading)
+    return [TorchLayer(group[0] if len(group) == 1 else torch.nn.Sequential(*group)) for group in groups]
 
 
 class TorchLoss:
