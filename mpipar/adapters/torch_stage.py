@@ -215,23 +215,11 @@ class TorchLayer(Layer):
         return None if input_gradient is None else from_torch(input_gradient, like=dy)
 
 
-def _first_use(torch) -> None:
-    """Run functional_call and autograd.grad once on a 1x1 Linear. Torch imports about 40 MB of
-    modules on first use; here that happens while the model is built, which the memory probe
-    leaves out, instead of inside the first training step."""
-    layer = torch.nn.Linear(1, 1)
-    params = {name: value.detach().clone().requires_grad_() for name, value in layer.named_parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor):
-        output = torch.func.functional_call(layer, params, (torch.zeros(1, 1, requires_grad=True),))
-    torch.autograd.grad(output.sum(), list(params.values()))
-
-
 def torch_layers(module) -> list[Layer]:
     """An nn.Sequential as one TorchLayer per child with parameters, together with the children
     without any that follow it (activations, pooling: one autograd call fewer each); any other
     module as one TorchLayer."""
     torch = _torch()
-    _first_use(torch)
     if not isinstance(module, torch.nn.Sequential):
         return [TorchLayer(module)]
     owners: dict[int, int] = {}
