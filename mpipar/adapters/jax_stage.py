@@ -21,18 +21,14 @@ from typing import Callable
 
 import numpy as np
 
+from mpipar.adapters.framework import import_framework, initial_stream
 from mpipar.backend import Array, array_module
 from mpipar.cache import Context
-from mpipar.errors import ConfigError
 from mpipar.layers.base import Layer, ParamSpec
 
 
 def _jax():
-    try:
-        import jax
-    except ImportError as error:
-        raise ConfigError(f"a JAX model needs jax, which is not importable ({error}); "
-                          "install it with: pip install 'mpipar[jax]'") from None
+    jax = import_framework("jax")
     jax.config.update("jax_enable_x64", True)
     return jax
 
@@ -79,18 +75,7 @@ class JaxLayer(Layer):
         return self._specs
 
     def _initial_stream(self, index: int):
-        """The pytree's own initial values of leaf `index`, in C order, as FlatParams draws them."""
-        state = {"generator": None, "position": 0}
-
-        def values(generator: np.random.Generator, count: int) -> np.ndarray:
-            if self._initial is None:
-                raise RuntimeError(f"{self.name}: the initial values were released once the model was built")
-            if generator is not state["generator"]:
-                state.update(generator=generator, position=0)
-            start = state["position"]
-            state["position"] += count
-            return self._initial[index].reshape(-1)[start:start + count].astype(np.float64)
-        return values
+        return initial_stream(self.name, lambda: None if self._initial is None else self._initial[index].reshape(-1))
 
     def release_initial(self) -> None:
         self._initial = None

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpipar.adapters.framework import import_framework, initial_stream
 from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.errors import ConfigError
@@ -42,12 +43,7 @@ from mpipar.layers.base import Init, Layer, ParamSpec
 
 
 def _torch():
-    try:
-        import torch
-    except ImportError as error:
-        raise ConfigError(f"a PyTorch model needs torch, which is not importable ({error}); "
-                          "install it with: pip install 'mpipar[torch]'") from None
-    return torch
+    return import_framework("torch")
 
 
 def to_torch(array: Array):
@@ -100,20 +96,7 @@ class TorchLayer(Layer):
         return self._specs
 
     def _initial_stream(self, name: str) -> Init:
-        """The module's own initial values of `name`, in C order, as FlatParams draws them (a fresh
-        generator starts the stream again; later calls go on where the last one stopped)."""
-        state = {"generator": None, "position": 0}
-
-        def values(generator: np.random.Generator, count: int) -> np.ndarray:
-            if self._initial is None:
-                raise RuntimeError(f"{self.name}: the module's initial values were released once the "
-                                   "model was built")
-            if generator is not state["generator"]:
-                state.update(generator=generator, position=0)
-            start = state["position"]
-            state["position"] += count
-            return self._initial[name].reshape(-1)[start:start + count].to(_torch().float64).numpy()
-        return values
+        return initial_stream(self.name, lambda: None if self._initial is None else self._initial[name].reshape(-1))
 
     def release_initial(self) -> None:
         """Free the module's own parameter storage. Where this rank holds the whole parameter
