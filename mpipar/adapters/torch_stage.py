@@ -42,13 +42,11 @@ from mpipar.errors import ConfigError
 from mpipar.layers.base import Init, Layer, ParamSpec
 
 
-def _torch():
-    return import_framework("torch")
+torch = import_framework("torch")
 
 
 def to_torch(array: Array):
     """`array` as a torch tensor sharing its memory (read-only arrays, such as a data set's, are copied)."""
-    torch = _torch()
     if isinstance(array, np.ndarray) and not array.flags.writeable:
         return torch.from_numpy(array.copy())
     return torch.from_dlpack(array)
@@ -78,7 +76,6 @@ class TorchLayer(Layer):
 
     def __init__(self, module) -> None:
         super().__init__()
-        torch = _torch()
         buffers = [name for name, _ in module.named_buffers()]
         if buffers:
             raise ConfigError(f"torch module {type(module).__name__} has buffers {buffers[:3]} (batch-norm running "
@@ -103,7 +100,6 @@ class TorchLayer(Layer):
         (DDP, ZeRO-1/2) the module's parameters become views of mpipar's buffer, so the module
         itself sees every update; elsewhere they are empty (read the model with
         Trainer.full_parameters)."""
-        torch = _torch()
         self._initial = None
         for name, parameter in self.module.named_parameters():
             view = self.params.get(name)
@@ -111,19 +107,17 @@ class TorchLayer(Layer):
 
     def _probe(self, in_shape: tuple[int, ...]):
         """A zero sample of `in_shape` where the module's parameters are, in their dtype."""
-        torch = _torch()
         first = next(self.module.parameters(), None)
         return torch.zeros((1, *in_shape), dtype=first.dtype if first is not None else torch.get_default_dtype(),
                            device=first.device if first is not None else "cpu")
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
-        with _torch().no_grad():
+        with torch.no_grad():
             return tuple(self.module(self._probe(in_shape)).shape[1:])
 
     def flops(self, in_shape: tuple[int, ...]) -> int:
         """Multiply-adds per sample, as torch's FlopCounterMode counts them (matmuls and convolutions),
         and at least one per output element."""
-        torch = _torch()
         from torch.utils.flop_counter import FlopCounterMode
 
         counter = FlopCounterMode(display=False)
@@ -132,7 +126,6 @@ class TorchLayer(Layer):
         return max(counter.get_total_flops() // 2, math.prod(out.shape[1:]))
 
     def forward(self, x: Array, ctx: Context) -> Array:
-        torch = _torch()
         params = {name: to_torch(view) for name, view in self.params.items()}
         x_tensor = to_torch(x)
         if self.module.training != ctx.training:
@@ -180,21 +173,21 @@ class TorchLayer(Layer):
         return y
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
-        torch = _torch()
         saved = ctx.pop(self)[0]
         if not saved.leaves:  # no parameters, and no one below wants an input gradient
             return None
         gradients = torch.autograd.grad(saved.output, saved.leaves, to_torch(dy), allow_unused=True)
         input_gradient = gradients[0] if len(saved.leaves) > len(self.params) else None
+        # torch's in-place ops run on its intra-op threads, NumPy's on one
         for name, gradient in zip(self.params, gradients[len(gradients) - len(self.params):]):
-            target = self.grads[name]
+            target = to_torch(self.grads[name])
             if gradient is None:
                 if self.fresh_grads:
-                    target.fill(0)
+                    target.zero_()
             elif self.fresh_grads:
-                target[...] = from_torch(gradient, like=target)
+                target.copy_(gradient)
             else:
-                target += from_torch(gradient, like=target)
+                target.add_(gradient)
         return None if input_gradient is None else from_torch(input_gradient, like=dy)
 
 
@@ -202,7 +195,6 @@ def torch_layers(module) -> list[Layer]:
     """An nn.Sequential as one TorchLayer per child with parameters, together with the children
     without any that follow it (activations, pooling: one autograd call fewer each); any other
     module as one TorchLayer."""
-    torch = _torch()
     if not isinstance(module, torch.nn.Sequential):
         return [TorchLayer(module)]
     owners: dict[int, int] = {}
@@ -234,7 +226,6 @@ class TorchLoss:
         self.name = f"torch {getattr(fn, '__name__', type(fn).__name__)}"
 
     def forward(self, logits: Array, targets: Array, ctx: Context, global_batch: int) -> Array:
-        torch = _torch()
         rows = logits.shape[0]
         if not ctx.training:
             with torch.no_grad():
