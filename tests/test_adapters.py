@@ -116,3 +116,51 @@ def test_the_cli_names_what_a_model_option_may_be():
                             text=True, timeout=60)
     assert result.returncode != 0
     assert "'resnet' is neither a built-in model (mlp, cnn, transformer) nor FILE.py:FUNCTION" in result.stderr
+
+
+
+def test_torch_flops_agree_with_torch_s_own_counter():
+    """The partitioner's multiply-adds of a torch layer (forward hooks, without importing
+    torch._dynamo) are what torch's FlopCounterMode counts, for Linear and convolutions."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mpipar.adapters.torch_stage import TorchLayer
+    cases = [(torch.nn.Conv2d(1, 4, 3, padding=1), (1, 8, 8)), (torch.nn.Conv2d(4, 8, 3, groups=2), (4, 8, 8)),
+             (torch.nn.Conv1d(3, 5, 2, stride=2), (3, 9)), (torch.nn.Linear(20, 16), (20,)),
+             (torch.nn.Linear(20, 16, bias=False), (7, 20))]
+    for module, shape in cases:
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            module(torch.zeros((1, *shape)))
+        assert TorchLayer(module).flops(shape) == counter.get_total_flops() // 2, (module, shape)
+
+
+
+PEAK_PROBE = """
+import sys
+from mpipar.config import TrainConfig
+from mpipar.trainer import Trainer
+trainer = Trainer(TrainConfig(model=sys.argv[1], hidden=(512, 512), dataset="synthetic", batch_size=64,
+                              dtype="float32", log_every=1000, memory_profile=True))
+for step in range(3):
+    trainer.train_step(step, 0, step)
+print(trainer.memory.peak_bytes(), "torch._dynamo" in sys.modules)
+"""
+
+
+def test_a_torch_run_s_memory_figure_holds_no_python_objects_of_torch_s_lazy_imports():
+    """Torch imports modules on first use (torch.fx and sympy in the first backward handed an
+    output gradient; FlopCounterMode would import torch._dynamo): tens of MB of Python objects,
+    which tracemalloc counts. None may land after the run's memory baseline. NumPy's peak for the
+    torch MLP 784-512-512-10 then stays below mpipar's own MLP's (whose activations are NumPy's too)."""
+    pytest.importorskip("torch")
+    peaks = {}
+    for model in (f"{EXAMPLES}/torch_mlp.py:build_wide", "mlp"):
+        result = subprocess.run([sys.executable, "-c", PEAK_PROBE, model], capture_output=True, text=True,
+                                timeout=300, check=True)
+        peak, dynamo = result.stdout.split()
+        peaks[model] = int(peak)
+        assert dynamo == "False", model
+    torch_peak, own_peak = peaks.values()
+    assert torch_peak <= own_peak, peaks

@@ -41,8 +41,13 @@ from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.layers.base import Init, Layer, ParamSpec
 
-
 torch = import_framework("torch")
+# Autograd imports torch.fx and sympy the first time it is handed an output gradient, as
+# every backward here is (about 33 MB of Python objects). One such call now puts them with
+# torch's own imports, before a run's memory baseline.
+_unit = torch.ones(1, requires_grad=True)
+torch.autograd.grad(_unit * 1, _unit, torch.ones(1))
+del _unit
 
 
 def to_torch(array: Array):
@@ -116,14 +121,30 @@ class TorchLayer(Layer):
             return tuple(self.module(self._probe(in_shape)).shape[1:])
 
     def flops(self, in_shape: tuple[int, ...]) -> int:
-        """Multiply-adds per sample, as torch's FlopCounterMode counts them (matmuls and convolutions),
-        and at least one per output element."""
-        from torch.utils.flop_counter import FlopCounterMode
+        """Multiply-adds per sample for the pipeline partitioner: a Linear's or a convolution's
+        output elements times the inputs each one reads, every other leaf module's output
+        elements. Counted by forward hooks on one probe sample: torch's FlopCounterMode would
+        also see matmuls written inline, but it imports torch._dynamo (some 70 MB of Python
+        objects in every rank)."""
+        total = 0
 
-        counter = FlopCounterMode(display=False)
-        with torch.no_grad(), counter:
-            out = self.module(self._probe(in_shape))
-        return max(counter.get_total_flops() // 2, math.prod(out.shape[1:]))
+        def count(module, inputs, output) -> None:
+            nonlocal total
+            if isinstance(module, torch.nn.Linear):
+                total += output.numel() * module.in_features
+            elif isinstance(module, torch.nn.modules.conv._ConvNd):
+                total += output.numel() * module.in_channels // module.groups * math.prod(module.kernel_size)
+            elif isinstance(output, torch.Tensor):
+                total += output.numel()
+        leaves = [module for module in self.module.modules() if not list(module.children())]
+        hooks = [module.register_forward_hook(count) for module in leaves]
+        try:
+            with torch.no_grad():
+                out = self.module(self._probe(in_shape))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return max(total, math.prod(out.shape[1:]))
 
     def forward(self, x: Array, ctx: Context) -> Array:
         params = {name: to_torch(view) for name, view in self.params.items()}
