@@ -38,7 +38,7 @@ from mpipar.cache import ActivationCache
 from mpipar.data import GlobalBatchSampler, load_dataset, split_micro_batches
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
 from mpipar.model import Sequential, build_stages
-from mpipar.models import build_model
+from mpipar.models import configured_model
 from mpipar.optim import make_optimizer
 from mpipar.schedule.cyclic import fresh_stages
 
@@ -52,8 +52,7 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
     count = config.micro_batches
     backend = make_backend("cpu", config.dtype)
     train_set, _ = load_dataset(config.dataset, data_dir=config.data_dir)
-    model = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
-                        hidden=config.hidden, dropout=config.dropout)
+    model, loss_fn = configured_model(config, train_set)
     stages = build_stages(model, count, backend, config.seed)
     flats = [stage.flat for stage in stages]
     if initial is not None:
@@ -63,7 +62,7 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
     optimizer = make_optimizer(config.optimizer, [f.data for f in flats], [f.grad for f in flats],
                                [f.decay_spans(0, f.size) for f in flats], momentum=config.momentum,
                                weight_decay=config.weight_decay)
-    loss_fn, cache = SoftmaxCrossEntropy(), ActivationCache()
+    cache = ActivationCache()
     sampler = GlobalBatchSampler(len(train_set), config.batch_size, config.seed)
     size = config.batch_size // count
     current = [f.data.copy() for f in flats]
@@ -77,6 +76,8 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
             for flat, fresh, new, old in zip(flats, fresh_stages(rule, i, count), current, previous):
                 flat.data[:] = new if fresh else old
             inputs, targets = train_set.batch(indices)
+            if inputs.dtype.kind == "f":  # in the run's dtype, as the Trainer feeds it
+                inputs = backend.asarray(inputs)
             contexts = [cache.context(s, i, step=step, seed=config.seed, sample_ids=np.arange(i * size, (i + 1) * size))
                         for s in range(count)]
             x = inputs

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.adapters import build_user_model
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
 from mpipar.checkpoint.resume import FLAGS, Checkpoints
@@ -45,10 +44,9 @@ from mpipar.executor import Executor
 from mpipar.gathered_activations import choose as choose_gathered
 from mpipar.gathered_activations import describe as describe_gathered
 from mpipar.gathered_activations import gathered_bytes
-from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.memory import available_bytes, make_probe, peak_rss_bytes
 from mpipar.model import build_stages, leaf_layers, partition
-from mpipar.models import MODELS, build_model
+from mpipar.models import configured_model
 from mpipar.optim import make_schedule, state_kinds
 from mpipar.options import recompute_segment
 from mpipar.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
@@ -111,14 +109,7 @@ class Trainer:
         self.backend = make_backend(cfg.device, cfg.dtype)
         self.train_set, self.test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
                                                      text_file=cfg.text_file, seq_len=cfg.seq_len)
-        loss = None
-        if cfg.model in MODELS:
-            self.model = build_model(cfg.model, input_shape=self.train_set.input_shape,
-                                     num_classes=self.train_set.num_classes, hidden=cfg.hidden,
-                                     dropout=cfg.dropout, width=cfg.width, heads=cfg.heads, blocks=cfg.blocks)
-        else:  # a builder of the user's: PyTorch, JAX or mpipar layers (mpipar/adapters)
-            self.model, loss = build_user_model(cfg.model, self.train_set.input_shape, self.train_set.num_classes,
-                                                 cfg.seed)
+        self.model, self.loss_fn = configured_model(cfg, self.train_set)
         if self.memory:  # after the builder: a framework's imports are not the run's memory
             self.memory.set_baseline()
         # Stages are laid out here and built by the engine, which allocates only what this rank keeps.
@@ -147,7 +138,6 @@ class Trainer:
         self.parameter_count = sum(stage.flat.size for stage in self.stages)
         self.placement = getattr(self, "placement", [])
         self._check_model_fits()
-        self.loss_fn = loss or SoftmaxCrossEntropy()
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, cfg.seed)
         self.total_steps = self.sampler.steps_per_epoch * cfg.epochs
         if cfg.max_steps:

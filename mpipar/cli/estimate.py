@@ -36,7 +36,7 @@ from mpipar.errors import ConfigError
 from mpipar.estimate import PHASES, make_layout, predicted_peaks, scheme_rows
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, state_kinds
-from mpipar.options import IntListType, RecomputeType
+from mpipar.options import IntListType, ModelType, RecomputeType
 from mpipar.schedule.strategies import STRATEGIES
 from mpipar.sharding import DDP_MODES
 from mpipar.units import format_bytes
@@ -46,19 +46,16 @@ POSITIVE = click.IntRange(min=1)
 
 
 def built_model(model: str, dataset: str, hidden: tuple[int, ...]):
-    """(the training set, the evaluation batch `mpipar train` uses by default, a built-in
-    model's layers, its loss): nothing is allocated for the parameters."""
+    """(the training set, the evaluation batch `mpipar train` uses by default, the model's layers,
+    its loss): built-in or a builder's, as `mpipar train --model` builds it."""
     from mpipar.config import TrainConfig
     from mpipar.data import load_dataset
-    from mpipar.layers import SoftmaxCrossEntropy
-    from mpipar.models import build_model
+    from mpipar.models import configured_model
 
     config = TrainConfig(model=model, dataset=dataset, hidden=hidden)
     train_set, test_set = load_dataset(config.dataset, data_dir=config.data_dir)
-    built = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
-                        hidden=config.hidden, dropout=0.0, width=config.width, heads=config.heads,
-                        blocks=config.blocks)
-    return train_set, min(config.eval_batch, len(test_set)), built, SoftmaxCrossEntropy()
+    built, loss = configured_model(config, train_set)
+    return train_set, min(config.eval_batch, len(test_set)), built, loss
 
 
 def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -> tuple[int, int]:
@@ -73,7 +70,8 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
 @click.command()
 @click.option("--params", type=click.FloatRange(min=0, min_open=True), default=None,
               help="the number of parameters of the model, e.g. 7e9 (or give --model)")
-@click.option("--model", type=click.Choice(MODELS), default=None, help="or a built-in model, counted")
+@click.option("--model", type=ModelType(MODELS), default=None,
+              help="or a model, counted: built-in, or FILE.py:FUNCTION as for mpipar train")
 @click.option("--dataset", type=click.Choice(DATASETS), default="digits", show_default=True,
               help="the data set that fixes --model's input shape")
 @click.option("--hidden", type=IntListType(), default="128,128", show_default=True,

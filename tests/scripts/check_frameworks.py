@@ -5,8 +5,11 @@ torch MLP and a torch CNN (examples/torch_mlp.py, examples/torch_cnn.py), or the
 (examples/jax_mlp.py), under ddp, zero3, paro-iig (M = 2), gpipe and 1f1b (S = world size),
 with SGD (momentum, weight decay) and Adam, 3 float64 steps must equal, rtol 1e-10, the
 framework's own one-process training on the same global batches: torch's optimizers and
-`loss.backward()`, or jax.grad and the same update written out. After the steps, every
-parameter of a torch module on a DDP rank must still share memory with mpipar's flat buffer.
+`loss.backward()`, or jax.grad and the same update written out. Under cdp-v1 and cdp-v2
+(N = world size stages and micro-batches, the dp layout) they must equal CDP's reference
+rule (`cdp.reference_training`, one process, the same framework layers). After the steps,
+every parameter of a torch module on a DDP rank must still share memory with mpipar's flat
+buffer.
 Rank 0 prints every failure; exit status 1 on any failure.
 """
 
@@ -18,6 +21,7 @@ from mpi4py import MPI
 
 import deadline
 from mpipar.adapters import load_builder
+from mpipar.cdp import reference_training
 from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, load_dataset
 from mpipar.trainer import Trainer
@@ -33,7 +37,9 @@ COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=48, lr=0.05, lo
 SCHEMES = {"ddp": dict(scheme="ddp"), "zero3": dict(scheme="zero3", micro_batches=2),
            "paro-iig": dict(scheme="paro-iig", group_size=2),
            "gpipe": dict(scheme="gpipe", stages=2, micro_batches=4),  # 4 ranks: 2 stages x 2 replicas
-           "1f1b": dict(scheme="1f1b", stages=world.size, micro_batches=4)}  # 4 ranks: 4 stages
+           "1f1b": dict(scheme="1f1b", stages=world.size, micro_batches=4),  # 4 ranks: 4 stages
+           "cdp-v1": dict(scheme="cdp-v1", micro_batches=world.size),
+           "cdp-v2": dict(scheme="cdp-v2", micro_batches=world.size)}
 
 
 def torch_alone(spec: str, options: dict) -> np.ndarray:
@@ -107,13 +113,17 @@ for (model, spec), (optimizer, options) in [(m, o) for m in MODELS.items() for o
     reference = alone(spec, options)
     for scheme, layout in SCHEMES.items():
         label = f"{framework} {model} {scheme} {optimizer} on {world.size} ranks"
-        trainer = Trainer(TrainConfig(**COMMON, **options, **layout, model=spec))
+        config = TrainConfig(**{**COMMON, **options, **layout}, model=spec)
+        trainer = Trainer(config)
         trainer.run()
         got = np.concatenate([v.reshape(-1) for v in trainer.full_parameters().values()])
+        expected, oracle = reference, f"{framework} alone"
+        if scheme.startswith("cdp"):
+            expected, oracle = np.concatenate(reference_training(config, scheme)), "its rule's reference"
         cases += 1
-        if got.shape != reference.shape or not np.allclose(got, reference, rtol=1e-10, atol=0):
-            error = np.abs(got - reference).max() if got.shape == reference.shape else "(shapes differ)"
-            failures.append(f"{label}: differs from {framework} alone by up to {error}")
+        if got.shape != expected.shape or not np.allclose(got, expected, rtol=1e-10, atol=0):
+            error = np.abs(got - expected).max() if got.shape == expected.shape else "(shapes differ)"
+            failures.append(f"{label}: differs from {oracle} by up to {error}")
         if framework == "torch" and scheme == "ddp":
             flat = trainer.stages[0].flat.data
             low, high = flat.ctypes.data, flat.ctypes.data + flat.nbytes
