@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mpipar.adapters import configured_model
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.data import GlobalBatchSampler, load_dataset, split_micro_batches
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
 from mpipar.model import Sequential, build_stages
-from mpipar.models import configured_model
 from mpipar.optim import make_optimizer
 from mpipar.schedule.cyclic import fresh_stages
 

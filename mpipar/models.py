@@ -12,8 +12,6 @@ Exercised by: mpipar train --model cnn   (and python -m pytest tests/test_traine
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from mpipar.errors import ConfigError, unknown_name
 from mpipar.layers import (
     GELU,
@@ -28,29 +26,11 @@ from mpipar.layers import (
     PositionEmbedding,
     ReLU,
     Residual,
-    SoftmaxCrossEntropy,
 )
 from mpipar.model import Sequential
 
-if TYPE_CHECKING:
-    from mpipar.config import TrainConfig
-    from mpipar.data.datasets import ImageDataset, TextDataset
-
 MODELS = ("mlp", "cnn", "transformer")
 
-
-def configured_model(cfg: "TrainConfig", train_set: "ImageDataset | TextDataset") -> tuple[Sequential, object]:
-    """The model `cfg.model` names, built-in or a user's builder (PyTorch, JAX or mpipar layers:
-    mpipar/adapters), and its loss: the builder's, else softmax cross-entropy."""
-    loss = None
-    if cfg.model in MODELS:
-        model = build_model(cfg.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
-                            hidden=cfg.hidden, dropout=cfg.dropout, width=cfg.width, heads=cfg.heads,
-                            blocks=cfg.blocks)
-    else:
-        from mpipar.adapters import build_user_model
-        model, loss = build_user_model(cfg.model, train_set.input_shape, train_set.num_classes, cfg.seed)
-    return model, loss or SoftmaxCrossEntropy()
 
 
 def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, hidden: tuple[int, ...] = (128, 128),

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from mpipar.adapters import configured_model
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
 from mpipar.checkpoint.resume import FLAGS, Checkpoints
@@ -46,7 +47,6 @@ from mpipar.gathered_activations import describe as describe_gathered
 from mpipar.gathered_activations import gathered_bytes
 from mpipar.memory import available_bytes, make_probe, peak_rss_bytes
 from mpipar.model import build_stages, leaf_layers, partition
-from mpipar.models import configured_model
 from mpipar.optim import make_schedule, state_kinds
 from mpipar.options import recompute_segment
 from mpipar.peak import ActivationBytes, Peak, data_parallel_peak, dry_run

@@ -27,13 +27,19 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from mpipar.errors import ConfigError
+from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.layers.base import Layer
 from mpipar.model import Sequential
+from mpipar.models import MODELS, build_model
+
+if TYPE_CHECKING:
+    from mpipar.config import TrainConfig
+    from mpipar.data.datasets import ImageDataset, TextDataset
 
 
 def load_builder(spec: str) -> Callable:
@@ -98,3 +104,16 @@ def _loss(spec: str, loss, family: str):
         return JaxLoss(loss)
     raise ConfigError(f"--model {spec!r}: a loss for mpipar layers is an mpipar loss (forward and backward "
                       f"with a Context), got {type(loss).__name__}")
+
+
+def configured_model(cfg: TrainConfig, train_set: ImageDataset | TextDataset) -> tuple[Sequential, object]:
+    """The model `cfg.model` names, built-in or a user's builder (PyTorch, JAX or mpipar layers),
+    and its loss: the builder's, else softmax cross-entropy. The Trainer, CDP's reference and
+    `mpipar estimate` all build their model here."""
+    if cfg.model in MODELS:
+        model = build_model(cfg.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
+                            hidden=cfg.hidden, dropout=cfg.dropout, width=cfg.width, heads=cfg.heads,
+                            blocks=cfg.blocks)
+        return model, SoftmaxCrossEntropy()
+    model, loss = build_user_model(cfg.model, train_set.input_shape, train_set.num_classes, cfg.seed)
+    return model, loss or SoftmaxCrossEntropy()

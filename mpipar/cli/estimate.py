@@ -48,9 +48,9 @@ POSITIVE = click.IntRange(min=1)
 def built_model(model: str, dataset: str, hidden: tuple[int, ...]):
     """(the training set, the evaluation batch `mpipar train` uses by default, the model's layers,
     its loss): built-in or a builder's, as `mpipar train --model` builds it."""
+    from mpipar.adapters import configured_model
     from mpipar.config import TrainConfig
     from mpipar.data import load_dataset
-    from mpipar.models import configured_model
 
     config = TrainConfig(model=model, dataset=dataset, hidden=hidden)
     train_set, test_set = load_dataset(config.dataset, data_dir=config.data_dir)
