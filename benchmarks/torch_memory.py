@@ -69,8 +69,7 @@ def measure(model: str, args: argparse.Namespace) -> tuple[int, int]:
     numpy_peak = trainer.memory.peak_bytes()
     trainer.memory.stop()
     # the profiler's own Python objects would be in tracemalloc's total: its steps come after
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as profiler:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as profiler:
         run(args.warmup + args.steps, args.steps)
     return numpy_peak, torch_allocator_peak(profiler)
 

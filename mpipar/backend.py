@@ -46,6 +46,11 @@ class Backend:
         """Copy a host array to the device (and cast it to the run dtype unless `dtype` is given)."""
         return self.xp.asarray(host_array, dtype=self.dtype if dtype is None else dtype)
 
+    def inputs(self, host_array: np.ndarray):
+        """A batch's inputs on the device: floating point ones in the run dtype, integer ones
+        (token ids) as they are."""
+        return self.asarray(host_array) if host_array.dtype.kind == "f" else self.xp.asarray(host_array)
+
 
 def make_backend(device: str = "cpu", dtype: str = "float32") -> Backend:
     """Backend for `device` in DEVICES and `dtype` in DTYPES; a clear error otherwise."""

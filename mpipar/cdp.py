@@ -76,8 +76,7 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
             for flat, fresh, new, old in zip(flats, fresh_stages(rule, i, count), current, previous):
                 flat.data[:] = new if fresh else old
             inputs, targets = train_set.batch(indices)
-            if inputs.dtype.kind == "f":  # in the run's dtype, as the Trainer feeds it
-                inputs = backend.asarray(inputs)
+            inputs = backend.inputs(inputs)  # as the Trainer feeds them: a torch stage refuses mixed dtypes
             contexts = [cache.context(s, i, step=step, seed=config.seed, sample_ids=np.arange(i * size, (i + 1) * size))
                         for s in range(count)]
             x = inputs

@@ -32,7 +32,6 @@ from mpipar.model import Sequential
 MODELS = ("mlp", "cnn", "transformer")
 
 
-
 def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, hidden: tuple[int, ...] = (128, 128),
                 dropout: float = 0.0, width: int = 64, heads: int = 4, blocks: int = 2) -> Sequential:
     """The model called `name` for samples of `input_shape` and `num_classes` outputs."""

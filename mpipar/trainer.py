@@ -300,9 +300,7 @@ class Trainer:
         self.engine.load_parameters(np.concatenate(parts))
 
     def _to_device(self, inputs, targets):
-        xp = self.backend.xp
-        inputs = self.backend.asarray(inputs) if inputs.dtype.kind == "f" else xp.asarray(inputs)
-        return inputs, xp.asarray(targets)
+        return self.backend.inputs(inputs), self.backend.xp.asarray(targets)
 
     def train_step(self, step: int, epoch: int, step_in_epoch: int) -> StepResult:
         """One optimizer step on the global batch `step_in_epoch` of `epoch`."""
