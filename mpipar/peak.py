@@ -32,7 +32,7 @@ from mpipar.cache import ActivationCache
 from mpipar.mesh import Mesh
 from mpipar.model import Stage
 from mpipar.optim import CHUNK
-from mpipar.schedule.cyclic import home_ranks, optimizer_home, persistent_items
+from mpipar.schedule.cyclic import item_homes, persistent_items
 from mpipar.schedule.instructions import (
     Backward,
     Compute,
@@ -221,8 +221,7 @@ def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[in
     size_of = {"x": lambda s: training.inputs[s], "dy": lambda s: _output_bytes(training, s),
                "w": weights.__getitem__, "g": weights.__getitem__, "o": lambda s: state_kinds * weights[s]}
     alive = {item: size_of[item.kind](item.stage) for item in persistent_items(rule, count, 0)
-             if rank in (home_ranks(layout, count, item.stage) if item.kind == "w"
-                         else (optimizer_home(layout, rule, count, item.stage),))}
+             if rank in item_homes(layout, rule, count, item, 0)}
     steady = {"home state": sum(alive.values()), "compiled program": len(program) * INSTRUCTION_BYTES}
     stashed, most = 0, sum(alive.values())
     sent_per_time_step, sent = [], 0

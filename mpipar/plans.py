@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from mpipar.errors import ConfigError
 from mpipar.mesh import Mesh
 from mpipar.peak import ActivationBytes, Peak, cyclic_peak, mesh_peak
-from mpipar.schedule.cyclic import home_ranks, optimizer_home, persistent_items
+from mpipar.schedule.cyclic import item_homes, persistent_items
 from mpipar.schedule.cyclic_compiler import compile_cyclic, weight_buffers
 from mpipar.schedule.instructions import (
     Backward,
@@ -195,12 +195,13 @@ class PipelinePlan:
         return {s: [self.peer(w) for w in members] for s, members in enumerate(self.compiled.members)
                 if len(members) > 1}
 
-    def everywhere(self, stage: int) -> bool:
-        """Does every rank hold `stage`, whole or among its replica group (data parallelism)?"""
+    def everywhere(self, stage: int, step: int) -> bool:
+        """Does every rank hold `stage` before step `step`, whole or among its replica group (data
+        parallelism)? (A pipeline holds the same stages before every step.)"""
         return len(self.compiled.holders[stage]) == self.mesh.workers
 
-    def root(self, stage: int) -> int:
-        """A rank that holds `stage` (evaluation broadcasts it from there)."""
+    def root(self, stage: int, step: int) -> int:
+        """A rank that holds `stage` before step `step` (evaluation broadcasts it from there)."""
         return self.mesh.rank(self.compiled.holders[stage][0], 0)
 
     def peak(self, rank: int, training: ActivationBytes, evaluation: ActivationBytes | None, steps: int, *,
@@ -250,12 +251,8 @@ class CdpPlan:
         return self.runs[key].shifted(first_step - key[0])
 
     def persistent(self, step: int) -> list[Item]:
-        return [item for item in persistent_items(self.rule, self.count, step) if self.rank in self._homes(item)]
-
-    def _homes(self, item: Item) -> tuple[int, ...]:
-        if item.kind == "o":
-            return (optimizer_home(self.layout, self.rule, self.count, item.stage),)
-        return home_ranks(self.layout, self.count, item.stage)
+        return [item for item in persistent_items(self.rule, self.count, step)
+                if self.rank in item_homes(self.layout, self.rule, self.count, item, step)]
 
     def peer(self, rank: int) -> int:
         return rank
@@ -263,11 +260,14 @@ class CdpPlan:
     def reduction_groups(self) -> dict[int, list[int]]:
         return {}  # gradients travel point to point
 
-    def everywhere(self, stage: int) -> bool:
-        return len(home_ranks(self.layout, self.count, stage)) == self.world_size
+    def everywhere(self, stage: int, step: int) -> bool:
+        return len(self._newest_homes(stage, step)) == self.world_size
 
-    def root(self, stage: int) -> int:
-        return home_ranks(self.layout, self.count, stage)[0]
+    def root(self, stage: int, step: int) -> int:
+        return self._newest_homes(stage, step)[0]
+
+    def _newest_homes(self, stage: int, step: int) -> tuple[int, ...]:
+        return item_homes(self.layout, self.rule, self.count, Item("w", stage, step), step)
 
     def peak(self, rank: int, training: ActivationBytes, evaluation: ActivationBytes | None, steps: int,
              **_pipeline_only) -> Peak:

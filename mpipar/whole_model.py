@@ -42,9 +42,9 @@ class WholeModel:
             weights[:] = held
         if s in self.shared and held is None:
             self.shared[s].gather_parameters(weights, phase)
-        if not self.plan.everywhere(s):
+        if not self.plan.everywhere(s, self.next_step):
             with self.comm.traffic.phase(phase):
-                broadcast(self.comm, weights, self.plan.root(s), self.collective)
+                broadcast(self.comm, weights, self.plan.root(s, self.next_step), self.collective)
         return weights, weights is held
 
     def forward(self, x, ctx: Context, gather_phase: str = "evaluate"):
@@ -56,7 +56,7 @@ class WholeModel:
 
     def _forward_stages(self, x, ctx: Context, gather_phase: str):
         for s, stage in enumerate(self.stages):
-            if s in self.shared and self.plan.everywhere(s):
+            if s in self.shared and self.plan.everywhere(s, self.next_step):
                 x = self._forward_units(s, x, ctx, gather_phase)
                 continue
             weights, owned = self._whole_stage(s, gather_phase)
@@ -86,7 +86,7 @@ class WholeModel:
         """The whole model's newest parameters, on every rank (collective: for checks)."""
         parts = []
         for s, stage in enumerate(self.stages):
-            if s in self.shared and self.plan.everywhere(s):
+            if s in self.shared and self.plan.everywhere(s, self.next_step):
                 parts.append(self.shared[s].full_parameters())
             else:
                 parts.append(self._whole_stage(s, "inspect", np.empty(stage.flat.size, dtype=self.dtype))[0])

@@ -75,14 +75,6 @@ def compute_rank(layout: str, count: int, stage: int, global_batch: int) -> int:
     return group_start + global_batch % (count - stage)
 
 
-def home_ranks(layout: str, count: int, stage: int) -> tuple[int, ...]:
-    """Where stage `stage`'s weights rest between runs: every rank that computes it, or
-    for zero one rank."""
-    if layout == "zero":
-        return (stage,)
-    return tuple(sorted({compute_rank(layout, count, stage, g) for g in range(count)}))
-
-
 def deferred_update(layout: str, rule: str) -> bool:
     """cdp-v1 on the dp layout updates stage s on rank s, one time step after the step's last
     backward of it: every read is a step old, so the update can wait for the gradient sum to
@@ -97,6 +89,34 @@ def optimizer_home(layout: str, rule: str, count: int, stage: int) -> int:
     if layout == "zero" or deferred_update(layout, rule):
         return stage
     return compute_rank(layout, count, stage, count - 1)
+
+
+def update_rank(layout: str, rule: str, count: int, stage: int, step: int) -> int:
+    """The rank that updates stage `stage` at the end of step `step`: where its last micro-batch
+    ran, or its optimizer's home where the update is deferred."""
+    if deferred_update(layout, rule):
+        return optimizer_home(layout, rule, count, stage)
+    return compute_rank(layout, count, stage, count * step + count - 1)
+
+
+def item_homes(layout: str, rule: str, count: int, item: Item, step: int) -> tuple[int, ...]:
+    """Where a persistent item (persistent_items) rests between runs, before step `step`.
+
+    An optimizer state rests at its home. In the zero layout a stage's weights rest on rank s.
+    Otherwise a weight version rests on the ranks whose micro-batches of step `step` read it
+    and, for the newest version, on the rank that updates it: one copy of each version, not
+    one on every rank, so that between runs (and at the start of the next) no rank holds a
+    second version of a stage it does not read or update. Any other rank fetches a version
+    when it first reads it, as within a run."""
+    if item.kind == "o":
+        return (optimizer_home(layout, rule, count, item.stage),)
+    if layout == "zero":
+        return (item.stage,)
+    ranks = {compute_rank(layout, count, item.stage, count * step + i) for i in range(count)
+             if weight_version(rule, count, CyclicJob(step, i, item.stage, FORWARD)) == item.index}
+    if item.index == step:
+        ranks.add(update_rank(layout, rule, count, item.stage, step))
+    return tuple(sorted(ranks))
 
 
 def weight_version(rule: str, count: int, job: CyclicJob) -> int:

@@ -25,11 +25,11 @@ from mpipar.schedule.cyclic import (
     CyclicPlan,
     compute_rank,
     deferred_update,
-    home_ranks,
+    item_homes,
     job_time,
-    optimizer_home,
     persistent_items,
     ranks_for,
+    update_rank,
     weight_version,
 )
 from mpipar.schedule.instructions import (
@@ -98,7 +98,7 @@ class _Compiler:
     def run(self, first_step: int, steps: int) -> CyclicPlan:
         count, rule = self.count, self.rule
         for item in persistent_items(rule, count, first_step):
-            for rank in self.homes(item):
+            for rank in item_homes(self.layout, rule, count, item, first_step):
                 self.holds(rank, item, -1)
         jobs = [CyclicJob(t, i, s, d) for t in range(first_step, first_step + steps) for i in range(count)
                 for s in range(count) for d in (FORWARD, BACKWARD)]
@@ -117,9 +117,10 @@ class _Compiler:
         for job in jobs:
             self.job(job)
         for item in persistent:
-            for rank in self.homes(item):
+            homes = item_homes(self.layout, rule, count, item, first_step + steps)
+            for rank in homes:
                 self.need(item, rank, end, moves=self.moving_state or item.kind == "o")
-            for rank in self.homes(item):
+            for rank in homes:
                 self.last_use.pop((rank, item), None)  # kept: not dropped at the end
         for (rank, item), time in self.last_use.items():
             self.emit(rank, time, Drop(item))
@@ -139,11 +140,6 @@ class _Compiler:
                 position += 1
             program.append(EndTimeStep(time))
         return tuple(program)
-
-    def homes(self, item: Item) -> tuple[int, ...]:
-        if item.kind == "o":
-            return (optimizer_home(self.layout, self.rule, self.count, item.stage),)
-        return home_ranks(self.layout, self.count, item.stage)
 
     def job(self, job: CyclicJob) -> None:
         count, rule = self.count, self.rule
@@ -177,10 +173,9 @@ class _Compiler:
             if new_gradient:
                 self.holds(rank, gradient, time)
             if job.micro_batch == count - 1:  # the step's last backward of this stage: update it here,
-                if deferred_update(self.layout, rule):  # or at its optimizer's home one time step later
-                    self.update(s, job.step, optimizer_home(self.layout, rule, count, s), time + 1)
-                else:
-                    self.update(s, job.step, rank, time)
+                # or at its optimizer's home one time step later
+                self.update(s, job.step, update_rank(self.layout, rule, count, s, job.step),
+                            time + deferred_update(self.layout, rule))
 
     def update(self, stage: int, step: int, rank: int, time: int) -> None:
         self.need(Item("g", stage, step), rank, time, moves=True)

@@ -183,7 +183,9 @@ class CyclicJob(NamedTuple):
 
 @dataclass(frozen=True)
 class Receive:
-    """Post the receive of `item` from `source` (at the start of the time step before its use)."""
+    """Post the receive of `item` from `source`. The CDP compiler posts it at the end of the
+    time step before its use, after that time step's drops and as the sender posts its send,
+    so that its fresh buffer is never held beside the ones the time step let go."""
 
     item: Item
     source: int
@@ -300,7 +302,7 @@ class PublishUnit:
 UNIT_INSTRUCTIONS = (GatherUnit, KeepSecondary, ReleaseUnit, ReduceUnit, PublishUnit)
 ItemInstruction = (Receive | Compute | Update | Send | Drop | EndTimeStep | ReduceGradients | GatherUnit
                    | KeepSecondary | ReleaseUnit | ReduceUnit | PublishUnit)
-PHASES = {Receive: 0, Compute: 1, Update: 2, Send: 3, Drop: 4, EndTimeStep: 5}
+PHASES = {Compute: 0, Update: 1, Send: 2, Drop: 3, Receive: 4, EndTimeStep: 5}
 
 
 def describe(instruction: Instruction | ItemInstruction) -> str:
