@@ -202,3 +202,27 @@ def test_model_build_reports_the_mismatched_layer():
 def test_conv_shape_error():
     with pytest.raises(ShapeError, match=r"Conv2d\(3->4.*\(batch, 3, H, W\).*\(2, 1, 8, 8\)"):
         run_forward(Conv2d(3, 4, 3), np.zeros((2, 1, 8, 8)))
+
+
+def test_an_accumulating_weight_gradient_adds_block_by_block_with_a_bounded_temporary(monkeypatch):
+    """A second micro-batch adds into the gradient in blocks of rows (the last one short) and
+    gets the numbers of one whole add; no temporary larger than a block is made."""
+    import tracemalloc
+
+    from mpipar.layers import base
+
+    rng = np.random.default_rng(0)
+    layer = Linear(70, 40)
+    a, b = rng.standard_normal((70, 16)), rng.standard_normal((16, 40))
+    start = rng.standard_normal((70, 40))
+    grad = start.copy()
+    layer.fresh_grads = False
+    monkeypatch.setattr(base, "ACCUMULATE_BLOCK_BYTES", 8 * 40 * 16)  # 16 rows a block: 5 blocks, the last of 6
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    before = tracemalloc.get_traced_memory()[0]
+    layer.grad_matmul(grad, a, b)
+    added = tracemalloc.get_traced_memory()[1] - before
+    tracemalloc.stop()
+    np.testing.assert_allclose(grad, start + a @ b, rtol=1e-12)
+    assert added <= 8 * 40 * 16 + 4096, f"accumulating made a temporary of {added} bytes"
