@@ -14,8 +14,9 @@ the same page:
                trained one step on these 8 ranks (N = 8, M = 4, s = 2, float64, Adam)
     seed 004   the HO-Ring's 32.6%: the alpha-beta model on the seed's 2 nodes of 8
     seed 000   Fig. 4's activation ratio: the pebble cache of one-rank CDP against DP;
-               Table 1's ranks and messages per time step: the cyclic compiler; Table 2:
-               docs/cdp_accuracy*.json
+               Table 1's ranks and messages per time step: the cyclic compiler; Table 1's
+               parameter memory per GPU: the ledger's peak, DDP against CDP's dp layout
+               on each half of the 8 ranks (N = 4); Table 2: docs/cdp_accuracy*.json
 
 Seed 004's tables are transcribed in mpipar/seed_tables.py (tests/test_estimate.py reads them
 too), seed 001's in `SEED_001` here.
@@ -33,6 +34,7 @@ from mpi4py import MPI
 from mpipar.cdp import activation_timeline
 from mpipar.comms.cost import Network, predict
 from mpipar.config import TrainConfig
+from mpipar.data import split_micro_batches
 from mpipar.estimate import PHASES
 from mpipar.files import write_atomically
 from mpipar.schedule.cyclic_compiler import compile_cyclic
@@ -60,6 +62,32 @@ def measure_004() -> dict:
         results[name] = dict(psi=trainer.stages[0].flat.size, kinds=trainer.engine.shared[0].state_kinds,
                              held=[held[kind] / ITEM for kind in ("parameters", "gradients", "optimizer_state")],
                              sent=[(intra / ITEM, inter / ITEM) for intra, inter in sums])
+    return results
+
+
+def measure_000_state() -> dict:
+    """Per contender: the ledger's peak model state (parameters, gradients, optimizer state,
+    workspace) on each rank of a group of CDP_N, in bytes, and the parameters' bytes, Ψ.
+    Each half of the 8 ranks trains the same (Table 1's multi-GPU rows have N = CDP_N GPUs)."""
+    group = MPI.COMM_WORLD.Split(MPI.COMM_WORLD.rank // CDP_N)
+    results = {}
+    for name, options in STATE_CONTENDERS.items():
+        trainer = Trainer(TrainConfig(model="mlp", hidden=(512,) * 3, dataset="synthetic", optimizer="sgd",
+                                      momentum=0.9, dtype="float32", batch_size=256, log_every=1000, **options),
+                          comm=group)
+        for first in (0, 4):  # two runs of 4 steps: CDP drains and restarts between them, as between epochs
+            if trainer.config.cyclic:
+                trainer.engine.run_steps(first, 4, lambda step, i, trainer=trainer: trainer._to_device(
+                    *trainer.train_set.batch(split_micro_batches(trainer.sampler.global_batch_indices(0, step),
+                                                                 CDP_N)[i])), seed=0, batch_size=256,
+                                         lr_at=trainer.lr_at)
+            else:
+                for step in range(first, first + 4):
+                    trainer.train_step(step, 0, step)
+        peak = max(peaks["total"] for phase, peaks in trainer.engine.ledger.report()["peak"].items()
+                   if phase != "evaluate")
+        results[name] = dict(peaks=group.gather(peak), psi=trainer.parameter_count * 4)
+    group.Free()
     return results
 
 
@@ -172,7 +200,7 @@ def section_horing() -> list[str]:
             "inter (docs/collectives.md)."]
 
 
-def section_000() -> list[str]:
+def section_000(state: dict) -> list[str]:
     lines = ["## Seed 000: Fig. 4, activation memory of CDP against DP", "",
              "One rank, N equal stages and N micro-batches (`mpipar.cdp.activation_timeline`, as `mpipar cdp "
              "memory`): the most activation bytes the pebble cache held in any time step, CDP-v2 against DP "
@@ -197,11 +225,28 @@ def section_000() -> list[str]:
         steady = range(2 * CDP_N, 2 * CDP_N * 2)  # after the first step, before the last one drains
         worst = max(per_rank.get(t, 0) for per_rank in sends for t in steady)
         lines.append(f"| {layout} | {row} | {len(plan.programs)} | {gpus} | {worst} | O(1) |")
-    return lines + ["", "Every message is point to point, so the exchange between two time steps is one step, "
-                        "O(1) in the seed's sense: the zero layout's 4 are a stage's whole state (two weight "
-                        "versions, the optimizer state, the gradient sum) passed to the one next worker. Not "
-                        "regenerated here yet: Table 1's model state per rank (CDP's busiest rank of the dp layout "
-                        "holds more than DP's: docs/performance.md)."]
+    lines += ["", "Every message is point to point, so the exchange between two time steps is one step, "
+                  "O(1) in the seed's sense: the zero layout's 4 are a stage's whole state (two weight "
+                  "versions, the optimizer state, the gradient sum) passed to the one next worker.", "",
+              "## Seed 000: Table 1, parameter memory per GPU", "",
+              f"The memory ledger's peak of model state (parameters, gradients, optimizer state and the "
+              f"update's workspace, every copy in flight included) on each of N = {CDP_N} ranks: the MLP "
+              f"784-(512 x 3)-10, float32, SGD with momentum, batch 256, 8 steps in two runs of 4 (CDP "
+              f"drains and restarts between them, as between epochs), in units of Ψ, the parameters' bytes. "
+              f"The seed gives multi-GPU DP and its cyclic variant the same Ψ_P per GPU (optimizer state "
+              f"included).", "",
+              "| scheme | busiest rank | least rank | busiest / DDP's | seed |", "| --- | ---: | ---: | ---: | --- |"]
+    ddp = max(state["ddp"]["peaks"])
+    for name, measured in state.items():
+        peaks, psi = measured["peaks"], measured["psi"]
+        lines.append(f"| {name} | {max(peaks) / psi:.2f} Ψ | {min(peaks) / psi:.2f} Ψ | {max(peaks) / ddp:.3f} | "
+                     f"Ψ_P, as DP |")
+    return lines + ["", "DDP holds three copies (parameters, gradients, momentum) and the update's workspace. "
+                        "CDP's ranks differ, because the dp layout gives each stage one updating rank, which alone "
+                        "holds its momentum and, while the next step still reads the version before it, its new "
+                        "weights: the busiest rank holds more than DDP's three copies only by the stages it "
+                        "updates. `tests/scripts/check_cdp_model_state.py` measures the same runs by the "
+                        "allocator (tests/test_memory_held.py: at most 1.10 x DDP's on 2 and 4 ranks)."]
 
 
 ACCURACY_RUNS = [("docs/cdp_accuracy.json", "lr 0.05 (the seed's)"),
@@ -243,11 +288,15 @@ CDP_ROWS = [("dp", "Multi-GPU DP + Cyclic", "N = 4"), ("mp", "DP with MP + Cycli
             ("pp", "PP", "N = 4"), ("zero", "ZeRO-DP + Cyclic", "N = 4")]
 
 
-def page(results: dict) -> str:
+STATE_CONTENDERS = {"ddp": dict(scheme="ddp"), "cdp-v1": dict(scheme="cdp-v1", cdp_layout="dp"),
+                    "cdp-v2": dict(scheme="cdp-v2", cdp_layout="dp")}
+
+
+def page(results: dict, state: dict) -> str:
     lines = ["# The seeds' tables, regenerated", "",
              "Written by `mpiexec -n 8 python benchmarks/seeds.py --out docs/seeds.md`; "
              "`tests/test_seeds.py` checks that it is current. Do not edit by hand.", ""]
-    for section in (section_001(), section_004(results), section_horing(), section_000(), section_000_accuracy()):
+    for section in (section_001(), section_004(results), section_horing(), section_000(state), section_000_accuracy()):
         lines += section + [""]
     return "\n".join(lines)
 
@@ -258,9 +307,9 @@ parser.add_argument("--check", default=None)
 args = parser.parse_args()
 if MPI.COMM_WORLD.size != N:
     sys.exit(f"run on {N} ranks: mpiexec -n {N} python benchmarks/seeds.py")
-results = measure_004()
+results, state = measure_004(), measure_000_state()
 if MPI.COMM_WORLD.rank == 0:
-    text = page(results)
+    text = page(results, state)
     if args.out:
         write_atomically(args.out, text.encode())
     if args.check:
