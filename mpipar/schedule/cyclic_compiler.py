@@ -1,15 +1,15 @@
 """The CDP compiler: walks the cyclic timetable and writes one program per rank.
 
 Whenever a job needs an item (schedule/cyclic.py) its rank lacks, the holder sends it
-at the end of the time step before and the receiver posts the receive at that time
-step's start. x, dy, g and o move (one holder at a time); weights are copied (dp, pp,
+at the end of the time step before and the receiver posts the receive then too, after
+that time step's drops (instructions.PHASES). x, dy, g and o move (one holder at a time); weights are copied (dp, pp,
 mp: from the rank that got them last, so fresh weights travel around a ring) or move
 with the rest of the stage (zero: before each job the stage's whole state comes to the
 rank that computes it). The last micro-batch's backward of a stage updates the stage
 where it ran (cdp-v1 on the dp layout: on rank s, a time step later, schedule/cyclic.py:
 deferred_update). Items are dropped after their last use on a rank. A run of steps starts
 and ends with each stage's persistent state (the weights the next step reads, the
-optimizer state) at its home ranks. A read of something that cannot have arrived yet
+optimizer state) at its homes (schedule/cyclic.py: item_homes). A read of something that cannot have arrived yet
 is refused with a ConfigError: the rule does not fit the timetable.
 
 Exercised by: python -m pytest tests/test_cyclic.py
