@@ -25,4 +25,3 @@ def test_pipeline_peaks_stay_under_the_replay_and_1f1b_does_not_grow_with_micro_
     result = run_mpi(2, sys.executable, str(SCRIPTS / "check_pipeline_memory.py"), timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "pipeline peaks within their predictions: 1F1B flat in B, GPipe grows" in result.stdout
-
