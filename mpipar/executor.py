@@ -12,12 +12,14 @@ for one job, a gradient sum g, an optimizer state o) in one store and runs:
                      shared by a replica group runs one unit of layers at a time, on the gathered
                      unit (sharded_stage.py holds its blocks of P, G and OS)
     Send             Isend; the outbox keeps the buffer until the send completes, and no longer
-    Drop             forget the item (a gradient waits for its reduction; see _drop for spares)
+    Drop             forget the item (a gradient waits for its reduction; see _drop for spares); a
+                     buffer still being sent lives until its send completes, by the time step's end
     ReduceGradients  non-blocking reduce of a stage's gradient to its holder, or all-reduce among
                      the workers that compute it, polled between layers
     Update           the stage's optimizer steps the weights in place (a shared stage: its OS
                      blocks); an old version some later job still reads is copied aside
-    EndTimeStep      let messages progress; record live activation bytes (CDP's Fig. 4 timeline)
+    EndTimeStep      complete the sends of the buffers dropped in this time step, let messages
+                     progress; record live activation bytes (CDP's Fig. 4 timeline)
     GatherUnit, KeepSecondary, ReleaseUnit, ReduceUnit, PublishUnit
                      the sharding flow of a shared stage (schedule/sharding_flow.py places them):
                      post a unit's all-gather, keep ZeRO++'s secondary copy of it, free it, post
@@ -305,6 +307,7 @@ class Executor(WholeModel):
         if item.kind == "g" and item.stage in self.reductions:  # a reduction's buffer lives until it completes
             self.reductions.pop(item.stage).wait()
         buffer = self.store.pop(item)
+        self.outbox.release(buffer)
         if item.kind not in LEDGER_KIND:
             return
         self._let_go(item.stage, buffer)
@@ -528,6 +531,10 @@ class Executor(WholeModel):
         return self.optimizers[s]
 
     def _end_time_step(self, instruction: EndTimeStep) -> None:
+        # A dropped buffer still being sent is memory the next time step does not need: its send
+        # completes here, not whenever the network gets to it. Its peer posted the receive in
+        # this time step, after its own drops, so no rank waits here on one that waits on it.
+        self.outbox.wait_released(f"the sends of the buffers dropped in time step {instruction.time}")
         if self.record_timeline:
             self.timeline.append((instruction.time + self.time_offset, self.cache.live_bytes, self.cache.window_peak))
             self.cache.window_peak = self.cache.live_bytes

@@ -20,6 +20,9 @@ How, and why so:
   ranks and exits within half a second, so a rank that Open MPI's launcher started
   directly writes its line into the launcher's own stderr instead, opened through
   /proc when the report is installed.
+- A rank stays EXIT_GRACE seconds after writing its line: a launcher that kills the
+  other ranks once one has exited would otherwise kill a rank that had not yet been
+  scheduled to write (seen on a loaded 2-core machine, in 2 of 6 runs).
 - Ctrl-C on a process started without a launcher keeps Python's KeyboardInterrupt,
   so that `finally` blocks still run (they remove half-written downloads).
 
@@ -32,10 +35,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 from mpipar.launch import launcher, rank_from_environment
 
 _OPEN_MPI_LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun")
+EXIT_GRACE = 0.5  # seconds a rank stays after writing its line, before it exits
 _exit_lock = threading.Lock()
 _installed = False
 _lines: dict[int, bytes] = {}  # signal number -> the line written when it ends the process
@@ -78,6 +83,10 @@ def install_signal_report() -> None:
                 os.write(target, _lines[number])
             except OSError:
                 pass  # nowhere to write: still end with the signal's status
+            if _rank() is not None:
+                # The launcher passed the signal to every rank at once, but kills the rest the
+                # moment one has exited (Hydra does): stay a moment so the others can write too
+                time.sleep(EXIT_GRACE)
             os._exit(128 + number)
 
     def deferred_or_exit(number: int) -> None:

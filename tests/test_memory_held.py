@@ -25,3 +25,10 @@ def test_pipeline_peaks_stay_under_the_replay_and_1f1b_does_not_grow_with_micro_
     result = run_mpi(2, sys.executable, str(SCRIPTS / "check_pipeline_memory.py"), timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "pipeline peaks within their predictions: 1F1B flat in B, GPipe grows" in result.stdout
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_cdp_model_state_per_rank_is_within_10_percent_of_ddps_by_the_allocator(ranks):
+    result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_cdp_model_state.py"), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"CDP model state per rank within 10% of DDP's on {ranks} ranks" in result.stdout

@@ -1,6 +1,7 @@
 """A point-to-point stall ends every rank: one rank of a real training run stops before a send,
 and the job ends within seconds of the 3 s --comm-timeout, the waiting rank naming what it
-waited for (the message, its stage, micro-batch and step) and the peer that never sent.
+waited for (the message, its stage, micro-batch and step, or the time step whose sends
+it completes) and the peer that never sent or received.
 
 Run: OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_stall.py
 """
@@ -22,7 +23,8 @@ ENDS_WITHIN = COMM_TIMEOUT + 12
 @pytest.mark.parametrize("run, stalled, waiting, operation", [
     ("pipeline", 0, 1, "the receive of the activation of stage 1, micro-batch 0 at step 0"),
     ("pipeline", 1, 0, "the receive of the gradient of stage 0, micro-batch 0 at step 0"),
-    ("cdp-dp", 1, 0, "the receive of the weights of stage 1 after 1 updates"),
+    # rank 0's gradient sum, sent and dropped, waits at the end of its time step for rank 1's receive
+    ("cdp-dp", 1, 0, "the sends of the buffers dropped in time step 4"),
     ("cdp-pp", 0, 1, "the receive of the activation of stage 1, micro-batch 0 at step 0"),
 ])
 def test_a_rank_stalled_before_a_send_ends_every_rank_naming_the_wait_and_the_peer(run, stalled, waiting, operation):

@@ -44,6 +44,11 @@ def test_outbox_forgets_completed_sends_and_their_buffers_as_it_goes():
     assert result.returncode == 0 and "outbox ok" in result.stdout, result.stdout + result.stderr
 
 
+def test_outbox_wait_released_completes_the_sends_of_released_buffers_and_frees_them():
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "check_outbox.py"), "released", timeout=90)
+    assert result.returncode == 0 and "outbox ok" in result.stdout, result.stdout + result.stderr
+
+
 def test_outbox_wait_buffer_waits_only_for_the_sends_that_read_that_buffer():
     result = run_mpi(2, sys.executable, str(SCRIPTS / "check_outbox.py"), "buffer", timeout=90)
     assert result.returncode == 0 and "outbox ok" in result.stdout, result.stdout + result.stderr

@@ -9,6 +9,8 @@ outbox holds only what is really in flight, not every send of the step.
     outbox.post(comm.isend(activation, dest, tag), activation, dest)
     outbox.progress()                          # non-blocking: forget completed sends
     outbox.wait_buffer(weights, "send of the weights of stage 1")   # before overwriting them
+    outbox.release(activation)                 # its owner let it go: only the send keeps it
+    outbox.wait_released("sends of time step 3")   # bound what only sends keep alive
     outbox.wait_all("sends of step 5")         # before the step ends
 
 Exercised by: python -m pytest tests/test_waits.py -k outbox
@@ -28,6 +30,7 @@ class Outbox:
         self._requests: list[MPI.Request] = []
         self._buffers: list = []
         self._peers: list[int] = []
+        self._released: list[bool] = []  # per send: its owner has let go of the buffer it reads
         self.high_water = 0  # the most sends outstanding at once since creation
 
     def post(self, request: MPI.Request, buffer, peer: int) -> None:
@@ -35,6 +38,7 @@ class Outbox:
         self._requests.append(request)
         self._buffers.append(buffer)
         self._peers.append(peer)
+        self._released.append(False)
         self.high_water = max(self.high_water, len(self._requests))
 
     def progress(self) -> None:
@@ -45,7 +49,21 @@ class Outbox:
     def wait_all(self, what: str) -> None:
         """Block until every send has completed (CommTimeout after the default timeout)."""
         wait_requests(self._requests, what, self._peers, rank=self.rank)
-        self._requests, self._buffers, self._peers = [], [], []
+        self._requests, self._buffers, self._peers, self._released = [], [], [], []
+
+    def release(self, buffer) -> None:
+        """Its owner has let go of `buffer`: the sends that read it are all that keep it alive."""
+        for i, sent in enumerate(self._buffers):
+            if sent is buffer or np.shares_memory(sent, buffer):
+                self._released[i] = True
+
+    def wait_released(self, what: str) -> None:
+        """Block until every send of a released buffer has completed, so the buffer is freed."""
+        released = [i for i, flag in enumerate(self._released) if flag]
+        if released:
+            wait_requests([self._requests[i] for i in released], what, [self._peers[i] for i in released],
+                          rank=self.rank)
+            self._forget_completed()
 
     def wait_buffer(self, buffer, what: str) -> None:
         """Block until every send that reads `buffer` (or memory it shares) has completed,
@@ -62,6 +80,12 @@ class Outbox:
         self._requests = [self._requests[i] for i in kept]
         self._buffers = [self._buffers[i] for i in kept]
         self._peers = [self._peers[i] for i in kept]
+        self._released = [self._released[i] for i in kept]
+
+    @property
+    def released(self) -> int:
+        """How many sends in flight read a buffer its owner has let go of."""
+        return sum(self._released)
 
     def __len__(self) -> int:
         return len(self._requests)

@@ -237,7 +237,10 @@ class Drop:
 
 @dataclass(frozen=True)
 class EndTimeStep:
-    """Time step `time` is over on this rank (the engine samples its memory here)."""
+    """Time step `time` is over on this rank: the sends of the buffers it dropped complete
+    here, so that no dropped buffer lives into the next time step, and the engine samples
+    its memory. The peers posted the matching receives in this time step, after their
+    drops, so this wait cannot close a cycle."""
 
     time: int
 

@@ -1,7 +1,8 @@
-"""Outbox on 2 ranks: completed sends are forgotten as they complete, and wait_buffer waits
-only for the sends that read the buffer it is given.
+"""Outbox on 2 ranks: completed sends are forgotten as they complete, wait_buffer waits
+only for the sends that read the buffer it is given, and wait_released only for those of
+released buffers.
 
-Usage: check_outbox.py stream|buffer
+Usage: check_outbox.py stream|buffer|released
   stream  rank 0 posts COUNT sends of 64 KiB, calling progress() after each; rank 1
           receives them one by one and acknowledges each, and rank 0 never runs more
           than WINDOW messages ahead of the acknowledgements. The outbox must hold a
@@ -9,10 +10,15 @@ Usage: check_outbox.py stream|buffer
   buffer  rank 0 sends one buffer and a view of another; rank 1 receives only the
           view's message until told to go on. wait_buffer on the second buffer must
           return, on the first it must time out (after 2 s) naming rank 1.
+  released rank 0 sends two buffers, releases the first and drops its own reference; rank 1
+          receives the first after 0.5 s, the second only when told to go on.
+          wait_released must return having completed the first send (its buffer
+          freed), leaving the second in flight.
 Rank 0 prints "outbox ok" or the failures of both ranks, and exits 1 on failure.
 """
 
 import sys
+import time
 import weakref
 
 import numpy as np
@@ -98,5 +104,33 @@ def buffer() -> None:
     expect(len(outbox) == 0, f"{len(outbox)} sends left after wait_all")
 
 
-{"stream": stream, "buffer": buffer}[sys.argv[1]]()
+def released() -> None:
+    size = 4 * 1024 * 1024 // 8  # far above any eager limit: a send waits for its receive
+    if comm.rank == 1:
+        first, second = np.empty(size), np.empty(size)
+        time.sleep(0.5)  # the first send is still in flight when rank 0 waits for it
+        comm.Recv(first, 0, tag=1)
+        comm.Recv(np.empty(0), 0, tag=GO)
+        comm.Recv(second, 0, tag=2)
+        expect(np.all(first == 1) and np.all(second == 2), "the buffers arrived with the wrong contents")
+        return
+    outbox = Outbox(rank=0)
+    first, second = np.full(size, 1.0), np.full(size, 2.0)
+    first_alive = weakref.ref(first)
+    outbox.post(comm.Isend(first, 1, tag=1), first, 1)
+    outbox.post(comm.Isend(second, 1, tag=2), second, 1)
+    outbox.release(first)
+    del first  # from here on, only the outbox keeps it alive
+    expect(outbox.released == 1, f"{outbox.released} sends of released buffers, expected 1")
+    set_default_timeout(5)  # waiting for the second send would time out: rank 1 has not been told to go on
+    outbox.wait_released("the send of the released buffer")
+    set_default_timeout(0)
+    expect(first_alive() is None, "the released buffer is still alive after wait_released")
+    expect(len(outbox) == 1 and outbox.released == 0,
+           f"{len(outbox)} sends ({outbox.released} released) left after wait_released, expected 1 (0)")
+    comm.Send(np.empty(0), 1, tag=GO)
+    outbox.wait_all("the rest")
+
+
+{"stream": stream, "buffer": buffer, "released": released}[sys.argv[1]]()
 deadline.finish(comm, failures, "outbox ok")
