@@ -9,7 +9,11 @@ A TorchLayer is an ordinary mpipar Layer (docs/adapters.md):
               under autograd, with saved-tensor hooks that keep what autograd saves
               in the micro-batch's Context (so the activation cache counts it)
     backward  (dx, grads) = torch.autograd.grad(y, (x, params), dy); grads are added
-              into mpipar's gradient views
+              into mpipar's gradient views. An nn.Linear's weight and bias gradients are
+              not asked of autograd: it gives the gradient at the Linear's output, g, and
+              the adapter writes g^T a (a: the Linear's input) and g summed over rows
+              straight into the views (torch.mm with out=, or addmm_), where autograd
+              would first make a fresh tensor the size of the weight
 
 The parameters are never copied: every forward wraps the views mpipar has bound at that
 moment with `torch.from_dlpack`, so sharded schemes that gather a unit, use it and
@@ -67,11 +71,25 @@ def _storage(tensor) -> int:
 
 
 @dataclass
+class _DirectLinear:
+    """An nn.Linear called once in a forward, whose weight and bias gradients the adapter
+    writes itself from `output`'s gradient and the Linear's input."""
+
+    weight: str  # mpipar's names of its parameters (bias: None without one)
+    bias: str | None
+    output: object  # the Linear's output tensor, a node of the graph (its storage may be let go)
+    input: object  # its input tensor, or a packed reference (see forward's pack) into the layer's input
+
+
+@dataclass
 class _Saved:
     """One micro-batch's forward, kept in its Context until backward."""
 
     output: object  # the output tensor, the root of the graph
-    leaves: list  # the tensors gradients are asked for: the input (if it needs one), then the parameters
+    wants_input: bool  # the input's gradient is asked for (it is leaves[0])
+    leaves: list  # the tensors gradients are asked for: the input, then `parameters`, then each direct Linear's output
+    parameters: list  # names of the parameters whose gradients autograd gives
+    direct: list  # the _DirectLinear's
     input: Array  # the forward's input array, which packed references to it read
     tensors: list = field(default_factory=list)  # what autograd saved that is neither input nor parameter
 
@@ -93,6 +111,9 @@ class TorchLayer(Layer):
         self._specs = [ParamSpec(name, tuple(parameter.shape), self._initial_stream(name), parameter.ndim > 1)
                        for name, parameter in module.named_parameters()]
         self._call = torch.func.functional_call
+        # the Linears whose gradients the adapter writes: plain nn.Linear (a subclass may compute otherwise)
+        self._linears = [(f"{prefix}." if prefix else "", child) for prefix, child in module.named_modules()
+                         if type(child) is torch.nn.Linear]
 
     def param_specs(self) -> list[ParamSpec]:
         return self._specs
@@ -158,33 +179,53 @@ class TorchLayer(Layer):
             tensor.requires_grad_(True)
         wants_input = self.needs_input_grad and x_tensor.is_floating_point()
         x_tensor.requires_grad_(wants_input)
-        saved = _Saved(None, ([x_tensor] if wants_input else []) + list(params.values()), x)
+        saved = _Saved(None, wants_input, [], [], [], x)
         by_storage = {_storage(tensor): name for name, tensor in params.items()}
         input_storage = _storage(x_tensor)
 
-        def pack(tensor):
+        def reference(tensor):
+            """A tensor in a parameter's or the input's storage as (kind, name, shape, stride, offset)."""
             storage = _storage(tensor)
             where = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
             if storage in by_storage:
                 return ("parameter", by_storage[storage], *where)
-            if storage == input_storage:
-                return ("input", None, *where)
-            saved.tensors.append(tensor)
-            return ("tensor", len(saved.tensors) - 1)
+            return ("input", None, *where) if storage == input_storage else None
 
-        def unpack(packed):
-            if packed[0] == "tensor":
-                return saved.tensors[packed[1]]
-            kind, name, shape, stride, offset = packed
-            base = to_torch(self.params[name] if kind == "parameter" else saved.input)
-            return base.as_strided(shape, stride, offset)
+        def pack(tensor):
+            packed = reference(tensor)
+            if packed is None:
+                saved.tensors.append(tensor)
+                packed = ("tensor", len(saved.tensors) - 1)
+            return packed
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            saved.output = self._call(self.module, params, (x_tensor,))
-        for leaf in saved.leaves:  # the graph keeps its leaves: let go of the buffers behind them
+        calls = []  # (Linear's names, input, output) of every call of a Linear
+
+        def seen(names):
+            return lambda module, inputs, output: calls.append((names, inputs[0], output))
+        hooks = [child.register_forward_hook(seen((f"{prefix}weight", child.bias is not None and f"{prefix}bias")))
+                 for prefix, child in self._linears]
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, self._unpack(saved)):
+                saved.output = self._call(self.module, params, (x_tensor,))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        once = [call for call in calls if [names for names, _, _ in calls].count(call[0]) == 1]
+        saved.direct = [_DirectLinear(weight, bias or None, output, reference(a) or a)
+                        for (weight, bias), a, output in once]
+        direct_names = {name for linear in saved.direct for name in (linear.weight, linear.bias)}
+        saved.parameters = [name for name in params if name not in direct_names]
+        saved.leaves = [x_tensor] * wants_input + [params[name] for name in saved.parameters]
+        # the graph keeps its leaves: let go of the buffers behind them
+        for leaf in [x_tensor] * wants_input + list(params.values()):
             leaf.data = torch.empty(0, dtype=leaf.dtype)
         y = from_torch(saved.output, like=x)
         output_storage = _storage(saved.output)
+        kept_storages = {_storage(tensor) for tensor in saved.tensors} | {output_storage}
+        for linear in saved.direct:  # only its place in the graph is needed, unless something else keeps it
+            if _storage(linear.output) not in kept_storages:
+                linear.output.data = torch.empty(0, dtype=linear.output.dtype)
+            saved.leaves.append(linear.output)
         # The cache counts what autograd saved, each buffer once: the output as the array
         # returned (the next layer may keep the same array), the rest as themselves.
         kept = {output_storage: y} if any(_storage(t) == output_storage for t in saved.tensors) else {}
@@ -193,14 +234,23 @@ class TorchLayer(Layer):
         ctx.save(self, saved, x, *kept.values())
         return y
 
+    def _unpack(self, saved: _Saved):
+        def unpack(packed):
+            if packed[0] == "tensor":
+                return saved.tensors[packed[1]]
+            kind, name, shape, stride, offset = packed
+            base = to_torch(self.params[name] if kind == "parameter" else saved.input)
+            return base.as_strided(shape, stride, offset)
+        return unpack
+
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         saved = ctx.pop(self)[0]
         if not saved.leaves:  # no parameters, and no one below wants an input gradient
             return None
-        gradients = torch.autograd.grad(saved.output, saved.leaves, to_torch(dy), allow_unused=True)
-        input_gradient = gradients[0] if len(saved.leaves) > len(self.params) else None
+        gradients = list(torch.autograd.grad(saved.output, saved.leaves, to_torch(dy), allow_unused=True))
+        input_gradient = gradients.pop(0) if saved.wants_input else None
         # torch's in-place ops run on its intra-op threads, NumPy's on one
-        for name, gradient in zip(self.params, gradients[len(gradients) - len(self.params):]):
+        for name, gradient in zip(saved.parameters, gradients):
             target = to_torch(self.grads[name])
             if gradient is None:
                 if self.fresh_grads:
@@ -209,7 +259,37 @@ class TorchLayer(Layer):
                 target.copy_(gradient)
             else:
                 target.add_(gradient)
+        unpack = self._unpack(saved)
+        for linear, gradient in zip(saved.direct, gradients[len(saved.parameters):]):
+            self._linear_gradients(linear, gradient, unpack)
+        # A Linear whose gradient was taken at its output never ran its own backward node, which
+        # still holds its saved tensors' hooks, which hold `saved`, which holds tensors whose
+        # graph leads back to that node: a cycle through C++ that Python cannot collect.
+        # Letting go of the graph here breaks it.
+        saved.output, saved.leaves, saved.direct, saved.tensors = None, [], [], []
         return None if input_gradient is None else from_torch(input_gradient, like=dy)
+
+    def _linear_gradients(self, linear: _DirectLinear, output_gradient, unpack) -> None:
+        """A Linear's dW = g^T a and db = sum of g's rows, written into (or added to) mpipar's views."""
+        weight = to_torch(self.grads[linear.weight])
+        bias = to_torch(self.grads[linear.bias]) if linear.bias else None
+        if output_gradient is None:  # the Linear's output did not reach the loss
+            if self.fresh_grads:
+                weight.zero_()
+                if bias is not None:
+                    bias.zero_()
+            return
+        g = output_gradient.reshape(-1, weight.shape[0])
+        a = (unpack(linear.input) if isinstance(linear.input, tuple) else linear.input).reshape(-1, weight.shape[1])
+        if self.fresh_grads:
+            torch.mm(g.t(), a, out=weight)
+        else:
+            weight.addmm_(g.t(), a)
+        if bias is not None:
+            if self.fresh_grads:
+                torch.sum(g, dim=0, out=bias)
+            else:
+                bias.add_(g.sum(dim=0))
 
 
 def torch_layers(module) -> list[Layer]:
