@@ -5,7 +5,8 @@ parameters, with the parameterless children after it (so the pipeline partitione
 cut between them), and any other module into one TorchLayer.
 A TorchLayer is an ordinary mpipar Layer (docs/adapters.md):
 
-    forward   y = functional_call(module, {name: view of mpipar's buffer}, x)
+    forward   y = module(x) with each parameter swapped for a view of mpipar's buffer (what
+              torch.func.functional_call does, without its generic machinery)
               under autograd, with saved-tensor hooks that keep what autograd saves
               in the micro-batch's Context (so the activation cache counts it)
     backward  (dx, grads) = torch.autograd.grad(y, (x, params), dy); grads are added
@@ -110,10 +111,34 @@ class TorchLayer(Layer):
         self._initial = {name: parameter.detach() for name, parameter in module.named_parameters()}
         self._specs = [ParamSpec(name, tuple(parameter.shape), self._initial_stream(name), parameter.ndim > 1)
                        for name, parameter in module.named_parameters()]
-        self._call = torch.func.functional_call
-        # the Linears whose gradients the adapter writes: plain nn.Linear (a subclass may compute otherwise)
-        self._linears = [(f"{prefix}." if prefix else "", child) for prefix, child in module.named_modules()
-                         if type(child) is torch.nn.Linear]
+        # where each parameter sits: (submodule, attribute, mpipar's name)
+        self._slots = [(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], name)
+                       for name, _ in module.named_parameters()]
+        # The Linears whose gradients the adapter writes: plain nn.Linear (a subclass may compute
+        # otherwise). Their hooks note each call while a training forward runs.
+        self._linear_calls: list | None = None
+        for prefix, child in module.named_modules():
+            if type(child) is torch.nn.Linear:
+                names = (f"{prefix}.weight" if prefix else "weight",
+                         (f"{prefix}.bias" if prefix else "bias") if child.bias is not None else None)
+                child.register_forward_hook(self._noting(names))
+
+    def _noting(self, names: tuple[str, str | None]):
+        def note(module, inputs, output) -> None:
+            if self._linear_calls is not None:
+                self._linear_calls.append((names, inputs[0], output))
+        return note
+
+    def _call(self, params: dict, x):
+        """The module on `x`, its parameters swapped for `params` for the call."""
+        originals = [submodule._parameters[attribute] for submodule, attribute, _ in self._slots]
+        try:
+            for submodule, attribute, name in self._slots:
+                submodule._parameters[attribute] = params[name]
+            return self.module(x)
+        finally:
+            for (submodule, attribute, _), original in zip(self._slots, originals):
+                submodule._parameters[attribute] = original
 
     def param_specs(self) -> list[ParamSpec]:
         return self._specs
@@ -174,7 +199,7 @@ class TorchLayer(Layer):
             self.module.train(ctx.training)
         if not ctx.training:
             with torch.no_grad():
-                return from_torch(self._call(self.module, params, (x_tensor,)), like=x)
+                return from_torch(self._call(params, x_tensor), like=x)
         for tensor in params.values():
             tensor.requires_grad_(True)
         wants_input = self.needs_input_grad and x_tensor.is_floating_point()
@@ -198,21 +223,14 @@ class TorchLayer(Layer):
                 packed = ("tensor", len(saved.tensors) - 1)
             return packed
 
-        calls = []  # (Linear's names, input, output) of every call of a Linear
-
-        def seen(names):
-            return lambda module, inputs, output: calls.append((names, inputs[0], output))
-        hooks = [child.register_forward_hook(seen((f"{prefix}weight", child.bias is not None and f"{prefix}bias")))
-                 for prefix, child in self._linears]
+        calls = self._linear_calls = []  # (Linear's names, input, output) of every call of a Linear
         try:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, self._unpack(saved)):
-                saved.output = self._call(self.module, params, (x_tensor,))
+                saved.output = self._call(params, x_tensor)
         finally:
-            for hook in hooks:
-                hook.remove()
+            self._linear_calls = None
         once = [call for call in calls if [names for names, _, _ in calls].count(call[0]) == 1]
-        saved.direct = [_DirectLinear(weight, bias or None, output, reference(a) or a)
-                        for (weight, bias), a, output in once]
+        saved.direct = [_DirectLinear(weight, bias, output, reference(a) or a) for (weight, bias), a, output in once]
         direct_names = {name for linear in saved.direct for name in (linear.weight, linear.bias)}
         saved.parameters = [name for name in params if name not in direct_names]
         saved.leaves = [x_tensor] * wants_input + [params[name] for name in saved.parameters]
