@@ -34,7 +34,6 @@ from mpi4py import MPI
 from mpipar.cdp import activation_timeline
 from mpipar.comms.cost import Network, predict
 from mpipar.config import TrainConfig
-from mpipar.data import split_micro_batches
 from mpipar.estimate import PHASES
 from mpipar.files import write_atomically
 from mpipar.schedule.cyclic_compiler import compile_cyclic
@@ -77,9 +76,7 @@ def measure_000_state() -> dict:
                           comm=group)
         for first in (0, 4):  # two runs of 4 steps: CDP drains and restarts between them, as between epochs
             if trainer.config.cyclic:
-                trainer.engine.run_steps(first, 4, lambda step, i, trainer=trainer: trainer._to_device(
-                    *trainer.train_set.batch(split_micro_batches(trainer.sampler.global_batch_indices(0, step),
-                                                                 CDP_N)[i])), seed=0, batch_size=256,
+                trainer.engine.run_steps(first, 4, trainer.micro_batch_loader(0), seed=0, batch_size=256,
                                          lr_at=trainer.lr_at)
             else:
                 for step in range(first, first + 4):

@@ -342,6 +342,18 @@ class Trainer:
             self.checkpoints.after_steps(step, self.step_totals[3:])
         return step
 
+    def micro_batch_loader(self, epoch: int):
+        """`load(step, micro_batch)`: the inputs and targets of one micro-batch of the global batch
+        of step `step` (counted from the start of training) in epoch `epoch`, on this run's
+        device: what a plan that runs many steps at once (CDP's `run_steps`) reads its data with."""
+        epoch_start = epoch * self.sampler.steps_per_epoch
+
+        def load(step: int, micro_batch: int):
+            indices = self.sampler.global_batch_indices(epoch, step - epoch_start)
+            return self._to_device(*self.train_set.batch(
+                split_micro_batches(indices, self.config.micro_batches)[micro_batch]))
+        return load
+
     def _epoch_as_one_run(self, epoch: int, first_step: int, report, watch: DivergenceWatch | None = None) -> int:
         """An epoch as one run of the executor, for a plan whose steps overlap in time (CDP), so
         that they cannot be taken one by one; the step losses are summed over
@@ -354,16 +366,13 @@ class Trainer:
         if steps <= 0:
             return first_step
 
-        def load(step: int, micro_batch: int):
-            indices = self.sampler.global_batch_indices(epoch, step - epoch_start)
-            return self._to_device(*self.train_set.batch(split_micro_batches(indices, cfg.micro_batches)[micro_batch]))
-
         def progress(step: int, mine, computed: int) -> None:  # mine: this rank's [loss, correct, predictions]
             report.progress(step, epoch, self, loss=float(mine[0]), accuracy=float(mine[1] / max(mine[2], 1)),
                             lr=self.lr_at(step), share=(computed, cfg.micro_batches))
 
         start = time.perf_counter()
-        totals = self.engine.run_steps(first_step, steps, load, seed=cfg.seed, batch_size=cfg.batch_size,
+        totals = self.engine.run_steps(first_step, steps, self.micro_batch_loader(epoch), seed=cfg.seed,
+                                       batch_size=cfg.batch_size,
                                        lr_at=self.lr_at, on_step=progress if report else None)
         seconds = (time.perf_counter() - start) / steps
         summed = np.concatenate([totals.reshape(-1), self.checkpoints.flags()])

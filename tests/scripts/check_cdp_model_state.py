@@ -22,7 +22,6 @@ from mpi4py import MPI
 
 import deadline
 from mpipar.config import TrainConfig
-from mpipar.data import split_micro_batches
 from mpipar.trainer import Trainer
 
 deadline.arm(300)
@@ -41,11 +40,8 @@ def train(trainer: Trainer) -> None:
     for run in range(RUNS):
         first = run * STEPS
         if trainer.config.cyclic:
-            def load(step: int, i: int):
-                indices = trainer.sampler.global_batch_indices(0, step)
-                return trainer._to_device(*trainer.train_set.batch(split_micro_batches(indices, W)[i]))
-
-            trainer.engine.run_steps(first, STEPS, load, seed=0, batch_size=COMMON["batch_size"], lr_at=trainer.lr_at)
+            trainer.engine.run_steps(first, STEPS, trainer.micro_batch_loader(0), seed=0,
+                                     batch_size=COMMON["batch_size"], lr_at=trainer.lr_at)
         else:
             for step in range(first, first + STEPS):
                 trainer.train_step(step, 0, step)
