@@ -67,6 +67,12 @@ def from_torch(tensor, like: Array) -> Array:
     return array_module(like).from_dlpack(tensor.detach())
 
 
+def _empty_like(tensor):
+    """An empty tensor to point `tensor` at, on its device: a graph leaf moved to another device
+    is no longer the tensor autograd was asked about, and gets no gradient (seen on CUDA)."""
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+
 def _storage(tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
@@ -236,13 +242,13 @@ class TorchLayer(Layer):
         saved.leaves = [x_tensor] * wants_input + [params[name] for name in saved.parameters]
         # the graph keeps its leaves: let go of the buffers behind them
         for leaf in [x_tensor] * wants_input + list(params.values()):
-            leaf.data = torch.empty(0, dtype=leaf.dtype)
+            leaf.data = _empty_like(leaf)
         y = from_torch(saved.output, like=x)
         output_storage = _storage(saved.output)
         kept_storages = {_storage(tensor) for tensor in saved.tensors} | {output_storage}
         for linear in saved.direct:  # only its place in the graph is needed, unless something else keeps it
             if _storage(linear.output) not in kept_storages:
-                linear.output.data = torch.empty(0, dtype=linear.output.dtype)
+                linear.output.data = _empty_like(linear.output)
             saved.leaves.append(linear.output)
         # The cache counts what autograd saved, each buffer once: the output as the array
         # returned (the next layer may keep the same array), the rest as themselves.

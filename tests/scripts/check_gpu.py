@@ -1,0 +1,168 @@
+"""On a GPU: mpipar's CuPy path, and the PyTorch adapter on CUDA, against the CPU and torch alone.
+
+Not run by the test suite (CI has no GPU). On a machine with a GPU, CuPy and torch CUDA:
+
+    python tests/scripts/check_gpu.py                # one process
+    mpiexec -n 2 python tests/scripts/check_gpu.py   # two ranks sharing the GPU
+
+Each case prints one line on rank 0: ok or FAILED, with the largest difference or the
+error (rank 0's traceback goes to stderr). The cases:
+  - the built-in MLP (digits, float64, 3 steps) under ddp: the parameters on the GPU
+    equal the same run's on the CPU, rtol 1e-10; zero3 and, on 2 ranks, 1f1b are refused
+    on a GPU with one sentence (their messages would need a CUDA-aware MPI);
+  - the torch MLP of examples/torch_mlp.py (float64, SGD with momentum, 3 steps) through
+    mpipar on the GPU equals torch alone on CUDA, rtol 1e-10, and its parameters live in
+    mpipar's CuPy buffer;
+  - one process only: samples/s of the torch MLP 784-512-512-10 (float32, batch 256, the
+    model of benchmarks/torch_stages.py) through mpipar on the GPU against a plain torch
+    CUDA loop, each the median of 5 rounds of 50 steps.
+"""
+
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from mpipar.backend import to_host
+from mpipar.config import TrainConfig
+from mpipar.data import GlobalBatchSampler, load_dataset
+from mpipar.errors import ConfigError
+from mpipar.trainer import Trainer
+
+world = MPI.COMM_WORLD
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=48, lr=0.05, log_every=1000, seed=3,
+              comm_timeout=60)
+
+
+def parameters(trainer: Trainer) -> np.ndarray:
+    return np.concatenate([to_host(v).reshape(-1) for v in trainer.full_parameters().values()])
+
+
+def trained(**options) -> Trainer:
+    trainer = Trainer(TrainConfig(**{**COMMON, **options}))
+    trainer.run()
+    return trainer
+
+
+def compared(got: np.ndarray, expected: np.ndarray) -> str:
+    if got.shape != expected.shape:
+        return f"FAILED: {got.size} parameters against {expected.size}"
+    error = float(np.abs(got - expected).max())
+    return f"{'ok' if np.allclose(got, expected, rtol=1e-10, atol=0) else 'FAILED'}, largest difference {error:.2e}"
+
+
+def gpu_equals_cpu(options: dict):
+    return lambda: compared(parameters(trained(**options, device="gpu")), parameters(trained(**options)))
+
+
+def refused_on_gpu(options: dict):
+    def run() -> str:
+        try:
+            trained(**options, device="gpu")
+        except ConfigError as error:
+            return f"{'ok' if 'on a GPU' in str(error) else 'FAILED'}, refused: {error}"
+        return "FAILED: it ran"
+    return run
+
+
+def torch_on_cuda_equals_torch_alone() -> str:
+    import cupy
+    import torch
+
+    spec, options = f"{EXAMPLES}/torch_mlp.py:build", dict(optimizer="sgd", momentum=0.9)
+    trainer = trained(**options, model=spec, scheme="ddp", device="gpu")
+    flat = trainer.stages[0].flat.data
+    low, high = flat.data.ptr, flat.data.ptr + flat.nbytes
+    outside = [name for layer in trainer.model.layers for name, p in layer.module.named_parameters()
+               if not (p.is_cuda and low <= p.data_ptr() < high)]
+    assert isinstance(flat, cupy.ndarray) and not outside, f"parameters outside mpipar's CuPy buffer: {outside}"
+    train_set, _ = load_dataset("digits")
+    torch.manual_seed(COMMON["seed"])
+    from torch_mlp import build
+    module = build(train_set.input_shape, train_set.num_classes).double().cuda()
+    optimizer = torch.optim.SGD(module.parameters(), lr=COMMON["lr"], momentum=options["momentum"])
+    sampler = GlobalBatchSampler(len(train_set), COMMON["batch_size"], COMMON["seed"])
+    for step in range(COMMON["max_steps"]):
+        inputs, targets = train_set.batch(sampler.global_batch_indices(0, step))
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(module(torch.from_numpy(inputs.astype(np.float64)).cuda()),
+                                          torch.from_numpy(targets).long().cuda()).backward()
+        optimizer.step()
+    alone = np.concatenate([p.detach().cpu().numpy().reshape(-1) for p in module.parameters()])
+    return compared(parameters(trainer), alone)
+
+
+def torch_speed_on_cuda() -> str:
+    import cupy
+    import torch
+
+    batch, steps, rounds = 256, 50, 5
+    trainer = Trainer(TrainConfig(model=f"{EXAMPLES}/torch_mlp.py:build_wide", dataset="synthetic", batch_size=batch,
+                                  lr=0.01, optimizer="sgd", momentum=0.9, seed=0, log_every=10**6, scheme="ddp",
+                                  device="gpu"))
+    per_epoch = trainer.sampler.steps_per_epoch
+    from torch_mlp import build_wide
+    train_set, _ = load_dataset("synthetic")
+    module, loss_fn = build_wide(train_set.input_shape, train_set.num_classes)
+    module = module.cuda()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
+    sampler = GlobalBatchSampler(len(train_set), batch, 0)
+    position = {"mpipar": 0, "torch": 0}
+
+    def mpipar_steps() -> None:
+        for _ in range(steps):
+            step = position["mpipar"]
+            trainer.train_step(step, step // per_epoch, step % per_epoch)
+            position["mpipar"] += 1
+        cupy.cuda.Device().synchronize()
+
+    def torch_steps() -> None:
+        for _ in range(steps):
+            epoch, within = divmod(position["torch"], sampler.steps_per_epoch)
+            inputs, targets = train_set.batch(sampler.global_batch_indices(epoch, within))
+            optimizer.zero_grad()
+            loss = loss_fn(module(torch.from_numpy(inputs).cuda()), torch.from_numpy(targets).long().cuda())
+            loss.backward()
+            optimizer.step()
+            float(loss.detach())  # both sides read the loss each step
+            position["torch"] += 1
+        torch.cuda.synchronize()
+
+    rates = {"mpipar": [], "torch": []}
+    sides = {"mpipar": mpipar_steps, "torch": torch_steps}
+    for run in sides.values():
+        run()  # warm-up
+    for round_ in range(rounds):
+        for name in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
+            start = time.perf_counter()
+            sides[name]()
+            rates[name].append(steps * batch / (time.perf_counter() - start))
+    ratio = statistics.median(a / b for a, b in zip(rates["mpipar"], rates["torch"]))
+    return (f"mpipar {statistics.median(rates['mpipar']):,.0f} samples/s, torch {statistics.median(rates['torch']):,.0f}"
+            f" samples/s, mpipar / torch {ratio:.3f} (median of per-round ratios)")
+
+
+def case(label: str, run) -> None:
+    try:
+        result = run()
+    except Exception as error:  # one case failing must not hide the others
+        result = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if world.rank == 0:
+            traceback.print_exc()
+    if world.rank == 0:
+        print(f"{label} on {world.size} rank(s): {result}", flush=True)
+
+
+sys.path.insert(0, str(EXAMPLES))  # torch_mlp, the example's builders
+case("mlp ddp gpu = cpu", gpu_equals_cpu(dict(scheme="ddp")))
+case("mlp zero3 on a gpu", refused_on_gpu(dict(scheme="zero3", micro_batches=2)))
+if world.size > 1:
+    case("mlp 1f1b on a gpu", refused_on_gpu(dict(scheme="1f1b", stages=world.size, micro_batches=4)))
+case("torch mlp ddp on cuda = torch alone on cuda", torch_on_cuda_equals_torch_alone)
+if world.size == 1:
+    case("torch mlp 784-512-512-10 speed on cuda", torch_speed_on_cuda)
