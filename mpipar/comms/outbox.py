@@ -53,25 +53,25 @@ class Outbox:
 
     def release(self, buffer) -> None:
         """Its owner has let go of `buffer`: the sends that read it are all that keep it alive."""
-        for i, sent in enumerate(self._buffers):
-            if sent is buffer or np.shares_memory(sent, buffer):
-                self._released[i] = True
+        for i in self._readers(buffer):
+            self._released[i] = True
 
     def wait_released(self, what: str) -> None:
         """Block until every send of a released buffer has completed, so the buffer is freed."""
-        released = [i for i, flag in enumerate(self._released) if flag]
-        if released:
-            wait_requests([self._requests[i] for i in released], what, [self._peers[i] for i in released],
-                          rank=self.rank)
-            self._forget_completed()
+        self._wait_for([i for i, flag in enumerate(self._released) if flag], what)
 
     def wait_buffer(self, buffer, what: str) -> None:
         """Block until every send that reads `buffer` (or memory it shares) has completed,
         so that the caller may overwrite it; other sends stay in flight."""
-        readers = [i for i, sent in enumerate(self._buffers) if sent is buffer or np.shares_memory(sent, buffer)]
-        if readers:
-            wait_requests([self._requests[i] for i in readers], what, [self._peers[i] for i in readers],
-                          rank=self.rank)
+        self._wait_for(self._readers(buffer), what)
+
+    def _readers(self, buffer) -> list[int]:
+        """The sends that read `buffer` or memory it shares."""
+        return [i for i, sent in enumerate(self._buffers) if sent is buffer or np.shares_memory(sent, buffer)]
+
+    def _wait_for(self, sends: list[int], what: str) -> None:
+        if sends:
+            wait_requests([self._requests[i] for i in sends], what, [self._peers[i] for i in sends], rank=self.rank)
             self._forget_completed()
 
     def _forget_completed(self) -> None:
