@@ -25,6 +25,7 @@ Torch and BLAS use one thread per rank on 2 ranks (2 cores here), and two on 1 p
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -122,7 +123,14 @@ def main() -> None:
                   f"{min(values):,.0f}-{max(values):,.0f})")
         print(f"  mpipar / {other}: {ratio:.3f} (median of per-round ratios)")
     if distributed:
+        # gloo's threads must be idle and DDP's reducer gone before the group is torn down, on
+        # both ranks at once: one rank closing its sockets under the other's live group aborted
+        # that rank ("terminate called without an active exception") once in CI.
+        sides.clear()
+        gc.collect()
+        world.Barrier()
         torch.distributed.destroy_process_group()
+        world.Barrier()
 
 
 if __name__ == "__main__":
