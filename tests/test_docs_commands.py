@@ -72,6 +72,7 @@ BENCHMARK_COUNTS = {
     "benchmarks/cdp.py": "--steps 2 --rounds 1",
     "benchmarks/torch_memory.py": "--steps 1 --warmup 1",
     "benchmarks/torch_stages.py": "--steps 2 --warmup 1 --rounds 1",
+    "benchmarks/torch_overhead.py": "--steps 2 --warmup 1 --rounds 1",
 }
 INJECTIONS = [  # (pattern a command must contain, what to append to it)
     (re.compile(r"(\bmpipar|main\(\)\")\s+train\b(?!.*--help)"), "--max-steps 2"),
