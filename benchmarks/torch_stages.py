@@ -49,9 +49,13 @@ BUILDER = Path(__file__).resolve().parents[1] / "examples" / "torch_mlp.py"
 BATCH, LR, MOMENTUM, SEED = 256, 0.01, 0.9, 0
 
 
+def make_trainer() -> Trainer:
+    return Trainer(TrainConfig(model=f"{BUILDER}:build_wide", dataset="synthetic", batch_size=BATCH, lr=LR,
+                               optimizer="sgd", momentum=MOMENTUM, seed=SEED, log_every=10**6, scheme="ddp"))
+
+
 def mpipar_side() -> Callable[[int], None]:
-    trainer = Trainer(TrainConfig(model=f"{BUILDER}:build_wide", dataset="synthetic", batch_size=BATCH, lr=LR,
-                                  optimizer="sgd", momentum=MOMENTUM, seed=SEED, log_every=10**6, scheme="ddp"))
+    trainer = make_trainer()
     steps_per_epoch = trainer.sampler.steps_per_epoch
     step = [0]
 
