@@ -50,7 +50,10 @@ def signal_the_launcher(ranks: int, arguments: list[str], token: str, number: in
         deadline = time.monotonic() + 90
         while not (len([pid for pid in processes_with(token) if catches(pid, number)]) == ranks and ready()):
             assert launcher.poll() is None, f"the job ended before it was signalled:\n{launcher.communicate()}"
-            assert time.monotonic() < deadline, "the ranks never installed the signal report"
+            assert time.monotonic() < deadline, (
+                f"the ranks never installed the signal report: processes {processes_with(token)}, of which "
+                f"{[pid for pid in processes_with(token) if catches(pid, number)]} catch signal {number}; "
+                f"ready: {ready()}")
             time.sleep(0.2)
         os.kill(launcher.pid, number)
         stdout, stderr = launcher.communicate(timeout=60)
@@ -70,7 +73,9 @@ def signal_the_launcher(ranks: int, arguments: list[str], token: str, number: in
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_launcher_during_training_is_named(tmp_path, number):
     metrics = tmp_path / "run.jsonl"
-    arguments = [sys.executable, "-m", "mpipar", "train", "--epochs", "50", "--log-every", "1",
+    # Far more epochs than the test waits for: 50 took 1.7 s, and a machine under load let
+    # the ranks finish before the wait below saw them ready, which then timed out.
+    arguments = [sys.executable, "-m", "mpipar", "train", "--epochs", "100000", "--log-every", "1",
                  "--metrics", str(metrics)]
     status, output, left = signal_the_launcher(
         2, arguments, str(metrics), number, ready=lambda: metrics.exists() and metrics.stat().st_size > 0)
