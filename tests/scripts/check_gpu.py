@@ -60,6 +60,35 @@ def gpu_equals_cpu(options: dict):
     return lambda: compared(parameters(trained(**options, device="gpu")), parameters(trained(**options)))
 
 
+def optimizers_on_gpu_equal_cpu_bit_for_bit() -> str:
+    """Three updates of every optimizer on random pieces, on CuPy (the fused kernels) and on
+    NumPy (in chunks); parameters and state must be the same bits."""
+    import cupy
+
+    from mpipar.optim import make_optimizer
+
+    rng = np.random.default_rng(0)
+    different = []
+    for dtype in (np.float32, np.float64):
+        sizes = (200_003, 1_000)  # more than three chunks, and less than one
+        for name, options in (("sgd", dict(momentum=0.0)), ("sgd", dict(momentum=0.9, weight_decay=0.01)),
+                              ("adam", dict(weight_decay=0.01)), ("adamw", dict(weight_decay=0.01))):
+            params = [rng.standard_normal(size).astype(dtype) for size in sizes]
+            grads = [[rng.standard_normal(size).astype(dtype) for size in sizes] for _ in range(3)]
+            decay = [[(0, 150_000)], [(0, 1_000)]]
+            sides = {}
+            for xp in (np, cupy):
+                state = [xp.array(piece) for piece in params]  # copies: NumPy updates in place
+                optimizer = make_optimizer(name, state, [xp.array(g) for g in grads[0]], decay, **options)
+                for step in range(3):
+                    optimizer.bind(grads=[xp.array(g) for g in grads[step]])
+                    optimizer.step(0.01)
+                sides[xp.__name__] = [cupy.asnumpy(piece) for piece in state] + [cupy.asnumpy(optimizer.state)]
+            if not all(np.array_equal(a, b) for a, b in zip(sides["numpy"], sides["cupy"])):
+                different.append(f"{name} {options} {np.dtype(dtype).name}")
+    return f"FAILED: differ in {different}" if different else "ok, 16 cases, every bit equal"
+
+
 def refused_on_gpu(options: dict):
     def run() -> str:
         try:
@@ -159,7 +188,9 @@ def case(label: str, run) -> None:
 
 
 sys.path.insert(0, str(EXAMPLES))  # torch_mlp, the example's builders
+case("optimizer updates on the gpu = cpu", optimizers_on_gpu_equal_cpu_bit_for_bit)
 case("mlp ddp gpu = cpu", gpu_equals_cpu(dict(scheme="ddp")))
+case("mlp ddp sgd gpu = cpu", gpu_equals_cpu(dict(scheme="ddp", optimizer="sgd", momentum=0.9)))
 case("mlp zero3 on a gpu", refused_on_gpu(dict(scheme="zero3", micro_batches=2)))
 if world.size > 1:
     case("mlp 1f1b on a gpu", refused_on_gpu(dict(scheme="1f1b", stages=world.size, micro_batches=4)))
