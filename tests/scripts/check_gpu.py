@@ -7,8 +7,12 @@ Not run by the test suite (CI has no GPU). On a machine with a GPU, CuPy and tor
 
 Each case prints one line on rank 0: ok or FAILED, with the largest difference or the
 error (rank 0's traceback goes to stderr). The cases:
-  - the built-in MLP (digits, float64, 3 steps) under ddp: the parameters on the GPU
-    equal the same run's on the CPU, rtol 1e-10; zero3 and, on 2 ranks, 1f1b are refused
+  - every optimizer (SGD with and without momentum, Adam, AdamW, with weight decay),
+    three updates on random pieces, float32 and float64: CuPy's fused kernels give the
+    same bits as NumPy's chunked update;
+  - the built-in MLP (digits, float64, 3 steps) under ddp, with Adam and with SGD: the
+    parameters on the GPU equal the same run's on the CPU, rtol 1e-10; zero3 and, on 2
+    ranks, 1f1b are refused
     on a GPU with one sentence (their messages would need a CUDA-aware MPI);
   - the torch MLP of examples/torch_mlp.py (float64, SGD with momentum, 3 steps) through
     mpipar on the GPU equals torch alone on CUDA, rtol 1e-10, and its parameters live in
