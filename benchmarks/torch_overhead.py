@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from typing import Callable
 
 import numpy as np
+import torch_stages as stages
 from mpi4py import MPI
-from torch_stages import BATCH, BUILDER, SEED, THREADS, make_trainer, mpipar_side, torch, torch_side
+from torch_stages import BATCH, BUILDER, SEED, THREADS, torch
 
 from mpipar.cache import Context
 from mpipar.data import GlobalBatchSampler, load_dataset
@@ -35,7 +35,7 @@ from mpipar.data import GlobalBatchSampler, load_dataset
 
 def adapter_forward_backward(inputs: np.ndarray, targets: np.ndarray) -> Callable[[int], None]:
     """The adapter's layers and loss on one batch, called as the executor calls them."""
-    trainer = make_trainer()
+    trainer = stages.make_trainer()
     stage, loss_fn = trainer.stages[0], trainer.loss_fn
     stage.flat.bind(0, stage.flat.size, grad=np.zeros(stage.flat.size, dtype=np.float32))
     layers = stage.layers
@@ -84,21 +84,18 @@ def main() -> None:
     inputs, targets = train_set.batch(GlobalBatchSampler(len(train_set), BATCH, SEED).global_batch_indices(0, 0))
     pairs = {"forward+backward": (adapter_forward_backward(inputs, targets),
                                   torch_forward_backward(train_set, inputs, targets)),
-             "whole step": (mpipar_side(), torch_side(MPI.COMM_WORLD, distributed=False))}
+             "whole step": (stages.mpipar_side(), stages.torch_side(MPI.COMM_WORLD, distributed=False))}
     print(f"torch MLP 784-512-512-10, float32, batch {BATCH}, 1 process, {THREADS} threads, {args.rounds} rounds of "
           f"{args.steps} calls")
     for name, sides in pairs.items():
         for side in sides:
             side(args.warmup)
-        times: tuple[list, list] = ([], [])
-        for round_ in range(args.rounds):
-            for index in ((0, 1) if round_ % 2 == 0 else (1, 0)):
-                start = time.perf_counter()
-                sides[index](args.steps)
-                times[index].append((time.perf_counter() - start) / args.steps * 1e3)
-        ratio = statistics.median(b / a for a, b in zip(*times))
-        print(f"  {name:17s} mpipar {statistics.median(times[0]):6.3f} ms, torch {statistics.median(times[1]):6.3f} "
-              f"ms, torch / mpipar {ratio:.3f} (median of per-round ratios)")
+        seconds = stages.alternating_rounds(dict(zip(("mpipar", "torch"), sides)), args.steps, args.rounds)
+        ms = {side: [value / args.steps * 1e3 for value in rounds] for side, rounds in seconds.items()}
+        ratio = statistics.median(b / a for a, b in zip(ms["mpipar"], ms["torch"]))
+        print(f"  {name:17s} mpipar {statistics.median(ms['mpipar']):6.3f} ms, "
+              f"torch {statistics.median(ms['torch']):6.3f} ms, "
+              f"torch / mpipar {ratio:.3f} (median of per-round ratios)")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,21 @@ def torch_side(world, distributed: bool) -> Callable[[int], None]:
     return run
 
 
+def alternating_rounds(sides: dict[str, Callable[[int], None]], steps: int, rounds: int,
+                       barrier: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Seconds of each round of `steps` steps, per side: the sides take turns, their order
+    flipped every round, so that the machine's drift hits both alike."""
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    for round_ in range(rounds):
+        for name in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
+            barrier()
+            start = time.perf_counter()
+            sides[name](steps)
+            barrier()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="steps per timed round and side")
@@ -109,14 +124,8 @@ def main() -> None:
     sides = {"mpipar": mpipar_side(), "gloo" if distributed else "torch": torch_side(world, distributed)}
     for run in sides.values():
         run(args.warmup)
-    rates = {name: [] for name in sides}
-    for round_ in range(args.rounds):
-        for name in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
-            world.Barrier()
-            start = time.perf_counter()
-            sides[name](args.steps)
-            world.Barrier()
-            rates[name].append(args.steps * BATCH / (time.perf_counter() - start))
+    rates = {name: [args.steps * BATCH / seconds for seconds in rounds]
+             for name, rounds in alternating_rounds(sides, args.steps, args.rounds, world.Barrier).items()}
     if world.rank == 0:
         other = list(sides)[1]
         ratio = statistics.median(a / b for a, b in zip(rates["mpipar"], rates[other]))

@@ -48,12 +48,14 @@ def signal_the_launcher(ranks: int, arguments: list[str], token: str, number: in
                                 text=True, start_new_session=True, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
     try:
         deadline = time.monotonic() + 90
-        while not (len([pid for pid in processes_with(token) if catches(pid, number)]) == ranks and ready()):
+        while True:
+            found = processes_with(token)
+            catching = [pid for pid in found if catches(pid, number)]
+            if len(catching) == ranks and ready():
+                break
             assert launcher.poll() is None, f"the job ended before it was signalled:\n{launcher.communicate()}"
-            assert time.monotonic() < deadline, (
-                f"the ranks never installed the signal report: processes {processes_with(token)}, of which "
-                f"{[pid for pid in processes_with(token) if catches(pid, number)]} catch signal {number}; "
-                f"ready: {ready()}")
+            assert time.monotonic() < deadline, (f"the ranks never installed the signal report: processes {found}, "
+                                                 f"of which {catching} catch signal {number}; ready: {ready()}")
             time.sleep(0.2)
         os.kill(launcher.pid, number)
         stdout, stderr = launcher.communicate(timeout=60)
