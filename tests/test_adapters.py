@@ -137,6 +137,43 @@ def test_a_torch_linear_s_weight_gradient_is_written_into_mpipar_s_view_with_no_
     del torch
 
 
+def test_a_module_with_linears_inside_is_one_layer_whose_gradients_are_torch_s(tmp_path):
+    """Any module other than an nn.Sequential is one TorchLayer; a Linear inside it whose input
+    another Linear made reads that input from the graph, and its weight gradient is written
+    into mpipar's view all the same (it once failed: torch's mm with out= refused the input
+    because the graph wants its gradient)."""
+    torch = pytest.importorskip("torch")
+    builder = tmp_path / "two.py"
+    builder.write_text("import torch\n"
+                       "class Two(torch.nn.Module):\n"
+                       "    def __init__(self):\n"
+                       "        super().__init__()\n"
+                       "        self.a, self.b = torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)\n"
+                       "    def forward(self, x):\n"
+                       "        return self.b(torch.relu(self.a(x)))\n"
+                       "def build(shape, classes):\n"
+                       "    return Two().double()\n")
+    model, _ = build_user_model(f"{builder}:build", (6,), 3)
+    (layer,) = model.layers
+    rng = np.random.default_rng(0)
+    named = dict(layer.module.named_parameters())
+    layer.params = {name: parameter.detach().numpy().copy() for name, parameter in named.items()}
+    layer.grads = {name: np.empty(tuple(parameter.shape)) for name, parameter in named.items()}
+    x, dy = rng.normal(size=(4, 6)), rng.normal(size=(4, 3))
+    inputs = torch.from_numpy(x).requires_grad_(True)
+    expected = layer.module(inputs)
+    expected.backward(torch.from_numpy(dy))
+    for times, fresh in ((1, True), (2, False)):  # written, then added to (micro-batches)
+        layer.fresh_grads = fresh
+        ctx = ActivationCache().context(0, 0)
+        y = layer.forward(x, ctx)
+        dx = layer.backward(dy, ctx)
+        np.testing.assert_allclose(y, expected.detach().numpy(), rtol=1e-12)
+        np.testing.assert_allclose(dx, inputs.grad.numpy(), rtol=1e-12)
+        for name, parameter in named.items():
+            np.testing.assert_allclose(layer.grads[name], times * parameter.grad.numpy(), rtol=1e-12, err_msg=name)
+
+
 def test_torch_modules_that_cannot_work_are_refused(tmp_path):
     pytest.importorskip("torch")
     builder = tmp_path / "models.py"

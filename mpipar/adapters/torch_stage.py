@@ -304,7 +304,9 @@ class TorchLayer(Layer):
                     bias.zero_()
             return
         g = output_gradient.reshape(-1, weight.shape[0])
-        a = (unpack(linear.input) if isinstance(linear.input, tuple) else linear.input).reshape(-1, weight.shape[1])
+        # an input made inside the module (another Linear's activation) is a node of the graph
+        a = (unpack(linear.input) if isinstance(linear.input, tuple) else linear.input.detach()).reshape(
+            -1, weight.shape[1])
         if self.fresh_grads:
             torch.mm(g.t(), a, out=weight)
         else:
