@@ -27,7 +27,7 @@ def test_a_framework_model_equals_the_framework_alone(framework, ranks):
     pytest.importorskip(framework, reason=f"{framework} is not installed (pip install 'mpipar[{framework}]')")
     result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_frameworks.py"), framework, timeout=500)
     assert result.returncode == 0, result.stdout + result.stderr
-    cases = 28 if framework == "torch" else 14  # (2 models or 1) x 2 optimizers x 7 schemes
+    cases = 42 if framework == "torch" else 14  # (3 models or 1) x 2 optimizers x 7 schemes
     assert f"{framework} equals itself trained alone in {cases} cases per rank" in result.stdout
 
 

@@ -1,7 +1,8 @@
 """PyTorch and JAX models through mpipar's schemes equal the same model trained by the framework alone.
 
 Run by tests/test_adapters.py as `mpiexec -n 2|4 python check_frameworks.py torch|jax`. For a
-torch MLP and a torch CNN (examples/torch_mlp.py, examples/torch_cnn.py), or the JAX MLP
+torch MLP, a torch CNN and a torch residual MLP of its own modules (examples/torch_mlp.py,
+examples/torch_cnn.py, examples/torch_residual.py), or the JAX MLP
 (examples/jax_mlp.py), under ddp, zero3, paro-iig (M = 2), gpipe and 1f1b (S = world size),
 with SGD (momentum, weight decay) and Adam, 3 float64 steps must equal, rtol 1e-10, the
 framework's own one-process training on the same global batches: torch's optimizers and
@@ -30,7 +31,8 @@ deadline.arm(400)
 world = MPI.COMM_WORLD
 framework = sys.argv[1]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-MODELS = {"torch": {"mlp": f"{EXAMPLES}/torch_mlp.py:build", "cnn": f"{EXAMPLES}/torch_cnn.py:build"},
+MODELS = {"torch": {"mlp": f"{EXAMPLES}/torch_mlp.py:build", "cnn": f"{EXAMPLES}/torch_cnn.py:build",
+                    "residual": f"{EXAMPLES}/torch_residual.py:build"},
           "jax": {"mlp": f"{EXAMPLES}/jax_mlp.py:build"}}[framework]
 OPTIMIZERS = {"sgd": dict(optimizer="sgd", momentum=0.9, weight_decay=1e-3), "adam": dict(optimizer="adam")}
 COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=48, lr=0.05, log_every=1000, seed=3)
