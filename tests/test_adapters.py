@@ -174,6 +174,25 @@ def test_a_module_with_linears_inside_is_one_layer_whose_gradients_are_torch_s(t
             np.testing.assert_allclose(layer.grads[name], times * parameter.grad.numpy(), rtol=1e-12, err_msg=name)
 
 
+def test_a_torch_loss_gives_its_micro_batch_s_share_of_the_mean_and_its_gradient():
+    """A micro-batch of 6 rows of a global batch of 24 adds a quarter of its mean loss, and its
+    gradient is a quarter of the mean's (the share enters as the output gradient)."""
+    torch = pytest.importorskip("torch")
+    from mpipar.adapters.torch_stage import TorchLoss
+
+    rng = np.random.default_rng(0)
+    logits, targets = rng.normal(size=(6, 4)), rng.integers(0, 4, size=6)
+    loss = TorchLoss(torch.nn.CrossEntropyLoss())
+    ctx = ActivationCache().context(0, 0)
+    value = loss.forward(logits, targets, ctx, 24)
+    gradient = loss.backward(ctx)
+    tensor = torch.from_numpy(logits).requires_grad_(True)
+    mean = torch.nn.functional.cross_entropy(tensor, torch.from_numpy(targets))
+    mean.backward()
+    assert value == pytest.approx(float(mean.detach()) / 4, rel=1e-14)
+    np.testing.assert_allclose(gradient, tensor.grad.numpy() / 4, rtol=1e-14)
+
+
 def test_torch_modules_that_cannot_work_are_refused(tmp_path):
     pytest.importorskip("torch")
     builder = tmp_path / "models.py"

@@ -71,10 +71,16 @@ def from_torch(tensor, like: Array) -> Array:
     return array_module(like).from_dlpack(tensor.detach())
 
 
+_EMPTY: dict = {}  # (dtype, device) -> one empty tensor, which any number of tensors may point at
+
+
 def _empty_like(tensor):
     """An empty tensor to point `tensor` at, on its device: a graph leaf moved to another device
     is no longer the tensor autograd was asked about, and gets no gradient (seen on CUDA)."""
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    key = (tensor.dtype, tensor.device)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return _EMPTY[key]
 
 
 def _storage(tensor) -> int:
@@ -364,11 +370,14 @@ class TorchLoss:
             with torch.no_grad():
                 return float(self.fn(to_torch(logits), to_torch(targets))) * rows / global_batch
         logits_tensor = to_torch(logits).requires_grad_(True)
+        share = rows / global_batch
         with torch.enable_grad():
-            loss = self.fn(logits_tensor, to_torch(targets)) * (rows / global_batch)
-        (gradient,) = torch.autograd.grad(loss, logits_tensor)
+            loss = self.fn(logits_tensor, to_torch(targets))
+        # the share enters as the output gradient: one graph node fewer than multiplying the loss
+        output_gradient = torch.full((), share, dtype=loss.dtype, device=loss.device)
+        (gradient,) = torch.autograd.grad(loss, logits_tensor, output_gradient)
         ctx.save(self, gradient, logits)
-        return float(loss.detach())
+        return float(loss.detach()) * share
 
     def backward(self, ctx: Context) -> Array:
         gradient, logits = ctx.pop(self)
