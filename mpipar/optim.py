@@ -20,7 +20,9 @@ whatever the model's size: a full-size scratch buffer would cost as much memory 
 parameters of a ZeRO-3 rank. On a GPU (CuPy) each update of a piece is one fused kernel
 (`_fused`), with NumPy's operations in NumPy's order and no fused multiply-adds, so it
 rounds as the CPU does, bit for bit (tests/scripts/check_gpu.py checks it); only the
-decay terms still use the workspace there. The gradient buffer is overwritten with g + wd p by
+decay terms still use the workspace there. In a run of torch stages on the CPU, torch's
+in-place kernels update each piece instead, on torch's threads and in torch.optim's order
+(`updates`, mpipar/adapters/torch_updates.py). The gradient buffer is overwritten with g + wd p by
 coupled decay, because the next backward overwrites it anyway. `state_bytes` is the
 optimizer state proper (seed 004's K per parameter). An engine whose buffers change
 between updates (the cyclic engine: weight versions, gradients and state that arrive
@@ -79,7 +81,7 @@ class _PiecewiseOptimizer:
     """Pieces and the buffers every optimizer needs: one flat buffer per state kind."""
 
     def __init__(self, params: Sequence, grads: Sequence, decay: Sequence[Spans], state_kinds: int,
-                 state=None, workspace=None) -> None:
+                 state=None, workspace=None, updates=None) -> None:
         if not len(params) == len(grads) == len(decay):
             raise ValueError(f"an optimizer needs as many gradients and decay spans as parameter pieces; got "
                              f"{len(params)}, {len(grads)}, {len(decay)}")
@@ -97,6 +99,7 @@ class _PiecewiseOptimizer:
         elif len(workspace) < needed:
             raise ValueError(f"a workspace of {len(workspace)} elements given; this optimizer needs {needed}")
         self.workspace = workspace
+        self.updates = updates  # another way to update a piece on the CPU (mpipar/adapters/torch_updates.py)
 
     def _bind_state(self, state) -> None:
         # All state kinds live in one flat buffer (`state`), so the whole state of a stage
@@ -168,8 +171,9 @@ class _PiecewiseOptimizer:
 
 class SGD(_PiecewiseOptimizer):
     def __init__(self, params, grads, decay, *, momentum: float = 0.0, weight_decay: float = 0.0,
-                 state=None, workspace=None) -> None:
-        super().__init__(params, grads, decay, state_kinds=1 if momentum else 0, state=state, workspace=workspace)
+                 state=None, workspace=None, updates=None) -> None:
+        super().__init__(params, grads, decay, state_kinds=1 if momentum else 0, state=state, workspace=workspace,
+                         updates=updates)
         self.momentum, self.weight_decay = momentum, weight_decay
 
     def step(self, lr: float) -> None:
@@ -178,6 +182,10 @@ class SGD(_PiecewiseOptimizer):
         velocities = self._state(0) if self.momentum else self.grads
         for piece, (p, g, velocity) in enumerate(zip(self.params, self.grads, velocities)):
             xp = array_module(p)
+            if self.updates is not None and xp is np:
+                self.updates.sgd(p, g, velocity if self.momentum else None, lr, self.momentum, self.weight_decay,
+                                 self.decay[piece])
+                continue
             if self.weight_decay:
                 self._add_decay(piece, self.weight_decay)
             fused = _fused(xp, "sgd_momentum" if self.momentum else "sgd")
@@ -199,8 +207,8 @@ class SGD(_PiecewiseOptimizer):
 class Adam(_PiecewiseOptimizer):
     def __init__(self, params, grads, decay, *, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = False, state=None,
-                 workspace=None) -> None:
-        super().__init__(params, grads, decay, state_kinds=2, state=state, workspace=workspace)
+                 workspace=None, updates=None) -> None:
+        super().__init__(params, grads, decay, state_kinds=2, state=state, workspace=workspace, updates=updates)
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay, self.decoupled = eps, weight_decay, decoupled
 
@@ -211,6 +219,11 @@ class Adam(_PiecewiseOptimizer):
         bias2 = 1.0 - self.beta2**self.steps
         for piece, (p, g, m1, m2) in enumerate(zip(self.params, self.grads, self._state(0), self._state(1))):
             xp = array_module(p)
+            if self.updates is not None and xp is np:
+                self.updates.adam(p, g, m1, m2, self.workspace, lr=lr, betas=(self.beta1, self.beta2), eps=self.eps,
+                                  step=self.steps, weight_decay=self.weight_decay, decoupled=self.decoupled,
+                                  decay_spans=self.decay[piece], chunks=_chunks(p.size))
+                continue
             if self.weight_decay and not self.decoupled:
                 self._add_decay(piece, self.weight_decay)
             if self.weight_decay and self.decoupled:
@@ -246,18 +259,19 @@ class Adam(_PiecewiseOptimizer):
 
 def make_optimizer(name: str, params: Sequence, grads: Sequence, decay: Sequence[Spans], *, momentum: float = 0.9,
                    weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                   state=None, workspace=None):
+                   state=None, workspace=None, updates=None):
     """The optimizer called `name` (one of OPTIMIZERS) over the given pieces, with weight
     decay inside each piece's `decay` spans; `state`, if given, is the flat buffer
     (state_kinds x all pieces) to keep its state in; `workspace`, if given, the scratch
     buffer (one chunk, or the largest piece if smaller): optimizers that never step at the
-    same time can share one."""
+    same time can share one. `updates`, if given, updates the CPU's pieces in place of the
+    NumPy loop (a run of torch stages: mpipar/adapters/torch_updates.py)."""
     if name == "sgd":
         return SGD(params, grads, decay, momentum=momentum, weight_decay=weight_decay, state=state,
-                   workspace=workspace)
+                   workspace=workspace, updates=updates)
     if name in ("adam", "adamw"):
         return Adam(params, grads, decay, betas=betas, eps=eps, weight_decay=weight_decay,
-                    decoupled=name == "adamw", state=state, workspace=workspace)
+                    decoupled=name == "adamw", state=state, workspace=workspace, updates=updates)
     raise unknown_name("optimizer", name, OPTIMIZERS)
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.adapters import configured_model
+from mpipar.adapters import configured_model, cpu_updates
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
 from mpipar.checkpoint.resume import FLAGS, Checkpoints
@@ -255,7 +255,8 @@ class Trainer:
         return Executor(self.counted, self.stages, plan, self.cache, self.loss_fn,
                         input_shapes=[self.model.shapes[first] for first in first_layers],
                         optimizer=cfg.optimizer, optimizer_options=dict(momentum=cfg.momentum,
-                                                                        weight_decay=cfg.weight_decay),
+                                                                        weight_decay=cfg.weight_decay,
+                                                                        updates=cpu_updates(self.model, cfg.device)),
                         collective=cfg.collective, unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb),
                         recompute=recompute_segment(cfg.recompute), gathered_layers=self.gathered_layers)
 

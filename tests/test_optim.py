@@ -136,3 +136,52 @@ def test_unknown_names_list_the_valid_ones():
         make_optimizer("lion", [START.copy()], [np.zeros(20)], [ODD])
     with pytest.raises(ConfigError, match="valid schedules are: constant, cosine, step"):
         make_schedule("linear", 1.0, 10)
+
+
+TORCH_CASES = {"sgd": dict(momentum=0.0, weight_decay=0.0), "sgd-momentum-decay": dict(momentum=0.9, weight_decay=0.01),
+               "adam-decay": dict(weight_decay=0.01), "adamw-decay": dict(weight_decay=0.01)}
+
+
+@pytest.mark.parametrize("case", TORCH_CASES)
+def test_torch_s_kernels_update_as_torch_s_own_optimizer_bit_for_bit(case):
+    """A run of torch stages updates on the CPU by torch's in-place kernels
+    (mpipar/adapters/torch_updates.py), in torch.optim's order: in float32, over pieces cut
+    anywhere and with decay on every other element, the parameters after four steps are
+    torch.optim.SGD's or Adam's to the last bit (decayed elements in one parameter group,
+    the others in another, as the adapter tests give torch)."""
+    torch = pytest.importorskip("torch")
+    from mpipar.adapters.torch_updates import TorchUpdates
+
+    name, options = case.split("-")[0], TORCH_CASES[case]
+    start, grads = START.astype(np.float32), [g.astype(np.float32) for g in GRADS]
+    params, grad = start.copy(), np.zeros(20, dtype=np.float32)
+    optimizer = make_optimizer(name, [params[:7], params[7:]], [grad[:7], grad[7:]],
+                               [spans(MASK[:7]), spans(MASK[7:])], updates=TorchUpdates(), **options)
+    decayed, others = (torch.tensor(start[MASK == flag]) for flag in (1, 0))
+    groups = [dict(params=[decayed], weight_decay=options["weight_decay"]), dict(params=[others], weight_decay=0.0)]
+    theirs = (torch.optim.SGD(groups, lr=0.1, momentum=options["momentum"]) if name == "sgd" else
+              {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name](groups, lr=0.1))
+    for step, g in enumerate(grads):
+        grad[:] = g
+        optimizer.step(0.1 / (step + 1))
+        for group in theirs.param_groups:
+            group["lr"] = 0.1 / (step + 1)
+        decayed.grad, others.grad = torch.tensor(g[MASK == 1]), torch.tensor(g[MASK == 0])
+        theirs.step()
+    np.testing.assert_array_equal(params[MASK == 1], decayed.detach().numpy())
+    np.testing.assert_array_equal(params[MASK == 0], others.detach().numpy())
+
+
+def test_a_torch_model_on_the_cpu_updates_by_torch_s_kernels_and_mpipar_s_own_by_numpy():
+    pytest.importorskip("torch")
+    from pathlib import Path
+
+    from conftest import small_config
+    from mpipar.adapters.torch_updates import TorchUpdates
+    from mpipar.trainer import Trainer
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    for model, expected in ((f"{examples}/torch_mlp.py:build", TorchUpdates), ("mlp", type(None))):
+        trainer = Trainer(small_config(model=model, max_steps=1))
+        trainer.run()
+        assert isinstance(trainer.engine.shared[0].optimizer.updates, expected), model

@@ -106,6 +106,19 @@ def _loss(spec: str, loss, family: str):
                       f"with a Context), got {type(loss).__name__}")
 
 
+def cpu_updates(model: Sequential, device: str):
+    """How the optimizer updates `model`'s parameters on the CPU: by torch's in-place kernels
+    where its layers are torch modules (on the intra-op threads the model's own kernels keep
+    awake: mpipar/adapters/torch_updates.py), else None, mpipar's NumPy loop."""
+    if device != "cpu" or "mpipar.adapters.torch_stage" not in sys.modules:
+        return None
+    from mpipar.adapters.torch_stage import TorchLayer
+    if not any(isinstance(layer, TorchLayer) for layer in model.layers):
+        return None
+    from mpipar.adapters.torch_updates import TorchUpdates
+    return TorchUpdates()
+
+
 def configured_model(cfg: TrainConfig, train_set: ImageDataset | TextDataset) -> tuple[Sequential, object]:
     """The model `cfg.model` names, built-in or a user's builder (PyTorch, JAX or mpipar layers),
     and its loss: the builder's, else softmax cross-entropy. The Trainer, CDP's reference and
