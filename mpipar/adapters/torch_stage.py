@@ -363,6 +363,7 @@ class TorchLoss:
     def __init__(self, fn) -> None:
         self.fn = fn
         self.name = f"torch {getattr(fn, '__name__', type(fn).__name__)}"
+        self._shares: dict = {}  # (share, dtype, device) -> the share as a 0-d tensor, the loss's output gradient
 
     def forward(self, logits: Array, targets: Array, ctx: Context, global_batch: int) -> Array:
         rows = logits.shape[0]
@@ -374,10 +375,12 @@ class TorchLoss:
         with torch.enable_grad():
             loss = self.fn(logits_tensor, to_torch(targets))
         # the share enters as the output gradient: one graph node fewer than multiplying the loss
-        output_gradient = torch.full((), share, dtype=loss.dtype, device=loss.device)
-        (gradient,) = torch.autograd.grad(loss, logits_tensor, output_gradient)
+        key = (share, loss.dtype, loss.device)
+        if key not in self._shares:
+            self._shares[key] = torch.full((), share, dtype=loss.dtype, device=loss.device)
+        (gradient,) = torch.autograd.grad(loss, logits_tensor, self._shares[key])
         ctx.save(self, gradient, logits)
-        return float(loss.detach()) * share
+        return loss.item() * share
 
     def backward(self, ctx: Context) -> Array:
         gradient, logits = ctx.pop(self)

@@ -81,6 +81,8 @@ def wait_requests(requests: list[MPI.Request], what: str, peers: list[int], time
     MPI.REQUEST_NULL in the list (Testsome updates it in place). After `timeout` seconds
     (default: default_timeout()) raise CommTimeout naming `rank` (default: this rank of
     COMM_WORLD), `what` and the peers of the requests still open."""
+    if not any(requests):  # nothing in flight: twice a step, usually
+        return
     seconds = default_timeout() if timeout is None else timeout
     patience = _Patience(seconds)
     while any(requests):
