@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.adapters import configured_model, cpu_updates
+from mpipar.adapters import chain_torch_layers, configured_model, cpu_updates
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
 from mpipar.checkpoint.resume import FLAGS, Checkpoints
@@ -97,6 +97,7 @@ class Trainer:
         self.engine = self._make_engine()  # collective (sub-communicators): only once every rank is set up
         for leaf in leaf_layers(self.model.layers):  # the engine holds the initial values now
             leaf.release_initial()
+        chain_torch_layers(self.stages, config, self.world_size)
         self.predicted = self._predicted_peak()
         if config.memory_limit is not None:
             self._check_memory_limit(config.memory_limit)

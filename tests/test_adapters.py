@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
-from mpipar.adapters import build_user_model
+from mpipar.adapters import build_user_model, load_builder
 from mpipar.cache import ActivationCache
 from mpipar.errors import ConfigError
 from mpipar.trainer import Trainer
@@ -191,6 +191,43 @@ def test_a_torch_loss_gives_its_micro_batch_s_share_of_the_mean_and_its_gradient
     mean.backward()
     assert value == pytest.approx(float(mean.detach()) / 4, rel=1e-14)
     np.testing.assert_allclose(gradient, tensor.grad.numpy() / 4, rtol=1e-14)
+
+
+@pytest.mark.parametrize("model", ["torch_mlp.py:build", "torch_residual.py:build"])
+def test_one_process_takes_a_stage_s_torch_gradients_in_one_autograd_call_and_equals_torch(model, monkeypatch):
+    """On one process a stage's torch layers form one graph per micro-batch (TorchChain):
+    one autograd call for all of them (these builders return no loss, so the loss is
+    mpipar's own), where each layer would otherwise make its own (four here); 3 float64
+    steps of 2 micro-batches with SGD (momentum, decay on weights) equal torch's own
+    training to rtol 1e-10."""
+    torch = pytest.importorskip("torch")
+    from mpipar.config import TrainConfig
+    from mpipar.data import GlobalBatchSampler, load_dataset
+
+    common = dict(dtype="float64", max_steps=3, epochs=1, batch_size=48, lr=0.05, log_every=1000, seed=3,
+                  optimizer="sgd", momentum=0.9, weight_decay=1e-3)
+    trainer = Trainer(TrainConfig(**common, model=f"{EXAMPLES}/{model}", scheme="ddp", micro_batches=2))
+    grad, calls = torch.autograd.grad, []
+    monkeypatch.setattr(torch.autograd, "grad", lambda *args, **kwargs: calls.append(1) or grad(*args, **kwargs))
+    trainer.run()
+    assert len(calls) == 3 * 2, f"{len(calls)} autograd calls for 3 steps of 2 micro-batches"
+    got = np.concatenate([v.reshape(-1) for v in trainer.full_parameters().values()])
+
+    train_set, _ = load_dataset("digits")
+    torch.manual_seed(common["seed"])
+    module = load_builder(f"{EXAMPLES}/{model}")(train_set.input_shape, train_set.num_classes).double()
+    groups = [dict(params=[p for p in module.parameters() if p.ndim > 1], weight_decay=common["weight_decay"]),
+              dict(params=[p for p in module.parameters() if p.ndim <= 1], weight_decay=0.0)]
+    optimizer = torch.optim.SGD(groups, lr=common["lr"], momentum=common["momentum"])
+    sampler = GlobalBatchSampler(len(train_set), common["batch_size"], common["seed"])
+    for step in range(common["max_steps"]):
+        inputs, targets = train_set.batch(sampler.global_batch_indices(0, step))
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(module(torch.from_numpy(inputs.astype(np.float64))),
+                                          torch.from_numpy(targets).long()).backward()
+        optimizer.step()
+    expected = np.concatenate([p.detach().numpy().reshape(-1) for p in module.parameters()])
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=0)
 
 
 def test_torch_modules_that_cannot_work_are_refused(tmp_path):

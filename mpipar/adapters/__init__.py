@@ -119,6 +119,24 @@ def cpu_updates(model: Sequential, device: str):
     return TorchUpdates()
 
 
+def chain_torch_layers(stages, cfg: TrainConfig, world_size: int) -> None:
+    """Let each stage's torch layers form one autograd graph per micro-batch (TorchChain)
+    where nothing happens between two layers of a step: one process, parameters not
+    sharded (no unit is released between its forward and backward), no recomputation, no
+    split backward, not CDP. Elsewhere each layer keeps a graph of its own."""
+    if world_size != 1 or "mpipar.adapters.torch_stage" not in sys.modules:
+        return
+    if (cfg.cyclic or cfg.recompute != "none" or cfg.sharding().parameters != "N" or cfg.strategy().split_backward
+            or cfg.ddp == "allgather-activations"):
+        return
+    from mpipar.adapters.torch_stage import TorchChain, TorchLayer
+    for stage in stages:
+        chain = TorchChain()
+        for layer in stage.layers:
+            if isinstance(layer, TorchLayer):
+                layer.chain = chain
+
+
 def configured_model(cfg: TrainConfig, train_set: ImageDataset | TextDataset) -> tuple[Sequential, object]:
     """The model `cfg.model` names, built-in or a user's builder (PyTorch, JAX or mpipar layers),
     and its loss: the builder's, else softmax cross-entropy. The Trainer, CDP's reference and

@@ -111,6 +111,20 @@ class _Saved:
     direct: list  # the _DirectLinear's
     input: Array  # the forward's input array, which packed references to it read
     tensors: list = field(default_factory=list)  # what autograd saved that is neither input nor parameter
+    group: list | None = None  # the _Saved's of a chain's layers in this micro-batch, bottom up (TorchChain)
+    gradients: list | None = None  # the gradients of `leaves`, when the chain's top layer has taken them
+
+
+class TorchChain:
+    """Consecutive TorchLayers of a stage whose micro-batch forms one autograd graph, as in
+    torch alone: a layer's input is the tensor the layer below returned, and the top layer's
+    backward takes every gradient of the chain in one `torch.autograd.grad`; the layers
+    below write theirs from it. One call instead of one per layer saves about 0.1 ms each
+    in a step. The trainer chains the layers only where nothing happens between two layers
+    of a step: one process, no sharding units, no recomputation, no split backward."""
+
+    def __init__(self) -> None:
+        self.last: dict = {}  # Context key -> (output array, _Saved) of the chain's last forward
 
 
 class TorchLayer(Layer):
@@ -126,6 +140,7 @@ class TorchLayer(Layer):
         self.module = module
         self.name = f"torch {type(module).__name__}"
         self.needs_input_grad = True
+        self.chain: TorchChain | None = None
         self._initial = {name: parameter.detach() for name, parameter in module.named_parameters()}
         self._specs = [ParamSpec(name, tuple(parameter.shape), self._initial_stream(name), parameter.ndim > 1)
                        for name, parameter in module.named_parameters()]
@@ -212,7 +227,9 @@ class TorchLayer(Layer):
 
     def forward(self, x: Array, ctx: Context) -> Array:
         params = {name: to_torch(view) for name, view in self.params.items()}
-        x_tensor = to_torch(x)
+        below = self.chain.last.get(ctx.key) if self.chain is not None and ctx.training else None
+        chained = below is not None and below[0] is x  # x is what the chain's layer below returned
+        x_tensor = below[1].output if chained else to_torch(x)
         if self.module.training != ctx.training:
             self.module.train(ctx.training)
         if not ctx.training:
@@ -220,8 +237,9 @@ class TorchLayer(Layer):
                 return from_torch(self._call(params, x_tensor), like=x)
         for tensor in params.values():
             tensor.requires_grad_(True)
-        wants_input = self.needs_input_grad and x_tensor.is_floating_point()
-        x_tensor.requires_grad_(wants_input)
+        wants_input = chained or (self.needs_input_grad and x_tensor.is_floating_point())
+        if not chained:
+            x_tensor.requires_grad_(wants_input)
         saved = _Saved(None, wants_input, [], [], [], x)
         by_storage = {_storage(tensor): name for name, tensor in params.items()}
         input_storage = _storage(x_tensor)
@@ -253,7 +271,7 @@ class TorchLayer(Layer):
         saved.parameters = [name for name in params if name not in direct_names]
         saved.leaves = [x_tensor] * wants_input + [params[name] for name in saved.parameters]
         # the graph keeps its leaves: let go of the buffers behind them
-        for leaf in [x_tensor] * wants_input + list(params.values()):
+        for leaf in [x_tensor] * (wants_input and not chained) + list(params.values()):
             leaf.data = _empty_like(leaf)
         y = from_torch(saved.output, like=x)
         output_storage = _storage(saved.output)
@@ -268,6 +286,9 @@ class TorchLayer(Layer):
         for tensor in saved.tensors:
             kept.setdefault(_storage(tensor), from_torch(tensor, like=x))
         ctx.save(self, saved, x, *kept.values())
+        if self.chain is not None:
+            saved.group = below[1].group + [saved] if chained else [saved]
+            self.chain.last[ctx.key] = (y, saved)
         return y
 
     def _unpack(self, saved: _Saved):
@@ -281,9 +302,12 @@ class TorchLayer(Layer):
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         saved = ctx.pop(self)[0]
+        if saved.gradients is None and saved.group is not None and len(saved.group) > 1:
+            self._chain_gradients(saved, dy, ctx)
         if not saved.leaves:  # no parameters, and no one below wants an input gradient
             return None
-        gradients = list(torch.autograd.grad(saved.output, saved.leaves, to_torch(dy), allow_unused=True))
+        gradients = saved.gradients or list(
+            torch.autograd.grad(saved.output, saved.leaves, to_torch(dy), allow_unused=True))
         input_gradient = gradients.pop(0) if saved.wants_input else None
         # torch's in-place ops run on its intra-op threads, NumPy's on one
         for name, gradient in zip(saved.parameters, gradients):
@@ -303,7 +327,22 @@ class TorchLayer(Layer):
         # graph leads back to that node: a cycle through C++ that Python cannot collect.
         # Letting go of the graph here breaks it.
         saved.output, saved.leaves, saved.direct, saved.tensors = None, [], [], []
+        saved.group = saved.gradients = None
         return None if input_gradient is None else from_torch(input_gradient, like=dy)
+
+    def _chain_gradients(self, saved: _Saved, dy: Array, ctx: Context) -> None:
+        """The top of a chain: every gradient its layers want, in one autograd call, each
+        layer's kept in its _Saved for its own backward."""
+        group = saved.group
+        if group[-1] is not saved:
+            raise RuntimeError(f"{self.name}: backward of a chain began below its top layer")
+        if self.chain.last.get(ctx.key, (None, None))[1] is saved:
+            del self.chain.last[ctx.key]
+        gradients = torch.autograd.grad(saved.output, [leaf for member in group for leaf in member.leaves],
+                                        to_torch(dy), allow_unused=True)
+        start = 0
+        for member in group:
+            member.gradients, start = list(gradients[start:start + len(member.leaves)]), start + len(member.leaves)
 
     def _linear_gradients(self, linear: _DirectLinear, output_gradient, unpack) -> None:
         """A Linear's dW = g^T a and db = sum of g's rows, written into (or added to) mpipar's views."""
