@@ -97,7 +97,7 @@ class Trainer:
         self.engine = self._make_engine()  # collective (sub-communicators): only once every rank is set up
         for leaf in leaf_layers(self.model.layers):  # the engine holds the initial values now
             leaf.release_initial()
-        chain_torch_layers(self.stages, config, self.world_size)
+        chain_torch_layers(self.stages, self.loss_fn, config, self.world_size)
         self.predicted = self._predicted_peak()
         if config.memory_limit is not None:
             self._check_memory_limit(config.memory_limit)

@@ -193,13 +193,14 @@ def test_a_torch_loss_gives_its_micro_batch_s_share_of_the_mean_and_its_gradient
     np.testing.assert_allclose(gradient, tensor.grad.numpy() / 4, rtol=1e-14)
 
 
-@pytest.mark.parametrize("model", ["torch_mlp.py:build", "torch_residual.py:build"])
+@pytest.mark.parametrize("model", ["torch_mlp.py:build", "torch_residual.py:build", "torch_mlp.py:build_wide"])
 def test_one_process_takes_a_stage_s_torch_gradients_in_one_autograd_call_and_equals_torch(model, monkeypatch):
     """On one process a stage's torch layers form one graph per micro-batch (TorchChain):
-    one autograd call for all of them (these builders return no loss, so the loss is
-    mpipar's own), where each layer would otherwise make its own (four here); 3 float64
-    steps of 2 micro-batches with SGD (momentum, decay on weights) equal torch's own
-    training to rtol 1e-10."""
+    one autograd call for all of them, where each layer would otherwise make its own (four
+    here, and one more for torch's loss, which build_wide returns and which joins the
+    chain; the other builders leave the loss to mpipar); 3 float64 steps of 2
+    micro-batches with SGD (momentum, decay on weights) equal torch's own training to
+    rtol 1e-10."""
     torch = pytest.importorskip("torch")
     from mpipar.config import TrainConfig
     from mpipar.data import GlobalBatchSampler, load_dataset
@@ -215,7 +216,8 @@ def test_one_process_takes_a_stage_s_torch_gradients_in_one_autograd_call_and_eq
 
     train_set, _ = load_dataset("digits")
     torch.manual_seed(common["seed"])
-    module = load_builder(f"{EXAMPLES}/{model}")(train_set.input_shape, train_set.num_classes).double()
+    built = load_builder(f"{EXAMPLES}/{model}")(train_set.input_shape, train_set.num_classes)
+    module = (built[0] if isinstance(built, tuple) else built).double()
     groups = [dict(params=[p for p in module.parameters() if p.ndim > 1], weight_decay=common["weight_decay"]),
               dict(params=[p for p in module.parameters() if p.ndim <= 1], weight_decay=0.0)]
     optimizer = torch.optim.SGD(groups, lr=common["lr"], momentum=common["momentum"])

@@ -119,22 +119,25 @@ def cpu_updates(model: Sequential, device: str):
     return TorchUpdates()
 
 
-def chain_torch_layers(stages, cfg: TrainConfig, world_size: int) -> None:
+def chain_torch_layers(stages, loss_fn, cfg: TrainConfig, world_size: int) -> None:
     """Let each stage's torch layers form one autograd graph per micro-batch (TorchChain)
     where nothing happens between two layers of a step: one process, parameters not
     sharded (no unit is released between its forward and backward), no recomputation, no
-    split backward, not CDP. Elsewhere each layer keeps a graph of its own."""
+    split backward, not CDP. A torch loss joins the last stage's chain. Elsewhere each layer
+    keeps a graph of its own."""
     if world_size != 1 or "mpipar.adapters.torch_stage" not in sys.modules:
         return
     if (cfg.cyclic or cfg.recompute != "none" or cfg.sharding().parameters != "N" or cfg.strategy().split_backward
             or cfg.ddp == "allgather-activations"):
         return
-    from mpipar.adapters.torch_stage import TorchChain, TorchLayer
+    from mpipar.adapters.torch_stage import TorchChain, TorchLayer, TorchLoss
     for stage in stages:
         chain = TorchChain()
         for layer in stage.layers:
             if isinstance(layer, TorchLayer):
                 layer.chain = chain
+    if isinstance(loss_fn, TorchLoss):
+        loss_fn.chain = chain
 
 
 def configured_model(cfg: TrainConfig, train_set: ImageDataset | TextDataset) -> tuple[Sequential, object]:
