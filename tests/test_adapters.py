@@ -212,6 +212,7 @@ def test_one_process_takes_a_stage_s_torch_gradients_in_one_autograd_call_and_eq
     monkeypatch.setattr(torch.autograd, "grad", lambda *args, **kwargs: calls.append(1) or grad(*args, **kwargs))
     trainer.run()
     assert len(calls) == 3 * 2, f"{len(calls)} autograd calls for 3 steps of 2 micro-batches"
+    assert all(not layer.chain.last for layer in trainer.stages[0].layers if getattr(layer, "chain", None))
     got = np.concatenate([v.reshape(-1) for v in trainer.full_parameters().values()])
 
     train_set, _ = load_dataset("digits")
@@ -230,6 +231,21 @@ def test_one_process_takes_a_stage_s_torch_gradients_in_one_autograd_call_and_eq
         optimizer.step()
     expected = np.concatenate([p.detach().numpy().reshape(-1) for p in module.parameters()])
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=0)
+
+
+def test_a_chain_holds_nothing_of_a_micro_batch_after_its_backward(tmp_path):
+    """A one-layer chain (its stage is one TorchLayer, the loss mpipar's) never takes the
+    chain's gradients, and must still let go of the micro-batch's output at backward:
+    otherwise every micro-batch of the run would stay in the chain."""
+    pytest.importorskip("torch")
+    builder = tmp_path / "one.py"
+    builder.write_text("import torch\ndef build(shape, classes):\n"
+                       "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, classes))\n")
+    trainer = Trainer(small_config(model=f"{builder}:build", max_steps=4, micro_batches=2))
+    (layer,) = trainer.stages[0].layers
+    assert layer.chain is not None
+    trainer.run()
+    assert layer.chain.last == {}
 
 
 def test_torch_modules_that_cannot_work_are_refused(tmp_path):

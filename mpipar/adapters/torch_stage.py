@@ -130,8 +130,6 @@ class TorchChain:
     def take_gradients(self, key, top: _Saved, root, root_gradient, first: tuple = ()) -> list:
         """One autograd call from `root` for `first` and every leaf of the chain that ends
         with `top` (kept in each layer's _Saved); returns the gradients of `first`."""
-        if self.last.get(key, (None, None))[1] is top:
-            del self.last[key]
         leaves = [leaf for member in top.group for leaf in member.leaves]
         gradients = torch.autograd.grad(root, [*first, *leaves], root_gradient, allow_unused=True)
         start = len(first)
@@ -315,6 +313,8 @@ class TorchLayer(Layer):
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         saved = ctx.pop(self)[0]
+        if self.chain is not None:  # the micro-batch's forward is over: hold nothing for it
+            self.chain.last.pop(ctx.key, None)
         if saved.gradients is None and saved.group is not None and len(saved.group) > 1:
             if saved.group[-1] is not saved:
                 raise RuntimeError(f"{self.name}: backward of a chain began below its top layer")
