@@ -321,7 +321,7 @@ class TorchLayer(Layer):
             self.chain.take_gradients(ctx.key, saved, saved.output, to_torch(dy))
         if not saved.leaves:  # no parameters, and no one below wants an input gradient
             return None
-        gradients = saved.gradients or list(
+        gradients = saved.gradients if saved.gradients is not None else list(
             torch.autograd.grad(saved.output, saved.leaves, to_torch(dy), allow_unused=True))
         input_gradient = gradients.pop(0) if saved.wants_input else None
         # torch's in-place ops run on its intra-op threads, NumPy's on one

@@ -51,13 +51,12 @@ class TorchUpdates:
              decay_spans, chunks) -> None:
         p, g, m1, m2 = (torch.from_numpy(array) for array in (p, g, m1, m2))
         beta1, beta2 = betas
-        for g_span, p_span in zip(_spans(g, decay_spans), _spans(p, decay_spans)):
-            if not weight_decay:
-                break
-            if decoupled:
-                p_span.mul_(1 - lr * weight_decay)
-            else:
-                g_span.add_(p_span, alpha=weight_decay)
+        if weight_decay:
+            for g_span, p_span in zip(_spans(g, decay_spans), _spans(p, decay_spans)):
+                if decoupled:
+                    p_span.mul_(1 - lr * weight_decay)
+                else:
+                    g_span.add_(p_span, alpha=weight_decay)
         m1.lerp_(g, 1 - beta1)
         m2.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         step_size, bias2_sqrt = lr / (1 - beta1**step), (1 - beta2**step) ** 0.5
