@@ -16,7 +16,9 @@ error (rank 0's traceback goes to stderr). The cases:
     on a GPU with one sentence (their messages would need a CUDA-aware MPI);
   - the torch MLP of examples/torch_mlp.py (float64, SGD with momentum, 3 steps) through
     mpipar on the GPU equals torch alone on CUDA, rtol 1e-10, and its parameters live in
-    mpipar's CuPy buffer;
+    mpipar's CuPy buffer; on one process its layers form one autograd graph (TorchChain),
+    on two each keeps its own; the same for the residual blocks of examples/torch_residual.py
+    (modules of one's own, each holding two Linears and a LayerNorm);
   - one process only: samples/s of the torch MLP 784-512-512-10 (float32, batch 256, the
     model of benchmarks/torch_stages.py) through mpipar on the GPU against a plain torch
     CUDA loop, each the median of 5 rounds of 50 steps.
@@ -103,20 +105,28 @@ def refused_on_gpu(options: dict):
     return run
 
 
-def torch_on_cuda_equals_torch_alone() -> str:
+def torch_on_cuda_equals_torch_alone(example: str):
+    return lambda: torch_example_on_cuda_equals_torch_alone(example)
+
+
+def torch_example_on_cuda_equals_torch_alone(example: str) -> str:
+    import importlib
+
     import cupy
     import torch
 
-    spec, options = f"{EXAMPLES}/torch_mlp.py:build", dict(optimizer="sgd", momentum=0.9)
+    spec, options = f"{EXAMPLES}/{example}.py:build", dict(optimizer="sgd", momentum=0.9)
     trainer = trained(**options, model=spec, scheme="ddp", device="gpu")
     flat = trainer.stages[0].flat.data
     low, high = flat.data.ptr, flat.data.ptr + flat.nbytes
     outside = [name for layer in trainer.model.layers for name, p in layer.module.named_parameters()
                if not (p.is_cuda and low <= p.data_ptr() < high)]
     assert isinstance(flat, cupy.ndarray) and not outside, f"parameters outside mpipar's CuPy buffer: {outside}"
+    chained = [layer.chain is not None for layer in trainer.model.layers]
+    assert chained == [world.size == 1] * len(chained), f"chained layers {chained} on {world.size} rank(s)"
     train_set, _ = load_dataset("digits")
     torch.manual_seed(COMMON["seed"])
-    from torch_mlp import build
+    build = importlib.import_module(example).build
     module = build(train_set.input_shape, train_set.num_classes).double().cuda()
     optimizer = torch.optim.SGD(module.parameters(), lr=COMMON["lr"], momentum=options["momentum"])
     sampler = GlobalBatchSampler(len(train_set), COMMON["batch_size"], COMMON["seed"])
@@ -198,6 +208,7 @@ case("mlp ddp sgd gpu = cpu", gpu_equals_cpu(dict(scheme="ddp", optimizer="sgd",
 case("mlp zero3 on a gpu", refused_on_gpu(dict(scheme="zero3", micro_batches=2)))
 if world.size > 1:
     case("mlp 1f1b on a gpu", refused_on_gpu(dict(scheme="1f1b", stages=world.size, micro_batches=4)))
-case("torch mlp ddp on cuda = torch alone on cuda", torch_on_cuda_equals_torch_alone)
+case("torch mlp ddp on cuda = torch alone on cuda", torch_on_cuda_equals_torch_alone("torch_mlp"))
+case("torch residual blocks ddp on cuda = torch alone on cuda", torch_on_cuda_equals_torch_alone("torch_residual"))
 if world.size == 1:
     case("torch mlp 784-512-512-10 speed on cuda", torch_speed_on_cuda)
