@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
-from mpipar import executor
+from mpipar import item_store
 from mpipar.cdp import activation_timeline, reference_training
 from mpipar.errors import ConfigError
 from mpipar.optim import make_optimizer
@@ -98,7 +98,7 @@ def test_updates_build_each_optimizer_once_and_keep_at_most_two_versions_of_a_st
     """The hot path: one optimizer per stage for the whole training, each update in place;
     the old version is copied only for a later reader, into a buffer the rank is done with."""
     built = []
-    monkeypatch.setattr(executor, "make_optimizer", lambda *args, **options: built.append(args[0]) or
+    monkeypatch.setattr(item_store, "make_optimizer", lambda *args, **options: built.append(args[0]) or
                         make_optimizer(*args, **options))
     config = small_config(**OPTIONS, hidden=(16,) * 3, scheme=rule, cdp_layout="single", micro_batches=3,
                           batch_size=360, optimizer="adam", epochs=3, max_steps=8)

@@ -1,0 +1,145 @@
+"""How a Compute runs a job on a rank: forward, backward, a zero-bubble W, recomputation, unit by unit.
+
+A job (stage s, micro-batch b, direction) takes its input (the batch, a received
+activation, the loss's or a received gradient), runs the stage's layers, and keeps what
+the next job needs: the activation x(s + 1, b) or the gradient dy(s - 1, b), or on the
+last stage the loss. The pebbles go into the activation cache; backward frees them (a
+zero-bubble B leaves them for its W). A stage shared by its replica group runs a job one
+unit of layers at a time, each unit a Compute of its own, the output of one (`flowing`)
+the input of the next. With --recompute a forward keeps only each segment's input, and
+backward reruns the segment's forward first. These methods are the executor's
+(executor.py mixes them in).
+
+Exercised by: mpiexec -n 2 python tests/scripts/check_recompute.py
+              mpiexec -n 2 python tests/scripts/check_pipeline.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mpipar.cache import Context
+from mpipar.errors import NonFiniteLossError
+from mpipar.schedule.instructions import Compute, Item
+from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job
+from mpipar.sharding import segments
+
+
+class Jobs:
+    """The executor's jobs (it provides stages, plan, run, cache, loss_fn, mesh, comm, shared,
+    load, seed, batch_size, micro_size, recompute, ledger, totals, losses_computed,
+    first_step, job_times, flowing, _take, _keep, _bind, _shifted, _zeros, poll, _after_layer)."""
+
+    def _compute(self, instruction: Compute) -> None:
+        """Run a job, or one unit of a shared stage's job: the units of a job follow each other
+        in the program, the output of one (`flowing`) the input of the next."""
+        job, unit = instruction.job, instruction.unit
+        step, s, i = job.step + self.run.shift, job.stage, job.micro_batch
+        g, last = step * self.plan.micro_batches + i, s == len(self.stages) - 1
+        backward = job.direction == BACKWARD
+        units = len(self.shared[s].units) if s in self.shared else 1
+        opens = unit is None or unit == (units - 1 if backward else 0)  # the job's first unit
+        closes = unit is None or unit == (0 if backward else units - 1)  # and its last
+        if s in self.shared:
+            self.shared[s].enter(unit)
+        elif job.direction != WEIGHTS:  # a W job reads its B's stash, not the weights
+            self._bind(s, weights=self._take(self._shifted(instruction.weights)))
+        if opens:  # a job's time is its computing, not its wait for an input (that is the bubble)
+            arriving = (Item("x", s, g) if job.direction == FORWARD and s > 0 else
+                        Item("dy", s, g) if backward and not last else None)
+            if arriving is not None:
+                self._take(arriving)
+            self.job_start = time.perf_counter()
+        span = None if unit is None else self.shared[s].layers(unit)
+        with self.ledger.phase("forward" if job.direction == FORWARD else "backward"):
+            if job.direction == WEIGHTS:
+                self._weight_gradients(step, s, g)
+            elif backward:
+                self._backward(step, s, g, instruction.new_gradient, unit, span, opens, closes)
+            else:
+                self._forward(step, s, i, g, last, span, opens, closes)
+        if closes and len(self.totals) == 1:  # a one-step run (a pipeline's): its bubble; an epoch's would grow
+            self.job_times.append((Job(s, i, job.direction), self.job_start, time.perf_counter()))
+
+    def _forward(self, step: int, s: int, i: int, g: int, last: bool, span, opens: bool, closes: bool) -> None:
+        if opens:
+            inputs, targets = self.load(step, i) if s == 0 or last else (None, None)
+            x = inputs if s == 0 else self._take(Item("x", s, g))
+            first = self.mesh.replica(self.comm.rank) * (self.batch_size // self.mesh.replicas) + i * self.micro_size
+            ctx = self.cache.context(s, g, step=step, seed=self.seed,
+                                     sample_ids=np.arange(first, first + self.micro_size))
+        else:
+            (x, targets), ctx, self.flowing = self.flowing, self.cache.contexts[(s, g)], (None, None)
+        stash, y = ctx, x
+        if self.recompute is None:
+            y = self.stages[s].forward(x, ctx, self._after_layer, span)
+        else:  # keep only each segment's input; the layers stash into a context forgotten after the forward
+            stash = Context(None, ctx.key, step=ctx.step, sample_ids=ctx.sample_ids, seed=ctx.seed)
+            for segment in self._segments(s, span):
+                ctx.save(("input", segment), y, targets)
+                y = self.stages[s].forward(y, stash, self._after_layer, segment)
+        if not closes:
+            self.flowing = (y, targets)
+        elif not last:
+            self._keep(Item("x", s + 1, g), y)
+        else:
+            loss = float(self.loss_fn.forward(y, targets, stash, self.batch_size))
+            if not self.plan.settles_each_step and not np.isfinite(loss):
+                raise NonFiniteLossError(f"step {step}, micro-batch {i}: the training loss is {loss} "
+                                         f"(rank {self.comm.rank}); try a lower --lr")
+            self.totals[step - self.first_step] += (loss, float((y.argmax(axis=-1) == targets).sum()), targets.size)
+            self.losses_computed[step - self.first_step] += 1
+
+    def _backward(self, step: int, s: int, g: int, new_gradient: bool, unit: int | None, span, opens: bool,
+                  closes: bool) -> None:
+        ctx, dy = self.cache.contexts[(s, g)], None
+        split = self.plan.splits_backward  # a zero-bubble B: the input gradient only; its W follows later
+        parts = [span] if self.recompute is None else self._segments(s, span)[::-1]
+        for index, part in enumerate(parts):
+            if index and dy is None:  # stage 0 below its first layer with parameters: nothing more to do
+                break
+            if self.recompute is not None:  # the segment's forward again, from its kept input, stashing for real
+                x, targets = ctx.pop(("input", part))
+                y = self.stages[s].forward(x, ctx, lambda _layer: self.poll(), part)  # not a step's layer: unobserved
+                if opens and index == 0 and s == len(self.stages) - 1:
+                    self.loss_fn.forward(y, targets, ctx, self.batch_size)
+            if index == 0:
+                dy = self._output_gradient(step, s, g, new_gradient, unit, opens)
+            dy = self.stages[s].backward(dy, ctx, self._after_layer, part, split)
+        dx = dy
+        if not closes:
+            self.flowing = (dx, None)
+            return
+        if not split:
+            self.cache.release(s, g)
+        if s > 0:
+            self._keep(Item("dy", s - 1, g), dx)
+
+    def _output_gradient(self, step: int, s: int, g: int, new_gradient: bool, unit: int | None, opens: bool):
+        """What a backward starts from (the loss's gradient, a received one, or the unit above's),
+        with the gradient buffers its layers add into in place (after any recomputed forward,
+        so that they are not held during it)."""
+        if unit is not None:
+            self.shared[s].open_gradient(unit)
+        if not opens:
+            (dy, _), self.flowing = self.flowing, (None, None)  # held no longer than the next unit needs it
+            return dy
+        gradient = Item("g", s, step)
+        if new_gradient:
+            self._keep(gradient, self._zeros("g", s))
+        if s not in self.shared:
+            self._bind(s, gradient=self._take(gradient))  # layers add into the sum so far
+        return (self.loss_fn.backward(self.cache.contexts[(s, g)]) if s == len(self.stages) - 1
+                else self._take(Item("dy", s, g)))
+
+    def _segments(self, s: int, span: tuple[int, int] | None) -> list[tuple[int, int]]:
+        """The runs of layers whose inputs a recomputing Compute keeps (--recompute)."""
+        return segments(span or (0, len(self.stages[s].layers)), self.recompute)
+
+    def _weight_gradients(self, step: int, s: int, g: int) -> None:
+        """A zero-bubble W job: the weight gradients from what its B left; then the activations go."""
+        self._bind(s, gradient=self._take(Item("g", s, step)))
+        self.stages[s].backward_weights(self.cache.contexts[(s, g)], self._after_layer)
+        self.cache.release(s, g)
