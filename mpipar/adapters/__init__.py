@@ -123,9 +123,9 @@ def chain_torch_layers(stages, loss_fn, cfg: TrainConfig, world_size: int) -> No
     """Let each stage's torch layers form one autograd graph per micro-batch (TorchChain)
     where nothing happens between two layers of a step: one process, parameters not
     sharded (no unit is released between its forward and backward), no recomputation, no
-    split backward, not CDP (on the CPU or a GPU: tests/scripts/check_gpu.py runs it on
-    CUDA). A torch loss joins the last stage's chain.
-    Elsewhere each layer keeps a graph of its own."""
+    split backward, not CDP; on the CPU or a GPU (tests/scripts/check_gpu.py checks it on
+    CUDA). A torch loss joins the last stage's chain. Elsewhere each layer keeps a graph
+    of its own."""
     if world_size != 1 or "mpipar.adapters.torch_stage" not in sys.modules:
         return
     if (cfg.cyclic or cfg.recompute != "none" or cfg.sharding().parameters != "N" or cfg.strategy().split_backward

@@ -127,7 +127,7 @@ class TorchChain:
     def __init__(self) -> None:
         self.last: dict = {}  # Context key -> (output array, _Saved) of the chain's last forward
 
-    def take_gradients(self, key, top: _Saved, root, root_gradient, first: tuple = ()) -> list:
+    def take_gradients(self, top: _Saved, root, root_gradient, first: tuple = ()) -> list:
         """One autograd call from `root` for `first` and every leaf of the chain that ends
         with `top` (kept in each layer's _Saved); returns the gradients of `first`."""
         leaves = [leaf for member in top.group for leaf in member.leaves]
@@ -318,7 +318,7 @@ class TorchLayer(Layer):
         if saved.gradients is None and saved.group is not None and len(saved.group) > 1:
             if saved.group[-1] is not saved:
                 raise RuntimeError(f"{self.name}: backward of a chain began below its top layer")
-            self.chain.take_gradients(ctx.key, saved, saved.output, to_torch(dy))
+            self.chain.take_gradients(saved, saved.output, to_torch(dy))
         if not saved.leaves:  # no parameters, and no one below wants an input gradient
             return None
         gradients = saved.gradients if saved.gradients is not None else list(
@@ -432,5 +432,5 @@ class TorchLoss:
         gradient, logits = ctx.pop(self)
         if isinstance(gradient, tuple):
             loss, share, top = gradient
-            (gradient,) = self.chain.take_gradients(ctx.key, top, loss, share, first=(top.output,))
+            (gradient,) = self.chain.take_gradients(top, loss, share, first=(top.output,))
         return from_torch(gradient, like=logits)

@@ -105,11 +105,7 @@ def refused_on_gpu(options: dict):
     return run
 
 
-def torch_on_cuda_equals_torch_alone(example: str):
-    return lambda: torch_example_on_cuda_equals_torch_alone(example)
-
-
-def torch_example_on_cuda_equals_torch_alone(example: str) -> str:
+def torch_on_cuda_equals_torch_alone(example: str) -> str:
     import importlib
 
     import cupy
@@ -208,7 +204,8 @@ case("mlp ddp sgd gpu = cpu", gpu_equals_cpu(dict(scheme="ddp", optimizer="sgd",
 case("mlp zero3 on a gpu", refused_on_gpu(dict(scheme="zero3", micro_batches=2)))
 if world.size > 1:
     case("mlp 1f1b on a gpu", refused_on_gpu(dict(scheme="1f1b", stages=world.size, micro_batches=4)))
-case("torch mlp ddp on cuda = torch alone on cuda", torch_on_cuda_equals_torch_alone("torch_mlp"))
-case("torch residual blocks ddp on cuda = torch alone on cuda", torch_on_cuda_equals_torch_alone("torch_residual"))
+case("torch mlp ddp on cuda = torch alone on cuda", lambda: torch_on_cuda_equals_torch_alone("torch_mlp"))
+case("torch residual blocks ddp on cuda = torch alone on cuda",
+     lambda: torch_on_cuda_equals_torch_alone("torch_residual"))
 if world.size == 1:
     case("torch mlp 784-512-512-10 speed on cuda", torch_speed_on_cuda)
