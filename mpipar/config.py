@@ -210,7 +210,23 @@ class TrainConfig:
             except ConfigError:
                 continue
             return replicas
-        return 1  # none fits: validate names the schedule's constraint for one pipeline on every rank
+        raise ConfigError(self._no_pipeline_fits(world_size))
+
+    def _no_pipeline_fits(self, world_size: int) -> str:
+        """The sentence for --stages S that no D replicas of a pipeline of W/D ranks can run."""
+        whole = Shape(world_size, self.stages, self.micro_batches or world_size, self.loops)
+        needs = (self.strategy().check(whole) or "").partition(", got")[0]
+        if not needs:  # not the pipeline's width: validate names what else is wrong (loops, sizes)
+            self.strategy().validate(whole)
+        fitting = [stages for stages in range(2, world_size + 1) if any(
+            not self.strategy().check(Shape(world_size // d, stages, self.micro_batches or world_size // d,
+                                            self.loops)) for d in range(1, world_size + 1) if world_size % d == 0)]
+        listed = f"{', '.join(map(str, fitting[:-1]))} or {fitting[-1]}" if len(fitting) > 1 else "".join(map(str, fitting))
+        others = f"; on {world_size} ranks --stages {listed} can run" if fitting else ""
+        ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
+        return (f"--scheme {self.scheme} --stages {self.stages} cannot run on {ranks}: they would form "
+                f"D copies of a pipeline of {world_size}/D ranks, and for no D dividing {world_size} does "
+                f"{self.scheme} accept that pipeline ({needs}){others}")
 
     def for_world(self, world_size: int) -> "TrainConfig":
         """This configuration with the automatic values filled in for `world_size` ranks:
@@ -291,7 +307,7 @@ class TrainConfig:
             raise ConfigError(f"--scheme {self.scheme} sends host buffers between ranks; on a GPU use "
                               "--scheme ddp --ddp naive")
         check_layout(self.cdp_layout, self.scheme, count, world_size)
-        _check_divisible(self.batch_size, count, f"the {count} micro-batches (N)")
+        _check_divisible(self.batch_size, count, f"the {count} micro-batches (N)", count)
 
     def _validate_data_parallel(self, world_size: int) -> None:
         if self.scheme in STRATEGIES and self.scheme not in SCHEMES:
@@ -312,7 +328,7 @@ class TrainConfig:
             raise ConfigError(f"--collective 2d is an all-reduce only; --scheme {sharding} also needs "
                               "reduce-scatter and all-gather: choose mpi, ring, hring or horing")
         _check_divisible(self.batch_size, world_size * self.micro_batches,
-                         f"{world_size} ranks x {self.micro_batches} micro-batches")
+                         f"{world_size} ranks x {self.micro_batches} micro-batches", self.micro_batches)
 
     def _validate_schedule(self, world_size: int) -> None:
         replicas = self.replicas
@@ -351,17 +367,30 @@ class TrainConfig:
                               f"{self.recompute} would rebuild them in B only: use 1f1b with --recompute, or "
                               f"{self.scheme} without")
         if replicas == 1:
-            _check_divisible(self.batch_size, self.micro_batches, f"the schedule's {self.micro_batches} micro-batches")
+            _check_divisible(self.batch_size, self.micro_batches, f"the schedule's {self.micro_batches} micro-batches",
+                             self.micro_batches)
         else:
             _check_divisible(self.batch_size, replicas * self.micro_batches,
-                             f"{replicas} replicas x {self.micro_batches} micro-batches")
+                             f"{replicas} replicas x {self.micro_batches} micro-batches", self.micro_batches)
 
 
-def _check_divisible(batch_size: int, parts: int, what: str) -> None:
-    """The global batch must split evenly; suggest the nearest sizes that do."""
+def _check_divisible(batch_size: int, parts: int, what: str, micro_batches: int | None = None) -> None:
+    """The global batch must split evenly into `parts` (`micro_batches` of them per rank or
+    replica, where that count is the user's to change); suggest sizes that do. A batch
+    smaller than `parts` is met by fewer micro-batches, not a larger batch, which the data
+    set may not hold."""
     if batch_size % parts == 0:
         return
     below, above = batch_size // parts * parts, (batch_size // parts + 1) * parts
+    if below == 0 and micro_batches:
+        ways = parts // micro_batches
+        fewer = max(count for count in range(1, micro_batches + 1) if batch_size % (ways * count) == 0) \
+            if batch_size % ways == 0 else None
+        fix = (f"--micro-batches {fewer}" if fewer else
+               f"a --batch-size divisible by {ways}, such as {max(ways, batch_size // ways * ways)}, and fewer "
+               "micro-batches")
+        raise ConfigError(f"--batch-size {batch_size} is smaller than {what} = {parts}, so some micro-batch would "
+                          f"be empty; use {fix}")
     fixes = f"{below} or {above}" if below else f"{above}"
     raise ConfigError(f"--batch-size {batch_size} is not divisible by {what} = {parts}; use --batch-size {fixes}")
 

@@ -13,6 +13,7 @@ Exercised by: mpipar train --help;  python -m pytest tests/test_config.py
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import click
@@ -117,12 +118,16 @@ class StrictInt(click.types.IntParamType):
 
 
 class StrictFloat(click.types.FloatParamType):
-    """A number; refuses True and False."""
+    """A finite number; refuses True and False, nan and inf (no option of mpipar means
+    anything by them, and a NaN passes every range check, since it compares False)."""
 
     def convert(self, value, param, ctx) -> float:
         if isinstance(value, bool):
             self.fail(f"must be a number, got {value!r}", param, ctx)
-        return super().convert(value, param, ctx)
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"must be a finite number, got {value!r}", param, ctx)
+        return number
 
 
 class IntRange(click.IntRange, StrictInt):

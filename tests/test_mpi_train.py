@@ -40,9 +40,9 @@ def test_two_ranks_equal_one_process(tmp_path, case):
     (["--batch-size", "63"], "--batch-size 63 is not divisible by 4 ranks x 1 micro-batches = 4; use --batch-size 60 or 64"),
     (["--epochs", "abc"], "Invalid value for '--epochs': 'abc' is not a valid integer"),
     (["--config", "/nonexistent.toml"], "cannot read config file /nonexistent.toml"),
-    (["--scheme", "gpipe", "--stages", "3"], "gpipe cannot run W=4 S=3 B=4 G=1: one worker per stage: W = S"),
+    (["--scheme", "gpipe", "--stages", "3"], "--scheme gpipe --stages 3 cannot run on 4 ranks: they would form D copies of a pipeline of 4/D ranks, and for no D dividing 4 does gpipe accept that pipeline (one worker per stage: W = S); on 4 ranks --stages 2 or 4 can run"),
     (["--scheme", "lpp", "--stages", "3", "--loops", "3", "--micro-batches", "4"],
-     "lpp cannot run W=4 S=3 B=4 G=3: W = G R needs the loops G=3 to divide the workers W=4"),
+     "does lpp accept that pipeline (W = G R needs the loops G=3 to divide the workers W=4)"),
     (["--scheme", "cdp-v2", "--cdp-layout", "mp"], "--cdp-layout mp with N = 3 stages and micro-batches needs"),
 ])
 def test_bad_configuration_stops_every_rank_with_one_sentence_printed_once(args, message):

@@ -138,7 +138,9 @@ def test_a_broken_custom_strategy_is_refused_before_anything_runs():
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(scheme="gpipe", stages=3), "gpipe cannot run W=1 S=3 B=1 G=1: one worker per stage: W = S"),
+    (dict(scheme="gpipe", stages=3), "--scheme gpipe --stages 3 cannot run on 1 rank: they would form D copies of a "
+                                    "pipeline of 1/D ranks, and for no D dividing 1 does gpipe accept that pipeline "
+                                    r"\(one worker per stage: W = S\)$"),
     (dict(scheme="gpipe"), "--scheme gpipe is a pipeline schedule: give the number of stages with --stages S"),
     (dict(stages=2), "--stages 2 runs a schedule: name it with --scheme"),
     (dict(scheme="zero3", stages=1), "unknown schedule scheme 'zero3'"),

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from mpipar.errors import ConfigError
+from mpipar.errors import ConfigError, MpiparError
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.layers.base import Layer
 from mpipar.model import Sequential
@@ -42,8 +42,18 @@ if TYPE_CHECKING:
     from mpipar.data.datasets import ImageDataset, TextDataset
 
 
+# Packages a builder may import that an mpipar extra installs, and how to get each.
+_EXTRA_FOR = {"torch": "PyTorch: pip install 'mpipar[torch]' (docs/adapters.md shows the CPU-only build)",
+              "jax": "JAX: pip install 'mpipar[jax]'", "jaxlib": "JAX: pip install 'mpipar[jax]'",
+              "cupy": "CuPy: pip install 'mpipar[gpu]'"}
+
+
 def load_builder(spec: str) -> Callable:
-    """FUNCTION from `FILE.py:FUNCTION`, imported from that file."""
+    """FUNCTION from `FILE.py:FUNCTION`, imported from that file.
+
+    A file that cannot be imported (a package it needs is missing, a syntax error, an
+    exception at import) or that lacks FUNCTION is the user's to mend, so each case is a
+    ConfigError of one sentence naming the file and what to do, not a traceback."""
     path, _, name = spec.rpartition(":")
     if not path.endswith(".py") or not name:
         raise ConfigError(f"--model {spec!r}: give a built-in model or FILE.py:FUNCTION")
@@ -51,11 +61,30 @@ def load_builder(spec: str) -> Callable:
         raise ConfigError(f"--model {spec!r}: no file {path}")
     module_spec = importlib.util.spec_from_file_location(f"mpipar_user_model_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except ModuleNotFoundError as error:
+        raise _not_installed(spec, path, error) from None
+    except SyntaxError as error:
+        raise ConfigError(f"--model {spec!r}: syntax error in {error.filename}, line {error.lineno}: "
+                          f"{error.msg}") from None
+    except Exception as error:  # the user's module raised while being imported
+        raise ConfigError(f"--model {spec!r}: importing {path} raised {type(error).__name__}: {error}") from None
     builder = getattr(module, name, None)
     if not callable(builder):
-        raise ConfigError(f"--model {spec!r}: {path} defines no function {name}")
+        functions = sorted(key for key, value in vars(module).items()
+                           if callable(value) and not key.startswith("_")
+                           and getattr(value, "__module__", None) == module.__name__)
+        raise ConfigError(f"--model {spec!r}: {path} defines no function {name}; its functions are: "
+                          f"{', '.join(functions) or 'none'}")
     return builder
+
+
+def _not_installed(spec: str, path: str, error: ModuleNotFoundError) -> ConfigError:
+    """The sentence for a builder's file that imports a package this Python lacks."""
+    package = (error.name or str(error)).partition(".")[0]
+    remedy = f"install {_EXTRA_FOR[package]}" if package in _EXTRA_FOR else f"install it (pip install {package})"
+    return ConfigError(f"--model {spec!r}: {path} imports {package!r}, which is not installed; {remedy}")
 
 
 def _is_torch(value) -> bool:
@@ -73,7 +102,15 @@ def build_user_model(spec: str, input_shape: tuple[int, ...], num_classes: int, 
     np.random.seed(seed)
     if "torch" in sys.modules:
         sys.modules["torch"].manual_seed(seed)
-    built = builder(tuple(input_shape), num_classes)
+    try:
+        built = builder(tuple(input_shape), num_classes)
+    except MpiparError:
+        raise
+    except ModuleNotFoundError as error:  # imported inside the builder
+        raise _not_installed(spec, spec.rpartition(":")[0], error) from None
+    except Exception as error:  # the user's builder failed: its message is the sentence
+        raise ConfigError(f"--model {spec!r}: {spec.rpartition(':')[2]}{tuple(input_shape), num_classes} raised "
+                          f"{type(error).__name__}: {error}") from None
     model, loss = built if isinstance(built, tuple) and len(built) == 2 and callable(built[1]) \
         and not _is_jax_pair(built) else (built, None)
     if isinstance(model, Sequential):

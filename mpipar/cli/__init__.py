@@ -81,7 +81,8 @@ def main() -> None:
             if rank == 0:  # every rank has the same sentence: rank 0 prints it, all exit alike
                 sys.stderr.write(f"mpipar: {'' if isinstance(error, StoppedToRequeue) else 'error: '}{error}\n")
             sys.exit(error.exit_status)
-        _abort(error.exit_status, f"mpipar: error on rank {rank}: {error}\n")
+        where = "" if getattr(error, "names_its_rank", False) else f" on rank {rank}"
+        _abort(error.exit_status, f"mpipar: error{where}: {error}\n")
     except MemoryError as error:  # an allocation the fit check in setup could not foresee (activations, transients)
         rank, size = _world()
         message = (f"mpipar: error: rank {rank} ran out of memory ({error or 'MemoryError'}); `mpipar estimate` "

@@ -36,7 +36,7 @@ from mpipar.errors import ConfigError
 from mpipar.estimate import PHASES, make_layout, predicted_peaks, scheme_rows
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, state_kinds
-from mpipar.options import IntListType, ModelType, RecomputeType
+from mpipar.options import FloatRange, IntListType, ModelType, RecomputeType
 from mpipar.schedule.strategies import STRATEGIES
 from mpipar.sharding import DDP_MODES
 from mpipar.units import format_bytes
@@ -68,7 +68,7 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
 
 
 @click.command()
-@click.option("--params", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--params", type=FloatRange(min=0, min_open=True), default=None,
               help="the number of parameters of the model, e.g. 7e9 (or give --model)")
 @click.option("--model", type=ModelType(MODELS), default=None,
               help="or a model, counted: built-in, or FILE.py:FUNCTION as for mpipar train")
@@ -91,7 +91,7 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
               help="global batch, for --model's activations")
 @click.option("--ddp", type=click.Choice(DDP_MODES), default="bucketed", show_default=True,
               help="layers per communication unit, as in mpipar train")
-@click.option("--bucket-mb", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True,
+@click.option("--bucket-mb", type=FloatRange(min=0, min_open=True), default=25.0, show_default=True,
               help="unit size in MB for --ddp bucketed")
 @click.option("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
               help="units of parameters gathered ahead by the schemes that shard them")
@@ -99,7 +99,7 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
               help="activation recomputation, as in mpipar train: its peak keeps only the input of each stage "
                    "(or of every K layers)")
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True)
-@click.option("--momentum", type=click.FloatRange(min=0), default=0.9, show_default=True,
+@click.option("--momentum", type=FloatRange(min=0), default=0.9, show_default=True,
               help="SGD momentum (0: SGD keeps no state)")
 @click.option("--dtype", "--precision", "precision", cls=RenamedOption, type=click.Choice(PRECISIONS),
               default="mixed", show_default=True,

@@ -29,7 +29,7 @@ from typing import Callable, Generator
 
 from mpi4py import MPI
 
-from mpipar.errors import ConfigError
+from mpipar.errors import ConfigError, MpiparError
 
 Steps = Generator[tuple[list, list[int]], None, None]  # (requests, peer of each)
 
@@ -47,8 +47,14 @@ _yield_core: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(
 _default_timeout = 0.0  # 0: not set
 
 
-class CommTimeout(RuntimeError):
-    """A communication did not complete within the watchdog's time."""
+class CommTimeout(MpiparError):
+    """A communication did not complete within the watchdog's time.
+
+    It is the user's to act on (a peer stopped, or is slower than --comm-timeout
+    allows), so the CLI prints its sentence, not a traceback. It is raised on the
+    waiting rank alone, whose message names itself (`names_its_rank`)."""
+
+    names_its_rank = True
 
 
 def set_default_timeout(seconds: float) -> None:
@@ -57,6 +63,17 @@ def set_default_timeout(seconds: float) -> None:
     if not seconds >= 0:
         raise ConfigError(f"the communication timeout must be 0 (not set) or a number of seconds, not {seconds}")
     _default_timeout = float(seconds)
+
+
+def _timeout_source(seconds: float) -> str:
+    """Which setting gave a wait its `seconds`, in the words a user would change."""
+    if _default_timeout == seconds:
+        return f"--comm-timeout {seconds:g}"
+    if os.environ.get("MPIPAR_COMM_TIMEOUT") and default_timeout() == seconds:
+        return f"MPIPAR_COMM_TIMEOUT={seconds:g}"
+    if seconds == DEFAULT_TIMEOUT:
+        return f"the default --comm-timeout of {seconds:g} s"
+    return f"a timeout of {seconds:g} s"
 
 
 def default_timeout() -> float:
@@ -130,7 +147,8 @@ def _timed_out(rank: int, what: str, seconds: float, requests: list[MPI.Request]
     open_peers = sorted({peer for request, peer in zip(requests, peers) if request})
     waiting_for = ("the MPI library's collective" if open_peers == [-1]
                    else f"messages to or from rank(s) {open_peers}")
-    return CommTimeout(f"rank {rank}: {what} still waits after {seconds:g} s for {waiting_for}")
+    return CommTimeout(f"rank {rank}: {what} still waits after {seconds:g} s for {waiting_for} "
+                       f"({_timeout_source(seconds)} fired: that rank stopped, or is slower than that allows)")
 
 
 class Handle:

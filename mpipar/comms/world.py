@@ -17,6 +17,7 @@ Exercised by: python -m pytest tests/test_mpi_train.py   (it starts mpiexec itse
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -79,6 +80,9 @@ def abort_job(comm: MPI.Intracomm, status: int, message: str) -> None:
     sys.stdout.flush()
     time.sleep(0.5)  # let the launcher forward the message: the abort can tear down the output path first
     comm.Abort(status)
+    # MPICH's MPI_Abort can return to the caller (the launcher ends the ranks a moment later):
+    # this rank must not carry on meanwhile, past the error, as though nothing had happened.
+    os._exit(status)
 
 
 def abort_on_uncaught_exception(comm: MPI.Intracomm) -> None:

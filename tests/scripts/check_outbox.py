@@ -96,7 +96,8 @@ def buffer() -> None:
         outbox.wait_buffer(first, "send of the first buffer")
         failures.append("rank 0: wait_buffer(first) returned though rank 1 had not received it")
     except CommTimeout as timeout:
-        expected = "rank 0: send of the first buffer still waits after 2 s for messages to or from rank(s) [1]"
+        expected = ("rank 0: send of the first buffer still waits after 2 s for messages to or from rank(s) [1] "
+                    "(--comm-timeout 2 fired: that rank stopped, or is slower than that allows)")
         expect(str(timeout) == expected, f"watchdog said {str(timeout)!r}, expected {expected!r}")
     set_default_timeout(0)
     comm.Send(np.empty(0), 1, tag=GO)

@@ -1,8 +1,9 @@
 """A real training run in which one rank stops, for good, just before its first point-to-point send.
 
 The other rank then waits for a message that never comes. Its watchdog must raise
-CommTimeout after --comm-timeout (3 s here), and the trainer's error path must abort the
-job, so that every rank ends, the stalled one included, long before the stall would.
+CommTimeout after --comm-timeout (3 s here), and the command line's error path must abort the
+job with that one sentence, so that every rank ends, the stalled one included, long before the
+stall would. The run goes through `mpipar train` exactly as a user starts it (mpipar.cli.main).
 
 Usage: check_stall.py RUN STALLED_RANK
   RUN  pipeline   1F1B, 2 stages on 2 ranks, 4 micro-batches: rank 0 sends activations, rank 1 gradients
@@ -23,22 +24,20 @@ import time
 from mpi4py import MPI
 
 import deadline
-from mpipar.config import TrainConfig
+from mpipar.cli import main
 from mpipar.executor import Executor
 from mpipar.schedule.instructions import Send
-from mpipar.trainer import Trainer
 
 COMM_TIMEOUT = 3.0  # seconds: the watchdog's time, as --comm-timeout
 STALL = 600.0  # seconds the stalled rank sleeps: far beyond the timeout and the test's patience
 
 deadline.arm(40)
 run, stalled_rank = sys.argv[1], int(sys.argv[2])
-common = dict(dataset="synthetic", hidden=(16, 16), batch_size=16, max_steps=2, epochs=1, log_every=1000,
-              comm_timeout=COMM_TIMEOUT)
-configs = {"pipeline": dict(scheme="1f1b", stages=2, micro_batches=4),
-           "cdp-dp": dict(scheme="cdp-v2", cdp_layout="dp", micro_batches=2),
-           "cdp-pp": dict(scheme="cdp-v2", cdp_layout="pp", micro_batches=2)}
-config = TrainConfig(**configs[run], **common)
+common = ["--dataset", "synthetic", "--hidden", "16,16", "--batch-size", "16", "--max-steps", "2", "--epochs", "1",
+          "--log-every", "1000", "--comm-timeout", f"{COMM_TIMEOUT:g}"]
+runs = {"pipeline": ["--scheme", "1f1b", "--stages", "2", "--micro-batches", "4"],
+        "cdp-dp": ["--scheme", "cdp-v2", "--cdp-layout", "dp", "--micro-batches", "2"],
+        "cdp-pp": ["--scheme", "cdp-v2", "--cdp-layout", "pp", "--micro-batches", "2"]}
 
 
 def stall_before(send):
@@ -56,5 +55,6 @@ def stall_before(send):
 # every point-to-point send of every plan goes through the executor's Send
 Executor.handlers[Send] = stall_before(Executor.handlers[Send])
 
-Trainer(config).run()
+sys.argv = ["mpipar", "train", *runs[run], *common]
+main()
 print(f"rank {MPI.COMM_WORLD.rank}: training finished, though rank {stalled_rank} never sent", flush=True)
