@@ -138,6 +138,8 @@ class TrainConfig:
     resume: str | None = _option(None, "resume from a checkpoint: auto (the newest valid one in --checkpoint-dir, "
                                        "else a fresh start), the path of one, or of a directory of them "
                                        "(its latest)", click.STRING, "checkpoints")
+    resume_other_data: bool = _option(False, "resume on other data than the checkpoint's run trained on (fine-tuning); "
+                                             "without it such a resume is refused", click.BOOL, "checkpoints")
     save_every: int = _option(0, "save a checkpoint every this many steps (0: never; CDP saves at the end of "
                                  "an epoch)", NATURAL, "checkpoints")
     save_every_minutes: float = _option(0.0, "also save when this many minutes have passed since the last save "
@@ -221,7 +223,7 @@ class TrainConfig:
         fitting = [stages for stages in range(2, world_size + 1) if any(
             not self.strategy().check(Shape(world_size // d, stages, self.micro_batches or world_size // d,
                                             self.loops)) for d in range(1, world_size + 1) if world_size % d == 0)]
-        listed = f"{', '.join(map(str, fitting[:-1]))} or {fitting[-1]}" if len(fitting) > 1 else "".join(map(str, fitting))
+        listed = " or ".join(filter(None, (", ".join(map(str, fitting[:-1])), str(fitting[-1])))) if fitting else ""
         others = f"; on {world_size} ranks --stages {listed} can run" if fitting else ""
         ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
         return (f"--scheme {self.scheme} --stages {self.stages} cannot run on {ranks}: they would form "

@@ -138,7 +138,7 @@ class Report:
         if not self.metrics:
             return
         memory = trainer.memory
-        self.metrics.write("step", {"step": result.step, "epoch": result.epoch, "loss": result.loss,
+        self.metrics.write("step", {"step": result.step + 1, "epoch": result.epoch + 1, "loss": result.loss,
                                     "accuracy": result.accuracy, "lr": result.lr,
                                     "samples_per_s": trainer.config.batch_size / result.seconds
                                     if result.seconds else None,
@@ -206,7 +206,7 @@ class Report:
     def evaluation(self, result: EvalResult, trainer: Trainer) -> None:
         """An evaluation, just done: samples/s restarts after it (evaluating is not training)."""
         if self.metrics:
-            self.metrics.write("eval", {"epoch": result.epoch, "loss": result.loss, "accuracy": result.accuracy})
+            self.metrics.write("eval", {"epoch": result.epoch + 1, "loss": result.loss, "accuracy": result.accuracy})
         self._print(f"eval epoch {result.epoch + 1}: test loss {loss_text(result.loss)} accuracy {result.accuracy:.2%}")
         self.window_start, self.window_samples = time.perf_counter(), 0
 

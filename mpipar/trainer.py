@@ -320,7 +320,7 @@ class Trainer:
             sum_across_ranks(self.counted, self.step_totals)
         loss = float(self.step_totals[0])
         if not math.isfinite(loss):
-            error = NonFiniteLossError(f"step {step} (epoch {epoch}): the training loss is {loss}; "
+            error = NonFiniteLossError(f"step {step + 1} (epoch {epoch + 1}): the training loss is {loss}; "
                                        "stopped before the update (try a lower --lr)")
             error.on_every_rank = True  # the loss was summed over all ranks: they all stop here
             raise error

@@ -36,7 +36,7 @@ def step_dir(root: Path, step: int) -> Path:
 
 def losses(metrics: Path, first: int) -> dict[int, float]:
     events = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return {e["step"]: e["loss"] for e in events if e["event"] == "step" and e["step"] >= first}
+    return {e["step"]: e["loss"] for e in events if e["event"] == "step" and e["step"] > first}
 
 
 def assert_same_state(a: Path, b: Path) -> None:
@@ -78,7 +78,7 @@ def test_a_resumed_run_continues_bit_for_bit(tmp_path, scheme, dtype):
     result = train(ranks, *common, "--checkpoint-dir", str(resumed), "--resume", "auto",
                    "--metrics", str(tmp_path / "resumed.jsonl"))
     assert result.returncode == 0, result.stderr
-    assert f"resuming from {step_dir(resumed, half)} after step {half - 1}" in result.stdout
+    assert f"resuming from {step_dir(resumed, half)} after step {half}" in result.stdout
     assert_same_state(step_dir(whole, 2 * half), step_dir(resumed, 2 * half))
     expected = losses(tmp_path / "whole.jsonl", half)
     assert len(expected) == half and losses(tmp_path / "resumed.jsonl", half) == expected
@@ -141,7 +141,7 @@ def test_a_job_killed_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
     assert not step_dir(crashed, 4).exists() and not (unfinished / "manifest.json").exists()
     result = train(2, *common, "--checkpoint-dir", str(crashed), "--resume", "auto")
     assert result.returncode == 0, result.stderr
-    assert f"resuming from {step_dir(crashed, 2)} after step 1" in result.stdout
+    assert f"resuming from {step_dir(crashed, 2)} after step 2" in result.stdout
     assert_same_state(step_dir(reference, 6), step_dir(crashed, 6))
 
 
@@ -160,7 +160,7 @@ def test_a_flipped_byte_is_named_and_auto_falls_back_to_the_previous_checkpoint(
     result = train(2, *common, "--checkpoint-dir", str(root), "--resume", "auto")
     assert result.returncode == 0, result.stderr
     assert f"mpipar: skipping checkpoint {step_dir(root, 4)}: checkpoint file {damaged} is corrupt" in result.stderr
-    assert f"resuming from {step_dir(root, 2)} after step 1" in result.stdout
+    assert f"resuming from {step_dir(root, 2)} after step 2" in result.stdout
 
 
 def rank_pids(launcher_pid: int) -> list[int]:
@@ -209,7 +209,7 @@ def test_sigterm_saves_exits_75_and_the_requeued_job_finishes_as_if_never_stoppe
     saved = sorted(root.glob("step-*"))
     assert len(saved) == 1 and not saved[0].name.endswith(".tmp"), saved
     steps = int(saved[0].name.split("-")[1])
-    assert f"stopped by a signal after step {steps - 1}; checkpoint {saved[0]} saved" in stderr
+    assert f"stopped by a signal after step {steps}; checkpoint {saved[0]} saved" in stderr
     finish = str(steps + 3)
     result = train(2, *common, "--max-steps", finish, "--checkpoint-dir", str(root), "--resume", "auto")
     assert result.returncode == 0, result.stderr

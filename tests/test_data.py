@@ -152,17 +152,25 @@ def test_idx_set_found_under_data_dir_name(tmp_path, monkeypatch):
 def test_idx_set_found_via_environment(tmp_path, monkeypatch):
     _write_fake_idx_set(tmp_path / "kmnist", n_train=7)
     monkeypatch.setenv("MPIPAR_DATA", str(tmp_path))
-    train, _ = load_dataset("kmnist", data_dir=str(tmp_path / "empty"))
+    train, _ = load_dataset("kmnist")
     assert len(train) == 7
+
+
+def test_an_explicit_data_dir_without_the_files_is_refused_not_replaced(tmp_path, monkeypatch):
+    _write_fake_idx_set(tmp_path / "kmnist", n_train=7)  # a copy $MPIPAR_DATA would find
+    monkeypatch.setenv("MPIPAR_DATA", str(tmp_path))
+    with pytest.raises(DataError) as info:
+        load_dataset("kmnist", data_dir=str(tmp_path / "empty"))
+    assert str(info.value).startswith(f"--data-dir {tmp_path / 'empty'} holds no kmnist: neither "
+                                      f"{tmp_path / 'empty'} nor {tmp_path / 'empty' / 'kmnist'} holds all of")
 
 
 def test_idx_set_not_found_lists_searched_places(tmp_path, monkeypatch):
     monkeypatch.setenv("MPIPAR_DATA", str(tmp_path / "env"))
     with pytest.raises(DataError) as info:
-        load_dataset("kmnist", data_dir=str(tmp_path / "given"))
+        load_dataset("kmnist")
     message = str(info.value)
-    for place in (tmp_path / "given", tmp_path / "given" / "kmnist", tmp_path / "env",
-                  tmp_path / "env" / "kmnist", SYSTEM_DATA_ROOT / "kmnist"):
+    for place in (tmp_path / "env", tmp_path / "env" / "kmnist", SYSTEM_DATA_ROOT / "kmnist"):
         assert str(place) in message
     assert "mpipar data download kmnist" in message
 

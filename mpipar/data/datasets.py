@@ -150,12 +150,16 @@ def _load_digits() -> tuple[ImageDataset, ImageDataset]:
 
 
 def idx_search_dirs(name: str, data_dir: str | None = None) -> list[Path]:
-    """The directories searched for an IDX data set, in order."""
+    """The directories searched for an IDX data set, in order: an explicit `data_dir` alone
+    (it is used or refused, never silently replaced by another copy), else $MPIPAR_DATA's,
+    then the system's."""
+    if data_dir:
+        root = Path(data_dir).expanduser()
+        return [root, root / name]
     dirs = []
-    for root in (data_dir, os.environ.get(DATA_ENV)):
-        if root:
-            root_path = Path(root).expanduser()
-            dirs += [root_path, root_path / name]
+    if os.environ.get(DATA_ENV):
+        root = Path(os.environ[DATA_ENV]).expanduser()
+        dirs += [root, root / name]
     dirs.append(SYSTEM_DATA_ROOT / name)
     return dirs
 
@@ -178,6 +182,10 @@ def find_idx_files(name: str, data_dir: str | None = None) -> dict[str, Path]:
         files = idx_files_in(directory)
         if files is not None:
             return files
+    if data_dir:
+        raise DataError(f"--data-dir {data_dir} holds no {name}: neither {searched[0]} nor {searched[1]} holds all "
+                        f"of {', '.join(IDX_FILES.values())} (each may end in .gz); point --data-dir at the files, "
+                        f"or leave it out to use ${DATA_ENV} or {SYSTEM_DATA_ROOT / name}")
     how = f"run `mpipar data download {name}`"
     if name == "fashion-mnist":
         how += " or `apt-get install dataset-fashion-mnist`"

@@ -1,0 +1,113 @@
+"""What a user can get wrong is one sentence, printed once, with exit status 2 and no traceback,
+before any training where it can be known then: a --model file that cannot be imported, a
+--checkpoint-dir that cannot hold checkpoints, a resume on other data, a pipeline width that
+no number of replicas fits, more micro-batches than samples.
+
+    python -m pytest tests/test_user_errors.py -q
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_mpi
+from mpipar.checkpoint import store
+
+TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def mpipar_on_two_ranks(*args: str):
+    return run_mpi(2, sys.executable, "-m", "mpipar", "train", *args, timeout=120)
+
+
+def assert_one_sentence(result, sentence: str) -> None:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output, output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error")]
+    assert errors == [f"mpipar: error: {sentence}"], output
+
+
+@pytest.mark.parametrize("source, sentence", [
+    ("import torchvision_absent\n\ndef build(shape, classes):\n    pass\n",
+     "{spec}: {path} imports 'torchvision_absent', which is not installed; install it (pip install torchvision_absent)"),
+    ("import jax\n\ndef build(shape, classes):\n    pass\n",
+     "{spec}: {path} imports 'jax', which is not installed; install JAX: pip install 'mpipar[jax]'"),
+    ("def build(shape, classes)\n    pass\n", "{spec}: syntax error in {path}, line 1: expected ':'"),
+    ("def make(shape, classes):\n    pass\n\n\ndef other():\n    pass\n",
+     "{spec}: {path} defines no function build; its functions are: make, other"),
+    ("def build(shape, classes):\n    raise ValueError('width must be even')\n",
+     "{spec}: build((1, 8, 8), 10) raised ValueError: width must be even"),
+    ("raise RuntimeError('no GPU here')\n", "{spec}: importing {path} raised RuntimeError: no GPU here"),
+])
+def test_a_model_file_that_cannot_be_used_is_one_sentence(tmp_path, source, sentence):
+    if "import jax" in source and importlib.util.find_spec("jax") is not None:
+        pytest.skip("jax is installed here, so a file importing it cannot show the missing-package sentence")
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    spec = f"{path}:build"
+    result = mpipar_on_two_ranks("--model", spec, "--max-steps", "1")
+    assert_one_sentence(result, sentence.format(spec=f"--model {spec!r}", path=path))
+
+
+def test_a_checkpoint_dir_that_is_a_file_stops_before_the_first_step(tmp_path):
+    not_a_directory = tmp_path / "runs"
+    not_a_directory.write_text("")
+    result = mpipar_on_two_ranks("--checkpoint-dir", str(not_a_directory), "--max-steps", "2", "--log-every", "1")
+    assert_one_sentence(result, f"--checkpoint-dir {not_a_directory} is a file, not a directory (on rank 0)")
+    assert "step 1/" not in result.stdout, "it trained before refusing the directory"
+
+
+def test_a_checkpoint_dir_without_room_for_one_checkpoint_is_refused(tmp_path, monkeypatch):
+    class Usage:
+        free = 1000
+
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda path: Usage)
+    assert store._directory_problem(tmp_path, 5_000_000) == (
+        f"--checkpoint-dir {tmp_path} has 1 KB free, and one checkpoint of this run takes about 5 MB")
+    assert store._directory_problem(tmp_path, 999) is None
+
+
+def test_a_resume_on_other_data_is_refused_unless_asked_for(tmp_path):
+    text = TEXT.read_text()[:20000]
+    first, other = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text(text)
+    other.write_text(text[::-1])  # the same characters, so the same vocabulary and model
+    common = ["--model", "transformer", "--dataset", "text", "--width", "16", "--heads", "2", "--blocks", "1",
+              "--seq-len", "16", "--checkpoint-dir", str(tmp_path / "runs"), "--quiet"]
+    saved = mpipar_on_two_ranks(*common, "--text-file", str(first), "--max-steps", "2")
+    assert saved.returncode == 0, saved.stderr
+    refused = mpipar_on_two_ranks(*common, "--text-file", str(other), "--max-steps", "4", "--resume", "auto")
+    output = refused.stdout + refused.stderr
+    assert refused.returncode == 2 and "Traceback" not in output, output
+    assert f"was trained on text from {first}" in refused.stderr and f"this run loaded text from {other}" in \
+        refused.stderr and "pass --resume-other-data" in refused.stderr, output
+    fine_tuned = mpipar_on_two_ranks(*common, "--text-file", str(other), "--max-steps", "4", "--resume", "auto",
+                                     "--resume-other-data")
+    assert fine_tuned.returncode == 0, fine_tuned.stderr
+    assert "after step 2" in fine_tuned.stdout, fine_tuned.stdout
+
+
+@pytest.mark.parametrize("args, sentence", [
+    (["--micro-batches", "1000"], "--batch-size 64 is smaller than 2 ranks x 1000 micro-batches = 2000, so some "
+                                  "micro-batch would be empty; use --micro-batches 32"),
+    (["--scheme", "1f1b", "--stages", "3"], "--scheme 1f1b --stages 3 cannot run on 2 ranks: they would form D "
+                                            "copies of a pipeline of 2/D ranks, and for no D dividing 2 does 1f1b "
+                                            "accept that pipeline (one worker per stage: W = S); on 2 ranks "
+                                            "--stages 2 can run"),
+    (["--comm-timeout", "nan"], "Invalid value for '--comm-timeout': must be a finite number, got 'nan' "
+                                "(see mpipar train --help)"),
+    (["--save-every-minutes", "inf"], "Invalid value for '--save-every-minutes': must be a finite number, got "
+                                      "'inf' (see mpipar train --help)"),
+])
+def test_a_configuration_that_cannot_run_is_one_sentence_before_training(args, sentence):
+    assert_one_sentence(mpipar_on_two_ranks(*args), sentence)
+
+
+def test_a_far_too_large_learning_rate_stops_without_numpy_warnings():
+    result = mpipar_on_two_ranks("--lr", "1e308", "--max-steps", "3")
+    assert_one_sentence(result, "step 2 (epoch 1): the training loss is nan; stopped before the update (try a "
+                                "lower --lr)")
+    assert "RuntimeWarning" not in result.stderr, result.stderr
