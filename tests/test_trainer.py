@@ -81,7 +81,7 @@ def test_nan_loss_stops_at_that_step_before_the_update():
     before = trainer.stages[0].flat.data.copy()
     trainer.stages[0].flat.data[0] = np.nan
     trainer.stages[0].flat.data[1:] = before[1:]
-    with pytest.raises(NonFiniteLossError, match=r"step 1 \(epoch 0\): the training loss is nan"):
+    with pytest.raises(NonFiniteLossError, match=r"step 2 \(epoch 1\): the training loss is nan"):
         trainer.train_step(1, 0, 1)
     np.testing.assert_array_equal(trainer.stages[0].flat.data[1:], before[1:])
 
