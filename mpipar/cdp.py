@@ -51,7 +51,8 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
     (the whole model's parameters, flat) instead of the seed's where given."""
     count = config.micro_batches
     backend = make_backend("cpu", config.dtype)
-    train_set, _ = load_dataset(config.dataset, data_dir=config.data_dir)
+    train_set, _ = load_dataset(config.dataset, data_dir=config.data_dir, text_file=config.text_file,
+                                seq_len=config.seq_len)
     model, loss_fn = configured_model(config, train_set)
     stages = build_stages(model, count, backend, config.seed)
     flats = [stage.flat for stage in stages]
@@ -61,7 +62,7 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
             flat.data[:] = initial[start:stop]
     optimizer = make_optimizer(config.optimizer, [f.data for f in flats], [f.grad for f in flats],
                                [f.decay_spans(0, f.size) for f in flats], momentum=config.momentum,
-                               weight_decay=config.weight_decay)
+                               weight_decay=config.weight_decay, betas=(config.beta1, config.beta2), eps=config.eps)
     cache = ActivationCache()
     sampler = GlobalBatchSampler(len(train_set), config.batch_size, config.seed)
     size = config.batch_size // count
@@ -75,7 +76,7 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
         for i, indices in enumerate(split_micro_batches(sampler.global_batch_indices(epoch, position), count)):
             for flat, fresh, new, old in zip(flats, fresh_stages(rule, i, count), current, previous):
                 flat.data[:] = new if fresh else old
-            inputs, targets = train_set.batch(indices)
+            inputs, targets = train_set.for_epoch(epoch, config.seed).batch(indices)
             inputs = backend.inputs(inputs)  # as the Trainer feeds them: a torch stage refuses mixed dtypes
             contexts = [cache.context(s, i, step=step, seed=config.seed, sample_ids=np.arange(i * size, (i + 1) * size))
                         for s in range(count)]

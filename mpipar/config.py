@@ -24,7 +24,7 @@ import click
 from mpipar.backend import DEVICES, DTYPES
 from mpipar.comms.collectives import ALGORITHMS
 from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
-from mpipar.data import DATASETS
+from mpipar.data import DATASETS, TOKEN_DATASETS
 from mpipar.errors import ConfigError
 from mpipar.mesh import Mesh
 from mpipar.models import MODELS
@@ -76,9 +76,10 @@ class TrainConfig:
                           click.Choice(DEVICES), "model")
     dataset: str = _option("digits", "the data set (digits is bundled)", click.Choice(DATASETS), "data")
     data_dir: str | None = _option(None, "directory with the data set's IDX files (else $MPIPAR_DATA/NAME, "
-                                         "/usr/share/datasets/NAME)", click.STRING, "data")
+                                         "/usr/share/datasets/NAME), or --dataset tokens' train.bin and val.bin",
+                                   click.STRING, "data")
     text_file: str | None = _option(None, "UTF-8 text file for --dataset text", click.STRING, "data")
-    seq_len: int = _option(64, "sequence length for --dataset text", POSITIVE, "data")
+    seq_len: int = _option(64, "tokens per window (context) for --dataset text and tokens", POSITIVE, "data")
     epochs: int = _option(15, "passes over the training set", POSITIVE, "training")
     max_steps: int = _option(0, "stop after this many steps (0: no limit)", NATURAL, "training")
     batch_size: int = _option(64, "global batch size, summed over ranks and micro-batches", POSITIVE, "training")
@@ -87,15 +88,28 @@ class TrainConfig:
                                     "0: 1 in data parallelism, the number of ranks with --stages, what "
                                     "--cdp-layout needs on the ranks for CDP", NATURAL, "training")
     seed: int = _option(0, "seed for initialisation, data order and dropout", NATURAL, "training")
-    eval_batch: int = _option(1000, "evaluation batch size per rank", POSITIVE, "training")
+    eval_batch: int = _option(0, "evaluation batch size per rank (0: a training micro-batch's, so that evaluation "
+                                 "needs no more activation memory than training)", NATURAL, "training")
+    eval_every: int = _option(0, "evaluate every this many steps (0: at the end of each epoch); and at the end",
+                              NATURAL, "training")
+    eval_batches: int | None = _option(None, "evaluate on a fixed sample of this many global batches of the "
+                                             "validation split, the same at every evaluation, on every rank and "
+                                             "in every scheme (0: the whole split; default: 20 for a token "
+                                             "stream, 0 for an image set)", NATURAL, "training")
     optimizer: str = _option("adam", "the optimizer", click.Choice(OPTIMIZERS), "optimizer")
     lr: float = _option(1e-3, "learning rate", FloatRange(0.0, math.inf, min_open=True, max_open=True), "optimizer")
     momentum: float = _option(0.9, "SGD momentum", FloatRange(0.0, 1.0, max_open=True), "optimizer")
-    weight_decay: float = _option(0.0, "weight decay (decoupled for adamw)", FloatRange(0.0), "optimizer")
+    weight_decay: float = _option(0.0, "weight decay (decoupled for adamw) of the weight matrices and kernels; "
+                                       "biases, norms' scales and embeddings' positions are not decayed",
+                                  FloatRange(0.0), "optimizer")
+    beta1: float = _option(0.9, "Adam's first-moment decay", FloatRange(0.0, 1.0, max_open=True), "optimizer")
+    beta2: float = _option(0.999, "Adam's second-moment decay", FloatRange(0.0, 1.0, max_open=True), "optimizer")
+    eps: float = _option(1e-8, "Adam's epsilon", FloatRange(0.0, min_open=True), "optimizer")
     schedule: str = _option("constant", "learning-rate schedule", click.Choice(SCHEDULES), "optimizer")
     warmup_steps: int = _option(0, "linear warm-up steps", NATURAL, "optimizer")
     step_size: int = _option(1000, "steps between decays for --schedule step", POSITIVE, "optimizer")
     gamma: float = _option(0.1, "decay factor for --schedule step", FloatRange(0.0, min_open=True), "optimizer")
+    min_lr: float = _option(0.0, "the learning rate --schedule cosine ends at", FloatRange(0.0), "optimizer")
     scheme: str | None = _option(None, "how the ranks share the work: a data-parallel scheme (default ddp); with "
                                        "--stages a pipeline schedule; cdp-v1/cdp-v2 for Cyclic Data Parallelism "
                                        "(docs/glossary.md)", LiveChoice(lambda: (*SCHEMES, *STRATEGIES, *CDP_SCHEMES)),
@@ -214,6 +228,11 @@ class TrainConfig:
             return replicas
         raise ConfigError(self._no_pipeline_fits(world_size))
 
+    def evaluation_batch(self, world_size: int) -> int:
+        """Samples per evaluation forward on a rank: --eval-batch, else a training micro-batch's."""
+        per_rank = 1 if self.cyclic else self.mesh(world_size).replicas
+        return self.eval_batch or max(1, self.batch_size // per_rank // max(1, self.micro_batches))
+
     def _no_pipeline_fits(self, world_size: int) -> str:
         """The sentence for --stages S that no D replicas of a pipeline of W/D ranks can run."""
         whole = Shape(world_size, self.stages, self.micro_batches or world_size, self.loops)
@@ -281,9 +300,12 @@ class TrainConfig:
             self._validate_data_parallel(world_size)
         if self.model == "transformer" and self.width % self.heads:
             raise ConfigError(f"--width {self.width} is not divisible by --heads {self.heads}")
-        if self.model in MODELS and (self.model == "transformer") != (self.dataset == "text"):
-            raise ConfigError(f"--model {self.model} cannot train on --dataset {self.dataset}: "
-                              "the transformer trains on --dataset text, the mlp and cnn on image data sets")
+        if self.model in MODELS and (self.model == "transformer") != (self.dataset in TOKEN_DATASETS):
+            raise ConfigError(f"--model {self.model} cannot train on --dataset {self.dataset}: the transformer "
+                              "trains on --dataset text or tokens, the mlp and cnn on image data sets")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr:g} is above --lr {self.lr:g}: the cosine schedule decays "
+                              "from --lr down to --min-lr")
         if self.dataset == "text" and not self.text_file:
             raise ConfigError("--dataset text needs --text-file PATH (any UTF-8 text file)")
         if not self.checkpoint_dir and (self.save_every or self.save_every_minutes or self.resume == "auto"):
@@ -292,6 +314,10 @@ class TrainConfig:
             raise ConfigError(f"{given} needs --checkpoint-dir DIR, where the checkpoints are written")
 
     def _validate_cyclic(self, world_size: int) -> None:
+        if self.eval_every:
+            raise ConfigError(f"--eval-every {self.eval_every} evaluates between steps, and --scheme {self.scheme} "
+                              "runs an epoch's steps overlapped as one program: CDP evaluates at the end of each "
+                              "epoch; drop --eval-every")
         if self.recompute != "none":
             raise ConfigError(f"--recompute {self.recompute} is for pipelines and data parallelism; Cyclic Data "
                               "Parallelism keeps its activations flat by its schedule: drop --recompute")

@@ -153,7 +153,7 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
         segment = recompute_segment(recompute)
         spans = (None if segment is None else
                  compute_spans(laid_out, shared_stages(mesh, sizes), unit_bytes_for(ddp, bucket_mb), segment))
-        training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch, seed=0,
+        training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch or micro_batch, seed=0,
                                        recompute_spans=spans, split=config.strategy().split_backward)
     groups = []
     for worker in range(mesh.workers):  # ranks are grouped by --group-size consecutive ranks

@@ -285,11 +285,11 @@ def state_kinds(name: str, momentum: float) -> int:
 
 
 def make_schedule(name: str, base_lr: float, total_steps: int, *, warmup_steps: int = 0,
-                  step_size: int = 1000, gamma: float = 0.1) -> Callable[[int], float]:
+                  step_size: int = 1000, gamma: float = 0.1, min_lr: float = 0.0) -> Callable[[int], float]:
     """lr(step) for step = 0, 1, ...: linear warm-up over `warmup_steps`, then the named shape.
 
     constant: base_lr.  step: base_lr * gamma^(steps after warm-up // step_size).
-    cosine: from base_lr down to 0 at `total_steps`, half a cosine wave.
+    cosine: from base_lr down to `min_lr` at `total_steps`, half a cosine wave (nanoGPT's decay).
     """
     if name not in SCHEDULES:
         raise unknown_name("schedule", name, SCHEDULES)
@@ -304,7 +304,7 @@ def make_schedule(name: str, base_lr: float, total_steps: int, *, warmup_steps: 
             return base_lr * gamma ** (after // step_size)
         if name == "cosine":
             span = max(1, total_steps - warmup_steps)
-            return base_lr * 0.5 * (1.0 + math.cos(math.pi * min(after, span) / span))
+            return min_lr + (base_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * min(after, span) / span))
         return base_lr
 
     return lr

@@ -206,8 +206,10 @@ class Report:
     def evaluation(self, result: EvalResult, trainer: Trainer) -> None:
         """An evaluation, just done: samples/s restarts after it (evaluating is not training)."""
         if self.metrics:
-            self.metrics.write("eval", {"epoch": result.epoch + 1, "loss": result.loss, "accuracy": result.accuracy})
-        self._print(f"eval epoch {result.epoch + 1}: test loss {loss_text(result.loss)} accuracy {result.accuracy:.2%}")
+            self.metrics.write("eval", {"step": result.step, "epoch": result.epoch + 1, "loss": result.loss,
+                                        "accuracy": result.accuracy})
+        self._print(f"eval epoch {result.epoch + 1} step {result.step}: test loss {loss_text(result.loss)} "
+                    f"accuracy {result.accuracy:.2%}")
         self.window_start, self.window_samples = time.perf_counter(), 0
 
     def done(self, summary: dict, trainer: Trainer) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -38,7 +39,15 @@ from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across
 from mpipar.comms.handle import set_default_timeout
 from mpipar.comms.topology import make_world
 from mpipar.config import TrainConfig
-from mpipar.data import GlobalBatchSampler, agree_on_data, eval_slice, load_dataset, rank_slice, split_micro_batches
+from mpipar.data import (
+    GlobalBatchSampler,
+    TokenStream,
+    agree_on_data,
+    eval_slice,
+    load_dataset,
+    rank_slice,
+    split_micro_batches,
+)
 from mpipar.divergence import DivergenceWatch
 from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.executor import Executor
@@ -72,6 +81,11 @@ class EvalResult:
     epoch: int
     loss: float
     accuracy: float
+    step: int  # steps done when it was taken
+
+
+DEFAULT_EVAL_BATCHES = 20  # a token stream's evaluation sample, in global batches (--eval-batches)
+EVAL_SAMPLE_STREAM = 104729  # keeps the evaluation sample's random stream apart from the data order's
 
 
 class Trainer:
@@ -144,7 +158,7 @@ class Trainer:
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.lr_at = make_schedule(cfg.schedule, cfg.lr, self.total_steps, warmup_steps=cfg.warmup_steps,
-                                   step_size=cfg.step_size, gamma=cfg.gamma)
+                                   step_size=cfg.step_size, gamma=cfg.gamma, min_lr=cfg.min_lr)
         self.cache = ActivationCache()
         self.activations = self._activation_bytes()
         # [loss sum, correct predictions, predictions] of a step and each rank's checkpoint votes
@@ -160,7 +174,7 @@ class Trainer:
             shared = shared_stages(cfg.mesh(self.world_size), [stage.flat.size for stage in self.stages])
             spans = compute_spans(self.stages, shared, unit_bytes_for(cfg.ddp, cfg.bucket_mb), segment)
         return dry_run(self.stages, self.train_set, self.loss_fn, cfg.batch_size // per_rank // cfg.micro_batches,
-                       min(cfg.eval_batch, len(self.test_set)), cfg.seed, self._to_device, spans,
+                       min(cfg.evaluation_batch(self.world_size), len(self.test_set)), cfg.seed, self._to_device, spans,
                        split=not cfg.cyclic and cfg.strategy().split_backward)
 
     def _predicted_peak(self) -> Peak:
@@ -257,6 +271,7 @@ class Trainer:
                         input_shapes=[self.model.shapes[first] for first in first_layers],
                         optimizer=cfg.optimizer, optimizer_options=dict(momentum=cfg.momentum,
                                                                         weight_decay=cfg.weight_decay,
+                                                                        betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                                                         updates=cpu_updates(self.model, cfg.device)),
                         collective=cfg.collective, unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb),
                         recompute=recompute_segment(cfg.recompute), gathered_layers=self.gathered_layers)
@@ -312,8 +327,9 @@ class Trainer:
         mesh = cfg.mesh(self.world_size)  # each pipeline (replica) takes its slice of the global batch
         micro_batches = split_micro_batches(rank_slice(indices, mesh.replica(self.rank), mesh.replicas),
                                             cfg.micro_batches)
+        data = self.train_set.for_epoch(epoch, cfg.seed)  # a token stream's windows are cut anew each epoch
         self.step_totals[:3] = self.engine.run_step(step, cfg.seed, lambda _step, b: self._to_device(
-            *self.train_set.batch(micro_batches[b])), cfg.batch_size)
+            *data.batch(micro_batches[b])), cfg.batch_size)
         self.step_totals[3:] = self.checkpoints.flags()
         self.engine.finish_gradients()
         with self.counted.traffic.phase("metrics"):
@@ -342,6 +358,10 @@ class Trainer:
                 watch.observe(result.step, result.loss, result.lr)
             step += 1
             self.checkpoints.after_steps(step, self.step_totals[3:])
+            if self.config.eval_every and step % self.config.eval_every == 0 and step < self.total_steps:
+                evaluation = self.evaluate(epoch, step)
+                if report:
+                    report.evaluation(evaluation, self)
         return step
 
     def micro_batch_loader(self, epoch: int):
@@ -349,10 +369,11 @@ class Trainer:
         of step `step` (counted from the start of training) in epoch `epoch`, on this run's
         device: what a plan that runs many steps at once (CDP's `run_steps`) reads its data with."""
         epoch_start = epoch * self.sampler.steps_per_epoch
+        data = self.train_set.for_epoch(epoch, self.config.seed)
 
         def load(step: int, micro_batch: int):
             indices = self.sampler.global_batch_indices(epoch, step - epoch_start)
-            return self._to_device(*self.train_set.batch(
+            return self._to_device(*data.batch(
                 split_micro_batches(indices, self.config.micro_batches)[micro_batch]))
         return load
 
@@ -391,29 +412,48 @@ class Trainer:
         self.checkpoints.after_steps(first_step + steps, summed[-FLAGS:])
         return first_step + steps
 
-    def evaluate(self, epoch: int) -> EvalResult:
-        """Loss and accuracy on the test set; each rank takes a contiguous slice of it.
+    def evaluation_set(self) -> tuple[np.ndarray, Callable]:
+        """(every sample evaluated, in order; how to read a batch of them): the whole validation
+        split, or with --eval-batches N a fixed sample of N global batches of it, drawn from the
+        seed alone (the same on every rank, in every scheme, at every evaluation). A token
+        stream's sample is windows starting anywhere in the split, as nanoGPT draws them; its
+        whole split is its non-overlapping windows."""
+        cfg, test = self.config, self.test_set
+        count = cfg.eval_batches if cfg.eval_batches is not None else \
+            (DEFAULT_EVAL_BATCHES if isinstance(test, TokenStream) else 0)
+        if not count:
+            return np.arange(len(test)), test.batch
+        samples = count * cfg.batch_size
+        if isinstance(test, TokenStream):
+            return test.sample_starts(samples, cfg.seed), test.windows
+        chosen = np.random.default_rng([cfg.seed, EVAL_SAMPLE_STREAM]).choice(len(test), min(samples, len(test)),
+                                                                              replace=False)
+        return np.sort(chosen), test.batch
+
+    def evaluate(self, epoch: int, step: int) -> EvalResult:
+        """Loss and accuracy on the evaluation set; each rank takes a contiguous slice of it.
 
         Every rank runs the same number of batches, whatever its slice: a sharded engine
         gathers weights collectively in each forward, so one extra batch on one rank
         would leave it waiting for the others."""
-        part = eval_slice(len(self.test_set), self.rank, self.world_size)
-        indices = np.arange(len(self.test_set))[part]
-        batches = math.ceil(math.ceil(len(self.test_set) / self.world_size) / self.config.eval_batch)
+        samples, read = self.evaluation_set()
+        part = eval_slice(len(samples), self.rank, self.world_size)
+        batch = self.config.evaluation_batch(self.world_size)
+        batches = math.ceil(math.ceil(len(samples) / self.world_size) / batch)
         totals = np.zeros(3, dtype=np.float64)  # loss sum, correct, predictions
-        for chunk in np.array_split(indices, batches) if batches else []:
+        for chunk in np.array_split(samples[part], batches) if batches else []:
             padding = len(chunk) == 0  # a short slice still joins every batch, on one sample not counted
-            inputs, targets = self._to_device(*self.test_set.batch(chunk if not padding else np.arange(1)))
+            inputs, targets = self._to_device(*read(chunk if not padding else samples[:1]))
             ctx = Context(cache=None, key=(0, -1), training=False)
             logits = self.engine.forward(inputs, ctx, gather_phase="evaluate")
             if padding:
                 continue
-            totals[0] += float(self.loss_fn.forward(logits, targets, ctx, len(self.test_set)))
+            totals[0] += float(self.loss_fn.forward(logits, targets, ctx, len(samples)))
             totals[1] += float((logits.argmax(axis=-1) == targets).sum())
             totals[2] += targets.size
         with self.counted.traffic.phase("evaluate"):
             sum_across_ranks(self.counted, totals.reshape(-1))  # a view: totals is summed in place
-        return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)))
+        return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)), step)
 
     def _memory_per_rank(self) -> dict:
         """Every rank's peak resident memory, with --memory-profile the allocator's peak, and
@@ -445,9 +485,10 @@ class Trainer:
             # one whose steps overlap (CDP) runs the epoch as one program
             epoch_of = self._epoch if self.engine.plan.settles_each_step else self._epoch_as_one_run
             step = epoch_of(epoch, step, report, watch)
-            evaluation = self.evaluate(epoch)
-            if report:
-                report.evaluation(evaluation, self)
+            if not cfg.eval_every or step >= self.total_steps:  # --eval-every K: every K steps, and at the end
+                evaluation = self.evaluate(epoch, step)
+                if report:
+                    report.evaluation(evaluation, self)
             if step >= self.total_steps:
                 break
         self.checkpoints.after_steps(step, np.zeros(FLAGS), final=True)

@@ -211,13 +211,13 @@ def test_text_windows_and_shared_vocab(tmp_path):
     assert train.vocab == test.vocab == sorted(set(text))
     assert train.num_classes == len(set(text)) and train.input_shape == (5,)
     assert len(train.tokens) + len(test.tokens) == len(text)
-    assert len(train) == len(train.tokens) - 5
+    assert len(train) == (len(train.tokens) - 5) // 5  # non-overlapping windows of 5
     x, y = train.batch(np.array([0, 3, len(train) - 1]))
     assert x.shape == y.shape == (3, 5) and x.dtype == y.dtype == np.int64
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
     decode = lambda ids: "".join(train.vocab[i] for i in ids)  # noqa: E731
-    assert decode(x[1]) == text[3:8] and decode(y[1]) == text[4:9]
-    assert decode(y[2])[-1] == text[len(train.tokens) - 1]
+    assert decode(x[1]) == text[15:20] and decode(y[1]) == text[16:21]
+    assert decode(y[2])[-1] == text[len(train) * 5]
 
 
 def test_text_needs_file():

@@ -256,12 +256,12 @@ def test_one_rank_needs_no_message():
 def test_every_loader_gives_a_fingerprint(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
-    for name, options in [("digits", {}), ("synthetic", {"synthetic_samples": 64}), ("text", {"text_file": str(text)})]:
+    for name, options in [("digits", {}), ("synthetic", {"synthetic_samples": 64}), ("text", {"text_file": str(text), "seq_len": 16})]:
         train, test = load_dataset(name, **options)
         assert len(train.fingerprint) == 64 and train.fingerprint == test.fingerprint and train.source, name
     other = tmp_path / "other.txt"
     other.write_text("THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG. " * 20, encoding="utf-8")
-    fingerprints = {load_dataset("text", text_file=str(path))[0].fingerprint for path in (text, other)}
+    fingerprints = {load_dataset("text", text_file=str(path), seq_len=16)[0].fingerprint for path in (text, other)}
     assert len(fingerprints) == 2
 
 

@@ -131,6 +131,13 @@ def test_schedules():
     assert math.isclose(make_schedule("constant", 0.3, 5, warmup_steps=3)(0), 0.1)
 
 
+def test_cosine_decays_to_its_floor():
+    to_floor = make_schedule("cosine", 1e-3, 2000, warmup_steps=100, min_lr=1e-4)  # nanoGPT's CPU recipe
+    assert to_floor(99) == pytest.approx(1e-3)
+    assert to_floor(1050) == pytest.approx(5.5e-4)  # halfway: midway between --lr and --min-lr
+    assert to_floor(2000) == pytest.approx(1e-4) and to_floor(5000) == pytest.approx(1e-4)
+
+
 def test_unknown_names_list_the_valid_ones():
     with pytest.raises(ConfigError, match="unknown optimizer 'lion'; valid optimizers are: adam, adamw, sgd"):
         make_optimizer("lion", [START.copy()], [np.zeros(20)], [ODD])

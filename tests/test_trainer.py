@@ -46,7 +46,7 @@ def test_transformer_learns_a_repeating_text(tmp_path):
     text = tmp_path / "abc.txt"
     text.write_text("abcdefgh" * 400)
     trainer = Trainer(small_config(model="transformer", dataset="text", text_file=str(text), seq_len=16,
-                                   width=32, heads=4, blocks=1, batch_size=16, max_steps=150, lr=3e-3,
+                                   width=32, heads=4, blocks=1, batch_size=16, max_steps=150, epochs=14, lr=3e-3,
                                    dtype="float32"))
     summary = trainer.run()
     assert summary["test_accuracy"] > 0.9
@@ -103,9 +103,26 @@ def test_a_later_step_uses_only_its_own_gradient(tmp_path, model):
     reference.stages[0].flat.materialize(params=True, grads=True)  # a trainer builds them at its first step
     reference.stages[0].flat.data[:] = parameters_before_step_1
     assert not reference.stages[0].flat.grad.any()
-    inputs, targets = reference.train_set.batch(reference.sampler.global_batch_indices(0, 1))
+    inputs, targets = reference.train_set.for_epoch(0, reference.config.seed).batch(reference.sampler.global_batch_indices(0, 1))
     ctx = reference.cache.context(0, 0, step=1, seed=0, sample_ids=np.arange(len(targets)))
     logits = reference.stages[0].forward(inputs, ctx)
     reference.loss_fn.forward(logits, targets, ctx, len(targets))
     reference.stages[0].backward(reference.loss_fn.backward(ctx), ctx)
     np.testing.assert_allclose(trainer.stages[0].flat.grad, reference.stages[0].flat.grad, rtol=1e-12, atol=1e-18)
+
+
+def test_adam_s_betas_and_epsilon_reach_every_optimizer_of_the_run():
+    trainer = Trainer(small_config(optimizer="adamw", beta1=0.8, beta2=0.99, eps=1e-6))
+    trainer.train_step(0, 0, 0)
+    optimizers = trainer.engine.state_pieces()[1]
+    assert optimizers and all((o.beta1, o.beta2, o.eps) == (0.8, 0.99, 1e-6) for o in optimizers)
+
+
+def test_an_evaluation_sample_is_fixed_by_the_seed_and_the_same_on_every_world_size():
+    one = Trainer(small_config(eval_batches=2, batch_size=32))
+    samples, _ = one.evaluation_set()
+    assert len(samples) == 64 and len(set(samples.tolist())) == 64  # two global batches of the test set
+    again, _ = Trainer(small_config(eval_batches=2, batch_size=32)).evaluation_set()
+    np.testing.assert_array_equal(samples, again)
+    whole, _ = Trainer(small_config(eval_batches=0)).evaluation_set()
+    assert len(whole) == len(one.test_set)

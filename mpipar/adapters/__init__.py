@@ -39,7 +39,8 @@ from mpipar.models import MODELS, build_model
 
 if TYPE_CHECKING:
     from mpipar.config import TrainConfig
-    from mpipar.data.datasets import ImageDataset, TextDataset
+    from mpipar.data.datasets import ImageDataset
+    from mpipar.data.tokens import TokenStream
 
 
 # Packages a builder may import that an mpipar extra installs, and how to get each.
@@ -178,7 +179,7 @@ def chain_torch_layers(stages, loss_fn, cfg: TrainConfig, world_size: int) -> No
         loss_fn.chain = chain
 
 
-def configured_model(cfg: TrainConfig, train_set: ImageDataset | TextDataset) -> tuple[Sequential, object]:
+def configured_model(cfg: TrainConfig, train_set: ImageDataset | TokenStream) -> tuple[Sequential, object]:
     """The model `cfg.model` names, built-in or a user's builder (PyTorch, JAX or mpipar layers),
     and its loss: the builder's, else softmax cross-entropy. The Trainer, CDP's reference and
     `mpipar estimate` all build their model here."""

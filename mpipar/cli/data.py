@@ -2,6 +2,7 @@
 
     mpipar data list [--data-dir DIR]
     mpipar data download NAME [--data-dir DIR] [--mirror URL]
+    mpipar data prepare-text FILE --out DIR
 
 `--data-dir DIR` means the same in both and in `mpipar train`: the directory that
 holds the data sets, each in a subdirectory named after it. A download goes to
@@ -21,6 +22,7 @@ import click
 from mpipar.data.datasets import DATA_ENV, DATASETS, idx_files_in, idx_search_dirs
 from mpipar.data.download import DOWNLOADS
 from mpipar.data.download import download as download_dataset
+from mpipar.data.tokens import prepare_text
 from mpipar.errors import MpiparError
 
 
@@ -46,6 +48,8 @@ def list_datasets(data_dir: str | None) -> None:
             where = "generated when needed (teacher network), nothing to fetch"
         elif name == "text":
             where = "any UTF-8 file, given with --text-file"
+        elif name == "tokens":
+            where = "train.bin and val.bin in --data-dir (`mpipar data prepare-text FILE --out DIR`, or nanoGPT's)"
         else:
             searched = idx_search_dirs(name, data_dir)
             found = next((d for d in searched if idx_files_in(d) is not None), None)
@@ -77,3 +81,17 @@ def download(name: str, data_dir: str | None, mirror: str | None) -> None:
     for path in paths:
         click.echo(f"  {path}")
     click.echo(f"done; train with --dataset {name} --data-dir {target.parent} (or set {DATA_ENV}={target.parent})")
+
+
+@data.command("prepare-text")
+@click.argument("text_file", type=click.Path(dir_okay=False))
+@click.option("--out", "out", type=click.Path(file_okay=False), required=True,
+              help="Directory to write train.bin, val.bin and meta.json into (made if missing).")
+def prepare_text_command(text_file: str, out: str) -> None:
+    """Write a UTF-8 file's characters as token ids: train.bin (first 90%), val.bin, meta.json."""
+    try:
+        meta = prepare_text(Path(text_file), Path(out))
+    except MpiparError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} validation tokens, "
+               f"{meta['vocab_size']} characters, {meta['dtype']}; train with --dataset tokens --data-dir {out}")

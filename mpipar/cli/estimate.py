@@ -55,7 +55,7 @@ def built_model(model: str, dataset: str, hidden: tuple[int, ...]):
     config = TrainConfig(model=model, dataset=dataset, hidden=hidden)
     train_set, test_set = load_dataset(config.dataset, data_dir=config.data_dir)
     built, loss = configured_model(config, train_set)
-    return train_set, min(config.eval_batch, len(test_set)), built, loss
+    return train_set, min(config.eval_batch, len(test_set)), built, loss  # 0: a training micro-batch
 
 
 def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -> tuple[int, int]:

@@ -7,11 +7,12 @@ of the same name. Exercised by
 `pytest tests/test_data.py tests/test_download.py tests/test_data_identity.py`.
 """
 
-from mpipar.data.datasets import DATASETS, Dataset, ImageDataset, TextDataset, load_dataset
+from mpipar.data.datasets import DATASETS, TOKEN_DATASETS, Dataset, ImageDataset, load_dataset
 from mpipar.data.download import DOWNLOADS, DownloadSpec
 from mpipar.data.identity import agree_on_data
 from mpipar.data.idx import read_idx, write_idx
 from mpipar.data.sampler import GlobalBatchSampler, eval_slice, rank_slice, split_micro_batches
+from mpipar.data.tokens import TokenStream
 
 __all__ = [
     "DATASETS",
@@ -20,7 +21,8 @@ __all__ = [
     "DownloadSpec",
     "GlobalBatchSampler",
     "ImageDataset",
-    "TextDataset",
+    "TOKEN_DATASETS",
+    "TokenStream",
     "agree_on_data",
     "eval_slice",
     "load_dataset",

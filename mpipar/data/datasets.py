@@ -1,8 +1,9 @@
 """The data sets mpipar trains on, loaded whole into host memory as NumPy arrays.
 
 `load_dataset(name)` returns a (train, test) pair. Image sets are standardised
-with statistics of their training split; `text` is a character-level language
-modelling set built from any UTF-8 file. Each set carries a fingerprint of its
+with statistics of their training split; `text` (characters of any UTF-8 file) and
+`tokens` (train.bin / val.bin) are streams of token ids for the language model
+(mpipar/data/tokens.py), `tokens` read in place rather than loaded. Each set carries a fingerprint of its
 content and where it came from, which the ranks compare (mpipar/data/identity.py);
 IDX files are recognised by their checksums as they are read, so a published set
 under another set's name is refused. Exercised by
@@ -22,9 +23,11 @@ import numpy as np
 
 from mpipar.data.identity import FileIdentity, check_file, fingerprint, identify_file
 from mpipar.data.idx import IDX_FILES, parse_idx, read_idx_bytes
+from mpipar.data.tokens import TokenStream, load_token_dir, text_streams
 from mpipar.errors import ConfigError, DataError, unknown_name
 
-DATASETS: tuple[str, ...] = ("digits", "mnist", "fashion-mnist", "kmnist", "synthetic", "text")
+DATASETS: tuple[str, ...] = ("digits", "mnist", "fashion-mnist", "kmnist", "synthetic", "text", "tokens")
+TOKEN_DATASETS: tuple[str, ...] = ("text", "tokens")  # streams of token ids, for the language model
 IDX_DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist", "kmnist")
 
 # Where Debian's dataset-* packages (e.g. dataset-fashion-mnist) install their files.
@@ -39,7 +42,6 @@ SYNTHETIC_SEED = 1234
 SYNTHETIC_SHAPE = (1, 28, 28)
 SYNTHETIC_HIDDEN = 64
 SYNTHETIC_HASHED_IMAGES = 256
-TEXT_TRAIN_FRACTION = 0.9
 
 
 @dataclass(eq=False)
@@ -63,37 +65,12 @@ class ImageDataset:
     def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.images[indices], self.labels[indices]
 
-
-@dataclass(eq=False)
-class TextDataset:
-    """A stream of character ids; sample s is the window starting at s, target shifted by one."""
-
-    name: str
-    tokens: np.ndarray
-    vocab: list[str]
-    seq_len: int
-    fingerprint: str = ""  # sha256 of the text file: compared across ranks
-    source: str = ""
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.vocab)
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        return (self.seq_len,)
-
-    def __len__(self) -> int:
-        # The last window must still have a next character to predict.
-        return len(self.tokens) - self.seq_len
-
-    def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # One fancy-indexing gather per array instead of a Python loop per window.
-        positions = np.asarray(indices, dtype=np.int64)[:, None] + np.arange(self.seq_len)
-        return self.tokens[positions], self.tokens[positions + 1]
+    def for_epoch(self, epoch: int, seed: int) -> ImageDataset:
+        """The same samples every epoch (a token stream cuts its windows anew)."""
+        return self
 
 
-Dataset = ImageDataset | TextDataset
+Dataset = ImageDataset | TokenStream
 
 
 def load_dataset(
@@ -112,7 +89,9 @@ def load_dataset(
     if name == "synthetic":
         return _make_synthetic(synthetic_samples)
     if name == "text":
-        return _load_text(text_file, seq_len)
+        return text_streams(text_file, seq_len)
+    if name == "tokens":
+        return load_token_dir(data_dir, seq_len)
     raise unknown_name("data set", name, DATASETS)
 
 
@@ -270,36 +249,3 @@ def _make_synthetic(samples: int) -> tuple[ImageDataset, ImageDataset]:
     for split in (train, test):
         split.fingerprint, split.source = digest.hexdigest(), f"the generator (seed {SYNTHETIC_SEED})"
     return train, test
-
-
-def _load_text(text_file: str | None, seq_len: int) -> tuple[TextDataset, TextDataset]:
-    """Character ids of a UTF-8 file, split 90% / 10% with one vocabulary for both parts."""
-    if text_file is None:
-        raise ConfigError("the 'text' data set needs a file to learn from: pass --text-file PATH")
-    if seq_len < 1:
-        raise ConfigError(f"seq_len must be at least 1, got {seq_len}")
-    path = Path(text_file)
-    try:
-        content = path.read_bytes()
-        text = content.decode("utf-8")
-    except OSError as exc:
-        raise DataError(f"cannot read text file {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise DataError(f"text file {path} is not valid UTF-8: {exc}") from exc
-    # UTF-32 gives one uint32 code point per character, so np.unique can build the
-    # vocabulary (sorted by code point, i.e. as Python sorts characters) and the ids at once.
-    code_points = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
-    distinct, tokens = np.unique(code_points, return_inverse=True)
-    vocab = [chr(c) for c in distinct]
-    tokens = tokens.astype(np.int64)
-    cut = int(len(tokens) * TEXT_TRAIN_FRACTION)
-    train, test = tokens[:cut], tokens[cut:]
-    if min(len(train), len(test)) < seq_len + 2:
-        raise DataError(
-            f"text file {path} is too short for seq_len={seq_len}: its {len(tokens)} characters split "
-            f"into {len(train)} for training and {len(test)} for testing, and each part needs at "
-            f"least {seq_len + 2}"
-        )
-    identity = dict(fingerprint=hashlib.sha256(content).hexdigest(), source=str(path))
-    return (TextDataset("text", train, vocab, seq_len, **identity),
-            TextDataset("text", test, vocab, seq_len, **identity))

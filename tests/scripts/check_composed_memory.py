@@ -46,7 +46,7 @@ for shard in ("zero3", "ddp"):
     for step in range(3):
         trainer.train_step(step, 0, step)
     live[shard], peak = trainer.memory.live_bytes(), trainer.memory.peak_bytes()
-    trainer.evaluate(0)
+    trainer.evaluate(0, 0)
     peak_with_evaluation = trainer.memory.peak_bytes()
     predicted = trainer.engine.predicted_peak(trainer.activations[0])  # training only: no evaluation here
     parts = ", ".join(f"{name} {nbytes / MB:.2f}" for name, nbytes in {**predicted.steady, **predicted.transients}.items())

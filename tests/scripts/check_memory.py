@@ -77,7 +77,7 @@ for scheme, sharding in SCHEMES.items():
         failures.append(f"rank {world.rank} {scheme}: peak {peak / MB:.1f} MB, predicted {predicted / MB:.1f} MB "
                         f"(+10% allowed)")
     memory.reset_peak()
-    trainer.evaluate(0)
+    trainer.evaluate(0, 0)
     evaluating = memory.peak_bytes() - live
     units = (1 + 1 + 1) * largest_unit if sharding.parameters != "N" else 0  # prefetch 1: in use, ahead, spare
     allowed = 1.1 * (units + trainer.activations[1].training()) + 1 * MB
