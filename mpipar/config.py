@@ -110,6 +110,8 @@ class TrainConfig:
     step_size: int = _option(1000, "steps between decays for --schedule step", POSITIVE, "optimizer")
     gamma: float = _option(0.1, "decay factor for --schedule step", FloatRange(0.0, min_open=True), "optimizer")
     min_lr: float = _option(0.0, "the learning rate --schedule cosine ends at", FloatRange(0.0), "optimizer")
+    grad_clip: float = _option(0.0, "scale each step's gradient down to this global norm, over the whole model, "
+                                    "when its norm is larger (0: no clipping)", FloatRange(0.0), "optimizer")
     scheme: str | None = _option(None, "how the ranks share the work: a data-parallel scheme (default ddp); with "
                                        "--stages a pipeline schedule; cdp-v1/cdp-v2 for Cyclic Data Parallelism "
                                        "(docs/glossary.md)", LiveChoice(lambda: (*SCHEMES, *STRATEGIES, *CDP_SCHEMES)),
@@ -314,6 +316,10 @@ class TrainConfig:
             raise ConfigError(f"{given} needs --checkpoint-dir DIR, where the checkpoints are written")
 
     def _validate_cyclic(self, world_size: int) -> None:
+        if self.grad_clip:
+            raise ConfigError(f"--grad-clip needs the whole model's gradient at one moment, and --scheme "
+                              f"{self.scheme} updates each stage while the others still compute: drop --grad-clip, "
+                              "or train with a scheme that settles each step")
         if self.eval_every:
             raise ConfigError(f"--eval-every {self.eval_every} evaluates between steps, and --scheme {self.scheme} "
                               "runs an epoch's steps overlapped as one program: CDP evaluates at the end of each "

@@ -339,6 +339,14 @@ class ShardedStage:
             yield self._start("update-gather", iall_gather, self.intra, self.p_store[self._slice(unit, "P", "I")],
                               self.p_store[self._slice(unit, "P", "N")])
 
+    def gradient_pieces(self, offset: int) -> list[Piece]:
+        """The summed gradient of this rank's OS blocks (what its optimizer reads), as views placed
+        in the whole model's flat order, the stage starting at `offset` (after finish_gradients)."""
+        self._make_gradients()
+        OS = self.sharding.optimizer_state
+        return [Piece("grads", offset + unit.start + unit.blocks[OS][0], offset + unit.start + unit.blocks[OS][1],
+                      self.g_store[self._slice(unit, "G", OS)]) for unit in self.units]
+
     def state_pieces(self, offset: int) -> tuple[list[Piece], list]:
         """This rank's parameters (its blocks of P's scope) and optimizer state (of OS's) as views
         placed in the whole model's flat order, the stage starting at `offset`; and its optimizer."""

@@ -35,6 +35,7 @@ from mpipar.adapters import chain_torch_layers, configured_model, cpu_updates
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
 from mpipar.checkpoint.resume import FLAGS, Checkpoints
+from mpipar.clipping import GradientClipper
 from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
 from mpipar.comms.handle import set_default_timeout
 from mpipar.comms.topology import make_world
@@ -163,7 +164,9 @@ class Trainer:
         self.activations = self._activation_bytes()
         # [loss sum, correct predictions, predictions] of a step and each rank's checkpoint votes
         # (checkpoint/resume.py), summed over ranks in one message
-        self.step_totals = np.zeros(3 + FLAGS, dtype=np.float64)
+        # and, with --grad-clip, this rank's part of the gradient's squared norm (clipping.py)
+        self.step_totals = np.zeros(3 + FLAGS + 1, dtype=np.float64)
+        self.clipper = GradientClipper(cfg.grad_clip, self.comm) if cfg.grad_clip else None
 
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
@@ -330,8 +333,10 @@ class Trainer:
         data = self.train_set.for_epoch(epoch, cfg.seed)  # a token stream's windows are cut anew each epoch
         self.step_totals[:3] = self.engine.run_step(step, cfg.seed, lambda _step, b: self._to_device(
             *data.batch(micro_batches[b])), cfg.batch_size)
-        self.step_totals[3:] = self.checkpoints.flags()
+        self.step_totals[3:3 + FLAGS] = self.checkpoints.flags()
         self.engine.finish_gradients()
+        if self.clipper:
+            self.step_totals[-1] = self.clipper.local_square_sum(self.engine.gradient_pieces())
         with self.counted.traffic.phase("metrics"):
             sum_across_ranks(self.counted, self.step_totals)
         loss = float(self.step_totals[0])
@@ -340,6 +345,8 @@ class Trainer:
                                        "stopped before the update (try a lower --lr)")
             error.on_every_rank = True  # the loss was summed over all ranks: they all stop here
             raise error
+        if self.clipper:
+            self.clipper.clip(self.engine.gradient_pieces(), float(self.step_totals[-1]))
         lr = self.lr_at(step)
         self.engine.step(lr)
         accuracy = float(self.step_totals[1] / self.step_totals[2])
@@ -357,7 +364,7 @@ class Trainer:
             if watch:  # every rank: the loss is summed over all of them, so they all decide alike
                 watch.observe(result.step, result.loss, result.lr)
             step += 1
-            self.checkpoints.after_steps(step, self.step_totals[3:])
+            self.checkpoints.after_steps(step, self.step_totals[3:3 + FLAGS])
             if self.config.eval_every and step % self.config.eval_every == 0 and step < self.total_steps:
                 evaluation = self.evaluate(epoch, step)
                 if report:

@@ -17,7 +17,7 @@ import numpy as np
 from mpipar.cache import Context
 from mpipar.checkpoint.format import Piece
 from mpipar.comms.collectives import broadcast
-from mpipar.schedule.instructions import Compute, CyclicJob, GatherUnit, Item
+from mpipar.schedule.instructions import Compute, CyclicJob, GatherUnit, Item, Update
 from mpipar.schedule.sharding_flow import job_flow
 from mpipar.schedule.strategies import FORWARD
 
@@ -102,6 +102,22 @@ class WholeModel:
         for item, buffer in self.store.items():
             if item.kind == "w":
                 buffer[:] = full[offsets[item.stage]:offsets[item.stage + 1]]
+
+    def gradient_pieces(self) -> list[Piece]:
+        """The summed gradients this rank's optimizers read at the coming updates, placed in the
+        whole model's flat order ("grads"), as views: after finish_gradients, before step. A
+        stage this rank does not update (its gradient went to the stage's owner) has none here."""
+        offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
+        pieces = []
+        for s, shared in sorted(self.shared.items()):
+            pieces += shared.gradient_pieces(int(offsets[s]))
+        updated = {instruction.stage for instruction in self.run.program[self.run.updates_from:]
+                   if isinstance(instruction, Update)}
+        for item, buffer in self.store.items():
+            if item.kind == "g" and item.stage in updated and item.stage not in self.shared:
+                start = int(offsets[item.stage])
+                pieces.append(Piece("grads", start, start + self.stages[item.stage].flat.size, buffer))
+        return pieces
 
     def state_pieces(self) -> tuple[list[Piece], list]:
         """The state this rank holds between runs, as views placed in the whole model's flat order

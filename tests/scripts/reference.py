@@ -18,8 +18,10 @@ from mpipar.models import build_model
 from mpipar.optim import make_optimizer
 
 
-def one_process(config: TrainConfig) -> np.ndarray:
-    """The parameters after `config.max_steps` plain steps on the whole global batch."""
+def one_process(config: TrainConfig, norms: list | None = None) -> np.ndarray:
+    """The parameters after `config.max_steps` plain steps on the whole global batch; with
+    `config.grad_clip`, the gradient scaled to that norm where larger (torch's rule), and each
+    step's norm before clipping appended to `norms`."""
     backend = make_backend("cpu", config.dtype)
     train_set, _ = load_dataset(config.dataset)
     model = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
@@ -38,5 +40,10 @@ def one_process(config: TrainConfig) -> np.ndarray:
         stage.backward(loss_fn.backward(ctx), ctx)
         flat.settle_grads()
         cache.release(0, 0)
+        norm = float(np.sqrt(np.sum(flat.grad**2)))
+        if norms is not None:
+            norms.append(norm)
+        if config.grad_clip and norm > config.grad_clip:
+            flat.grad *= config.grad_clip / (norm + 1e-6)
         optimizer.step(config.lr)
     return flat.data.copy()

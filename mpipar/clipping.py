@@ -1,0 +1,58 @@
+"""Gradient clipping by the global norm of the whole model's gradient, in every layout.
+
+`--grad-clip C` scales the step's summed gradient g by C / (||g|| + 1e-6) when ||g|| > C, as
+torch.nn.utils.clip_grad_norm_ does, with ||g|| the norm of the *whole model's* gradient:
+one number over every stage, shard and replica. Each rank holds the summed gradient of
+what its optimizers update (its OS blocks: the whole stage under DDP, a 1/N block under
+ZeRO-2/3, a group's block under PaRO's I scope, a pipeline stage's whole gradient on the
+stage's owner), and several ranks may hold the same elements (DDP's replicas, PaRO's
+groups, a pipeline's replicas). So the ranks agree once, at the first clipped step, on who
+counts which elements: the elements held by k ranks are cut into k parts, one each
+(checkpoint/layout.py's `assign_writers`, which gives each element one writer). From then
+on each rank adds up the squares of the elements it counts, the sum rides in the step's one
+sum over ranks (with the loss), and every rank scales its own pieces by the same factor.
+
+Cyclic Data Parallelism updates each stage while others are still computing, so no
+rank knows the whole gradient at one moment there: --grad-clip is refused for CDP.
+
+Exercised by: mpiexec -n 4 python tests/scripts/check_clipping.py  (tests/test_clipping.py)
+"""
+
+from __future__ import annotations
+
+import math
+
+from mpipar.backend import array_module
+from mpipar.checkpoint.format import Piece
+from mpipar.checkpoint.layout import assign_writers
+
+EPSILON = 1e-6  # torch's clip_grad_norm_ adds it to the norm
+
+
+class GradientClipper:
+    """This rank's part of the global gradient norm, and the scaling by the clip factor."""
+
+    def __init__(self, max_norm: float, comm) -> None:
+        self.max_norm, self.comm = max_norm, comm
+        self.counted: list[tuple[int, int]] | None = None  # the ranges of "grads" this rank counts
+
+    def local_square_sum(self, pieces: list[Piece]) -> float:
+        """The sum of squares of the elements this rank counts (collective at the first call)."""
+        if self.counted is None:
+            holdings = self.comm.allgather([(piece.vector, piece.start, piece.stop) for piece in pieces])
+            self.counted = [(start, stop) for _, start, stop in assign_writers(holdings)[self.comm.rank]]
+        total = 0.0
+        for start, stop in self.counted:
+            piece = next(p for p in pieces if p.start <= start and stop <= p.stop)
+            part = piece.array[start - piece.start:stop - piece.start]
+            total += float(array_module(part).vdot(part, part))
+        return total
+
+    def clip(self, pieces: list[Piece], square_sum: float) -> float:
+        """Scale `pieces` (this rank's gradients) if the global norm exceeds the limit; returns the norm."""
+        norm = math.sqrt(square_sum)
+        factor = self.max_norm / (norm + EPSILON)
+        if factor < 1.0:
+            for piece in pieces:
+                piece.array *= piece.array.dtype.type(factor)
+        return norm
