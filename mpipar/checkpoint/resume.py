@@ -135,6 +135,7 @@ class Checkpoints:
                                                "(seed, step, stage, sample); no generator state"},
                 "world": {"ranks": trainer.world_size, "scheme": trainer.scheme_name},
                 "data": dataclasses.asdict(identity_of(trainer.train_set, trainer.test_set)),
+                "vocab": list(getattr(trainer.train_set, "vocab", [])),  # what mpipar sample prints tokens as
                 "config": {key: list(value) if isinstance(value, tuple) else value
                            for key, value in dataclasses.asdict(cfg).items()}}
 

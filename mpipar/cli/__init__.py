@@ -24,6 +24,7 @@ from mpipar.cli.checkpoint import checkpoint
 from mpipar.cli.data import data
 from mpipar.cli.estimate import estimate
 from mpipar.cli.info import info
+from mpipar.cli.sample import sample
 from mpipar.cli.schedule import schedule
 from mpipar.cli.simulate import simulate
 from mpipar.cli.train import train
@@ -47,6 +48,7 @@ cli.add_command(simulate)
 cli.add_command(estimate)
 cli.add_command(schedule)
 cli.add_command(checkpoint)
+cli.add_command(sample)
 
 
 def _world() -> tuple[int, int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 
-def _checkpoint(path: str) -> Path:
+def checkpoint_directory(path: str) -> Path:
     """`path` itself, or the checkpoint a --checkpoint-dir's `latest` names (as --resume PATH takes it)."""
     from mpipar.checkpoint.store import candidates
 
@@ -36,7 +36,7 @@ def info(path: str, verify: bool) -> None:
     from mpipar.checkpoint.format import read_manifest, read_shard
     from mpipar.units import format_bytes
 
-    directory = _checkpoint(path)
+    directory = checkpoint_directory(path)
     manifest = read_manifest(directory)
     training, world = manifest["training"], manifest["world"]
     total = sum(entry["bytes"] for entry in manifest["files"])
@@ -68,7 +68,7 @@ def export(path: str, out: str) -> None:
     from mpipar.checkpoint.format import named_parameters
     from mpipar.files import write_atomically
 
-    directory = _checkpoint(path)
+    directory = checkpoint_directory(path)
     tensors = named_parameters(directory)
     write_atomically(out, safetensors.numpy.save(tensors, metadata={"source": str(directory)}))
     click.echo(f"wrote {len(tensors)} tensors to {out}")

@@ -51,6 +51,8 @@ class CausalSelfAttention(Layer):
     def forward(self, x: Array, ctx: Context) -> Array:
         if x.ndim != 3 or x.shape[2] != self.dim:
             raise self.shape_error(f"(batch, T, {self.dim})", x.shape)
+        if ctx.decode is not None:
+            return self.decode(x, ctx.decode)
         xp = array_module(x)
         n, t, _ = x.shape
         qkv = x @ self.params["qkv_weight"] + self.params["qkv_bias"]
@@ -62,6 +64,26 @@ class CausalSelfAttention(Layer):
         probs /= probs.sum(axis=-1, keepdims=True)
         merged = (probs @ v).transpose(0, 2, 1, 3).reshape(n, t, self.dim)
         ctx.save(self, x, q, k, v, probs, merged)
+        return merged @ self.params["out_weight"] + self.params["out_bias"]
+
+    def decode(self, x: Array, state) -> Array:
+        """Generation: the new positions of x (after `state.position` cached ones) attend to the
+        cached keys and values and to each other; their own keys and values join the cache, so
+        each new token costs its own position, not the whole context's (mpipar/generate.py)."""
+        xp = array_module(x)
+        n, t, _ = x.shape
+        start, stop = state.position, state.position + t
+        qkv = x @ self.params["qkv_weight"] + self.params["qkv_bias"]
+        q, k, v = qkv.reshape(n, t, 3, self.heads, self.head_dim).transpose(2, 0, 3, 1, 4)
+        keys, values = state.keys_and_values(self, (n, self.heads, self.head_dim), x.dtype, xp)
+        keys[:, :, start:stop], values[:, :, start:stop] = k, v
+        scores = (q @ keys[:, :, :stop].swapaxes(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+        # the new position i (absolute start + i) sees the keys up to its own
+        scores += xp.triu(xp.full((t, stop), -xp.inf, dtype=x.dtype), k=start + 1)
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = xp.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        merged = (probs @ values[:, :, :stop]).transpose(0, 2, 1, 3).reshape(n, t, self.dim)
         return merged @ self.params["out_weight"] + self.params["out_bias"]
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:

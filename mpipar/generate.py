@@ -1,0 +1,137 @@
+"""Text from a trained transformer: load any checkpoint on one process, sample token by token.
+
+`load_language_model` reads a checkpoint written by any scheme on any number of ranks
+(every rank's file, put back into the whole flat vector: checkpoint/format.py) and builds
+the transformer its run trained, on one process. `generate` then draws tokens one at a time:
+the logits of the last position, divided by `temperature`, cut to the `top_k` largest,
+softmax, one draw from a generator seeded by `seed`.
+
+The key/value cache. Attention at a new position needs the keys and values of every earlier
+position of the context. Recomputing them is a forward pass over the whole context for every
+token. With the cache (the default), each attention layer keeps the keys and values it has
+computed (`DecodeState`), and a new token's forward runs over that one position: its own
+query, key and value, attending to the cached ones.
+
+The context. The model has positions for `seq_len` tokens. When the text outgrows them, the
+context restarts from its last half: those tokens are fed again at positions 0.. and the
+cache is rebuilt from them. Both ways, with and without the cache, follow this one rule,
+so for the same seed they draw the same tokens (`tests/test_generate.py`); without the
+cache, each token's forward simply runs over the whole current context.
+
+Exercised by: mpipar sample --checkpoint-dir runs/shakespeare-model --tokens 200
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mpipar.backend import make_backend
+from mpipar.cache import Context
+from mpipar.checkpoint.format import parameter_table, read_manifest, read_vectors
+from mpipar.errors import CheckpointError, ConfigError
+from mpipar.model import Stage, build_stages
+from mpipar.models import build_model
+
+
+@dataclass
+class DecodeState:
+    """Generation's memory: how many positions are cached, and each attention layer's keys and values."""
+
+    capacity: int  # positions the model has (its --seq-len)
+    position: int = 0
+    cached: dict = field(default_factory=dict)  # layer -> (keys, values), each (batch, heads, capacity, head size)
+
+    def keys_and_values(self, layer, shape: tuple[int, int, int], dtype, xp):
+        """`layer`'s key and value buffers, made at its first call (batch, heads, capacity, head size)."""
+        if layer not in self.cached:
+            batch, heads, size = shape
+            self.cached[layer] = (xp.empty((batch, heads, self.capacity, size), dtype=dtype),
+                                  xp.empty((batch, heads, self.capacity, size), dtype=dtype))
+        return self.cached[layer]
+
+
+@dataclass
+class LanguageModel:
+    """A trained transformer on one process, with the vocabulary its data had."""
+
+    stage: Stage
+    vocab: list[str]
+    seq_len: int
+    source: Path
+
+    def encode(self, text: str) -> list[int]:
+        index = {char: i for i, char in enumerate(self.vocab)}
+        unknown = sorted({char for char in text if char not in index})
+        if unknown:
+            raise ConfigError(f"the prompt has characters the model never saw: {''.join(unknown)!r}; its "
+                              f"vocabulary is {''.join(self.vocab)!r}")
+        return [index[char] for char in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.vocab[i] for i in ids)
+
+    def logits(self, ids: list[int], state: DecodeState | None) -> np.ndarray:
+        """The logits of the last of `ids` (fed after `state.position` cached positions, or alone)."""
+        ctx = Context(cache=None, key=(0, -1), training=False, decode=state)
+        out = self.stage.forward(np.asarray([ids], dtype=np.int64), ctx)
+        if state is not None:
+            state.position += len(ids)
+        return out[0, -1]
+
+
+def load_language_model(directory: Path) -> LanguageModel:
+    """The transformer a checkpoint holds, whatever the scheme and world size that saved it."""
+    manifest = read_manifest(directory)
+    saved = manifest.get("config", {})
+    if saved.get("model") != "transformer":
+        raise ConfigError(f"checkpoint {directory} holds --model {saved.get('model')}; mpipar sample generates "
+                          "text from a transformer")
+    vocab = manifest.get("vocab") or []
+    if not vocab:
+        raise ConfigError(f"checkpoint {directory} records no vocabulary of characters (its data were token ids "
+                          "without one), so its tokens cannot be printed as text")
+    model = build_model("transformer", input_shape=(saved["seq_len"],), num_classes=len(vocab),
+                        dropout=saved.get("dropout", 0.0), width=saved["width"], heads=saved["heads"],
+                        blocks=saved["blocks"])
+    (stage,) = build_stages(model, 1, make_backend("cpu", manifest["dtype"]), 0)
+    if parameter_table([stage]) != manifest["parameters"]:
+        raise CheckpointError(f"checkpoint {directory}'s parameters do not match the transformer its "
+                              "configuration describes")
+    stage.flat.data[:] = read_vectors(directory, ["params"])["params"]
+    return LanguageModel(stage, list(vocab), saved["seq_len"], directory)
+
+
+def generate(model: LanguageModel, prompt: list[int], count: int, *, temperature: float = 1.0,
+             top_k: int = 0, seed: int = 0, kv_cache: bool = True) -> list[int]:
+    """`prompt` followed by `count` drawn tokens."""
+    if not prompt:
+        raise ConfigError("the prompt must hold at least one token")
+    rng = np.random.default_rng(seed)
+    tokens = list(prompt)
+    start = max(0, len(tokens) - model.seq_len)  # the context is tokens[start:]
+    state, fed = DecodeState(model.seq_len), 0  # fed: positions of the context already in the cache
+    for _ in range(count):
+        if len(tokens) - start > model.seq_len:  # the context outgrew the positions: restart from its last half
+            start, state, fed = len(tokens) - max(1, model.seq_len // 2), DecodeState(model.seq_len), 0
+        context = tokens[start:]
+        if kv_cache:
+            logits = model.logits(context[fed:], state)
+            fed = len(context)
+        else:
+            logits = model.logits(context, None)
+        tokens.append(draw(logits.astype(np.float64), temperature, top_k, rng))
+    return tokens
+
+
+def draw(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+    """One token from `logits` at `temperature`, among the `top_k` most likely (0: all)."""
+    scaled = logits / temperature
+    if 0 < top_k < len(scaled):
+        scaled[scaled < np.partition(scaled, -top_k)[-top_k]] = -np.inf
+    probabilities = np.exp(scaled - scaled.max())
+    probabilities /= probabilities.sum()
+    return int(rng.choice(len(probabilities), p=probabilities))
+
