@@ -32,15 +32,17 @@ EPSILON = 1e-6  # torch's clip_grad_norm_ adds it to the norm
 class GradientClipper:
     """This rank's part of the global gradient norm, and the scaling by the clip factor."""
 
-    def __init__(self, max_norm: float, comm) -> None:
-        self.max_norm, self.comm = max_norm, comm
+    def __init__(self, max_norm: float, comm, copies: list[tuple[int, int]] = ()) -> None:
+        """`copies`: ranges of tied copies (tying.py), left out: the norm is over distinct weights."""
+        self.max_norm, self.comm, self.copies = max_norm, comm, list(copies)
         self.counted: list[tuple[int, int]] | None = None  # the ranges of "grads" this rank counts
 
     def local_square_sum(self, pieces: list[Piece]) -> float:
         """The sum of squares of the elements this rank counts (collective at the first call)."""
         if self.counted is None:
             holdings = self.comm.allgather([(piece.vector, piece.start, piece.stop) for piece in pieces])
-            self.counted = [(start, stop) for _, start, stop in assign_writers(holdings)[self.comm.rank]]
+            counted = [(start, stop) for _, start, stop in assign_writers(holdings)[self.comm.rank]]
+            self.counted = [part for start, stop in counted for part in _without(start, stop, self.copies)]
         total = 0.0
         for start, stop in self.counted:
             piece = next(p for p in pieces if p.start <= start and stop <= p.stop)
@@ -56,3 +58,11 @@ class GradientClipper:
             for piece in pieces:
                 piece.array *= piece.array.dtype.type(factor)
         return norm
+
+
+def _without(start: int, stop: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, stop) less the `holes`, as disjoint ranges."""
+    parts = [(start, stop)]
+    for low, high in holes:
+        parts = [piece for a, b in parts for piece in ((a, min(b, low)), (max(a, high), b)) if piece[0] < piece[1]]
+    return parts

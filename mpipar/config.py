@@ -70,6 +70,9 @@ class TrainConfig:
     blocks: int = _option(2, "transformer blocks", POSITIVE, "model")
     dropout: float = _option(0.0, "dropout probability after each hidden layer or block",
                              FloatRange(0.0, 1.0, max_open=True), "model")
+    tie_embeddings: bool = _option(False, "the transformer's output layer uses the token embedding's matrix (a "
+                                          "copy kept equal to it: their gradients are summed each step)",
+                                   click.BOOL, "model")
     dtype: str = _option("float32", "floating-point type of parameters and activations", click.Choice(DTYPES),
                          "model")
     device: str = _option("cpu", "where the arrays live (gpu needs CuPy: pip install 'mpipar[gpu]')",
@@ -305,6 +308,9 @@ class TrainConfig:
         if self.model in MODELS and (self.model == "transformer") != (self.dataset in TOKEN_DATASETS):
             raise ConfigError(f"--model {self.model} cannot train on --dataset {self.dataset}: the transformer "
                               "trains on --dataset text or tokens, the mlp and cnn on image data sets")
+        if self.tie_embeddings and self.model != "transformer":
+            raise ConfigError(f"--tie-embeddings ties the transformer's output layer to its token embedding; "
+                              f"--model {self.model} has no token embedding")
         if self.min_lr > self.lr:
             raise ConfigError(f"--min-lr {self.min_lr:g} is above --lr {self.lr:g}: the cosine schedule decays "
                               "from --lr down to --min-lr")
@@ -316,6 +322,10 @@ class TrainConfig:
             raise ConfigError(f"{given} needs --checkpoint-dir DIR, where the checkpoints are written")
 
     def _validate_cyclic(self, world_size: int) -> None:
+        if self.tie_embeddings:
+            raise ConfigError(f"--tie-embeddings sums two layers' gradients at one moment of each step, and --scheme "
+                              f"{self.scheme} updates each stage while the others still compute: drop "
+                              "--tie-embeddings, or train with a scheme that settles each step")
         if self.grad_clip:
             raise ConfigError(f"--grad-clip needs the whole model's gradient at one moment, and --scheme "
                               f"{self.scheme} updates each stage while the others still compute: drop --grad-clip, "

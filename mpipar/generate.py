@@ -95,7 +95,7 @@ def load_language_model(directory: Path) -> LanguageModel:
                           "without one), so its tokens cannot be printed as text")
     model = build_model("transformer", input_shape=(saved["seq_len"],), num_classes=len(vocab),
                         dropout=saved.get("dropout", 0.0), width=saved["width"], heads=saved["heads"],
-                        blocks=saved["blocks"])
+                        blocks=saved["blocks"], tie_embeddings=saved.get("tie_embeddings", False))
     (stage,) = build_stages(model, 1, make_backend("cpu", manifest["dtype"]), 0)
     if parameter_table([stage]) != manifest["parameters"]:
         raise CheckpointError(f"checkpoint {directory}'s parameters do not match the transformer its "

@@ -99,13 +99,18 @@ class FlatParams:
             self.segments.append(Segment(leaf.name, spec.name, offset, size, spec.shape))
             offset += size
         self.size = offset
-        self._streams = [(leaf.index, number, spec) for leaf, number, spec in owned]
+        self._streams = [(leaf.index, number, spec) if spec.copy_of is None else (spec.copy_of.index, 0, spec)
+                         for leaf, number, spec in owned]
         self.leaves = list(dict.fromkeys(leaf for leaf, _, _ in owned))
         self._owners = [(leaf, spec.name, segment) for (leaf, _, spec), segment in zip(owned, self.segments)]
         self._owners_in: dict[tuple[int, int], list] = {}
         self.data = self.grad = None
         if materialize:
             self.materialize(params=True, grads=True)
+
+    def segment_of(self, layer: Layer, name: str) -> Segment:
+        """Where `layer`'s parameter `name` lies in this buffer."""
+        return next(segment for leaf, spec_name, segment in self._owners if leaf is layer and spec_name == name)
 
     def initial(self, start: int, stop: int, out=None):
         """Elements [start, stop) of the initial parameters, written into `out` (default: a new array)."""

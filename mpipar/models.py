@@ -5,7 +5,7 @@
                  (with --dropout, a Dropout after each of the two hidden Linear layers)
     transformer  Embedding + PositionEmbedding -> blocks of
                  Residual(LayerNorm, CausalSelfAttention) and Residual(LayerNorm, Linear 4d, GELU, Linear d)
-                 -> LayerNorm -> Linear to the vocabulary
+                 -> LayerNorm -> Linear to the vocabulary (or, tied, the embedding's matrix: TiedOutput)
 
 Exercised by: mpipar train --model cnn   (and python -m pytest tests/test_trainer.py)
 """
@@ -26,6 +26,7 @@ from mpipar.layers import (
     PositionEmbedding,
     ReLU,
     Residual,
+    TiedOutput,
 )
 from mpipar.model import Sequential
 
@@ -33,8 +34,10 @@ MODELS = ("mlp", "cnn", "transformer")
 
 
 def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, hidden: tuple[int, ...] = (128, 128),
-                dropout: float = 0.0, width: int = 64, heads: int = 4, blocks: int = 2) -> Sequential:
-    """The model called `name` for samples of `input_shape` and `num_classes` outputs."""
+                dropout: float = 0.0, width: int = 64, heads: int = 4, blocks: int = 2,
+                tie_embeddings: bool = False) -> Sequential:
+    """The model called `name` for samples of `input_shape` and `num_classes` outputs; the
+    transformer's output layer is tied to its token embedding with `tie_embeddings`."""
     if name == "mlp":
         layers = [Flatten()]
         previous = 1
@@ -56,7 +59,8 @@ def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, hi
     elif name == "transformer":
         if len(input_shape) != 1:
             raise ConfigError(f"the transformer model needs token sequences (T,), got samples of shape {input_shape}")
-        layers = [Embedding(num_classes, width), PositionEmbedding(input_shape[0], width)]
+        embedding = Embedding(num_classes, width)
+        layers = [embedding, PositionEmbedding(input_shape[0], width)]
         def dropped() -> list:  # a fresh Dropout per use: a layer runs once per micro-batch
             return [Dropout(dropout)] if dropout else []
 
@@ -64,7 +68,7 @@ def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, hi
             layers.append(Residual(LayerNorm(width), CausalSelfAttention(width, heads), *dropped()))
             layers.append(Residual(LayerNorm(width), Linear(width, 4 * width), GELU(), Linear(4 * width, width),
                                    *dropped()))
-        layers += [LayerNorm(width), Linear(width, num_classes)]
+        layers += [LayerNorm(width), TiedOutput(embedding) if tie_embeddings else Linear(width, num_classes)]
     else:
         raise unknown_name("model", name, MODELS)
     return Sequential(layers, input_shape=input_shape)

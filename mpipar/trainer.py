@@ -64,6 +64,7 @@ from mpipar.plans import CdpPlan, PipelinePlan, shared_stages
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
 from mpipar.sharding import SCHEMES, bytes_per_rank, compute_spans, make_units, unit_bytes_for
+from mpipar.tying import TiedGradients, tied_copies
 from mpipar.units import format_bytes
 
 
@@ -166,7 +167,10 @@ class Trainer:
         # (checkpoint/resume.py), summed over ranks in one message
         # and, with --grad-clip, this rank's part of the gradient's squared norm (clipping.py)
         self.step_totals = np.zeros(3 + FLAGS + 1, dtype=np.float64)
-        self.clipper = GradientClipper(cfg.grad_clip, self.comm) if cfg.grad_clip else None
+        pairs = tied_copies(self.stages)
+        self.tied = TiedGradients(pairs, self.counted, self.comm) if pairs else None
+        self.clipper = (GradientClipper(cfg.grad_clip, self.comm, self.tied.copies() if self.tied else [])
+                        if cfg.grad_clip else None)
 
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
@@ -335,6 +339,8 @@ class Trainer:
             *data.batch(micro_batches[b])), cfg.batch_size)
         self.step_totals[3:3 + FLAGS] = self.checkpoints.flags()
         self.engine.finish_gradients()
+        if self.tied:  # the two copies of a tied matrix take the sum of their gradients
+            self.tied.sum(self.engine.gradient_pieces())
         if self.clipper:
             self.step_totals[-1] = self.clipper.local_square_sum(self.engine.gradient_pieces())
         with self.counted.traffic.phase("metrics"):

@@ -4,6 +4,7 @@
 """
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,10 +12,14 @@ from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.errors import ConfigError
 from mpipar.trainer import Trainer
 
+TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_clipping_equals_one_process_in_every_layout(ranks):
-    result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_clipping.py"), timeout=300)
+def test_clipping_and_tied_embeddings_equal_one_process_in_every_layout(ranks, tmp_path):
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(TEXT.read_text()[:4000])
+    result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_clipping.py"), str(corpus), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"clipped cases equal one process on {ranks} rank(s)" in result.stdout
 

@@ -17,7 +17,7 @@ from mpipar.layers import CausalSelfAttention
 
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 MODEL = ["--model", "transformer", "--dataset", "text", "--seq-len", "16", "--width", "16", "--heads", "2",
-         "--blocks", "2", "--batch-size", "8", "--quiet", "--eval-batches", "1"]
+         "--blocks", "2", "--batch-size", "8", "--quiet", "--eval-batches", "1", "--tie-embeddings"]
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from mpipar.layers import (
     Residual,
     SoftmaxCrossEntropy,
     Tanh,
+    TiedOutput,
 )
 from mpipar.model import FlatParams, Sequential, mark_written
 
@@ -116,7 +117,22 @@ LAYER_CASES = {
     "PositionEmbedding": (lambda: PositionEmbedding(6, 4), rng.standard_normal((2, 5, 4))),
     "CausalSelfAttention": (lambda: CausalSelfAttention(8, 2), rng.standard_normal((2, 5, 8))),
     "Residual": (lambda: Residual(Linear(6, 6), Tanh(), Linear(6, 6)), rng.standard_normal((3, 6))),
+    "TiedOutput": (lambda: TiedOutput(indexed(Embedding(7, 4), 5)), rng.standard_normal((2, 3, 4))),
 }
+
+
+def indexed(layer, index):
+    """A layer numbered as a model would number it (a tied copy draws from its stream)."""
+    layer.index = index
+    return layer
+
+
+def test_a_tied_output_layer_starts_as_a_copy_of_its_embedding():
+    embedding = Embedding(7, 4)
+    model = Sequential([embedding, Linear(4, 4), TiedOutput(embedding)], input_shape=(3,))
+    flat = FlatParams(model.layers, F64, seed=11)
+    first, copy = flat.segment_of(embedding, "weight"), flat.segment_of(model.layers[2], "weight")
+    np.testing.assert_array_equal(flat.data[first.offset:][:first.size], flat.data[copy.offset:][:copy.size])
 
 
 @pytest.mark.parametrize("case", sorted(LAYER_CASES))

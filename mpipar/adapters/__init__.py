@@ -186,7 +186,7 @@ def configured_model(cfg: TrainConfig, train_set: ImageDataset | TokenStream) ->
     if cfg.model in MODELS:
         model = build_model(cfg.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
                             hidden=cfg.hidden, dropout=cfg.dropout, width=cfg.width, heads=cfg.heads,
-                            blocks=cfg.blocks)
+                            blocks=cfg.blocks, tie_embeddings=cfg.tie_embeddings)
         return model, SoftmaxCrossEntropy()
     model, loss = build_user_model(cfg.model, train_set.input_shape, train_set.num_classes, cfg.seed)
     return model, loss or SoftmaxCrossEntropy()

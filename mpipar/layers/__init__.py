@@ -5,7 +5,7 @@ from mpipar.layers.attention import CausalSelfAttention
 from mpipar.layers.base import Layer, ParamSpec
 from mpipar.layers.conv import Conv2d, MaxPool2d
 from mpipar.layers.dropout import Dropout
-from mpipar.layers.embedding import Embedding, PositionEmbedding
+from mpipar.layers.embedding import Embedding, PositionEmbedding, TiedOutput
 from mpipar.layers.linear import Linear
 from mpipar.layers.losses import MSE, SoftmaxCrossEntropy
 from mpipar.layers.norm import LayerNorm
@@ -14,6 +14,6 @@ from mpipar.layers.shape import Flatten, GlobalAvgPool
 
 __all__ = [
     "CausalSelfAttention", "Conv2d", "Dropout", "Embedding", "Flatten", "GELU", "GlobalAvgPool",
-    "Layer", "LayerNorm", "Linear", "MSE", "MaxPool2d", "ParamSpec", "PositionEmbedding", "ReLU",
+    "Layer", "LayerNorm", "Linear", "MSE", "MaxPool2d", "ParamSpec", "PositionEmbedding", "ReLU", "TiedOutput",
     "Residual", "SoftmaxCrossEntropy", "Tanh",
 ]

@@ -52,6 +52,9 @@ class ParamSpec:
     shape: tuple[int, ...]
     init: Init
     decay: bool
+    # A copy of another layer's first parameter (a tied output layer's copy of the token
+    # embedding): drawn from that parameter's stream, so the two start equal (mpipar/tying.py).
+    copy_of: "Layer | None" = None
 
 
 def uniform_init(bound: float) -> Init:

@@ -2,11 +2,15 @@
 
     Embedding          y[n, t] = E[ids[n, t]]           dE[ids[n, t]] += dy[n, t]   (no dx: ids are integers)
     PositionEmbedding  y[n, t] = x[n, t] + P[t]         dP[t] += sum_n dy[n, t]     dx = dy
+    TiedOutput         y = x C^T, C a copy of E         dC += dy^T x                dx = dy C
+                       (C and E are kept equal: their gradients are summed each step, mpipar/tying.py)
 
 Exercised by: python -m pytest tests/test_layers.py -k Embedding
 """
 
 from __future__ import annotations
+
+import math
 
 from mpipar.backend import Array, scatter_add
 from mpipar.cache import Context
@@ -73,3 +77,38 @@ class PositionEmbedding(Layer):
             self.grads["weight"].fill(0)
         self.grads["weight"][: dy.shape[1]] += dy.sum(axis=0)
         return dy
+
+
+class TiedOutput(Layer):
+    """The output layer tied to a token embedding: logits = x C^T, with C a copy of the embedding's
+    matrix E that starts equal to it and stays equal, because every step the two gradients are
+    summed and both copies take the sum (mpipar/tying.py), as Megatron keeps its embedding group.
+    A copy, not a view: the two may sit on different stages, units or shards."""
+
+    def __init__(self, embedding: Embedding) -> None:
+        super().__init__()
+        self.embedding, self.vocab_size, self.dim = embedding, embedding.vocab_size, embedding.dim
+        self.name = f"TiedOutput({self.dim}->{self.vocab_size})"
+        self.needs_input_grad = True
+
+    def param_specs(self) -> list[ParamSpec]:
+        return [ParamSpec("weight", (self.vocab_size, self.dim), normal_init(0.02), True, copy_of=self.embedding)]
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if not in_shape or in_shape[-1] != self.dim:
+            raise self.shape_error(f"(..., {self.dim})", in_shape)
+        return (*in_shape[:-1], self.vocab_size)
+
+    def flops(self, in_shape: tuple[int, ...]) -> int:
+        return math.prod(in_shape) * self.vocab_size
+
+    def forward(self, x: Array, ctx: Context) -> Array:
+        if x.ndim < 2 or x.shape[-1] != self.dim:
+            raise self.shape_error(f"(batch, ..., {self.dim})", x.shape)
+        ctx.save(self, x)
+        return x @ self.params["weight"].T
+
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
+        (x,) = ctx.pop(self)
+        self.grad_matmul(self.grads["weight"], dy.reshape(-1, self.vocab_size).T, x.reshape(-1, self.dim))
+        return dy @ self.params["weight"] if self.needs_input_grad else None

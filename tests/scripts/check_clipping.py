@@ -1,4 +1,4 @@
-"""Gradient clipping by the whole model's norm equals one process in float64, in every layout.
+"""Gradient clipping by the whole model's norm, and tied embeddings, equal one process in float64, in every layout.
 
 Run by tests/test_clipping.py as `mpiexec -n N python check_clipping.py`. Each case trains
 3 float64 steps with --grad-clip set below every step's gradient norm (so every step
@@ -7,8 +7,14 @@ clips) and must leave the parameters equal (rtol 1e-10) to the one-process refer
 a rank's optimizer reads the summed gradient: DDP (every rank holds it all), ZeRO-2 and
 ZeRO-3 (1/N blocks), PaRO-IIG (a group's blocks, repeated in each group), a pipeline
 (each stage's gradient on its own rank) and a pipeline of sharded replicas (1f1b x zero3).
+The same cases then train the transformer with its output layer tied to the token embedding
+(--tie-embeddings; in the pipelines the embedding is on the first stage, the output layer on
+the last) and clipped, and the two copies of the tied matrix must stay bit-identical.
+Usage: check_clipping.py TEXT_FILE
 Rank 0 prints every failure and the number of cases; exit status 1 on any failure.
 """
+
+import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -17,29 +23,36 @@ from reference import one_process
 import deadline
 from mpipar.config import TrainConfig
 from mpipar.trainer import Trainer
+from mpipar.tying import tied_copies
 
 deadline.arm(300)
 world = MPI.COMM_WORLD
-COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=24 * world.size, hidden=(32, 32, 32),
-              optimizer="adam", lr=0.01, log_every=1000)
-norms: list[float] = []
-unclipped = one_process(TrainConfig(**COMMON), norms)
-clip = 0.5 * min(norms)  # below every step's norm: every step clips
-reference = one_process(TrainConfig(**COMMON, grad_clip=clip))
+MLP = dict(dtype="float64", max_steps=3, epochs=1, batch_size=24 * world.size, hidden=(32, 32, 32),
+           optimizer="adam", lr=0.01, log_every=1000)
+GPT = dict(MLP, model="transformer", dataset="text", text_file=sys.argv[1], seq_len=8, width=16, heads=2, blocks=2,
+           batch_size=4 * world.size, optimizer="adamw", weight_decay=0.1, tie_embeddings=True)
 CASES = {2: [dict(scheme="ddp"), dict(scheme="zero2"), dict(scheme="zero3"),
              dict(scheme="1f1b", stages=2, micro_batches=2)],
          4: [dict(scheme="ddp"), dict(scheme="zero3"), dict(scheme="paro-iig", group_size=2),
              dict(scheme="1f1b", stages=2, micro_batches=2, shard="G,G,G")]}
 failures, cases = [], 0
-if np.allclose(unclipped, reference, rtol=1e-6, atol=0):
-    failures.append(f"the clip norm {clip:g} changed nothing: the cases would not test clipping")
-for options in CASES[world.size]:
-    trainer = Trainer(TrainConfig(**COMMON, **options, grad_clip=clip))
-    trainer.run()
-    got = trainer.engine.full_parameters()
-    cases += 1
-    if not np.allclose(got, reference, rtol=1e-10, atol=0):
-        worst = np.abs(got - reference).max()
-        failures.append(f"rank {world.rank}: {options}: differs from one process clipped at {clip:g} by up to "
-                        f"{worst:.3g} (from one process unclipped by {np.abs(got - unclipped).max():.3g})")
+for model, common in (("mlp", MLP), ("transformer, tied", GPT)):
+    norms: list[float] = []
+    unclipped = one_process(TrainConfig(**common), norms)
+    clip = 0.5 * min(norms)  # below every step's norm: every step clips
+    reference = one_process(TrainConfig(**common, grad_clip=clip))
+    if np.allclose(unclipped, reference, rtol=1e-6, atol=0):
+        failures.append(f"{model}: the clip norm {clip:g} changed nothing: the cases would not test clipping")
+    for options in CASES[world.size]:
+        trainer = Trainer(TrainConfig(**common, **options, grad_clip=clip))
+        trainer.run()
+        got = trainer.engine.full_parameters()
+        cases += 1
+        if not np.allclose(got, reference, rtol=1e-10, atol=0):
+            worst = np.abs(got - reference).max()
+            failures.append(f"rank {world.rank}: {model} {options}: differs from one process clipped at {clip:g} "
+                            f"by up to {worst:.3g} (from one process unclipped by {np.abs(got - unclipped).max():.3g})")
+        for first, copy, size in tied_copies(trainer.stages):
+            if not np.array_equal(got[first:first + size].reshape(-1), got[copy:copy + size].reshape(-1)):
+                failures.append(f"rank {world.rank}: {model} {options}: the tied copies differ after 3 steps")
 deadline.finish(world, failures, f"all {cases} clipped cases equal one process on {world.size} rank(s)")

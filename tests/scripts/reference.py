@@ -12,7 +12,7 @@ from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, load_dataset
-from mpipar.layers import SoftmaxCrossEntropy
+from mpipar.layers import SoftmaxCrossEntropy, TiedOutput
 from mpipar.model import build_stages
 from mpipar.models import build_model
 from mpipar.optim import make_optimizer
@@ -21,18 +21,20 @@ from mpipar.optim import make_optimizer
 def one_process(config: TrainConfig, norms: list | None = None) -> np.ndarray:
     """The parameters after `config.max_steps` plain steps on the whole global batch; with
     `config.grad_clip`, the gradient scaled to that norm where larger (torch's rule), and each
-    step's norm before clipping appended to `norms`."""
+    step's norm before clipping appended to `norms`. A tied output layer's matrix and the token
+    embedding's are one parameter: each takes the sum of both gradients, counted once in the norm."""
     backend = make_backend("cpu", config.dtype)
-    train_set, _ = load_dataset(config.dataset)
+    train_set, _ = load_dataset(config.dataset, text_file=config.text_file, seq_len=config.seq_len)
     model = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
-                        hidden=config.hidden, dropout=config.dropout)
+                        hidden=config.hidden, dropout=config.dropout, width=config.width, heads=config.heads,
+                        blocks=config.blocks, tie_embeddings=config.tie_embeddings)
     (stage,) = build_stages(model, 1, backend, config.seed)
     flat, loss_fn, cache = stage.flat, SoftmaxCrossEntropy(), ActivationCache()
     optimizer = make_optimizer(config.optimizer, [flat.data], [flat.grad], [flat.decay_spans(0, flat.size)],
                                momentum=config.momentum, weight_decay=config.weight_decay)
     sampler = GlobalBatchSampler(len(train_set), config.batch_size, config.seed)
     for step in range(config.max_steps):
-        inputs, targets = train_set.batch(sampler.global_batch_indices(0, step))
+        inputs, targets = train_set.for_epoch(0, config.seed).batch(sampler.global_batch_indices(0, step))
         ctx = cache.context(0, 0, step=step, seed=config.seed, sample_ids=np.arange(config.batch_size))
         loss_fn.forward(stage.forward(inputs, ctx), targets, ctx, config.batch_size)
         flat.grad[:] = 0.0
@@ -40,7 +42,15 @@ def one_process(config: TrainConfig, norms: list | None = None) -> np.ndarray:
         stage.backward(loss_fn.backward(ctx), ctx)
         flat.settle_grads()
         cache.release(0, 0)
-        norm = float(np.sqrt(np.sum(flat.grad**2)))
+        distinct = np.ones(flat.size, dtype=bool)  # a tied matrix is one parameter: counted once in the norm
+        for tied in (layer for layer in stage.layers if isinstance(layer, TiedOutput)):
+            embedding = flat.segment_of(tied.embedding, "weight")
+            copy = flat.segment_of(tied, "weight")
+            shared = flat.grad[embedding.offset:][:embedding.size] + flat.grad[copy.offset:][:copy.size]
+            flat.grad[embedding.offset:][:embedding.size] = shared
+            flat.grad[copy.offset:][:copy.size] = shared
+            distinct[copy.offset:copy.offset + copy.size] = False
+        norm = float(np.sqrt(np.sum(flat.grad[distinct] ** 2)))
         if norms is not None:
             norms.append(norm)
         if config.grad_clip and norm > config.grad_clip:
