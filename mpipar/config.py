@@ -172,6 +172,9 @@ class TrainConfig:
     memory_profile: bool = _option(False, "measure the bytes the array allocator holds (tracemalloc or the CuPy "
                                           "pool) and log them per step; costs some speed", click.BOOL, "output")
     metrics: str | None = _option(None, "write metrics as JSON lines to this file", click.STRING, "output")
+    peak_flops: float = _option(0.0, "the peak FLOP/s of the ranks together (e.g. 2e12; `mpipar info` measures "
+                                     "one rank's): progress then shows the model FLOPs utilisation (0: not shown)",
+                                FloatRange(0.0), "output")
     log_every: int = _option(50, "steps between progress lines when output is not a terminal", POSITIVE, "output")
     log_seconds: float = _option(30.0, "also print a progress line when this many seconds passed since the last "
                                        "(output not a terminal; 0: by steps only)", FloatRange(0.0), "output")

@@ -28,6 +28,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Mapping, TextIO
 
+from mpipar.data import TOKEN_DATASETS
 from mpipar.errors import ConfigError
 from mpipar.memory import peak_rss_bytes
 from mpipar.metrics_file import MetricsFile
@@ -138,10 +139,13 @@ class Report:
         if not self.metrics:
             return
         memory = trainer.memory
+        rate = trainer.config.batch_size / result.seconds if result.seconds else None
         self.metrics.write("step", {"step": result.step + 1, "epoch": result.epoch + 1, "loss": result.loss,
-                                    "accuracy": result.accuracy, "lr": result.lr,
-                                    "samples_per_s": trainer.config.batch_size / result.seconds
-                                    if result.seconds else None,
+                                    "accuracy": result.accuracy, "lr": result.lr, "samples_per_s": rate,
+                                    **({"tokens_per_s": rate * trainer.config.seq_len}
+                                       if rate and trainer.config.dataset in TOKEN_DATASETS else {}),
+                                    **({"mfu": rate * trainer.training_flops_per_sample / trainer.config.peak_flops}
+                                       if rate and trainer.config.peak_flops else {}),
                                     **({"mem_live_bytes": memory.live_bytes(), "mem_peak_bytes": memory.peak_bytes()}
                                        if memory else {})})
 
@@ -164,8 +168,8 @@ class Report:
         rate = self.window_samples / (now - self.window_start) if now > self.window_start else 0.0
         eta = human_seconds((now - self.started) / done * (total - done))  # evaluations included, pro rata
         fields = (f"step {done}/{total} epoch {epoch + 1}/{trainer.config.epochs} "
-                  f"{self._measured(loss, accuracy, share)} lr {lr:.3g} {rate:.0f} samples/s ETA {eta} "
-                  f"{self._memory(trainer)}")
+                  f"{self._measured(loss, accuracy, share)} lr {lr:.3g} {self._throughput(rate, trainer)} "
+                  f"ETA {eta} {self._memory(trainer)}")
         if self.mode == "bar":
             width = 24
             filled = width * done // total
@@ -187,6 +191,16 @@ class Report:
         # each micro-batch holds an equal share of the global batch's loss: k of N scale up by N/k
         return (f"loss ~{loss_text(loss * count / computed)} accuracy ~{accuracy:.1%} "
                 f"(rank 0's {computed} of {count} micro-batches)")
+
+    @staticmethod
+    def _throughput(samples_per_s: float, trainer: Trainer) -> str:
+        """samples/s; for a language model tokens/s; with --peak-flops the model FLOPs utilisation."""
+        cfg = trainer.config
+        words = (f"{samples_per_s * cfg.seq_len:,.0f} tokens/s" if cfg.dataset in TOKEN_DATASETS
+                 else f"{samples_per_s:.0f} samples/s")
+        if cfg.peak_flops:
+            words += f" MFU {samples_per_s * trainer.training_flops_per_sample / cfg.peak_flops:.1%}"
+        return words
 
     @staticmethod
     def _memory(trainer: Trainer) -> str:

@@ -153,6 +153,10 @@ class Trainer:
                 if mesh.replicas > 1:
                     self.placement = mesh.describe(self.counted.group_of)
         self.parameter_count = sum(stage.flat.size for stage in self.stages)
+        # The model FLOPs of one sample's training step: the layers count a forward's multiply-adds,
+        # 2 FLOPs each, and a backward costs two forwards (reported as MFU against --peak-flops).
+        self.training_flops_per_sample = 6 * sum(layer.flops(shape)
+                                                 for layer, shape in zip(self.model.layers, self.model.shapes))
         self.placement = getattr(self, "placement", [])
         self._check_model_fits()
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, cfg.seed)

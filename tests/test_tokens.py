@@ -125,3 +125,18 @@ def test_windows_are_read_as_int64_whatever_the_file_s_dtype(small_text):
     inputs, targets = stream.batch(np.array([0, 2]))
     assert inputs.dtype == np.int64 and inputs.tolist() == [[0, 1, 2, 3], [8, 9, 10, 11]]
     assert targets.tolist() == [[1, 2, 3, 4], [9, 10, 11, 12]]
+
+
+def test_a_language_model_run_reports_tokens_per_second_and_its_flops_utilisation(small_text, tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    result = subprocess.run([sys.executable, "-m", "mpipar", "train", "--model", "transformer", "--dataset", "text",
+                             "--text-file", str(small_text), "--seq-len", "16", "--width", "16", "--heads", "2",
+                             "--blocks", "1", "--batch-size", "8", "--max-steps", "4", "--log-every", "2",
+                             "--peak-flops", "1e9", "--eval-batches", "1", "--metrics", str(metrics)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert " tokens/s MFU " in result.stdout, result.stdout
+    steps = [json.loads(line) for line in metrics.read_text().splitlines() if '"step"' in line]
+    step = next(event for event in steps if event["event"] == "step")
+    assert step["tokens_per_s"] == pytest.approx(step["samples_per_s"] * 16)
+    assert 0 < step["mfu"] < 1

@@ -12,6 +12,7 @@ import os
 import platform
 
 import click
+import numpy as np
 
 
 @click.command()
@@ -44,3 +45,26 @@ def info(device: str) -> None:
         click.echo(f"backend: numpy {numpy.__version__}, device cpu ({os.cpu_count()} cores in the machine)")
     if warning:
         click.echo(f"warning: {warning}")
+    click.echo(f"peak estimate: {matrix_product_flops(backend) / 1e9:,.0f} GFLOP/s on rank 0 (a {GEMM_SIZE}x"
+               f"{GEMM_SIZE} {backend.dtype.name} matrix product); `mpipar train --peak-flops` takes the "
+               "ranks' total and shows the model FLOPs utilisation")
+
+
+GEMM_SIZE = 1024
+
+
+def matrix_product_flops(backend, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` square matrix products on `backend`: a ceiling for MFU."""
+    import time
+
+    xp = backend.xp
+    a = xp.asarray(np.random.default_rng(0).standard_normal((GEMM_SIZE, GEMM_SIZE)), dtype=backend.dtype)
+    out = xp.empty_like(a)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        xp.matmul(a, a, out=out)
+        if backend.device == "gpu":  # the product is queued: wait for it
+            xp.cuda.Device().synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * GEMM_SIZE**3 / best
