@@ -132,11 +132,14 @@ def test_a_language_model_run_reports_tokens_per_second_and_its_flops_utilisatio
     result = subprocess.run([sys.executable, "-m", "mpipar", "train", "--model", "transformer", "--dataset", "text",
                              "--text-file", str(small_text), "--seq-len", "16", "--width", "16", "--heads", "2",
                              "--blocks", "1", "--batch-size", "8", "--max-steps", "4", "--log-every", "2",
-                             "--peak-flops", "1e9", "--eval-batches", "1", "--metrics", str(metrics)],
+                             "--peak-flops", "1e12", "--eval-batches", "1", "--metrics", str(metrics)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert " tokens/s MFU " in result.stdout, result.stdout
-    steps = [json.loads(line) for line in metrics.read_text().splitlines() if '"step"' in line]
-    step = next(event for event in steps if event["event"] == "step")
-    assert step["tokens_per_s"] == pytest.approx(step["samples_per_s"] * 16)
-    assert 0 < step["mfu"] < 1
+    steps = [event for event in map(json.loads, metrics.read_text().splitlines()) if event["event"] == "step"]
+    assert all(step["tokens_per_s"] == pytest.approx(step["samples_per_s"] * 16) for step in steps)
+    flops_per_token = {round(step["mfu"] * 1e12 / step["tokens_per_s"]) for step in steps}
+    assert len(flops_per_token) == 1, flops_per_token  # the same model FLOPs at every step
+    parameters = int(result.stdout.split(" parameters")[0].rsplit(" ", 1)[1].replace(",", ""))
+    # about 6 FLOPs per parameter and token (a forward multiply-add is 2, a backward 4), plus attention's
+    assert 3 * parameters < flops_per_token.pop() < 12 * parameters
