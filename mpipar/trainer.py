@@ -171,6 +171,7 @@ class Trainer:
         # (checkpoint/resume.py), summed over ranks in one message
         # and, with --grad-clip, this rank's part of the gradient's squared norm (clipping.py)
         self.step_totals = np.zeros(3 + FLAGS + 1, dtype=np.float64)
+        self.evaluation_seconds = 0.0  # of the whole run: what --eval-every and --eval-batches cost
         pairs = tied_copies(self.stages)
         self.tied = TiedGradients(pairs, self.counted, self.comm) if pairs else None
         self.clipper = (GradientClipper(cfg.grad_clip, self.comm, self.tied.copies() if self.tied else [])
@@ -453,6 +454,7 @@ class Trainer:
         Every rank runs the same number of batches, whatever its slice: a sharded engine
         gathers weights collectively in each forward, so one extra batch on one rank
         would leave it waiting for the others."""
+        started = time.perf_counter()
         samples, read = self.evaluation_set()
         part = eval_slice(len(samples), self.rank, self.world_size)
         batch = self.config.evaluation_batch(self.world_size)
@@ -470,6 +472,7 @@ class Trainer:
             totals[2] += targets.size
         with self.counted.traffic.phase("evaluate"):
             sum_across_ranks(self.counted, totals.reshape(-1))  # a view: totals is summed in place
+        self.evaluation_seconds += time.perf_counter() - started
         return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)), step)
 
     def _memory_per_rank(self) -> dict:
@@ -514,6 +517,7 @@ class Trainer:
                    "steps": step, "seconds": seconds,
                    "samples_per_s": (step - self.start_step) * cfg.batch_size / seconds if seconds else 0.0,
                    "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy,
+                   "evaluation_seconds": self.evaluation_seconds,
                    "peak_activation_bytes": self.cache.peak_bytes,
                    "parameter_count": self.parameter_count, "memory": self.engine.ledger.report(),
                    "checkpoint_seconds": self.checkpoints.save_seconds,

@@ -37,7 +37,8 @@ Nothing is installed: a `pip install ...` line becomes a check that the packages
 names are importable, and its block is skipped, saying so, where they are not (the
 `[plot]` extra, matplotlib, is not part of the README's set-up); a block that makes a
 virtual environment is skipped. A block that runs a PyTorch or JAX example or benchmark
-(`examples/torch_*.py`, `benchmarks/torch_*.py`, `examples/jax_*.py`) is skipped, naming the
+(`examples/torch_*.py`, `benchmarks/torch_*.py`, `benchmarks/language_model.py`,
+`examples/jax_*.py`) is skipped, naming the
 extra, where that framework is not installed: the README's set-up does not install it,
 and CI runs these blocks in a lane that does (.ci/run). The README's Quickstart block, and any block whose
 every line .ci/run runs, is skipped because CI runs exactly those commands. A block
@@ -76,6 +77,7 @@ BENCHMARK_COUNTS = {
     "benchmarks/torch_memory.py": "--steps 1 --warmup 1",
     "benchmarks/torch_stages.py": "--steps 2 --warmup 1 --rounds 1",
     "benchmarks/torch_overhead.py": "--steps 2 --warmup 1 --rounds 1",
+    "benchmarks/language_model.py": "--steps 2 --warmup 1 --rounds 1",
 }
 INJECTIONS = [  # (pattern a command must contain, what to append to it)
     (re.compile(r"(\bmpipar|main\(\)\")\s+train\b(?!.*--help)"), "--max-steps 2"),
@@ -108,7 +110,7 @@ PIP_EXTRAS_MODULES = {"plot": ["matplotlib"], "gpu": ["cupy"], "mpich": ["mpi4py
 PIP_OPTIONS_WITH_VALUE = {"--index-url", "-i", "--extra-index-url", "-f", "--find-links"}
 # A block that runs a PyTorch or JAX model or benchmark needs that framework, an optional extra
 # that the README's set-up does not install: without it the block is skipped, naming the extra.
-FRAMEWORK_USES = {"torch": re.compile(r"\b(examples|benchmarks)/torch_\w+\.py"),
+FRAMEWORK_USES = {"torch": re.compile(r"\b(examples|benchmarks)/torch_\w+\.py|\bbenchmarks/language_model\.py"),
                   "jax": re.compile(r"\bexamples/jax_\w+\.py")}
 
 
