@@ -246,7 +246,8 @@ def clean_environment(scratch: Path) -> dict[str, str]:
 
 
 def mirror_of_the_repository(scratch: Path) -> Path:
-    """A folder whose entries link to the repository root's (writes land in the folder);
+    """A folder whose entries link to the repository root's (writes land in the folder), with
+    `../shared` beside it where the repository has one;
     its `.venv` is $MPIPAR_DOCS_VENV where set (CI's lane with PyTorch and JAX installed
     runs the blocks in its own environment), else the repository's."""
     mirror = scratch / "repo"
@@ -254,6 +255,8 @@ def mirror_of_the_repository(scratch: Path) -> Path:
     for entry in ROOT.iterdir():
         if entry.name != ".git":
             (mirror / entry.name).symlink_to(entry)
+    if (ROOT.parent / "shared").is_dir():  # the data beside the repository (../shared/data), as in a checkout
+        (scratch / "shared").symlink_to(ROOT.parent / "shared")
     if os.environ.get("MPIPAR_DOCS_VENV"):
         (mirror / ".venv").unlink(missing_ok=True)
         (mirror / ".venv").symlink_to(ROOT / os.environ["MPIPAR_DOCS_VENV"])
