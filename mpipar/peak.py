@@ -66,6 +66,13 @@ class ActivationBytes:
     recomputed_stash: tuple[int, ...] = ()  # --recompute stage: what each stage's backward rebuilds
     deferred: tuple[int, ...] = ()  # a split backward (zero-bubble): what each stage's B leaves for its W
     during_backward: tuple[int, ...] = ()  # and the most its stash weighs while B runs
+    workspace: tuple[int, ...] = ()  # per stage, the largest temporary a layer makes (Layer.workspace)
+
+    def in_flight(self, stages) -> int:
+        """What a layer of `stages` has in flight besides the stashes: its output, that output's
+        gradient and the gradient below (three of the largest output), and its own temporaries."""
+        scratch = max((self.workspace[s] for s in stages), default=0) if self.workspace else 0
+        return 3 * max(self.largest_output[s] for s in stages) + scratch
 
     def stash_peaks(self, timeline) -> list[int]:
         """Per worker of `timeline` (simulate.Timeline), the most its micro-batches' stashes
@@ -78,8 +85,7 @@ class ActivationBytes:
         its output, that output's gradient and the gradient below (three of the largest);
         under recomputation, plus the largest stash a backward rebuilds."""
         stages = range(len(self.stashed)) if stages is None else stages
-        return (sum(self.stashed[s] for s in stages) + 3 * max(self.largest_output[s] for s in stages)
-                + self.rebuilt(stages))
+        return sum(self.stashed[s] for s in stages) + self.in_flight(stages) + self.rebuilt(stages)
 
     def rebuilt(self, stages) -> int:
         """The largest stash a backward of `stages` rebuilds (0 without recomputation)."""
@@ -154,7 +160,7 @@ def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, item
     stashes = training.stash_peaks(compiled.timeline)[rank]
     last = len(stage_sizes) - 1
     loaded = training.inputs[0] if last in computed and last > 0 else 0  # the last stage loads a whole micro-batch
-    step = {"activations": stashes + (3 * max(training.largest_output[s] for s in computed) if computed else 0)
+    step = {"activations": stashes + (training.in_flight(computed) if computed else 0)
             + training.rebuilt(computed),
             "loaded inputs": loaded,
             "received buffers": 2 * boundary, "sends in flight": in_flight * boundary,
@@ -256,7 +262,7 @@ def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[in
     sends = max((sum(sent_per_time_step[t:t + SEND_LIFETIME]) for t in range(len(sent_per_time_step))), default=0)
     computed = range(count)  # every rank may compute every stage (dp, zero); a bound for pp and mp
     step = {"items and stashes": most - steady["home state"],
-            "layer outputs": 3 * max(training.largest_output[s] for s in computed),
+            "layer outputs": training.in_flight(computed),
             "loaded inputs": training.inputs[0],
             "sends in flight": sends,
             "spare weights": sum(weights[s] for s in updated),
@@ -288,13 +294,13 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
     the kept inputs, the spans after it having released theirs). With `split` (a zero-bubble
     schedule) each stage also runs its B on a zero output gradient: `during_backward` is the
     most its stash weighs meanwhile, `deferred` what it weighs after, until W."""
-    x, stashed, boundary, largest, rebuilt, deferred, during = inputs, [], [], [], [], [], []
+    x, stashed, boundary, largest, rebuilt, deferred, during, workspaces = inputs, [], [], [], [], [], [], []
     for stage in stages:
         x = x.copy()
         boundary.append(x.nbytes)
         last = stage is stages[-1]
         spans = [(0, len(stage.layers))] if recompute_spans is None else recompute_spans[stage.index]
-        most, stash, rebuilds = 0, 0, []  # rebuilds: per span (its kept bytes, what its rebuild adds)
+        most, scratch, stash, rebuilds = 0, 0, 0, []  # rebuilds: per span (its kept bytes, what its rebuild adds)
         kept = ActivationCache()  # the spans' inputs, each kept until its backward (targets are one array)
         holder = kept.context(stage.index, 0)
         for first, stop in spans:
@@ -305,8 +311,8 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
             ctx = cache.context(stage.index, 0, sample_ids=np.arange(len(inputs)), seed=seed)
             # its backward pops the kept input before it reruns: the rebuild adds what lies beyond it
             popped = x.nbytes if recompute_spans is not None else 0
-            x, output = _forward_zeros(stage, first, stop, x, ctx)
-            most = max(most, output)
+            x, output, temporary = _forward_zeros(stage, first, stop, x, ctx)
+            most, scratch = max(most, output), max(scratch, temporary)
             if last and stop == len(stage.layers):
                 loss_fn.forward(x, targets, ctx, len(inputs))
             stash = cache.peak_bytes
@@ -325,19 +331,36 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
         stashed.append(stash if recompute_spans is None else kept.live_bytes)
         rebuilt.append(most_rebuilt)
         largest.append(most)
+        workspaces.append(scratch)
     return ActivationBytes(tuple(stashed), tuple(boundary), tuple(largest),
-                           tuple(rebuilt) if recompute_spans is not None else (), tuple(deferred), tuple(during))
+                           tuple(rebuilt) if recompute_spans is not None else (), tuple(deferred), tuple(during),
+                           tuple(workspaces))
 
 
 def _forward_zeros(stage: Stage, first: int, stop: int, x, ctx) -> tuple[object, int]:
     """Layers [first, stop) of `stage` on x with zero weights, bound one layer at a time;
-    returns the output and the largest output on the way."""
-    most = 0
+    returns the output, the largest output on the way (inner layers' included) and the
+    largest workspace of a layer."""
+    most = workspace = 0
     for layer in stage.layers[first:stop]:
+        inner = _largest_inner_output(layer, x.shape, x.dtype.itemsize) if x.dtype.kind == "f" else 0
+        workspace = max(workspace, layer.workspace(tuple(x.shape[1:])) * x.shape[0] * x.dtype.itemsize
+                        if x.dtype.kind == "f" else 0)
         with _zero_bound(stage, layer):
             x = layer.forward(x, ctx)
-        most = max(most, x.nbytes)
-    return x, most
+        most = max(most, x.nbytes, inner)
+    return x, most, workspace
+
+
+def _largest_inner_output(layer, shape: tuple[int, ...], itemsize: int) -> int:
+    """The largest output of the layers inside `layer` (a residual block's branch) for an input
+    of `shape` (batch first): in its backward those are in flight too, not only its own output."""
+    most = 0
+    for child in layer.children():
+        most = max(most, _largest_inner_output(child, shape, itemsize))
+        shape = (shape[0], *child.output_shape(tuple(shape[1:])))
+        most = max(most, math.prod(shape) * itemsize)
+    return most
 
 
 def _backward_input_zeros(stage: Stage, dy, ctx) -> None:
@@ -386,4 +409,5 @@ def evaluation_bytes(training: ActivationBytes, micro_batch: int, eval_batch: in
     from the dry run's."""
     def scale(sizes: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(math.ceil(nbytes * eval_batch / micro_batch) for nbytes in sizes)
-    return ActivationBytes((0,) * len(training.stashed), scale(training.inputs), scale(training.largest_output))
+    return ActivationBytes((0,) * len(training.stashed), scale(training.inputs), scale(training.largest_output),
+                           workspace=scale(training.workspace))

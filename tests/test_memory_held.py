@@ -2,10 +2,12 @@
 peak, pipelines against the replay of their programs, CDP flat over an epoch."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, run_mpi
+from conftest import SCRIPTS, run_mpi, small_config
+from mpipar.trainer import Trainer
 
 
 @pytest.mark.parametrize("ranks", [4, 8])
@@ -32,3 +34,27 @@ def test_cdp_model_state_per_rank_is_within_10_percent_of_ddps_by_the_allocator(
     result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_cdp_model_state.py"), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"CDP model state per rank within 10% of DDP's on {ranks} ranks" in result.stdout
+
+
+TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn", "transformer"])
+def test_training_and_evaluation_stay_within_the_predicted_peak_and_evaluation_under_training(model, tmp_path):
+    options = dict(model=model, memory_profile=True, max_steps=3)
+    if model == "transformer":  # nanoGPT's CPU recipe's shapes, on a slice of tiny Shakespeare
+        text = tmp_path / "text.txt"
+        text.write_text(TEXT.read_text()[:200_000])
+        options.update(dataset="text", text_file=str(text), seq_len=64, width=128, heads=4, blocks=4,
+                       batch_size=12, eval_batches=4, optimizer="adamw", tie_embeddings=True, grad_clip=1.0)
+    trainer = Trainer(small_config(**options, dtype="float32"))
+    for step in range(3):
+        trainer.train_step(step, 0, step)
+    training = trainer.memory.peak_bytes()
+    trainer.memory.reset_peak()
+    trainer.evaluate(0, 3)
+    evaluation = trainer.memory.peak_bytes()
+    predicted = trainer.predicted.total
+    assert training <= 1.1 * predicted, f"{model}: training peaks at {training:,} B, predicted {predicted:,} B"
+    assert evaluation <= 1.1 * predicted, f"{model}: evaluation peaks at {evaluation:,} B, predicted {predicted:,} B"
+    assert evaluation <= training, f"{model}: evaluation ({evaluation:,} B) needs more than training ({training:,} B)"

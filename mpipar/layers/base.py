@@ -93,6 +93,11 @@ class Layer:
         """Estimated forward multiply-adds per sample; used to balance pipeline stages."""
         return math.prod(in_shape)
 
+    def workspace(self, in_shape: tuple[int, ...]) -> int:
+        """Elements per sample of the largest temporary its forward or backward makes beyond
+        its input and output (an im2col matrix, say): a transient of the predicted peak (peak.py)."""
+        return 0
+
     def forward(self, x: Array, ctx: Context) -> Array:
         raise NotImplementedError
 

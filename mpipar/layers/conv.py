@@ -56,6 +56,12 @@ class Conv2d(Layer):
         _, oh, ow = self.output_shape(in_shape)
         return oh * ow * self.out_channels * self.in_channels * self.kernel**2
 
+    def workspace(self, in_shape: tuple[int, ...]) -> int:
+        """The padded input, and the gradient of cols (its backward's W^T dy), as large as cols."""
+        c, h, w = in_shape
+        _, oh, ow = self.output_shape(in_shape)
+        return c * self.kernel**2 * oh * ow + c * (h + 2 * self.padding) * (w + 2 * self.padding)
+
     def forward(self, x: Array, ctx: Context) -> Array:
         if x.ndim != 4 or x.shape[1] != self.in_channels:
             raise self.shape_error(f"(batch, {self.in_channels}, H, W)", x.shape)
@@ -106,6 +112,11 @@ class MaxPool2d(Layer):
             raise self.shape_error(f"(C, H, W) with H, W >= {self.kernel}", in_shape)
         c, h, w = in_shape
         return (c, _out_size(h, self.kernel, self.stride, 0), _out_size(w, self.kernel, self.stride, 0))
+
+    def workspace(self, in_shape: tuple[int, ...]) -> int:
+        """Its forward's windows: every k x k window of every output position."""
+        c, oh, ow = self.output_shape(in_shape)
+        return c * oh * ow * self.kernel**2
 
     def forward(self, x: Array, ctx: Context) -> Array:
         if x.ndim != 4:
