@@ -78,6 +78,7 @@ BENCHMARK_COUNTS = {
     "benchmarks/torch_stages.py": "--steps 2 --warmup 1 --rounds 1",
     "benchmarks/torch_overhead.py": "--steps 2 --warmup 1 --rounds 1",
     "benchmarks/language_model.py": "--steps 2 --warmup 1 --rounds 1",
+    "benchmarks/generation.py": "--tokens 5 --rounds 1",
 }
 INJECTIONS = [  # (pattern a command must contain, what to append to it)
     (re.compile(r"(\bmpipar|main\(\)\")\s+train\b(?!.*--help)"), "--max-steps 2"),
