@@ -78,8 +78,8 @@ class CausalSelfAttention(Layer):
         keys, values = state.keys_and_values(self, (n, self.heads, self.head_dim), x.dtype, xp)
         keys[:, :, start:stop], values[:, :, start:stop] = k, v
         scores = (q @ keys[:, :, :stop].swapaxes(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
-        # the new position i (absolute start + i) sees the keys up to its own
-        scores += xp.triu(xp.full((t, stop), -xp.inf, dtype=x.dtype), k=start + 1)
+        if t > 1:  # the new position i (absolute start + i) sees the keys up to its own; one new sees all
+            scores += xp.triu(xp.full((t, stop), -xp.inf, dtype=x.dtype), k=start + 1)
         scores -= scores.max(axis=-1, keepdims=True)
         probs = xp.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
