@@ -232,7 +232,7 @@ class Report:
             self.metrics.close()
         self._print(f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, of which evaluation "
                     f"{summary['evaluation_seconds']:.1f} s ({summary['samples_per_s']:.0f} samples/s), test loss "
-                    f"{loss_text(summary['test_loss'])} accuracy {summary['test_accuracy']:.2%}, "
+                    f"{loss_text(summary['test_loss'])}, test accuracy {summary['test_accuracy']:.2%}, "
                     f"peak activation memory {human_bytes(summary['peak_activation_bytes'])}")
         memory = summary["memory"]
         held = memory["steady"]

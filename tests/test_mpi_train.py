@@ -118,7 +118,8 @@ def test_uneven_evaluation_slices_do_not_hang_a_sharded_run(tmp_path, scheme, ev
 
 
 def test_memory_limit_stops_every_rank_naming_the_peak_and_the_schemes_that_fit():
-    model = ["--model", "mlp", "--hidden", "512,512,512", "--dataset", "synthetic", "--batch-size", "64", "--ddp",
+    # wide enough that ZeRO-3's sharded state outweighs its gathered units on 2 ranks
+    model = ["--model", "mlp", "--hidden", "1024,1024,1024", "--dataset", "synthetic", "--batch-size", "64", "--ddp",
              "overlap"]
     estimate = run_mpi(1, sys.executable, "-m", "mpipar", "estimate", *model, "--world-size", "2", "--group-size",
                        "2", "--precision", "float32", "--json", timeout=60)

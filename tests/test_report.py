@@ -50,7 +50,8 @@ def test_a_bad_progress_override_is_one_sentence():
 
 
 def fake_trainer(total_steps: int = 46) -> SimpleNamespace:
-    return SimpleNamespace(config=SimpleNamespace(batch_size=32, epochs=2), total_steps=total_steps, memory=None)
+    return SimpleNamespace(config=SimpleNamespace(batch_size=32, epochs=2, dataset="digits", seq_len=64, peak_flops=0.0),
+                           total_steps=total_steps, memory=None)
 
 
 def step_lines(text: str) -> list[int]:
