@@ -30,7 +30,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -53,6 +52,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+from torch_stages import alternating_rounds  # noqa: E402  (its rounds, shared by the torch benchmarks)
 
 from mpipar.config import TrainConfig  # noqa: E402
 from mpipar.data import GlobalBatchSampler, load_dataset, rank_slice  # noqa: E402
@@ -143,19 +143,6 @@ def torch_side(text: Path, distributed: bool) -> Callable[[int], None]:
     return run
 
 
-def alternating_rounds(sides: dict[str, Callable[[int], None]], steps: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds of each round of `steps` steps, per side, the order flipped every round."""
-    seconds: dict[str, list[float]] = {name: [] for name in sides}
-    for round_ in range(rounds):
-        for name in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
-            WORLD.Barrier()
-            start = time.perf_counter()
-            sides[name](steps)
-            WORLD.Barrier()
-            seconds[name].append(time.perf_counter() - start)
-    return seconds
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=50, help="steps per timed round and side")
@@ -175,7 +162,7 @@ def main() -> None:
     for run in sides.values():
         run(args.warmup)
     rates = {name: [args.steps * RECIPE["batch_size"] / seconds for seconds in rounds]
-             for name, rounds in alternating_rounds(sides, args.steps, args.rounds).items()}
+             for name, rounds in alternating_rounds(sides, args.steps, args.rounds, WORLD.Barrier).items()}
     if WORLD.rank == 0:
         ratio = statistics.median(a / b for a, b in zip(rates["mpipar"], rates[other]))
         print(f"nanoGPT CPU recipe (4x128, context 64, batch 12, tied, AdamW, clip 1.0), {WORLD.size} rank(s), "

@@ -8,7 +8,7 @@ ZeRO-2/3, a group's block under PaRO's I scope, a pipeline stage's whole gradien
 stage's owner), and several ranks may hold the same elements (DDP's replicas, PaRO's
 groups, a pipeline's replicas). So the ranks agree once, at the first clipped step, on who
 counts which elements: the elements held by k ranks are cut into k parts, one each
-(checkpoint/layout.py's `assign_writers`, which gives each element one writer). From then
+(checkpoint/layout.py's `own_share`, which cuts them as checkpoint writers are assigned). From then
 on each rank adds up the squares of the elements it counts, the sum rides in the step's one
 sum over ranks (with the loss), and every rank scales its own pieces by the same factor.
 
@@ -24,7 +24,7 @@ import math
 
 from mpipar.backend import array_module
 from mpipar.checkpoint.format import Piece
-from mpipar.checkpoint.layout import assign_writers
+from mpipar.checkpoint.layout import own_share, piece_holding
 
 EPSILON = 1e-6  # torch's clip_grad_norm_ adds it to the norm
 
@@ -40,12 +40,11 @@ class GradientClipper:
     def local_square_sum(self, pieces: list[Piece]) -> float:
         """The sum of squares of the elements this rank counts (collective at the first call)."""
         if self.counted is None:
-            holdings = self.comm.allgather([(piece.vector, piece.start, piece.stop) for piece in pieces])
-            counted = [(start, stop) for _, start, stop in assign_writers(holdings)[self.comm.rank]]
-            self.counted = [part for start, stop in counted for part in _without(start, stop, self.copies)]
+            self.counted = [part for start, stop in own_share(self.comm, pieces)
+                            for part in _without(start, stop, self.copies)]
         total = 0.0
         for start, stop in self.counted:
-            piece = next(p for p in pieces if p.start <= start and stop <= p.stop)
+            piece = piece_holding(pieces, start, stop)
             part = piece.array[start - piece.start:stop - piece.start]
             total += float(array_module(part).vdot(part, part))
         return total

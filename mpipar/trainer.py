@@ -344,10 +344,11 @@ class Trainer:
             *data.batch(micro_batches[b])), cfg.batch_size)
         self.step_totals[3:3 + FLAGS] = self.checkpoints.flags()
         self.engine.finish_gradients()
+        gradients = self.engine.gradient_pieces() if self.tied or self.clipper else []  # views, until the update
         if self.tied:  # the two copies of a tied matrix take the sum of their gradients
-            self.tied.sum(self.engine.gradient_pieces())
+            self.tied.sum(gradients)
         if self.clipper:
-            self.step_totals[-1] = self.clipper.local_square_sum(self.engine.gradient_pieces())
+            self.step_totals[-1] = self.clipper.local_square_sum(gradients)
         with self.counted.traffic.phase("metrics"):
             sum_across_ranks(self.counted, self.step_totals)
         loss = float(self.step_totals[0])
@@ -357,7 +358,7 @@ class Trainer:
             error.on_every_rank = True  # the loss was summed over all ranks: they all stop here
             raise error
         if self.clipper:
-            self.clipper.clip(self.engine.gradient_pieces(), float(self.step_totals[-1]))
+            self.clipper.clip(gradients, float(self.step_totals[-1]))
         lr = self.lr_at(step)
         self.engine.step(lr)
         accuracy = float(self.step_totals[1] / self.step_totals[2])

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpipar.backend import array_module, to_host
 from mpipar.checkpoint.format import Piece
-from mpipar.checkpoint.layout import assign_writers
+from mpipar.checkpoint.layout import own_share, piece_holding
 from mpipar.comms.world import sum_across_ranks
 
 
@@ -54,29 +55,19 @@ class TiedGradients:
     def sum(self, pieces: list[Piece]) -> None:
         """After the step's gradient reductions, before clipping and the update (collective)."""
         if self.counted is None:
-            holdings = self.comm.allgather([(piece.vector, piece.start, piece.stop) for piece in pieces])
-            self.counted = [(start, stop) for _, start, stop in assign_writers(holdings)[self.comm.rank]]
+            self.counted = own_share(self.comm, pieces)
         for first, copy, size in self.pairs:
             total = np.zeros(size, dtype=np.float64)
             for base in (first, copy):
                 for start, stop in self.counted:
                     low, high = max(start, base), min(stop, base + size)
                     if low < high:
-                        piece = next(p for p in pieces if p.start <= low and high <= p.stop)
-                        total[low - base:high - base] += _host(piece.array[low - piece.start:high - piece.start])
+                        piece = piece_holding(pieces, low, high)
+                        total[low - base:high - base] += to_host(piece.array[low - piece.start:high - piece.start])
             sum_across_ranks(self.counted_comm, total)
             for piece in pieces:
                 for base in (first, copy):
                     low, high = max(piece.start, base), min(piece.stop, base + size)
                     if low < high:
                         part = piece.array[low - piece.start:high - piece.start]
-                        part[...] = _like(part, total[low - base:high - base])
-
-
-def _host(array) -> np.ndarray:
-    return array.get() if hasattr(array, "get") else array
-
-
-def _like(target, values: np.ndarray):
-    """`values` where `target` lives, in its dtype."""
-    return values.astype(target.dtype) if isinstance(target, np.ndarray) else type(target)(values)
+                        part[...] = array_module(part).asarray(total[low - base:high - base], dtype=part.dtype)

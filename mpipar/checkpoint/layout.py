@@ -51,6 +51,19 @@ def assign_writers(holdings: list[list[Range]]) -> list[list[Range]]:
     return writes
 
 
+def own_share(comm, pieces) -> list[tuple[int, int]]:
+    """The ranges of the pieces' vector that this rank alone counts, out of what every rank of
+    `comm` holds (collective): elements k ranks hold are cut into k parts, as writers are
+    assigned. Gradient clipping and tied weights add up each element once this way."""
+    holdings = comm.allgather([(piece.vector, piece.start, piece.stop) for piece in pieces])
+    return [(start, stop) for _, start, stop in assign_writers(holdings)[comm.rank]]
+
+
+def piece_holding(pieces, start: int, stop: int):
+    """The piece that holds [start, stop) (a range of `own_share` lies within one)."""
+    return next(piece for piece in pieces if piece.start <= start and stop <= piece.stop)
+
+
 def sources(needed: Range, files: list[dict], where) -> list[tuple[int, str, slice, slice]]:
     """Where the elements of `needed` are in the checkpoint: (file index, tensor key, slice of
     that tensor, slice of the needed piece) for each overlapping saved range. A range the
