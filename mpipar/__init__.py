@@ -3,11 +3,14 @@
 The package is a map of small modules; README.md and docs/foundation.md say which
 does what.
 Importing it first sizes the BLAS thread pool for the ranks on this node (see
-`mpipar/threads.py`), which must happen before NumPy loads its BLAS.
+`mpipar/threads.py`), which must happen before NumPy loads its BLAS, and tells the C
+allocator to keep the memory a step frees for the next step (`mpipar/allocator.py`).
 """
 
+from mpipar.allocator import keep_freed_memory
 from mpipar.threads import limit_blas_threads_per_rank
 
 limit_blas_threads_per_rank()
+keep_freed_memory()
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""`mpipar info`: versions, the MPI library and launcher, ranks and cores per node, threads, device.
+"""`mpipar info`: versions, the MPI library and launcher, ranks and cores per node, threads, device, allocator.
 
 Rank 0 prints everything; when the ranks on a node outnumber its cores it ends with
 a warning (see mpipar/launch.py).
@@ -24,6 +24,7 @@ def info(device: str) -> None:
     from mpi4py import MPI
 
     import mpipar
+    from mpipar.allocator import keep_freed_memory
     from mpipar.backend import make_backend
     from mpipar.launch import describe_launch, oversubscription_warning
 
@@ -43,6 +44,7 @@ def info(device: str) -> None:
         click.echo(f"backend: cupy {cupy.__version__}, device {name}")
     else:
         click.echo(f"backend: numpy {numpy.__version__}, device cpu ({os.cpu_count()} cores in the machine)")
+    click.echo(f"allocator: {keep_freed_memory()}")
     if warning:
         click.echo(f"warning: {warning}")
     click.echo(f"peak estimate: {matrix_product_flops(backend) / 1e9:,.0f} GFLOP/s on rank 0 (a {GEMM_SIZE}x"

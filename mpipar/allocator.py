@@ -1,0 +1,69 @@
+"""The C heap keeps what a step frees, so the next step does not ask the kernel for it again.
+
+A training step allocates and frees the same activations and temporaries every step.
+glibc's malloc serves any request above M_MMAP_THRESHOLD (128 KiB at start, adjusted
+upward as mapped blocks are freed) with a fresh `mmap`, and `munmap`s it at free; and
+it hands the free top of its heap back to the kernel once more than M_TRIM_THRESHOLD
+is free. So by default most of a step's arrays are new mappings: every page is
+faulted in and zeroed by the kernel, then unmapped, every step. On nanoGPT's CPU
+recipe that was 11,500 page faults a step and a fifth of the wall time in the kernel
+(docs/performance.md).
+
+Importing mpipar therefore raises both thresholds with `mallopt` (through ctypes):
+blocks up to 1 GiB come from the heap, and freed memory stays in the process for the
+next step. The cost is that the process keeps its peak heap until it exits, which a
+training run needs again at its next step anyway. It applies only to glibc (other C
+libraries are left as they are), and never when the user chose for themselves: any of
+MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES set, or MPIPAR_MALLOC=default.
+`mpipar info` prints which applied.
+
+Exercised by: mpipar info;  python -m pytest tests/test_allocator.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+# glibc's malloc.h: the parameters' numbers for mallopt
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+MMAP_THRESHOLD = 1 << 30  # blocks larger than this (rare: a whole data set, say) are still mapped
+TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: the largest it can say
+
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+
+_state = "not set yet"
+
+
+def keep_freed_memory() -> str:
+    """Raise glibc's mmap and trim thresholds unless the user chose otherwise; say what was done
+    (once per process: later calls return the same line, which `mpipar info` prints)."""
+    global _state
+    if _state != "not set yet":
+        return _state
+    if os.environ.get("MPIPAR_MALLOC") == "default":
+        _state = "glibc defaults (MPIPAR_MALLOC=default)"
+    elif chosen := [name for name in _USER_SETTINGS if name in os.environ]:
+        _state = f"left to the user's {', '.join(chosen)}"
+    else:
+        _state = _set_thresholds()
+    return _state
+
+
+def _set_thresholds() -> str:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        gnu_version = libc.gnu_get_libc_version
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return "left as is (not glibc)"
+    gnu_version.restype = ctypes.c_char_p
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+        return f"left as is (glibc {gnu_version().decode()} refused mallopt)"
+    return (f"glibc {gnu_version().decode()}: heap blocks up to {MMAP_THRESHOLD >> 20} MiB, freed memory kept "
+            "(mpipar/allocator.py; MPIPAR_MALLOC=default turns this off)")

@@ -1,0 +1,51 @@
+"""A training step in the steady state asks the kernel for no memory (mpipar/allocator.py).
+
+Each case runs a fresh process, since the allocator is set when mpipar is imported: it
+trains a small transformer on tiny Shakespeare and counts the minor page faults of its
+fourth step. A page the heap already holds costs no fault; memory newly mapped from the
+kernel faults once per 4 KiB page. With mpipar's setting the step should fault next to
+never; with glibc's defaults (MPIPAR_MALLOC=default) the same step faults thousands of
+times, which shows the count sees the churn it is here to catch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+STEP_FAULTS = f"""
+import resource
+from mpipar.config import TrainConfig
+from mpipar.trainer import Trainer
+
+trainer = Trainer(TrainConfig(model="transformer", dataset="text", text_file={str(TEXT)!r}, seq_len=64,
+                              width=128, heads=4, blocks=2, batch_size=12, optimizer="adamw", grad_clip=1.0,
+                              tie_embeddings=True, max_steps=10, seed=0, log_every=10**6))
+for step in range(3):
+    trainer.train_step(step, 0, step)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+trainer.train_step(3, 0, 3)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def fourth_step_faults(**environment: str) -> int:
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "MPIPAR_MALLOC")}
+    result = subprocess.run([sys.executable, "-c", STEP_FAULTS], env={**env, **environment, "OPENBLAS_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=120, check=True)
+    return int(result.stdout.split()[-1])
+
+
+def test_a_steady_step_faults_in_no_new_memory():
+    # The step's arrays are several MB (activations of 12 x 64 positions, widths up to
+    # 512): mapped afresh they would fault thousands of 4 KiB pages.
+    assert fourth_step_faults() < 50
+
+
+def test_with_glibc_defaults_the_same_step_faults_its_arrays_in_again():
+    assert fourth_step_faults(MPIPAR_MALLOC="default") > 1000
