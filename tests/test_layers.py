@@ -30,6 +30,8 @@ from mpipar.layers import (
     Tanh,
     TiedOutput,
 )
+from mpipar.layers.activations import reference_gelu, reference_gelu_grad
+from mpipar.layers.norm import reference_layer_norm, reference_layer_norm_grad
 from mpipar.model import FlatParams, Sequential, mark_written
 
 F64 = make_backend("cpu", "float64")
@@ -139,6 +141,31 @@ def test_a_tied_output_layer_starts_as_a_copy_of_its_embedding():
 def test_layer_gradients_match_finite_differences(case):
     make_layer, x = LAYER_CASES[case]
     check_layer(make_layer(), x.copy())
+
+
+def test_gelu_in_place_equals_its_formula():
+    generator = np.random.default_rng(8)
+    x, dy = 3 * generator.standard_normal((4, 5, 6)), generator.standard_normal((4, 5, 6))
+    layer, ctx = GELU(), ActivationCache().context(0, 0)
+    np.testing.assert_allclose(layer.forward(x.copy(), ctx), reference_gelu(x), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(layer.backward(dy, ctx), reference_gelu_grad(x, dy), rtol=1e-13, atol=1e-15)
+
+
+def test_layer_norm_in_place_equals_its_formula():
+    generator = np.random.default_rng(9)
+    x, dy = 2 + 3 * generator.standard_normal((4, 5, 6)), generator.standard_normal((4, 5, 6))
+    layer = indexed(LayerNorm(6), 0)
+    flat = FlatParams([layer], F64, seed=3)
+    flat.data[:] = generator.standard_normal(flat.data.size)
+    gain, shift = layer.params["gain"], layer.params["shift"]
+    ctx = ActivationCache().context(0, 0)
+    np.testing.assert_allclose(layer.forward(x.copy(), ctx), reference_layer_norm(x, gain, shift), rtol=1e-12)
+    flat.zero_grad()
+    dx = layer.backward(dy, ctx)
+    expected_dx, expected_gain, expected_shift = reference_layer_norm_grad(x, gain, dy)
+    np.testing.assert_allclose(dx, expected_dx, rtol=1e-11, atol=1e-14)
+    np.testing.assert_allclose(layer.grads["gain"], expected_gain, rtol=1e-12)
+    np.testing.assert_allclose(layer.grads["shift"], expected_shift, rtol=1e-12)
 
 
 @pytest.mark.parametrize("shape", [(6, 5), (2, 3, 5)])

@@ -1,5 +1,6 @@
 """The memory probe follows real allocations: live, peak, baseline, and the process's RSS."""
 
+import mmap
 import os
 import sys
 import tracemalloc
@@ -85,7 +86,11 @@ def test_a_probe_stops_only_the_tracing_it_started():
 
 def test_rss_grows_when_a_large_array_is_touched():
     before = rss_bytes()
-    array = np.ones(64 * MB, dtype=np.uint8)  # ones writes every page, so all of them become resident
+    # A fresh mapping, not the heap: mpipar keeps freed heap memory resident (allocator.py),
+    # so an array from the heap may land on pages that were resident already
+    mapping = mmap.mmap(-1, 64 * MB)
+    array = np.frombuffer(mapping, dtype=np.uint8)
+    array[:] = 1  # writes every page, so all of them become resident
     assert rss_bytes() - before >= 0.9 * array.nbytes
     # The kernel counters behind the two are read differently and can be a few hundred KiB
     # apart (the peak was seen below the current figure); a unit mistake is a factor of 1024.

@@ -11,11 +11,16 @@ For x of shape (N, T, D) with H heads of size d = D / H:
                ds = p * (dp - sum_u dp * p) / sqrt(d)      (softmax backward; masked p are 0)
                dq = ds k;  dk = ds^T q;   dWqkv += x^T [dq dk dv];   dx = [dq dk dv] Wqkv^T
 
+The projections multiply rows (x reshaped to (N T, D)), one product each; the softmax and
+its backward work in place in the scores' buffer; the mask of the future is made once
+per (T, dtype) and kept.
+
 Exercised by: python -m pytest tests/test_layers.py -k CausalSelfAttention
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 from mpipar.backend import Array, array_module
@@ -53,18 +58,15 @@ class CausalSelfAttention(Layer):
             raise self.shape_error(f"(batch, T, {self.dim})", x.shape)
         if ctx.decode is not None:
             return self.decode(x, ctx.decode)
-        xp = array_module(x)
         n, t, _ = x.shape
-        qkv = x @ self.params["qkv_weight"] + self.params["qkv_bias"]
-        q, k, v = qkv.reshape(n, t, 3, self.heads, self.head_dim).transpose(2, 0, 3, 1, 4)
-        scores = (q @ k.swapaxes(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
-        scores += xp.triu(xp.full((t, t), -xp.inf, dtype=x.dtype), k=1)  # hide the future
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = xp.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        merged = (probs @ v).transpose(0, 2, 1, 3).reshape(n, t, self.dim)
+        q, k, v = self._heads(x)
+        probs = q @ k.swapaxes(-1, -2)
+        probs *= 1.0 / math.sqrt(self.head_dim)
+        probs += _future_mask(t, t, 0, x.dtype, array_module(x))
+        _softmax_in_place(probs)
+        merged = (probs @ v).transpose(0, 2, 1, 3).reshape(n * t, self.dim)
         ctx.save(self, x, q, k, v, probs, merged)
-        return merged @ self.params["out_weight"] + self.params["out_bias"]
+        return self._project_out(merged, n, t)
 
     def decode(self, x: Array, state) -> Array:
         """Generation: the new positions of x (after `state.position` cached ones) attend to the
@@ -73,34 +75,66 @@ class CausalSelfAttention(Layer):
         xp = array_module(x)
         n, t, _ = x.shape
         start, stop = state.position, state.position + t
-        qkv = x @ self.params["qkv_weight"] + self.params["qkv_bias"]
-        q, k, v = qkv.reshape(n, t, 3, self.heads, self.head_dim).transpose(2, 0, 3, 1, 4)
+        q, k, v = self._heads(x)
         keys, values = state.keys_and_values(self, (n, self.heads, self.head_dim), x.dtype, xp)
         keys[:, :, start:stop], values[:, :, start:stop] = k, v
-        scores = (q @ keys[:, :, :stop].swapaxes(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+        probs = q @ keys[:, :, :stop].swapaxes(-1, -2)
+        probs *= 1.0 / math.sqrt(self.head_dim)
         if t > 1:  # the new position i (absolute start + i) sees the keys up to its own; one new sees all
-            scores += xp.triu(xp.full((t, stop), -xp.inf, dtype=x.dtype), k=start + 1)
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = xp.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        merged = (probs @ values[:, :, :stop]).transpose(0, 2, 1, 3).reshape(n, t, self.dim)
-        return merged @ self.params["out_weight"] + self.params["out_bias"]
+            probs += _future_mask(t, stop, start, x.dtype, xp)
+        _softmax_in_place(probs)
+        merged = (probs @ values[:, :, :stop]).transpose(0, 2, 1, 3).reshape(n * t, self.dim)
+        return self._project_out(merged, n, t)
+
+    def _heads(self, x: Array) -> tuple[Array, Array, Array]:
+        """q, k, v, each (N, H, T, d): views into one product over the rows of x."""
+        n, t, _ = x.shape
+        qkv = x.reshape(n * t, self.dim) @ self.params["qkv_weight"]
+        qkv += self.params["qkv_bias"]
+        return qkv.reshape(n, t, 3, self.heads, self.head_dim).transpose(2, 0, 3, 1, 4)
+
+    def _project_out(self, merged: Array, n: int, t: int) -> Array:
+        y = merged @ self.params["out_weight"]
+        y += self.params["out_bias"]
+        return y.reshape(n, t, self.dim)
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         x, q, k, v, probs, merged = ctx.pop(self)
         xp = array_module(dy)
         n, t, d = x.shape
-        dy_rows = dy.reshape(-1, d)
-        self.grad_matmul(self.grads["out_weight"], merged.reshape(-1, d).T, dy_rows)
+        dy_rows = dy.reshape(n * t, d)
+        self.grad_matmul(self.grads["out_weight"], merged.T, dy_rows)
         self.grad_sum(self.grads["out_bias"], dy_rows, axis=0)
-        d_out = (dy @ self.params["out_weight"].T).reshape(n, t, self.heads, self.head_dim).transpose(0, 2, 1, 3)
-        d_probs = d_out @ v.swapaxes(-1, -2)
-        dv = probs.swapaxes(-1, -2) @ d_out
-        d_scores = probs * (d_probs - (d_probs * probs).sum(axis=-1, keepdims=True))
+        d_out = (dy_rows @ self.params["out_weight"].T).reshape(n, t, self.heads, self.head_dim).transpose(0, 2, 1, 3)
+        # d_qkv in the layout of the forward's qkv, so its rows multiply as one matrix
+        d_qkv = xp.empty((n, t, 3, self.heads, self.head_dim), dtype=dy.dtype)
+        d_q, d_k, d_v = d_qkv.transpose(2, 0, 3, 1, 4)
+        d_v[...] = probs.swapaxes(-1, -2) @ d_out
+        d_scores = d_out @ v.swapaxes(-1, -2)  # d_probs, then in place:
+        d_scores *= probs  # p dp
+        probs *= d_scores.sum(axis=-1, keepdims=True)  # p sum_u(p dp); probs is not needed after this
+        d_scores -= probs
         d_scores *= 1.0 / math.sqrt(self.head_dim)
-        dq = d_scores @ k
-        dk = d_scores.swapaxes(-1, -2) @ q
-        d_qkv = xp.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(n * t, 3 * d)
-        self.grad_matmul(self.grads["qkv_weight"], x.reshape(-1, d).T, d_qkv)
+        d_q[...] = d_scores @ k
+        d_k[...] = d_scores.swapaxes(-1, -2) @ q
+        d_qkv = d_qkv.reshape(n * t, 3 * d)
+        self.grad_matmul(self.grads["qkv_weight"], x.reshape(n * t, d).T, d_qkv)
         self.grad_sum(self.grads["qkv_bias"], d_qkv, axis=0)
         return (d_qkv @ self.params["qkv_weight"].T).reshape(n, t, d)
+
+
+def _softmax_in_place(scores: Array) -> None:
+    """scores <- softmax(scores) over the last axis, in the same buffer."""
+    xp = array_module(scores)
+    scores -= scores.max(axis=-1, keepdims=True)
+    xp.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _future_mask(rows: int, columns: int, first_row: int, dtype, xp) -> Array:
+    """-inf where key u lies after query first_row + i, 0 elsewhere: (rows, columns), read-only."""
+    mask = xp.triu(xp.full((rows, columns), -xp.inf, dtype=dtype), k=first_row + 1)
+    if xp.__name__ == "numpy":
+        mask.flags.writeable = False
+    return mask

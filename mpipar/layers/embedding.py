@@ -106,9 +106,11 @@ class TiedOutput(Layer):
         if x.ndim < 2 or x.shape[-1] != self.dim:
             raise self.shape_error(f"(batch, ..., {self.dim})", x.shape)
         ctx.save(self, x)
-        return x @ self.params["weight"].T
+        logits = x.reshape(-1, self.dim) @ self.params["weight"].T  # one product over the rows (linear.py)
+        return logits.reshape(*x.shape[:-1], self.vocab_size)
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
-        self.grad_matmul(self.grads["weight"], dy.reshape(-1, self.vocab_size).T, x.reshape(-1, self.dim))
-        return dy @ self.params["weight"] if self.needs_input_grad else None
+        dy_rows = dy.reshape(-1, self.vocab_size)
+        self.grad_matmul(self.grads["weight"], dy_rows.T, x.reshape(-1, self.dim))
+        return (dy_rows @ self.params["weight"]).reshape(x.shape) if self.needs_input_grad else None

@@ -3,6 +3,10 @@
     forward   y  = x W + b
     backward  dW += x^T dy     db += sum over rows of dy     dx = dy W^T
 
+The products run on the rows as one 2-D matrix (x reshaped to (rows, in)): NumPy
+multiplies a 3-D x by W as one small product per leading index, 1.5x slower on the
+transformer's (12, 64, 128) inputs than the single product over 768 rows.
+
 Split for zero-bubble schedules: backward_input computes dx and keeps (x, dy);
 backward_weights adds dW and db from them. Under --ddp allgather-activations the data
 parallelism sets `weight_gradients`, which computes dW and db from every rank's rows
@@ -50,10 +54,10 @@ class Linear(Layer):
         if x.ndim < 2 or x.shape[-1] != self.in_features:
             raise self.shape_error(f"(batch, ..., {self.in_features})", x.shape)
         ctx.save(self, x)
-        y = x @ self.params["weight"]
+        y = x.reshape(-1, self.in_features) @ self.params["weight"]
         if self.has_bias:
             y += self.params["bias"]
-        return y
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
@@ -71,7 +75,10 @@ class Linear(Layer):
         self.weight_gradients(*ctx.pop((self, "weights")))
 
     def _input_gradient(self, dy: Array) -> Array | None:
-        return dy @ self.params["weight"].T if self.needs_input_grad else None
+        if not self.needs_input_grad:
+            return None
+        dx_rows = dy.reshape(-1, self.out_features) @ self.params["weight"].T
+        return dx_rows.reshape(*dy.shape[:-1], self.in_features)
 
     def _weight_gradients(self, x: Array, dy: Array) -> None:
         x_rows = x.reshape(-1, self.in_features)
