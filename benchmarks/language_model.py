@@ -16,6 +16,10 @@ warm-up steps, float32, on tiny Shakespeare (../shared/data/tinyshakespeare.txt)
             AdamW(foreach=False), clip_grad_norm_, the same schedule; on 2 ranks
             DistributedDataParallel over gloo (TCP on localhost)
 
+After the rounds, mpipar runs --steps more steps with its step split on (mpipar/step_split.py)
+and prints where they spent their time: forward, backward, optimizer, communication,
+waiting, other.
+
 Both sides draw the same global batches (mpipar's sampler and windows) and each rank takes
 its share. They take turns in timed rounds of --steps steps after a warm-up, so drift hits
 both; figures are medians over rounds, the ratio the median of per-round ratios. Threads:
@@ -30,6 +34,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -56,6 +61,7 @@ from torch_stages import alternating_rounds  # noqa: E402  (its rounds, shared b
 
 from mpipar.config import TrainConfig  # noqa: E402
 from mpipar.data import GlobalBatchSampler, load_dataset, rank_slice  # noqa: E402
+from mpipar.step_split import StepSplit  # noqa: E402
 from mpipar.trainer import Trainer  # noqa: E402
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -64,7 +70,7 @@ RECIPE = dict(model="transformer", dataset="text", seq_len=64, width=128, heads=
               schedule="cosine", warmup_steps=100, min_lr=1e-4, max_steps=2000, seed=0, log_every=10**6)
 
 
-def mpipar_side(text: Path) -> Callable[[int], None]:
+def mpipar_side(text: Path) -> tuple[Callable[[int], None], Trainer]:
     trainer = Trainer(TrainConfig(**RECIPE, text_file=str(text), scheme="ddp"))
     per_epoch, step = trainer.sampler.steps_per_epoch, [0]
 
@@ -72,7 +78,18 @@ def mpipar_side(text: Path) -> Callable[[int], None]:
         for _ in range(count):
             trainer.train_step(step[0], step[0] // per_epoch, step[0] % per_epoch)
             step[0] += 1
-    return run
+    return run, trainer
+
+
+def split_of_steps(run: Callable[[int], None], trainer: Trainer, steps: int) -> list[str]:
+    """Where `steps` more of mpipar's steps spend their time (mpipar/step_split.py), untimed by the rounds."""
+    trainer.engine.split = split = StepSplit()
+    WORLD.Barrier()
+    start = time.perf_counter()
+    run(steps)
+    wall = time.perf_counter() - start
+    trainer.engine.split = None
+    return split.lines(wall, steps)
 
 
 class Block(nn.Module):
@@ -158,11 +175,13 @@ def main() -> None:
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=WORLD.rank,
                                              world_size=WORLD.size)
     other = "gloo" if distributed else "torch"
-    sides = {"mpipar": mpipar_side(args.text_file), other: torch_side(args.text_file, distributed)}
+    run_mpipar, trainer = mpipar_side(args.text_file)
+    sides = {"mpipar": run_mpipar, other: torch_side(args.text_file, distributed)}
     for run in sides.values():
         run(args.warmup)
     rates = {name: [args.steps * RECIPE["batch_size"] / seconds for seconds in rounds]
              for name, rounds in alternating_rounds(sides, args.steps, args.rounds, WORLD.Barrier).items()}
+    split = split_of_steps(run_mpipar, trainer, args.steps)
     if WORLD.rank == 0:
         ratio = statistics.median(a / b for a, b in zip(rates["mpipar"], rates[other]))
         print(f"nanoGPT CPU recipe (4x128, context 64, batch 12, tied, AdamW, clip 1.0), {WORLD.size} rank(s), "
@@ -172,6 +191,8 @@ def main() -> None:
             print(f"  {name:7s} {statistics.median(values):7,.0f} samples/s (median; rounds "
                   f"{min(values):,.0f}-{max(values):,.0f})")
         print(f"  mpipar / {other}: {ratio:.3f} (median of per-round ratios)")
+        print(f"  mpipar's step, split over {args.steps} more steps (rank 0):")
+        print("\n".join(f"    {line}" for line in split))
     if distributed:  # as benchmarks/torch_stages.py: both ranks idle before the group goes
         sides.clear()
         gc.collect()

@@ -39,6 +39,7 @@ Exercised by: mpiexec -n 4 mpipar train --scheme 1f1b --stages 2 --shard zero3
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -74,6 +75,7 @@ from mpipar.schedule.instructions import (
 from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
 from mpipar.sharded_stage import ShardedStage
 from mpipar.sharding import make_units
+from mpipar.step_split import StepSplit
 from mpipar.whole_model import WholeModel
 
 KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "f": Kind.WEIGHTS,
@@ -135,6 +137,7 @@ class Executor(ItemStore, Jobs, WholeModel):
         self.job_times: list[tuple[Job, float, float]] = []  # (job, start, end) of a step by perf_counter
         self.flowing: tuple = (None, None)  # a shared stage's job between two units: (value, targets)
         self.observe: LayerHook | None = None  # called after every layer, once polled (timelines, tests)
+        self.split: StepSplit | None = None  # set to time each part of the steps (step_split.py)
 
     def predicted_peak(self, training: ActivationBytes, evaluation: ActivationBytes | None = None, *,
                        rank: int | None = None, steps: int = 1) -> Peak:
@@ -170,12 +173,15 @@ class Executor(ItemStore, Jobs, WholeModel):
 
     def finish_gradients(self) -> None:
         """Complete every send and every stage reduction (in stage order on every rank)."""
+        start = time.perf_counter()
         with self.ledger.phase("backward"):
             self.outbox.wait_all(f"the sends of step {self.first_step}")
             for s in sorted(self.reductions):
                 self.reductions.pop(s).wait()
         for s in sorted(self.shared):
             self.shared[s].finish_gradients()
+        if self.split is not None:
+            self.split.add("waiting", time.perf_counter() - start)
 
     def step(self, lr: float) -> None:
         """The updates of the step `run_step` began, at learning rate `lr`."""
@@ -220,8 +226,17 @@ class Executor(ItemStore, Jobs, WholeModel):
                 comm.scratch.clear()
 
     def _execute(self, instructions) -> None:
+        if self.split is not None:
+            self._execute_timed(instructions)
+            return
         for instruction in instructions:
             self.handlers[type(instruction)](self, instruction)
+
+    def _execute_timed(self, instructions) -> None:
+        for instruction in instructions:
+            start = time.perf_counter()
+            self.handlers[type(instruction)](self, instruction)
+            self.split.add(StepSplit.part_of(instruction), time.perf_counter() - start)
 
     def _after_layer(self, layer) -> None:
         self.poll()

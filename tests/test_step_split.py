@@ -1,0 +1,36 @@
+"""The step split (mpipar/step_split.py) puts each instruction's time in its own part of the step."""
+
+import time
+
+from conftest import small_config
+from mpipar.executor import Executor
+from mpipar.item_store import ItemStore
+from mpipar.schedule.instructions import Update
+from mpipar.step_split import PARTS, StepSplit
+from mpipar.trainer import Trainer
+
+PAUSE = 0.2
+
+
+def slow_update(executor, instruction) -> None:
+    time.sleep(PAUSE)
+    ItemStore._update(executor, instruction)
+
+
+def test_an_optimizer_made_slow_shows_as_optimizer_time_and_nowhere_else(monkeypatch):
+    trainer = Trainer(small_config(max_steps=6))
+    for step in range(3):  # warm: the optimizer is built at its first update, BLAS's threads start
+        trainer.train_step(step, 0, step)
+    monkeypatch.setitem(Executor.handlers, Update, slow_update)
+    trainer.engine.split = split = StepSplit()
+    start = time.perf_counter()
+    for step in (3, 4):
+        trainer.train_step(step, 0, step)
+    wall = time.perf_counter() - start
+    assert split.seconds["forward"] > 0 and split.seconds["backward"] > 0
+    assert split.seconds["optimizer"] >= 2 * PAUSE
+    # the digits MLP's forward and backward take about a millisecond a step here
+    assert split.seconds["forward"] + split.seconds["backward"] < PAUSE
+    lines = split.lines(wall, 2)
+    assert [line.split()[0] for line in lines] == [*PARTS, "other"]
+    assert float(lines[-1].split()[1]) >= 0  # the parts never add up to more than the wall time
