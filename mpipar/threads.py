@@ -36,3 +36,13 @@ def limit_blas_threads_per_rank() -> None:
     threads = str(max(1, cores // local_ranks))
     for name in _THREAD_VARIABLES:
         os.environ.setdefault(name, threads)
+
+
+def threads_per_rank() -> int:
+    """The threads this rank's BLAS runs: the first thread variable set, else every core it may use."""
+    for name in _THREAD_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks_on_this_node())

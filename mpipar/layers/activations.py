@@ -18,6 +18,7 @@ import math
 from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.layers.base import Layer
+from mpipar.layers.row_parts import in_row_parts, rows
 
 _GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -47,44 +48,59 @@ class Tanh(Layer):
 class GELU(Layer):
     """GELU with the tanh approximation (as GPT-2). Backward recomputes tanh(u) rather
     than keep a second array per element. Both directions work in place in as few
-    buffers as the formula allows (one forward, two backward): each NumPy operation is a
-    pass over memory, and a fresh result array per operation was most of this layer's
-    time. `reference_gelu` and `reference_gelu_grad` are the formulas above written plainly,
+    buffers as the formula allows (the output; backward one more): each NumPy operation
+    is a pass over memory, and a fresh result array per operation was most of this
+    layer's time. They run in row parts on the rank's threads (row_parts.py).
+    `reference_gelu` and `reference_gelu_grad` are the formulas above written plainly,
     which tests compare these against in float64."""
 
     def forward(self, x: Array, ctx: Context) -> Array:
         ctx.save(self, x)
-        y = _tanh_of_u(x)
-        y += 1
-        y *= x
-        y *= 0.5
+        y = array_module(x).empty(x.shape, dtype=x.dtype)  # C order: rows(y) is a view
+        in_row_parts(_gelu, rows(y), rows(x))
         return y
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
-        # dx = dy (1 + t)/2 (1 + x (1 - t) du/dx),  as 1 - t^2 = (1 - t)(1 + t)
-        half_one_plus_t = _tanh_of_u(x)
-        slope = x * x
-        slope *= 3 * 0.044715 * _GELU_C
-        slope += _GELU_C  # du/dx
-        slope *= x
-        slope *= 1 - half_one_plus_t  # the one temporary: (1 - t)
-        slope += 1
-        half_one_plus_t += 1
-        half_one_plus_t *= 0.5
-        slope *= half_one_plus_t
-        slope *= dy
-        return slope
+        dx = array_module(x).empty(x.shape, dtype=x.dtype)
+        in_row_parts(_gelu_grad, rows(dx), rows(x), rows(dy))
+        return dx
 
 
-def _tanh_of_u(x):
-    """tanh(c (x + 0.044715 x^3)) in a new buffer, the polynomial built in place (x**3 is
-    spelled x*x*x: NumPy's power is many times slower than two multiplications)."""
-    u = x * x
-    u *= 0.044715 * _GELU_C
-    u += _GELU_C
-    u *= x
-    return array_module(x).tanh(u, out=u)
+def _gelu(y, x) -> None:
+    """y = x/2 (1 + tanh u), in y."""
+    _tanh_of_u(x, out=y)
+    y += 1
+    y *= x
+    y *= 0.5
+
+
+def _gelu_grad(dx, x, dy) -> None:
+    """dx = dy (1 + t)/2 (1 + x (1 - t) du/dx), as 1 - t^2 = (1 - t)(1 + t); in dx and one temporary."""
+    xp = array_module(x)
+    t = _tanh_of_u(x, out=xp.empty_like(x))
+    xp.multiply(x, x, out=dx)
+    dx *= 3 * 0.044715 * _GELU_C
+    dx += _GELU_C  # du/dx
+    dx *= x
+    xp.subtract(1, t, out=t)  # 1 - t
+    dx *= t
+    dx += 1
+    xp.subtract(2, t, out=t)  # 1 + t
+    dx *= t
+    dx *= 0.5
+    dx *= dy
+
+
+def _tanh_of_u(x, out):
+    """tanh(c (x + 0.044715 x^3)) in `out`, the polynomial built in place (x**3 is spelled x*x*x:
+    NumPy's power is many times slower than two multiplications)."""
+    xp = array_module(x)
+    xp.multiply(x, x, out=out)
+    out *= 0.044715 * _GELU_C
+    out += _GELU_C
+    out *= x
+    return xp.tanh(out, out=out)
 
 
 def reference_gelu(x):

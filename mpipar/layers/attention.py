@@ -12,8 +12,8 @@ For x of shape (N, T, D) with H heads of size d = D / H:
                dq = ds k;  dk = ds^T q;   dWqkv += x^T [dq dk dv];   dx = [dq dk dv] Wqkv^T
 
 The projections multiply rows (x reshaped to (N T, D)), one product each; the softmax and
-its backward work in place in the scores' buffer; the mask of the future is made once
-per (T, dtype) and kept.
+its backward work in place in the scores' buffer, in parts of the batch on the rank's
+threads (row_parts.py); the mask of the future is made once per (T, dtype) and kept.
 
 Exercised by: python -m pytest tests/test_layers.py -k CausalSelfAttention
 """
@@ -27,6 +27,7 @@ from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
+from mpipar.layers.row_parts import in_row_parts
 
 
 class CausalSelfAttention(Layer):
@@ -63,7 +64,7 @@ class CausalSelfAttention(Layer):
         probs = q @ k.swapaxes(-1, -2)
         probs *= 1.0 / math.sqrt(self.head_dim)
         probs += _future_mask(t, t, 0, x.dtype, array_module(x))
-        _softmax_in_place(probs)
+        in_row_parts(_softmax_in_place, probs)
         merged = (probs @ v).transpose(0, 2, 1, 3).reshape(n * t, self.dim)
         ctx.save(self, x, q, k, v, probs, merged)
         return self._project_out(merged, n, t)
@@ -111,16 +112,21 @@ class CausalSelfAttention(Layer):
         d_q, d_k, d_v = d_qkv.transpose(2, 0, 3, 1, 4)
         d_v[...] = probs.swapaxes(-1, -2) @ d_out
         d_scores = d_out @ v.swapaxes(-1, -2)  # d_probs, then in place:
-        d_scores *= probs  # p dp
-        probs *= d_scores.sum(axis=-1, keepdims=True)  # p sum_u(p dp); probs is not needed after this
-        d_scores -= probs
-        d_scores *= 1.0 / math.sqrt(self.head_dim)
+        in_row_parts(self._softmax_backward, d_scores, probs)
         d_q[...] = d_scores @ k
         d_k[...] = d_scores.swapaxes(-1, -2) @ q
         d_qkv = d_qkv.reshape(n * t, 3 * d)
         self.grad_matmul(self.grads["qkv_weight"], x.reshape(n * t, d).T, d_qkv)
         self.grad_sum(self.grads["qkv_bias"], d_qkv, axis=0)
         return (d_qkv @ self.params["qkv_weight"].T).reshape(n, t, d)
+
+
+    def _softmax_backward(self, d_scores: Array, probs: Array) -> None:
+        """d_scores <- p (dp - sum_u dp p) / sqrt(d) from d_scores = dp, in place (probs too: not needed after)."""
+        d_scores *= probs  # p dp
+        probs *= d_scores.sum(axis=-1, keepdims=True)  # p sum_u(p dp)
+        d_scores -= probs
+        d_scores *= 1.0 / math.sqrt(self.head_dim)
 
 
 def _softmax_in_place(scores: Array) -> None:

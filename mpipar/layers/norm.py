@@ -6,20 +6,25 @@
               g = dy * gamma
               dx = r * (g - mean(g) - xh * mean(g * xh))      (means over the last axis)
 
-Written for few passes over memory: the row sums are `einsum`s (a sum of products over
-the last axis makes no array of the products, and NumPy's einsum is 3x faster than
-`mean` over a short last axis), and the results are built in place in one or two
-buffers. `reference_layer_norm` and `reference_layer_norm_grad` are the formulas above
-written plainly, which tests compare these against in float64.
+Written for few passes over memory and few NumPy calls: a row's sum and a row's sum of
+products are `vecdot`s (with a vector of ones for the sum; it makes no array of the
+products): on (768, 128) rows 2.5x faster than `mean`, and on the one row of a
+generated token 2x faster than `einsum`. The results are built in place in their own
+buffers, in row parts on the rank's threads (row_parts.py). `reference_layer_norm` and
+`reference_layer_norm_grad` are the formulas above written plainly, which tests compare
+these against in float64.
 
 Exercised by: python -m pytest tests/test_layers.py -k LayerNorm
 """
 
 from __future__ import annotations
 
+import functools
+
 from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.layers.base import Layer, ParamSpec, constant_init
+from mpipar.layers.row_parts import in_row_parts, rows
 
 
 class LayerNorm(Layer):
@@ -41,37 +46,66 @@ class LayerNorm(Layer):
         if x.shape[-1] != self.dim:
             raise self.shape_error(f"(batch, ..., {self.dim})", x.shape)
         xp = array_module(x)
-        normed = x - xp.einsum("...i->...", x)[..., None] * (1.0 / self.dim)  # centred
-        variance = xp.einsum("...i,...i->...", normed, normed)[..., None]
+        y, normed = xp.empty(x.shape, dtype=x.dtype), xp.empty(x.shape, dtype=x.dtype)
+        rstd = xp.empty((*x.shape[:-1], 1), dtype=x.dtype)
+        in_row_parts(self._normalize, rows(y), rows(normed), rows(rstd), rows(x))
+        ctx.save(self, normed, rstd)
+        return y
+
+    def _normalize(self, y: Array, normed: Array, rstd: Array, x: Array) -> None:
+        """normed = (x - mu) r,  rstd = r,  y = normed gain + shift, for these rows."""
+        xp = array_module(x)
+        mean = _row_dot(x, _ones(self.dim, x.dtype, xp))
+        mean *= 1.0 / self.dim
+        xp.subtract(x, mean[:, None], out=normed)  # centred
+        variance = _row_dot(normed, normed)  # then in place: + eps, its root, 1 / it
         variance *= 1.0 / self.dim
         variance += self.eps
-        rstd = xp.sqrt(variance, out=variance)
+        xp.sqrt(variance, out=rstd[:, 0])
         xp.divide(1.0, rstd, out=rstd)
         normed *= rstd
-        ctx.save(self, normed, rstd)
-        y = normed * self.params["gain"]
+        xp.multiply(normed, self.params["gain"], out=y)
         y += self.params["shift"]
-        return y
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         normed, rstd = ctx.pop(self)
         xp = array_module(dy)
-        rows_dy, rows_normed = dy.reshape(-1, self.dim), normed.reshape(-1, self.dim)
+        rows_dy, rows_normed = rows(dy), rows(normed)
         gain_grad = xp.einsum("ri,ri->i", rows_dy, rows_normed)
         if self.fresh_grads:
             self.grads["gain"][...] = gain_grad
         else:
             self.grads["gain"] += gain_grad
         self.grad_sum(self.grads["shift"], rows_dy, axis=0)
-        dx = dy * self.params["gain"]  # g, then dx in place
-        mean_g = xp.einsum("...i->...", dx)[..., None]
-        mean_g *= 1.0 / self.dim
-        mean_g_normed = xp.einsum("...i,...i->...", dx, normed)[..., None]
-        mean_g_normed *= 1.0 / self.dim
-        dx -= mean_g
-        dx -= normed * mean_g_normed
-        dx *= rstd
+        dx = xp.empty(dy.shape, dtype=dy.dtype)
+        in_row_parts(self._input_gradient, rows(dx), rows_dy, rows_normed, rows(rstd))
         return dx
+
+    def _input_gradient(self, dx: Array, dy: Array, normed: Array, rstd: Array) -> None:
+        """dx = r (g - mean(g) - normed mean(g normed)), g = dy gain, for these rows; in dx."""
+        xp = array_module(dy)
+        xp.multiply(dy, self.params["gain"], out=dx)  # g, then dx in place
+        mean_g = _row_dot(dx, _ones(self.dim, dx.dtype, xp))
+        mean_g *= 1.0 / self.dim
+        mean_g_normed = _row_dot(dx, normed)
+        mean_g_normed *= 1.0 / self.dim
+        dx -= mean_g[:, None]
+        dx -= normed * mean_g_normed[:, None]
+        dx *= rstd
+
+
+@functools.lru_cache(maxsize=8)
+def _ones(size: int, dtype, xp) -> Array:
+    """A vector of ones: a row's dot product with it is the row's sum."""
+    return xp.ones(size, dtype=dtype)
+
+
+def _row_dot(a: Array, b: Array) -> Array:
+    """sum over the last axis of a * b, making no array of the products. Not a matrix product:
+    BLAS's rounding of a row can depend on how many rows it is given, and a sample's result
+    must not depend on its batch (nor on the threads' parts)."""
+    xp = array_module(a)
+    return xp.vecdot(a, b) if hasattr(xp, "vecdot") else xp.einsum("ri,ri->r", a, b)
 
 
 def reference_layer_norm(x, gain, shift, eps: float = 1e-5):
