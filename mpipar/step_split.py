@@ -11,8 +11,15 @@ adds the time to its part of the step:
     waiting        blocking until messages complete: EndTimeStep's sends and
                    finish_gradients (the last sends and the gradient reductions)
 
+An instruction's whole time goes to its part, waits inside it included: a Compute that
+waits for its input from the previous stage (a pipeline's bubble) or for a sharded unit's
+gather counts as forward or backward, and so does loading its micro-batch; an Update that
+waits for its gradient's reduction counts as optimizer. So for pipelines and sharded
+schemes forward and backward are upper bounds and waiting a lower bound; for data
+parallelism, whose waits are finish_gradients', the parts are what they say.
+
 Whoever times the steps' wall clock (a benchmark) passes it to `lines`; what the parts do
-not cover is "other": the trainer's Python between the executor's calls (data, micro-batch
+not cover is "other": the trainer's Python between the executor's calls (micro-batch
 slices, clipping's norm and the per-step metrics' sum across ranks) and the executor's own
 Python between instructions. With no split set the executor pays one `is None` test per
 instruction.

@@ -170,6 +170,16 @@ def test_row_parts_run_on_the_rank_s_threads(monkeypatch):
     assert sorted(sizes) == [2, 2, 3] and values.min() == 1  # every row in one part
 
 
+def test_row_parts_keep_the_caller_s_floating_point_error_handling(monkeypatch):
+    monkeypatch.setattr(row_parts, "THREADS", 2)
+    monkeypatch.setattr(row_parts, "PARALLEL_ELEMENTS", 1)
+    values = np.ones((4, 3))
+    values[2:] = 1e300  # the second part, which a worker thread takes, overflows; the caller's does not
+    with np.errstate(over="raise"):
+        with pytest.raises(FloatingPointError):
+            row_parts.in_row_parts(lambda part: np.multiply(part, 1e300, out=part), values)
+
+
 def layers_on_threads(threads: int, monkeypatch) -> list[np.ndarray]:
     """Forward and backward of GELU, LayerNorm and attention on `threads` row parts (float64)."""
     monkeypatch.setattr(row_parts, "THREADS", threads)

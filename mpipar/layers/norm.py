@@ -102,8 +102,9 @@ def _ones(size: int, dtype, xp) -> Array:
 
 def _row_dot(a: Array, b: Array) -> Array:
     """sum over the last axis of a * b, making no array of the products. Not a matrix product:
-    BLAS's rounding of a row can depend on how many rows it is given, and a sample's result
-    must not depend on its batch (nor on the threads' parts)."""
+    BLAS's rounding of a row can depend on how many rows it is given (seen: `x @ ones` on 2
+    and on 3 row parts differed in the last bit), and the threads' parts must give the
+    same bits as one part."""
     xp = array_module(a)
     return xp.vecdot(a, b) if hasattr(xp, "vecdot") else xp.einsum("ri,ri->r", a, b)
 

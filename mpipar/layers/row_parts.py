@@ -41,10 +41,16 @@ def in_row_parts(function: Callable[..., None], *arrays) -> None:
         return
     bounds = [first.shape[0] * i // parts for i in range(parts + 1)]
     pieces = [[array[bounds[i]:bounds[i + 1]] for array in arrays] for i in range(parts)]
-    waiting = [_threads().submit(function, *piece) for piece in pieces[1:]]
+    errors = np.geterr()  # per thread in NumPy: the caller's (say, train's np.errstate) must hold in the parts too
+    waiting = [_threads().submit(_with_errors, errors, function, *piece) for piece in pieces[1:]]
     function(*pieces[0])  # the calling thread takes the first part
     for future in waiting:
         future.result()
+
+
+def _with_errors(errors: dict, function: Callable[..., None], *arrays) -> None:
+    with np.errstate(**errors):
+        function(*arrays)
 
 
 def rows(array):
