@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mpipar import allocator
+
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 STEP_FAULTS = f"""
@@ -52,3 +54,36 @@ def test_a_steady_step_faults_in_no_new_memory():
 
 def test_with_arrays_mapped_afresh_the_same_step_faults_them_in_again():
     assert fourth_step_faults(MALLOC_MMAP_THRESHOLD_="131072") > 1000
+
+
+class CFunction:
+    """A stand-in for a ctypes function: callable, with restype and argtypes to set."""
+
+    def __init__(self, call) -> None:
+        self.call, self.restype, self.argtypes = call, None, None
+
+    def __call__(self, *arguments):
+        return self.call(*arguments)
+
+
+class OldGlibc:
+    """A C library whose mallopt refuses an mmap threshold above 32 MiB, as glibc up to 2.34 does."""
+
+    last: "OldGlibc"
+
+    def __init__(self, _name) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.gnu_get_libc_version = CFunction(lambda: b"2.34")
+        self.mallopt = CFunction(self._mallopt)
+        OldGlibc.last = self
+
+    def _mallopt(self, parameter: int, value: int) -> int:
+        self.calls.append((parameter, value))
+        return int(not (parameter == allocator._M_MMAP_THRESHOLD and value > 32 << 20))
+
+
+def test_an_older_glibc_gets_its_largest_threshold_and_still_keeps_freed_memory(monkeypatch):
+    monkeypatch.setattr(allocator.ctypes, "CDLL", OldGlibc)
+    setting = allocator._set_thresholds()
+    assert setting.startswith("glibc 2.34: heap blocks up to 32 MiB, freed memory kept")
+    assert (allocator._M_TRIM_THRESHOLD, allocator.TRIM_THRESHOLD) in OldGlibc.last.calls
