@@ -111,7 +111,7 @@ PIP_EXTRAS_MODULES = {"plot": ["matplotlib"], "gpu": ["cupy"], "mpich": ["mpi4py
 PIP_OPTIONS_WITH_VALUE = {"--index-url", "-i", "--extra-index-url", "-f", "--find-links"}
 # A block that runs a PyTorch or JAX model or benchmark needs that framework, an optional extra
 # that the README's set-up does not install: without it the block is skipped, naming the extra.
-FRAMEWORK_USES = {"torch": re.compile(r"\b(examples|benchmarks)/torch_\w+\.py|\bbenchmarks/language_model\.py"),
+FRAMEWORK_USES = {"torch": re.compile(r"\b(examples|benchmarks)/torch_\w+\.py|\bbenchmarks/(language_model|mlp_schemes)\.py"),
                   "jax": re.compile(r"\bexamples/jax_\w+\.py")}
 
 
