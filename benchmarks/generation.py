@@ -29,8 +29,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=200, help="tokens drawn per round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per side")
+    parser.add_argument("--width", type=int, default=128, help="the model's width")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--blocks", type=int, default=4, help="transformer blocks")
     args = parser.parse_args()
-    model = build_model("transformer", input_shape=(64,), num_classes=65, width=128, heads=4, blocks=4)
+    model = build_model("transformer", input_shape=(64,), num_classes=65, width=args.width, heads=args.heads,
+                        blocks=args.blocks)
     (stage,) = build_stages(model, 1, make_backend("cpu", "float32"), 0)
     language_model = LanguageModel(stage, [chr(32 + i) for i in range(65)], 64, Path("initial weights"))
     seconds: dict[bool, list[float]] = {True: [], False: []}
@@ -43,7 +47,8 @@ def main() -> None:
                 seconds[kv_cache].append(time.perf_counter() - start)
         assert drawn[True] == drawn[False], "the cache changed the tokens drawn"
     cached, full = statistics.median(seconds[True]), statistics.median(seconds[False])
-    print(f"{args.tokens} tokens, context 64, 4 blocks of width 128, float32, {args.rounds} rounds (medians)")
+    print(f"{args.tokens} tokens, context 64, {args.blocks} blocks of width {args.width}, {args.heads} heads, float32, "
+          f"{args.rounds} rounds (medians)")
     print(f"  with the cache     {cached:.3f} s ({args.tokens / cached:,.0f} tokens/s)")
     print(f"  without the cache  {full:.3f} s ({args.tokens / full:,.0f} tokens/s)")
     print(f"  cached / full: {cached / full:.3f}")

@@ -41,9 +41,6 @@ class Context:
     sample_ids: object = None
     seed: int = 0
     training: bool = True
-    # Generation (mpipar/generate.py): where these tokens sit in the sequence, and the keys and
-    # values attention layers keep of the earlier ones; None in training and evaluation.
-    decode: object = None
     _saved: dict = field(default_factory=dict)
 
     def save(self, layer, *arrays) -> None:

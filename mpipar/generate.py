@@ -8,9 +8,9 @@ softmax, one draw from a generator seeded by `seed`.
 
 The key/value cache. Attention at a new position needs the keys and values of every earlier
 position of the context. Recomputing them is a forward pass over the whole context for every
-token. With the cache (the default), each attention layer keeps the keys and values it has
-computed (`DecodeState`), and a new token's forward runs over that one position: its own
-query, key and value, attending to the cached ones.
+token. With the cache (the default), the blocks keep the keys and values they have computed
+(mpipar/decoder.py), and a new token's forward runs over that one position: its own query,
+key and value, attending to the cached ones.
 
 The context. The model has positions for `seq_len` tokens. When the text outgrows them, the
 context restarts from its last half: those tokens are fed again at positions 0.. and the
@@ -23,7 +23,7 @@ Exercised by: mpipar sample --checkpoint-dir runs/shakespeare-model --tokens 200
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,26 +31,10 @@ import numpy as np
 from mpipar.backend import make_backend
 from mpipar.cache import Context
 from mpipar.checkpoint.format import parameter_table, read_manifest, read_vectors
+from mpipar.decoder import Decoder
 from mpipar.errors import CheckpointError, ConfigError
 from mpipar.model import Stage, build_stages
 from mpipar.models import build_model
-
-
-@dataclass
-class DecodeState:
-    """Generation's memory: how many positions are cached, and each attention layer's keys and values."""
-
-    capacity: int  # positions the model has (its --seq-len)
-    position: int = 0
-    cached: dict = field(default_factory=dict)  # layer -> (keys, values), each (batch, heads, capacity, head size)
-
-    def keys_and_values(self, layer, shape: tuple[int, int, int], dtype, xp):
-        """`layer`'s key and value buffers, made at its first call (batch, heads, capacity, head size)."""
-        if layer not in self.cached:
-            batch, heads, size = shape
-            self.cached[layer] = (xp.empty((batch, heads, self.capacity, size), dtype=dtype),
-                                  xp.empty((batch, heads, self.capacity, size), dtype=dtype))
-        return self.cached[layer]
 
 
 @dataclass
@@ -73,13 +57,10 @@ class LanguageModel:
     def decode(self, ids: list[int]) -> str:
         return "".join(self.vocab[i] for i in ids)
 
-    def logits(self, ids: list[int], state: DecodeState | None) -> np.ndarray:
-        """The logits of the last of `ids` (fed after `state.position` cached positions, or alone)."""
-        ctx = Context(cache=None, key=(0, -1), training=False, decode=state)
-        out = self.stage.forward(np.asarray([ids], dtype=np.int64), ctx)
-        if state is not None:
-            state.position += len(ids)
-        return out[0, -1]
+    def full_logits(self, ids: list[int]) -> np.ndarray:
+        """The logits of the last of `ids` from a forward of the whole model over all of them."""
+        ctx = Context(cache=None, key=(0, -1), training=False)
+        return self.stage.forward(np.asarray([ids], dtype=np.int64), ctx)[0, -1]
 
 
 def load_language_model(directory: Path) -> LanguageModel:
@@ -112,16 +93,16 @@ def generate(model: LanguageModel, prompt: list[int], count: int, *, temperature
     rng = np.random.default_rng(seed)
     tokens = list(prompt)
     start = max(0, len(tokens) - model.seq_len)  # the context is tokens[start:]
-    state, fed = DecodeState(model.seq_len), 0  # fed: positions of the context already in the cache
+    decoder = Decoder(model.stage)  # its cache holds the positions of tokens[start:] fed so far
     for _ in range(count):
         if len(tokens) - start > model.seq_len:  # the context outgrew the positions: restart from its last half
-            start, state, fed = len(tokens) - max(1, model.seq_len // 2), DecodeState(model.seq_len), 0
+            start = len(tokens) - max(1, model.seq_len // 2)
+            decoder.restart()
         context = tokens[start:]
         if kv_cache:
-            logits = model.logits(context[fed:], state)
-            fed = len(context)
+            logits = decoder.logits(context[decoder.position:])
         else:
-            logits = model.logits(context, None)
+            logits = model.full_logits(context)
         tokens.append(draw(logits.astype(np.float64), temperature, top_k, rng))
     return tokens
 
@@ -132,6 +113,9 @@ def draw(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Gene
     if 0 < top_k < len(scaled):
         scaled[scaled < np.partition(scaled, -top_k)[-top_k]] = -np.inf
     probabilities = np.exp(scaled - scaled.max())
-    probabilities /= probabilities.sum()
-    return int(rng.choice(len(probabilities), p=probabilities))
+    # The inverse of the cumulative distribution at one uniform draw: Generator.choice(p=...)'s
+    # own method, without its checks of p, which cost more than the rest of a cached token's draw
+    cumulative = np.cumsum(probabilities)
+    cumulative /= cumulative[-1]
+    return int(np.searchsorted(cumulative, rng.random(), side="right"))
 

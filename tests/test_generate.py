@@ -13,7 +13,12 @@ import pytest
 
 from conftest import run_mpi
 from mpipar.generate import generate, load_language_model
-from mpipar.layers import CausalSelfAttention
+from mpipar.backend import make_backend
+from mpipar.decoder import Decoder
+from mpipar.errors import ConfigError
+from mpipar.generate import LanguageModel, draw
+from mpipar.model import build_stages
+from mpipar.models import build_model
 
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 MODEL = ["--model", "transformer", "--dataset", "text", "--seq-len", "16", "--width", "16", "--heads", "2",
@@ -43,22 +48,21 @@ def sample(checkpoint: Path, *args: str) -> str:
 def test_the_cache_draws_the_same_tokens_and_runs_one_position_per_new_token(corpus, tmp_path, monkeypatch):
     train(1, corpus, "--dtype", "float64", "--max-steps", "5", "--checkpoint-dir", str(tmp_path / "run"))
     model = load_language_model(sorted((tmp_path / "run").glob("step-*"))[-1])
-    positions: list[int] = []
-    decode = CausalSelfAttention.decode
+    fed_per_forward: list[int] = []
+    logits = Decoder.logits
 
-    def counting(self, x, state):
-        positions.append(x.shape[1])
-        return decode(self, x, state)
+    def counting(self, ids):
+        fed_per_forward.append(len(ids))
+        return logits(self, ids)
 
-    monkeypatch.setattr(CausalSelfAttention, "decode", counting)
+    monkeypatch.setattr(Decoder, "logits", counting)
     prompt = model.encode("ROMEO:")
     cached = generate(model, prompt, 40, temperature=1.0, top_k=0, seed=3)  # 46 tokens: the context restarts
-    fed_per_forward = positions[::2]  # two attention layers see the same positions
     assert fed_per_forward[0] == len(prompt) and fed_per_forward.count(1) >= 30, fed_per_forward
     assert max(fed_per_forward[1:]) <= 8, "a restart feeds the last half of the 16 positions, nothing more"
-    positions.clear()
+    fed_per_forward.clear()
     full = generate(model, prompt, 40, temperature=1.0, top_k=0, seed=3, kv_cache=False)
-    assert not positions, "without the cache no layer decodes from it"
+    assert not fed_per_forward, "without the cache nothing is fed to the decoder"
     assert cached == full
     assert cached[:len(prompt)] == prompt and len(cached) == len(prompt) + 40
 
@@ -91,9 +95,41 @@ def test_a_prompt_with_unknown_characters_names_them(corpus, tmp_path):
     assert refused.returncode == 2 and "the prompt has characters the model never saw: '€'" in refused.stderr
 
 
-def test_top_k_keeps_only_the_likeliest():
-    from mpipar.generate import draw
+@pytest.mark.parametrize("tied, dropout", [(False, 0.0), (True, 0.1)])
+def test_the_decoder_gives_the_full_forward_s_logits_at_every_position(tied, dropout):
+    model = build_model("transformer", input_shape=(12,), num_classes=11, width=16, heads=4, blocks=2,
+                        dropout=dropout, tie_embeddings=tied)
+    (stage,) = build_stages(model, 1, make_backend("cpu", "float64"), seed=4)
+    language_model = LanguageModel(stage, [str(i) for i in range(11)], 12, Path("initial weights"))
+    ids = list(np.random.default_rng(1).integers(0, 11, size=12))
+    decoder = Decoder(stage)
+    fed = [5, 1, 1, 3, 1, 1]  # a prompt, single tokens, a few at once: 12 positions
+    for count in fed:
+        got = decoder.logits(ids[decoder.position:decoder.position + count])
+        expected = language_model.full_logits(ids[:decoder.position])
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+    decoder.restart()  # the context's restart: the positions count from 0 again
+    np.testing.assert_allclose(decoder.logits(ids[6:9]), language_model.full_logits(ids[6:9]), rtol=1e-12,
+                               atol=1e-12)
+    with pytest.raises(ConfigError, match="the model has 12 positions; 13 were asked for"):
+        decoder.logits(ids[:10])
 
+
+def test_the_decoder_refuses_a_model_that_is_not_the_transformer():
+    (stage,) = build_stages(build_model("mlp", input_shape=(4,), num_classes=3), 1, make_backend("cpu", "float64"), 0)
+    with pytest.raises(ConfigError, match="generation needs mpipar's transformer"):
+        Decoder(stage)
+
+
+def test_a_draw_is_generator_choice_s_draw():
+    logits = np.random.default_rng(7).normal(size=(50, 30)) * 3
+    for seed, row in enumerate(logits):
+        probabilities = np.exp(row - row.max())
+        expected = np.random.default_rng(seed).choice(30, p=probabilities / probabilities.sum())
+        assert draw(row.copy(), 1.0, 0, np.random.default_rng(seed)) == expected, seed
+
+
+def test_top_k_keeps_only_the_likeliest():
     rng = np.random.default_rng(0)
     logits = np.array([0.0, 5.0, 4.0, -1.0])
     assert {draw(logits.copy(), 1.0, 2, rng) for _ in range(200)} == {1, 2}

@@ -57,8 +57,6 @@ class CausalSelfAttention(Layer):
     def forward(self, x: Array, ctx: Context) -> Array:
         if x.ndim != 3 or x.shape[2] != self.dim:
             raise self.shape_error(f"(batch, T, {self.dim})", x.shape)
-        if ctx.decode is not None:
-            return self.decode(x, ctx.decode)
         n, t, _ = x.shape
         q, k, v = self._heads(x)
         probs = q @ k.swapaxes(-1, -2)
@@ -67,24 +65,6 @@ class CausalSelfAttention(Layer):
         in_row_parts(_softmax_in_place, probs)
         merged = (probs @ v).transpose(0, 2, 1, 3).reshape(n * t, self.dim)
         ctx.save(self, x, q, k, v, probs, merged)
-        return self._project_out(merged, n, t)
-
-    def decode(self, x: Array, state) -> Array:
-        """Generation: the new positions of x (after `state.position` cached ones) attend to the
-        cached keys and values and to each other; their own keys and values join the cache, so
-        each new token costs its own position, not the whole context's (mpipar/generate.py)."""
-        xp = array_module(x)
-        n, t, _ = x.shape
-        start, stop = state.position, state.position + t
-        q, k, v = self._heads(x)
-        keys, values = state.keys_and_values(self, (n, self.heads, self.head_dim), x.dtype, xp)
-        keys[:, :, start:stop], values[:, :, start:stop] = k, v
-        probs = q @ keys[:, :, :stop].swapaxes(-1, -2)
-        probs *= 1.0 / math.sqrt(self.head_dim)
-        if t > 1:  # the new position i (absolute start + i) sees the keys up to its own; one new sees all
-            probs += _future_mask(t, stop, start, x.dtype, xp)
-        _softmax_in_place(probs)
-        merged = (probs @ values[:, :, :stop]).transpose(0, 2, 1, 3).reshape(n * t, self.dim)
         return self._project_out(merged, n, t)
 
     def _heads(self, x: Array) -> tuple[Array, Array, Array]:

@@ -67,10 +67,7 @@ class PositionEmbedding(Layer):
     def forward(self, x: Array, ctx: Context) -> Array:
         if x.ndim != 3 or x.shape[1] > self.max_len or x.shape[2] != self.dim:
             raise self.shape_error(f"(batch, T <= {self.max_len}, {self.dim})", x.shape)
-        start = ctx.decode.position if ctx.decode is not None else 0  # generation: after the cached tokens
-        if start + x.shape[1] > self.max_len:
-            raise self.shape_error(f"positions up to {self.max_len}", (start + x.shape[1], self.dim))
-        return x + self.params["weight"][start:start + x.shape[1]]
+        return x + self.params["weight"][:x.shape[1]]
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         if self.fresh_grads:  # only the first T rows are written: the rest must be zero
