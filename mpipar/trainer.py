@@ -37,6 +37,7 @@ from mpipar.cache import ActivationCache, Context
 from mpipar.checkpoint.resume import FLAGS, Checkpoints
 from mpipar.clipping import GradientClipper
 from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
+from mpipar.comms.device import device_wire
 from mpipar.comms.handle import set_default_timeout
 from mpipar.comms.topology import make_world
 from mpipar.config import TrainConfig
@@ -124,6 +125,8 @@ class Trainer:
         self.config = cfg = self.config.for_world(self.world_size)
         cfg.validate(self.world_size)
         self.backend = make_backend(cfg.device, cfg.dtype)
+        if cfg.device == "gpu" and self.world_size > 1:
+            device_wire()  # decided here, on every rank: a bad MPIPAR_CUDA_AWARE is one sentence, not a crash
         self.train_set, self.test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
                                                      text_file=cfg.text_file, seq_len=cfg.seq_len)
         self.model, self.loss_fn = configured_model(cfg, self.train_set)

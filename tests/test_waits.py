@@ -39,6 +39,16 @@ def test_a_wait_that_never_completes_times_out_naming_it_and_leaves_the_core_mea
     assert on_cpu < 0.15, f"the wait kept a CPU busy {on_cpu:.0%} of the time: it spins"
 
 
+@pytest.mark.parametrize("algorithm, sleeps", [("mpi", False), ("ring", True)])
+def test_a_wait_on_the_library_s_collective_keeps_testing_instead_of_sleeping(algorithm, sleeps):
+    """The library's collective moves only inside MPI (Open MPI advances a segment per test):
+    a wait that sleeps between tests stretches it; mpipar's ring moves without the waiter."""
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "check_library_wait.py"), algorithm, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    slept = int(re.search(r"sleeps (\d+); sum ok", result.stdout).group(1))
+    assert (slept > 0) == sleeps, result.stdout
+
+
 def test_outbox_forgets_completed_sends_and_their_buffers_as_it_goes():
     result = run_mpi(2, sys.executable, str(SCRIPTS / "check_outbox.py"), "stream", timeout=90)
     assert result.returncode == 0 and "outbox ok" in result.stdout, result.stdout + result.stderr

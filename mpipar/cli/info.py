@@ -1,4 +1,5 @@
-"""`mpipar info`: versions, the MPI library and launcher, ranks and cores per node, threads, device, allocator.
+"""`mpipar info`: versions, the MPI library and launcher, ranks and cores per node, threads, device (and how
+its arrays reach MPI), allocator.
 
 Rank 0 prints everything; when the ranks on a node outnumber its cores it ends with
 a warning (see mpipar/launch.py).
@@ -26,6 +27,7 @@ def info(device: str) -> None:
     import mpipar
     from mpipar.allocator import keep_freed_memory
     from mpipar.backend import make_backend
+    from mpipar.comms.device import device_wire
     from mpipar.launch import describe_launch, oversubscription_warning
 
     comm = MPI.COMM_WORLD
@@ -42,6 +44,7 @@ def info(device: str) -> None:
 
         name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
         click.echo(f"backend: cupy {cupy.__version__}, device {name}")
+        click.echo(f"device arrays reach MPI: {device_wire()}")
     else:
         click.echo(f"backend: numpy {numpy.__version__}, device cpu ({os.cpu_count()} cores in the machine)")
     click.echo(f"allocator: {keep_freed_memory()}")

@@ -25,13 +25,12 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar.comms.comm import Comm
-from mpipar.comms.handle import Handle, Steps
+from mpipar.comms.handle import LIBRARY, Handle, Steps
 from mpipar.comms.routes import Step, all_gather_steps, block_offsets, reduce_scatter_steps
 from mpipar.comms.tags import collective_tag
 from mpipar.errors import ConfigError, unknown_name
 
 ALGORITHMS = ("mpi", "ring", "hring", "horing", "2d")
-LIBRARY = -1  # the "peer" of a request that the MPI library's own collective owns
 
 
 def _blocks(buf: np.ndarray, parts: int) -> list[np.ndarray]:
@@ -165,6 +164,19 @@ def iall_reduce(comm: Comm, buf: np.ndarray, algorithm: str = "ring") -> Handle:
 
 def all_reduce(comm: Comm, buf: np.ndarray, algorithm: str = "ring") -> None:
     iall_reduce(comm, buf, algorithm).wait()
+
+
+def all_reduce_on_device(comm: Comm, buf) -> None:
+    """buf <- the sum of buf over all ranks, in place, for a CuPy array given to a CUDA-aware
+    MPI library's own all-reduce (comms/device.py; mpipar's ring algorithms add on the host).
+    The kernels that wrote buf must have finished: the library reads device memory directly."""
+    if buf.ndim != 1 or not buf.flags.c_contiguous:
+        raise ValueError(f"all-reduce: buffers must be 1-D contiguous arrays, got shape {buf.shape}")
+    if comm.size == 1:
+        return
+    request = comm.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    Handle(_library(comm, request, buf.nbytes), f"all-reduce (mpi, device memory, {buf.nbytes} bytes)",
+           comm.rank).wait()
 
 
 # -- reduce-scatter and all-gather ---------------------------------------------------------

@@ -106,7 +106,9 @@ def _row_dot(a: Array, b: Array) -> Array:
     and on 3 row parts differed in the last bit), and the threads' parts must give the
     same bits as one part."""
     xp = array_module(a)
-    return xp.vecdot(a, b) if hasattr(xp, "vecdot") else xp.einsum("ri,ri->r", a, b)
+    if hasattr(xp, "vecdot"):  # NumPy 2 (b may be one row, broadcast: the ones of a sum)
+        return xp.vecdot(a, b)
+    return xp.einsum("ri,ri->r" if b.ndim == 2 else "ri,i->r", a, b)  # CuPy 14, NumPy 1
 
 
 def reference_layer_norm(x, gain, shift, eps: float = 1e-5):

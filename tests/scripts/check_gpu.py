@@ -21,7 +21,17 @@ error (rank 0's traceback goes to stderr). The cases:
     (modules of one's own, each holding two Linears and a LayerNorm);
   - one process only: samples/s of the torch MLP 784-512-512-10 (float32, batch 256, the
     model of benchmarks/torch_stages.py) through mpipar on the GPU against a plain torch
-    CUDA loop, each the median of 5 rounds of 50 steps.
+    CUDA loop, each the median of 5 rounds of 50 steps;
+  - the built-in transformer (float64, tied embeddings, clipping, AdamW, 3 steps) on the GPU
+    equals the same run on the CPU, rtol 1e-10 and atol 1e-12 (cuBLAS and OpenBLAS sum in
+    different orders; parameters near zero make a pure relative test fail on 1e-13);
+  - two ranks: a 64 MB float32 sum across ranks through each path a device array can take to
+    MPI (comms/device.py): fresh pageable copies (what mpipar did before), the reused pinned
+    buffers, and the device memory itself where the library is CUDA-aware; every path's
+    result is the exact sum, bit for bit; times are medians of 7;
+  - one process only: tokens/s of the transformer at nanoGPT's GPU recipe shapes (6 blocks of
+    width 384, 6 heads, context 256, batch 64, float32, AdamW, tied) against the same model
+    in torch eager (benchmarks/language_model.py's GPT), 3 alternating rounds of 10 steps.
 """
 
 import statistics
@@ -55,11 +65,16 @@ def trained(**options) -> Trainer:
     return trainer
 
 
-def compared(got: np.ndarray, expected: np.ndarray) -> str:
+def compared(got: np.ndarray, expected: np.ndarray, atol: float = 0.0) -> str:
+    """ok where every parameter is within rtol 1e-10 (plus `atol`) of the expected one."""
     if got.shape != expected.shape:
         return f"FAILED: {got.size} parameters against {expected.size}"
-    error = float(np.abs(got - expected).max())
-    return f"{'ok' if np.allclose(got, expected, rtol=1e-10, atol=0) else 'FAILED'}, largest difference {error:.2e}"
+    error = np.abs(got - expected)
+    beyond = int(np.count_nonzero(error > 1e-10 * np.abs(expected)))
+    worst = int(np.argmax(error / np.maximum(np.abs(expected), 1e-300)))
+    return (f"{'ok' if np.allclose(got, expected, rtol=1e-10, atol=atol) else 'FAILED'}, largest difference "
+            f"{float(error.max()):.2e}; {beyond} of {got.size} beyond rtol 1e-10 alone, the worst "
+            f"{float(error[worst]):.1e} on {float(expected[worst]):.1e}")
 
 
 def gpu_equals_cpu(options: dict):
@@ -197,6 +212,140 @@ def case(label: str, run) -> None:
         print(f"{label} on {world.size} rank(s): {result}", flush=True)
 
 
+def text_file() -> str:
+    """A corpus that travels with the repository: its docs, a few hundred kB of text."""
+    path = Path("/tmp/mpipar-check-gpu.txt")
+    if world.rank == 0:
+        path.write_text("".join(sorted(p.read_text() for p in (EXAMPLES.parent / "docs").glob("*.md"))))
+    world.Barrier()
+    return str(path)
+
+
+TRANSFORMER = dict(model="transformer", dataset="text", seq_len=16, width=32, heads=2, blocks=2, tie_embeddings=True,
+                   optimizer="adamw", grad_clip=0.05, batch_size=8)
+
+
+def device_messages() -> str:
+    """A 64 MB sum across ranks by each path; every result is the exact sum."""
+    import cupy
+
+    from mpipar.backend import to_host
+    from mpipar.comms.collectives import all_reduce, all_reduce_on_device
+    from mpipar.comms.device import PinnedStaging, library_cuda_support
+    from mpipar.comms.topology import make_world
+
+    comm = make_world()
+    size = 64 * 2**20 // 4
+    values = (cupy.arange(size, dtype=cupy.float32) % 1024) * (world.rank + 1)
+    expected = cupy.asnumpy((cupy.arange(size, dtype=cupy.float32) % 1024) * sum(range(1, world.size + 1)))
+    staging = PinnedStaging()
+
+    def copies(array) -> None:
+        host = to_host(array)
+        all_reduce(comm, host, "mpi")
+        array[...] = cupy.asarray(host)
+
+    def pinned(array) -> None:
+        host = staging.to_host(array)
+        all_reduce(comm, host, "mpi")
+        staging.to_device(host, array)
+
+    def device_memory(array) -> None:
+        cupy.cuda.get_current_stream().synchronize()
+        all_reduce_on_device(comm, array)
+
+    paths = {"fresh copies": copies, "pinned staging": pinned}
+    aware = library_cuda_support()
+    if aware:
+        paths["device memory (CUDA-aware)"] = device_memory
+    host = cupy.asnumpy(values)
+    pieces = {"copy out, pageable": lambda array: array.get(),
+              "copy out, pinned": staging.to_host,
+              "copy in, pinned": lambda array: staging.to_device(staging.to_host(values), array),
+              "host sum, mpipar mpi": lambda array: all_reduce(comm, host, "mpi"),
+              "host sum, blocking Allreduce": lambda array: world.Allreduce(MPI.IN_PLACE, host),
+              "host sum, Iallreduce + MPI Wait": lambda array: world.Iallreduce(MPI.IN_PLACE, host).Wait(),
+              "host sum, mpipar ring": lambda array: all_reduce(comm, host, "ring")}
+
+    def median_ms(path) -> tuple[float, object]:
+        times = []
+        for _ in range(8):  # the first warms up
+            array = values.copy()
+            cupy.cuda.Device().synchronize()
+            world.Barrier()
+            start = time.perf_counter()
+            path(array)
+            cupy.cuda.Device().synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:]) * 1e3, array
+
+    report, wrong = [], []
+    for name, path in paths.items():
+        milliseconds, array = median_ms(path)
+        if not np.array_equal(cupy.asnumpy(array), expected):
+            wrong.append(name)
+        report.append(f"{name} {milliseconds:.1f} ms")
+    report += [f"{name} {median_ms(piece)[0]:.1f} ms" for name, piece in pieces.items()]
+    verdict = f"FAILED: {wrong} differ from the exact sum" if wrong else "ok, every path the exact sum"
+    return f"{verdict}; library CUDA-aware: {aware}; " + ", ".join(report)
+
+
+def transformer_speed_on_cuda() -> str:
+    import cupy
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
+    from language_model import GPT
+
+    shapes = dict(seq_len=256, width=384, heads=6, blocks=6, batch_size=64)
+    trainer = Trainer(TrainConfig(**{**TRANSFORMER, **shapes, "grad_clip": 1.0, "lr": 1e-3, "beta2": 0.99,
+                                     "weight_decay": 0.1, "dtype": "float32", "device": "gpu", "seed": 0,
+                                     "log_every": 10**6, "max_steps": 10**6}, text_file=text_file()))
+    per_epoch = trainer.sampler.steps_per_epoch
+    train_set = trainer.train_set
+    model = GPT(train_set.num_classes, shapes["seq_len"], shapes["width"], shapes["heads"], shapes["blocks"]).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    sampler = GlobalBatchSampler(len(train_set), shapes["batch_size"], 0)
+    position = {"mpipar": 0, "torch": 0}
+    steps = 10
+
+    def mpipar_steps() -> None:
+        for _ in range(steps):
+            step = position["mpipar"]
+            trainer.train_step(step, step // per_epoch, step % per_epoch)
+            position["mpipar"] += 1
+        cupy.cuda.Device().synchronize()
+
+    def torch_steps() -> None:
+        for _ in range(steps):
+            epoch, within = divmod(position["torch"], sampler.steps_per_epoch)
+            inputs, targets = train_set.for_epoch(epoch, 0).batch(sampler.global_batch_indices(epoch, within))
+            logits = model(torch.from_numpy(inputs).cuda())
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(targets).cuda().reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            float(loss.detach())
+            position["torch"] += 1
+        torch.cuda.synchronize()
+
+    sides = {"mpipar": mpipar_steps, "torch": torch_steps}
+    rates = {"mpipar": [], "torch": []}
+    for run in sides.values():
+        run()  # warm-up
+    tokens = steps * shapes["batch_size"] * shapes["seq_len"]
+    for round_ in range(3):
+        for name in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
+            start = time.perf_counter()
+            sides[name]()
+            rates[name].append(tokens / (time.perf_counter() - start))
+    return (f"mpipar {statistics.median(rates['mpipar']):,.0f} tokens/s, torch eager "
+            f"{statistics.median(rates['torch']):,.0f} tokens/s, mpipar / torch "
+            f"{statistics.median(rates['mpipar']) / statistics.median(rates['torch']):.3f}")
+
+
 sys.path.insert(0, str(EXAMPLES))  # torch_mlp, the example's builders
 case("optimizer updates on the gpu = cpu", optimizers_on_gpu_equal_cpu_bit_for_bit)
 case("mlp ddp gpu = cpu", gpu_equals_cpu(dict(scheme="ddp")))
@@ -207,5 +356,11 @@ if world.size > 1:
 case("torch mlp ddp on cuda = torch alone on cuda", lambda: torch_on_cuda_equals_torch_alone("torch_mlp"))
 case("torch residual blocks ddp on cuda = torch alone on cuda",
      lambda: torch_on_cuda_equals_torch_alone("torch_residual"))
+case("transformer ddp gpu = cpu", lambda: compared(  # atol: 1e-10 of the smallest weights (0.01) that train
+    parameters(trained(**TRANSFORMER, text_file=text_file(), device="gpu")),
+    parameters(trained(**TRANSFORMER, text_file=text_file())), atol=1e-12))
+if world.size > 1:
+    case("64 MB sum across ranks, each path of a device array", device_messages)
 if world.size == 1:
     case("torch mlp 784-512-512-10 speed on cuda", torch_speed_on_cuda)
+    case("transformer at the gpu recipe's shapes, speed on cuda", transformer_speed_on_cuda)

