@@ -369,8 +369,8 @@ class TrainConfig:
         sharding = self.sharding()
         if self.device == "gpu" and (sharding != SCHEMES["ddp"] or self.ddp != "naive"):
             raise ConfigError(f"--scheme {sharding} --ddp {self.ddp} communicates host buffers during forward and "
-                              "backward; on a GPU use --scheme ddp --ddp naive (gradients are summed through host "
-                              "memory after backward)")
+                              "backward; on a GPU use --scheme ddp --ddp naive (gradients are summed once after "
+                              "backward, from device memory on a CUDA-aware MPI, else through pinned host buffers)")
         if self.collective == "2d" and sharding != SCHEMES["ddp"]:
             raise ConfigError(f"--collective 2d is an all-reduce only; --scheme {sharding} also needs "
                               "reduce-scatter and all-gather: choose mpi, ring, hring or horing")

@@ -33,8 +33,17 @@ import math
 import numpy as np
 
 from mpipar.errors import ConfigError
-from mpipar.layers import (GELU, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear, PositionEmbedding,
-                           Residual, TiedOutput)
+from mpipar.layers import (
+    GELU,
+    CausalSelfAttention,
+    Dropout,
+    Embedding,
+    LayerNorm,
+    Linear,
+    PositionEmbedding,
+    Residual,
+    TiedOutput,
+)
 from mpipar.layers.activations import _gelu
 from mpipar.layers.attention import _future_mask
 from mpipar.layers.norm import _row_dot

@@ -93,13 +93,14 @@ def generate(model: LanguageModel, prompt: list[int], count: int, *, temperature
     rng = np.random.default_rng(seed)
     tokens = list(prompt)
     start = max(0, len(tokens) - model.seq_len)  # the context is tokens[start:]
-    decoder = Decoder(model.stage)  # its cache holds the positions of tokens[start:] fed so far
+    decoder = Decoder(model.stage) if kv_cache else None  # its cache: the positions of tokens[start:] fed so far
     for _ in range(count):
         if len(tokens) - start > model.seq_len:  # the context outgrew the positions: restart from its last half
             start = len(tokens) - max(1, model.seq_len // 2)
-            decoder.restart()
+            if decoder is not None:
+                decoder.restart()
         context = tokens[start:]
-        if kv_cache:
+        if decoder is not None:
             logits = decoder.logits(context[decoder.position:])
         else:
             logits = model.full_logits(context)
@@ -109,13 +110,20 @@ def generate(model: LanguageModel, prompt: list[int], count: int, *, temperature
 
 def draw(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
     """One token from `logits` at `temperature`, among the `top_k` most likely (0: all)."""
-    scaled = logits / temperature
-    if 0 < top_k < len(scaled):
-        scaled[scaled < np.partition(scaled, -top_k)[-top_k]] = -np.inf
-    probabilities = np.exp(scaled - scaled.max())
+    if not np.all(np.isfinite(logits)):
+        raise ConfigError("the model's logits are not finite (NaN or inf): its weights have diverged, and no "
+                          "token can be drawn")
+    with np.errstate(over="ignore", invalid="ignore"):  # a too small temperature: refused just below
+        scaled = logits / temperature
+        if 0 < top_k < len(scaled):
+            scaled[scaled < np.partition(scaled, -top_k)[-top_k]] = -np.inf
+        probabilities = np.exp(scaled - scaled.max())
     # The inverse of the cumulative distribution at one uniform draw: Generator.choice(p=...)'s
     # own method, without its checks of p, which cost more than the rest of a cached token's draw
     cumulative = np.cumsum(probabilities)
+    if not np.isfinite(cumulative[-1]):
+        raise ConfigError(f"--temperature {temperature} is too small for these logits (dividing by it "
+                          "overflows): use a larger one")
     cumulative /= cumulative[-1]
     return int(np.searchsorted(cumulative, rng.random(), side="right"))
 

@@ -309,7 +309,7 @@ class ShardedStage:
         G, OS = self.sharding.gradients, self.sharding.optimizer_state
         held = self.g_store[self._slice(unit, "G", G)]
         if G == OS:  # replicated over the world (N) or over the groups (I): all-reduce in place
-            if not self.host:  # a GPU's gradient goes through host memory (DDP naive only)
+            if not self.host:  # a GPU's gradient: CUDA-aware or staged (comms/device.py; DDP naive only)
                 sum_across_ranks(self.world, held, self.collective)
                 return
             yield self._start("update-reduce", iall_reduce, self.world if G == "N" else self.inter, held)

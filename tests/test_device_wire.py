@@ -5,6 +5,10 @@ On a GPU, tests/scripts/check_gpu.py checks both paths give the same bits.
     python -m pytest tests/test_device_wire.py -q
 """
 
+import importlib
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
 from mpipar.comms import device
@@ -33,6 +37,59 @@ def test_a_value_other_than_0_or_1_is_refused_in_one_sentence(monkeypatch):
             device.device_wire()
     finally:
         device.device_wire.cache_clear()
+
+
+@pytest.fixture
+def fresh_wire(monkeypatch):
+    """device_wire() decided afresh, without the user's variable, before and after the test."""
+    monkeypatch.delenv("MPIPAR_CUDA_AWARE", raising=False)
+    device.device_wire.cache_clear()
+    yield monkeypatch
+    device.device_wire.cache_clear()
+
+
+def test_a_library_that_says_yes_but_fails_the_probe_is_staged(fresh_wire):
+    fresh_wire.setattr(device, "library_cuda_support", lambda: True)
+    fresh_wire.setattr(device, "probe", lambda: False)
+    choice = device.device_wire()
+    assert choice.wire is Wire.STAGED and "arrived wrong" in choice.reason, choice
+
+
+def test_the_user_s_word_skips_the_probe(fresh_wire):
+    fresh_wire.setenv("MPIPAR_CUDA_AWARE", "1")
+    fresh_wire.setattr(device, "library_cuda_support", lambda: False)
+    fresh_wire.setattr(device, "probe", lambda: pytest.fail("probed although the user said 1"))
+    assert device.device_wire().wire is Wire.CUDA_AWARE
+
+
+@pytest.mark.parametrize("wire, algorithm, path", [
+    (Wire.CUDA_AWARE, "mpi", "device"),  # the library's own all-reduce reads device memory
+    (Wire.CUDA_AWARE, "ring", "staged"),  # mpipar's ring adds on the host
+    (Wire.STAGED, "mpi", "staged"),
+])
+def test_a_device_array_takes_its_wire_s_path(monkeypatch, wire, algorithm, path):
+    world = importlib.import_module("mpipar.comms.world")  # the module (mpipar.comms.world is also a function)
+    taken = []
+
+    class DeviceArray:  # what sum_across_ranks sees of a CuPy array: not a NumPy one
+        pass
+
+    class Staging:
+        def to_host(self, array):
+            taken.append("staged")
+            return np.zeros(4)
+
+        def to_device(self, host, array):
+            pass
+
+    monkeypatch.setattr(world, "device_wire", lambda: device.WireChoice(wire, "test"))
+    monkeypatch.setattr(world, "array_module", lambda array: SimpleNamespace(
+        cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(synchronize=lambda: None))))
+    monkeypatch.setattr(world, "all_reduce", lambda comm, array, algorithm: taken.append(
+        "device" if isinstance(array, DeviceArray) else "host"))
+    monkeypatch.setattr(world, "_STAGING", Staging())
+    world.sum_across_ranks(SimpleNamespace(size=2), DeviceArray(), algorithm)
+    assert taken == (["device"] if path == "device" else ["staged", "host"])
 
 
 def test_the_installed_mpi_library_answers_and_says_it_is_not_cuda_aware():

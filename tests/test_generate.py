@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 
 from conftest import run_mpi
-from mpipar.generate import generate, load_language_model
 from mpipar.backend import make_backend
 from mpipar.decoder import Decoder
 from mpipar.errors import ConfigError
-from mpipar.generate import LanguageModel, draw
+from mpipar.generate import LanguageModel, draw, generate, load_language_model
 from mpipar.model import build_stages
 from mpipar.models import build_model
 
@@ -127,6 +126,15 @@ def test_a_draw_is_generator_choice_s_draw():
         probabilities = np.exp(row - row.max())
         expected = np.random.default_rng(seed).choice(30, p=probabilities / probabilities.sum())
         assert draw(row.copy(), 1.0, 0, np.random.default_rng(seed)) == expected, seed
+
+
+@pytest.mark.parametrize("logits, temperature, refusal", [
+    ([np.nan, 1.0, 2.0], 1.0, "the model's logits are not finite"),
+    ([1.0, 2.0, 3.0], 1e-310, "--temperature 1e-310 is too small for these logits"),
+])
+def test_logits_or_a_temperature_that_cannot_give_a_draw_are_refused_in_one_sentence(logits, temperature, refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        draw(np.array(logits), temperature, 0, np.random.default_rng(0))
 
 
 def test_top_k_keeps_only_the_likeliest():

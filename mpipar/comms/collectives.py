@@ -38,12 +38,14 @@ def _blocks(buf: np.ndarray, parts: int) -> list[np.ndarray]:
     return [buf[offsets[k]:offsets[k + 1]] for k in range(parts)]
 
 
-def _check_buffers(operation: str, *buffers: np.ndarray | None) -> None:
+def _check_buffers(operation: str, *buffers: np.ndarray | None, device: bool = False) -> None:
     """Every buffer a 1-D, contiguous NumPy array of one dtype: anything else would be
-    cut wrongly or fail after messages were already exchanged."""
+    cut wrongly or fail after messages were already exchanged. `device`: a GPU array is
+    allowed too (the library's own collective, on a CUDA-aware MPI: comms/device.py)."""
     given = [b for b in buffers if b is not None]
     for buf in given:
-        if not isinstance(buf, np.ndarray) or buf.ndim != 1 or not buf.flags.c_contiguous:
+        array = isinstance(buf, np.ndarray) or (device and hasattr(buf, "__cuda_array_interface__"))
+        if not array or buf.ndim != 1 or not buf.flags.c_contiguous:
             raise ValueError(f"{operation}: buffers must be 1-D contiguous NumPy arrays, got "
                              f"{type(buf).__name__} of shape {getattr(buf, 'shape', '?')}")
     if len({buf.dtype for buf in given}) > 1:
@@ -117,7 +119,7 @@ def _all_reduce(comm: Comm, buf: np.ndarray, algorithm: str) -> Steps:
     # Validation and the tag are settled now, when the operation is started, not when
     # its generator first runs: ranks start operations in the same order, but may
     # advance concurrent ones in different orders.
-    _check_buffers("all-reduce", buf)
+    _check_buffers("all-reduce", buf, device=algorithm == "mpi")
     layout = _layout(comm, algorithm, "all-reduce")
     if comm.size == 1:
         return iter(())
@@ -164,19 +166,6 @@ def iall_reduce(comm: Comm, buf: np.ndarray, algorithm: str = "ring") -> Handle:
 
 def all_reduce(comm: Comm, buf: np.ndarray, algorithm: str = "ring") -> None:
     iall_reduce(comm, buf, algorithm).wait()
-
-
-def all_reduce_on_device(comm: Comm, buf) -> None:
-    """buf <- the sum of buf over all ranks, in place, for a CuPy array given to a CUDA-aware
-    MPI library's own all-reduce (comms/device.py; mpipar's ring algorithms add on the host).
-    The kernels that wrote buf must have finished: the library reads device memory directly."""
-    if buf.ndim != 1 or not buf.flags.c_contiguous:
-        raise ValueError(f"all-reduce: buffers must be 1-D contiguous arrays, got shape {buf.shape}")
-    if comm.size == 1:
-        return
-    request = comm.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-    Handle(_library(comm, request, buf.nbytes), f"all-reduce (mpi, device memory, {buf.nbytes} bytes)",
-           comm.rank).wait()
 
 
 # -- reduce-scatter and all-gather ---------------------------------------------------------

@@ -14,7 +14,14 @@ Which path, decided once per process by `device_wire()`, in this order:
      `MPIX_GPU_query_support(CUDA, &flag)` (MPICH 4+), looked up in the loaded libmpi;
   3. neither: staged, which is always safe.
 A library that answers yes is trusted only after one message: a device buffer sent to this
-rank itself must arrive intact (`probe`). `mpipar info --device gpu` prints the choice and why.
+rank itself must arrive intact (`probe`); a library that answers yes falsely may crash
+there instead, at start-up rather than mid-run. Each rank decides for itself: ranks of one
+job load one library and so agree, and both paths post the same all-reduce, so ranks that
+differed would still sum correctly. `mpipar info --device gpu` prints rank 0's choice.
+
+The staged path's pinned buffers live as long as the process: under `--ddp naive`, one
+of the size of the gradient per rank, in host memory (the memory ledger counts device
+memory only).
 
 The counters count the same bytes either way: the reduction is the same call on an array of
 the same size.
@@ -33,7 +40,7 @@ from enum import Enum
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.backend import array_module
+from mpipar.backend import Array, array_module
 from mpipar.errors import ConfigError
 
 ENVIRONMENT = "MPIPAR_CUDA_AWARE"
@@ -104,8 +111,9 @@ def _loaded_mpi_libraries() -> list[ctypes.CDLL]:
 @functools.lru_cache(maxsize=1)
 def device_wire() -> WireChoice:
     """This process's path for device arrays (decided once; probed where the library says yes)."""
-    choice = choose_wire(os.environ.get(ENVIRONMENT), library_cuda_support())
-    if choice.wire is Wire.CUDA_AWARE and ENVIRONMENT not in os.environ and not probe():
+    environment = os.environ.get(ENVIRONMENT)
+    choice = choose_wire(environment, library_cuda_support())
+    if choice.wire is Wire.CUDA_AWARE and environment is None and not probe():
         return WireChoice(Wire.STAGED, "the MPI library says it is CUDA-aware, but a device buffer sent to "
                                        "this rank itself arrived wrong")
     return choice
@@ -128,7 +136,7 @@ class PinnedStaging:
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, np.dtype], np.ndarray] = {}
 
-    def to_host(self, array) -> np.ndarray:
+    def to_host(self, array: Array) -> np.ndarray:
         """A pinned host copy of the contiguous device `array`, in this size's buffer (until the
         next call for the same size)."""
         key = (array.size, np.dtype(array.dtype))
@@ -141,11 +149,7 @@ class PinnedStaging:
         return host
 
     @staticmethod
-    def to_device(host: np.ndarray, array) -> None:
+    def to_device(host: np.ndarray, array: Array) -> None:
         """array <- host, finished before this returns (the host buffer is reused at the next call)."""
         array.set(host)
         array_module(array).cuda.get_current_stream().synchronize()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(buffer.nbytes for buffer in self._buffers.values())

@@ -27,9 +27,9 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar.backend import array_module
-from mpipar.comms.collectives import all_reduce, all_reduce_on_device
-from mpipar.comms.device import PinnedStaging, Wire, device_wire
+from mpipar.comms.collectives import all_reduce
 from mpipar.comms.comm import Comm
+from mpipar.comms.device import PinnedStaging, Wire, device_wire
 from mpipar.errors import MpiparError
 
 T = TypeVar("T")
@@ -52,7 +52,7 @@ def sum_across_ranks(comm: Comm, array, algorithm: str = "mpi") -> None:
         return
     if device_wire().wire is Wire.CUDA_AWARE and algorithm == "mpi":
         array_module(array).cuda.get_current_stream().synchronize()  # the kernels writing it are done
-        all_reduce_on_device(comm, array)
+        all_reduce(comm, array, algorithm)
         return
     host = _STAGING.to_host(array)
     all_reduce(comm, host, algorithm)

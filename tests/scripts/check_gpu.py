@@ -230,7 +230,7 @@ def device_messages() -> str:
     import cupy
 
     from mpipar.backend import to_host
-    from mpipar.comms.collectives import all_reduce, all_reduce_on_device
+    from mpipar.comms.collectives import all_reduce
     from mpipar.comms.device import PinnedStaging, library_cuda_support
     from mpipar.comms.topology import make_world
 
@@ -252,16 +252,17 @@ def device_messages() -> str:
 
     def device_memory(array) -> None:
         cupy.cuda.get_current_stream().synchronize()
-        all_reduce_on_device(comm, array)
+        all_reduce(comm, array, "mpi")  # the device array itself, as sum_across_ranks gives it
 
     paths = {"fresh copies": copies, "pinned staging": pinned}
     aware = library_cuda_support()
     if aware:
         paths["device memory (CUDA-aware)"] = device_memory
     host = cupy.asnumpy(values)
+    pinned_host = staging.to_host(values)  # the pinned buffer itself, filled once
     pieces = {"copy out, pageable": lambda array: array.get(),
               "copy out, pinned": staging.to_host,
-              "copy in, pinned": lambda array: staging.to_device(staging.to_host(values), array),
+              "copy in, pinned": lambda array: staging.to_device(pinned_host, array),
               "host sum, mpipar mpi": lambda array: all_reduce(comm, host, "mpi"),
               "host sum, blocking Allreduce": lambda array: world.Allreduce(MPI.IN_PLACE, host),
               "host sum, Iallreduce + MPI Wait": lambda array: world.Iallreduce(MPI.IN_PLACE, host).Wait(),

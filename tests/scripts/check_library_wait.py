@@ -11,7 +11,6 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from mpipar.comms import handle
 from mpipar.comms.collectives import all_reduce
@@ -21,7 +20,7 @@ algorithm = sys.argv[1]
 comm = make_world()
 sleeps = []
 real_sleep = time.sleep
-handle.time.sleep = lambda seconds: (sleeps.append(seconds), real_sleep(seconds))  # handle's own `time`
+handle.time.sleep = lambda seconds: (sleeps.append(seconds), real_sleep(seconds))  # the time module, for all
 values = np.full(1 << 20, comm.rank + 1.0)
 comm.mpi.Barrier()
 if comm.rank == 1:
