@@ -41,7 +41,7 @@ from mpipar.options import (
 )
 from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
 from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy, shared_stages
-from mpipar.sharding import DDP_MODES, SCHEMES, Sharding, parse_sharding
+from mpipar.sharding import DDP_MODES, SCHEMES, Sharding, default_units, parse_sharding
 
 CDP_SCHEMES = ("cdp-v1", "cdp-v2")
 
@@ -258,19 +258,16 @@ class TrainConfig:
                 f"{self.scheme} accept that pipeline ({needs}){others}")
 
     def automatic_units(self) -> str:
-        """--ddp when it is not given: naive on a GPU (one sum after backward: comms/device.py);
-        one layer per unit where the parameters are sharded, since a gathered unit is memory
-        every rank holds at once (25 MB buckets gave ZeRO-3 a peak of 0.75x DDP's on a 30 MB
-        model; one layer, 0.40x); else buckets of --bucket-mb, which keep the messages few."""
+        """--ddp when it is not given: naive on a GPU (one sum after backward: comms/device.py),
+        else the scheme's default (sharding.default_units: one layer where P is sharded)."""
         if self.device == "gpu":
             return "naive"
         if self.cyclic:
             return "bucketed"
         try:
-            sharded = self.sharding().parameters != "N"
+            return default_units(self.sharding())
         except ConfigError:  # a scheme or --shard that validate() refuses, with its reason
             return "bucketed"
-        return "overlap" if sharded else "bucketed"
 
     def for_world(self, world_size: int) -> "TrainConfig":
         """This configuration with the automatic values filled in for `world_size` ranks:

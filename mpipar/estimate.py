@@ -39,7 +39,16 @@ from mpipar.peak import ActivationBytes, Peak, dry_run, mesh_peak
 from mpipar.plans import shared_stages
 from mpipar.schedule.instructions import Backward
 from mpipar.schedule.program import Compiled, compile_programs
-from mpipar.sharding import SCHEMES, Sharding, StateBytes, bytes_per_rank, compute_spans, make_units, unit_bytes_for
+from mpipar.sharding import (
+    SCHEMES,
+    Sharding,
+    StateBytes,
+    bytes_per_rank,
+    compute_spans,
+    default_units,
+    make_units,
+    unit_bytes_for,
+)
 
 PHASES = ("forward-gather", "backward-gather", "backward-reduce", "update-reduce", "update-gather")
 
@@ -186,12 +195,17 @@ def scheme_rows(layout: Layout, micro_batches: int, element: int, k: int) -> lis
     return rows
 
 
-def predicted_peaks(layout: Layout, prefetch: int, itemsize: int, kinds: int) -> dict[str, Peak]:
-    """Scheme -> the predicted peak of the rank that holds the most (peak.mesh_peak)."""
-    return {name: max((mesh_peak(rank, layout.compiled, layout.mesh, sharding, layout.stage_sizes,
-                                 layout.largest_units, layout.groups[layout.mesh.worker(rank)], itemsize=itemsize,
-                                 state_kinds=kinds, training=layout.training, evaluation=layout.evaluation,
-                                 prefetch=prefetch)
-                       for rank in range(0, layout.mesh.size, layout.mesh.replicas)),  # one rank per worker
-                      key=lambda peak: peak.total)
-            for name, sharding in SCHEMES.items()}
+def predicted_peaks(layouts: dict[str, Layout], prefetch: int, itemsize: int, kinds: int) -> dict[str, Peak]:
+    """Scheme -> the predicted peak of the rank that holds the most (peak.mesh_peak). `layouts`
+    by --ddp mode: one, which every scheme uses (--ddp given), or each scheme's default
+    units (sharding.default_units) among several."""
+    peaks = {}
+    for name, sharding in SCHEMES.items():
+        layout = next(iter(layouts.values())) if len(layouts) == 1 else layouts[default_units(sharding)]
+        peaks[name] = max((mesh_peak(rank, layout.compiled, layout.mesh, sharding, layout.stage_sizes,
+                                     layout.largest_units, layout.groups[layout.mesh.worker(rank)], itemsize=itemsize,
+                                     state_kinds=kinds, training=layout.training, evaluation=layout.evaluation,
+                                     prefetch=prefetch)
+                           for rank in range(0, layout.mesh.size, layout.mesh.replicas)),  # one rank per worker
+                          key=lambda peak: peak.total)
+    return peaks

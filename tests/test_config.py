@@ -97,6 +97,21 @@ def test_automatic_micro_batches_fit_the_launch():
     assert TrainConfig(micro_batches=2).for_world(4).micro_batches == 2  # a given value is kept
 
 
+@pytest.mark.parametrize("options, units", [
+    (dict(), "bucketed"),
+    (dict(scheme="zero2"), "bucketed"),  # P replicated: buckets keep the reductions few
+    (dict(scheme="zero3"), "overlap"),  # P sharded: a gathered unit is memory every rank holds
+    (dict(scheme="mics"), "overlap"),
+    (dict(scheme="paro-iig"), "overlap"),
+    (dict(scheme="zeropp"), "overlap"),
+    (dict(scheme="1f1b", stages=2, shard="zero3"), "overlap"),
+    (dict(scheme="zero3", ddp="bucketed"), "bucketed"),  # a given value is kept
+    (dict(device="gpu"), "naive"),
+])
+def test_automatic_units_keep_a_sharded_scheme_s_transient_to_one_layer(options, units):
+    assert TrainConfig(**options).for_world(4).ddp == units
+
+
 def test_batch_must_split_over_ranks():
     TrainConfig(batch_size=64).validate(world_size=4)
     with pytest.raises(ConfigError, match="not divisible by 3 ranks x 1 micro-batches = 3; use --batch-size 63 or 66"):

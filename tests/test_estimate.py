@@ -93,6 +93,19 @@ def test_cli_counts_a_built_in_model_and_prints_json():
     assert report["schemes"]["ddp"]["memory"]["optimizer_state"] == psi * 8  # SGD momentum: K = 8 bytes
 
 
+def test_the_predicted_peak_takes_each_scheme_s_default_units():
+    def peaks(*ddp: str) -> dict:
+        result = CliRunner().invoke(cli, ["estimate", "--model", "mlp", "--dataset", "synthetic", "--hidden",
+                                          ",".join(["512"] * 6), "--world-size", "4", "--group-size", "2",
+                                          "--dtype", "float32", "--json", *ddp])
+        assert result.exit_code == 0, result.output
+        return {name: row["peak"] for name, row in json.loads(result.output)["schemes"].items()}
+
+    default, bucketed, overlap = peaks(), peaks("--ddp", "bucketed"), peaks("--ddp", "overlap")
+    assert default["zero3"] == overlap["zero3"] < bucketed["zero3"]  # one layer gathered, not all 6
+    assert default["ddp"] == bucketed["ddp"] and default["zero2"] == bucketed["zero2"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--world-size", "4", "--group-size", "2"], "give either --params COUNT or --model NAME"),
     (["--params", "10", "--world-size", "6", "--group-size", "4"], "does not divide"),

@@ -12,7 +12,9 @@ gradients, a 4-byte master copy plus the optimizer's 4-byte state; float32 and f
 are what mpipar trains in (no master copy).
 
 In float32 and float64 it also prints the predicted peak per rank (peak.py): Table 1
-plus what a step holds on top, with units of --ddp/--bucket-mb. With --model the
+plus what a step holds on top, with units of --ddp/--bucket-mb, or, without --ddp, each
+scheme's default as `mpipar train` takes it (one layer where the scheme shards the
+parameters, buckets of --bucket-mb elsewhere). With --model the
 activations come from a dry run of one micro-batch of --batch-size (global) on the
 data set, and the figure is the one `mpipar train --memory-limit` checks; with
 --params there is no model to run, so activations are left out and every unit is
@@ -89,8 +91,9 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
 @click.option("--loops", type=POSITIVE, default=1, show_default=True, help="loops of lpp and fslpp")
 @click.option("--batch-size", type=POSITIVE, default=64, show_default=True,
               help="global batch, for --model's activations")
-@click.option("--ddp", type=click.Choice(DDP_MODES), default="bucketed", show_default=True,
-              help="layers per communication unit, as in mpipar train")
+@click.option("--ddp", type=click.Choice(DDP_MODES), default=None,
+              help="layers per communication unit, as in mpipar train  [default: each scheme's own: one layer "
+                   "where its parameters are sharded, else buckets of --bucket-mb]")
 @click.option("--bucket-mb", type=FloatRange(min=0, min_open=True), default=25.0, show_default=True,
               help="unit size in MB for --ddp bucketed")
 @click.option("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
@@ -108,7 +111,7 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def estimate(params: float | None, model: str | None, dataset: str, hidden: tuple[int, ...], world_size: int,
              group_size: int, micro_batches: int | None, stages: int, scheme: str | None, replicas: int, loops: int,
-             batch_size: int, ddp: str, bucket_mb: float, prefetch: int, recompute: str, optimizer: str,
+             batch_size: int, ddp: str | None, bucket_mb: float, prefetch: int, recompute: str, optimizer: str,
              momentum: float, precision: str, as_json: bool) -> None:
     """Memory per rank and bytes sent per step of every sharding scheme, and the predicted peak.
 
@@ -120,12 +123,15 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
         raise ConfigError(f"--group-size {group_size} does not divide --world-size {world_size}")
     built = None if model is None else built_model(model, dataset, hidden)
     element, k = state_bytes_per_parameter(precision, optimizer, momentum)
-    layout = make_layout(params, built, world_size, group_size, stages, scheme, replicas, micro_batches, loops,
-                         batch_size, ddp, bucket_mb, 8 if precision == "float64" else 4, recompute)
+    layouts = {mode: make_layout(params, built, world_size, group_size, stages, scheme, replicas, micro_batches,
+                                 loops, batch_size, mode, bucket_mb, 8 if precision == "float64" else 4, recompute)
+               for mode in ([ddp] if ddp else ["bucketed", "overlap"])}  # overlap: where P is sharded
+    layout = next(iter(layouts.values()))
     count = params if params is not None else sum(layout.stage_sizes)
     micro_batches = layout.compiled.shape.micro_batches
     rows = scheme_rows(layout, micro_batches, element, k)
-    peaks = {} if precision == "mixed" else predicted_peaks(layout, prefetch, element, state_kinds(optimizer, momentum))
+    peaks = {} if precision == "mixed" else predicted_peaks(layouts, prefetch, element,
+                                                            state_kinds(optimizer, momentum))
     mesh = layout.mesh
     if as_json:
         click.echo(json.dumps({"parameters": count, "world_size": world_size, "group_size": group_size,
@@ -161,8 +167,9 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
     if not peaks:
         click.echo("peak: predicted for what mpipar trains in; give --dtype float32 or float64")
     elif built is None:
-        click.echo(f"peak: the per-rank state plus what a step holds on top, in units of {bucket_mb:g} MB; "
-                   "activations left out (give --model to count them)")
+        click.echo(f"peak: the per-rank state plus what a step holds on top, in units of {bucket_mb:g} MB (a layer "
+                   "needs --model); activations left out (give --model to count them)")
     else:
-        click.echo(f"peak: the per-rank state plus what a step holds on top (--ddp {ddp}) and the activations of a "
+        units = f"--ddp {ddp}" if ddp else "one layer per unit where a scheme shards P, else --bucket-mb buckets"
+        click.echo(f"peak: the per-rank state plus what a step holds on top ({units}) and the activations of a "
                    f"batch of {batch_size} from a dry run: what `mpipar train --memory-limit` checks")

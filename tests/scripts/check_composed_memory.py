@@ -34,8 +34,10 @@ MB = 1e6
 failures, live = [], {}
 hidden = (256,) * 4
 train_set, _, model, loss = built_model("mlp", "synthetic", hidden)
-layout = make_layout(None, (train_set, 64, model, loss), 4, 4, 2, "1f1b", 2, 4, 1, 2 * 4 * 64, "bucketed", 25.0, 4)
-estimated_peak = predicted_peaks(layout, prefetch=1, itemsize=4, kinds=2)
+layouts = {mode: make_layout(None, (train_set, 64, model, loss), 4, 4, 2, "1f1b", 2, 4, 1, 2 * 4 * 64, mode, 25.0, 4)
+           for mode in ("bucketed", "overlap")}  # each --shard's default units, as the runs below take
+layout = layouts["bucketed"]
+estimated_peak = predicted_peaks(layouts, prefetch=1, itemsize=4, kinds=2)
 estimated_state = {row.name: row.memory.total for row in scheme_rows(layout, 4, element=4, k=8)}
 for shard in ("zero3", "ddp"):
     trainer = Trainer(TrainConfig(model="mlp", hidden=hidden, dataset="synthetic", optimizer="adam",

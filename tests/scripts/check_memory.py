@@ -1,9 +1,10 @@
 """What every data-parallel scheme really holds, measured from the allocator.
 
 Run by tests/test_memory_held.py as `mpiexec -n 4 python check_memory.py` (and -n 8). For each of
-the 8 schemes, an MLP 784-1024x8-10 in float32 with Adam, groups of 2, one unit per
-layer, trains 3 steps with --memory-profile (tracemalloc; the data set is loaded before
-the baseline, so it is left out). Checked per rank:
+the 8 schemes, an MLP 784-1024x8-10 in float32 with Adam, groups of 2, each scheme's
+default units (one layer where P is sharded, 25 MB buckets elsewhere), trains 3 steps
+with --memory-profile (tracemalloc; the data set is loaded before the baseline, so it is
+left out). Checked per rank:
 
     live bytes after a step     within 10% (+1 MB) of seed 004's Table 1 for this scheme
     peak bytes during the steps at most the engine's predicted peak + 10%
@@ -13,7 +14,7 @@ the baseline, so it is left out). Checked per rank:
                                 the whole model
     zero3 while Trainer() runs  at most a quarter of the model plus one unit (+10%), and
                                 the gathered parameters bitwise equal one process's build
-    zero3 peak / ddp peak       at most 0.45
+    zero3 peak / ddp peak       at most 0.45, both with their default options
     zero3 --prefetch 0 and 3    each under its prediction, and 3 peaks at least two units above 0
 
 Nothing here reads the ledger: the numbers come from what NumPy allocated.
@@ -39,7 +40,7 @@ failures, peaks = [], {}
 
 def config(scheme: str, prefetch: int = 1) -> TrainConfig:
     return TrainConfig(model="mlp", hidden=(1024,) * 8, dataset="synthetic", optimizer="adam", group_size=2,
-                       batch_size=64, dtype="float32", max_steps=3, ddp="overlap", scheme=scheme,
+                       batch_size=64, dtype="float32", max_steps=3, scheme=scheme,
                        collective="ring", memory_profile=True, log_every=1000, prefetch=prefetch)
 
 
