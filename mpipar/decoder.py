@@ -98,9 +98,10 @@ class _Block:
         inner = [layer for layer in mlp.inner if not isinstance(layer, Dropout)]
         self.norm2, self.up, _, self.down = inner
         _check(self.norm2, LayerNorm), _check(self.up, Linear), _check(inner[2], GELU), _check(self.down, Linear)
-        self.heads, self.head_size, self.capacity = self.attention.heads, self.attention.head_dim, capacity
-        self.keys: np.ndarray | None = None  # (heads, capacity, head size), made at the first call
-        self.values: np.ndarray | None = None
+        self.heads, self.head_size = self.attention.heads, self.attention.head_dim
+        dtype = self.attention.params["qkv_weight"].dtype
+        self.keys = np.empty((self.heads, capacity, self.head_size), dtype=dtype)  # positions past `stop` unread
+        self.values = np.empty_like(self.keys)
 
     def forward(self, x: np.ndarray, start: int) -> np.ndarray:
         """x (t, D) at positions start .. start+t-1 through both blocks; their keys and values cached."""
@@ -110,9 +111,6 @@ class _Block:
         qkv = _layer_norm(self.norm1, x) @ attention["qkv_weight"]
         qkv += attention["qkv_bias"]
         q, k, v = qkv.reshape(t, 3, self.heads, self.head_size).transpose(1, 2, 0, 3)  # each (heads, t, size)
-        if self.keys is None:
-            self.keys = np.empty((self.heads, self.capacity, self.head_size), dtype=x.dtype)
-            self.values = np.empty_like(self.keys)
         self.keys[:, start:stop], self.values[:, start:stop] = k, v
         scores = q @ self.keys[:, :stop].swapaxes(-1, -2)  # (heads, t, stop)
         scores *= 1.0 / math.sqrt(self.head_size)

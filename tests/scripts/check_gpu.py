@@ -39,6 +39,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -151,29 +152,53 @@ def torch_on_cuda_equals_torch_alone(example: str) -> str:
     return compared(parameters(trainer), alone)
 
 
-def torch_speed_on_cuda() -> str:
+def mpipar_steps(trainer: Trainer, steps: int) -> Callable[[], None]:
+    """`steps` more of the trainer's steps, finished on the GPU when it returns."""
     import cupy
+
+    per_epoch, position = trainer.sampler.steps_per_epoch, [0]
+
+    def run() -> None:
+        for _ in range(steps):
+            step = position[0]
+            trainer.train_step(step, step // per_epoch, step % per_epoch)
+            position[0] += 1
+        cupy.cuda.Device().synchronize()
+    return run
+
+
+def side_by_side(mpipar: Callable[[], None], torch_alone: Callable[[], None], units: int,
+                 rounds: int) -> tuple[float, float, float]:
+    """Medians of `units` per second over `rounds` alternating rounds of each side (after one
+    warm-up round each), and the median of the per-round ratios mpipar / torch."""
+    sides = {"mpipar": mpipar, "torch": torch_alone}
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    for run in sides.values():
+        run()
+    for round_ in range(rounds):
+        for name in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
+            start = time.perf_counter()
+            sides[name]()
+            rates[name].append(units / (time.perf_counter() - start))
+    ratio = statistics.median(a / b for a, b in zip(rates["mpipar"], rates["torch"]))
+    return statistics.median(rates["mpipar"]), statistics.median(rates["torch"]), ratio
+
+
+def torch_speed_on_cuda() -> str:
     import torch
 
     batch, steps, rounds = 256, 50, 5
     trainer = Trainer(TrainConfig(model=f"{EXAMPLES}/torch_mlp.py:build_wide", dataset="synthetic", batch_size=batch,
                                   lr=0.01, optimizer="sgd", momentum=0.9, seed=0, log_every=10**6, scheme="ddp",
                                   device="gpu"))
-    per_epoch = trainer.sampler.steps_per_epoch
     from torch_mlp import build_wide
     train_set, _ = load_dataset("synthetic")
     module, loss_fn = build_wide(train_set.input_shape, train_set.num_classes)
     module = module.cuda()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
     sampler = GlobalBatchSampler(len(train_set), batch, 0)
-    position = {"mpipar": 0, "torch": 0}
+    position = {"torch": 0}  # torch's steps so far (mpipar_steps counts its own)
 
-    def mpipar_steps() -> None:
-        for _ in range(steps):
-            step = position["mpipar"]
-            trainer.train_step(step, step // per_epoch, step % per_epoch)
-            position["mpipar"] += 1
-        cupy.cuda.Device().synchronize()
 
     def torch_steps() -> None:
         for _ in range(steps):
@@ -187,18 +212,9 @@ def torch_speed_on_cuda() -> str:
             position["torch"] += 1
         torch.cuda.synchronize()
 
-    rates = {"mpipar": [], "torch": []}
-    sides = {"mpipar": mpipar_steps, "torch": torch_steps}
-    for run in sides.values():
-        run()  # warm-up
-    for round_ in range(rounds):
-        for name in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
-            start = time.perf_counter()
-            sides[name]()
-            rates[name].append(steps * batch / (time.perf_counter() - start))
-    ratio = statistics.median(a / b for a, b in zip(rates["mpipar"], rates["torch"]))
-    return (f"mpipar {statistics.median(rates['mpipar']):,.0f} samples/s, torch {statistics.median(rates['torch']):,.0f}"
-            f" samples/s, mpipar / torch {ratio:.3f} (median of per-round ratios)")
+    mpipar, torch_alone, ratio = side_by_side(mpipar_steps(trainer, steps), torch_steps, steps * batch, rounds)
+    return (f"mpipar {mpipar:,.0f} samples/s, torch {torch_alone:,.0f} samples/s, mpipar / torch {ratio:.3f} "
+            "(median of per-round ratios)")
 
 
 def case(label: str, run) -> None:
@@ -292,7 +308,6 @@ def device_messages() -> str:
 
 
 def transformer_speed_on_cuda() -> str:
-    import cupy
     import torch
     import torch.nn.functional as F
 
@@ -303,20 +318,13 @@ def transformer_speed_on_cuda() -> str:
     trainer = Trainer(TrainConfig(**{**TRANSFORMER, **shapes, "grad_clip": 1.0, "lr": 1e-3, "beta2": 0.99,
                                      "weight_decay": 0.1, "dtype": "float32", "device": "gpu", "seed": 0,
                                      "log_every": 10**6, "max_steps": 10**6}, text_file=text_file()))
-    per_epoch = trainer.sampler.steps_per_epoch
     train_set = trainer.train_set
     model = GPT(train_set.num_classes, shapes["seq_len"], shapes["width"], shapes["heads"], shapes["blocks"]).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     sampler = GlobalBatchSampler(len(train_set), shapes["batch_size"], 0)
-    position = {"mpipar": 0, "torch": 0}
+    position = {"torch": 0}  # torch's steps so far (mpipar_steps counts its own)
     steps = 10
 
-    def mpipar_steps() -> None:
-        for _ in range(steps):
-            step = position["mpipar"]
-            trainer.train_step(step, step // per_epoch, step % per_epoch)
-            position["mpipar"] += 1
-        cupy.cuda.Device().synchronize()
 
     def torch_steps() -> None:
         for _ in range(steps):
@@ -332,19 +340,9 @@ def transformer_speed_on_cuda() -> str:
             position["torch"] += 1
         torch.cuda.synchronize()
 
-    sides = {"mpipar": mpipar_steps, "torch": torch_steps}
-    rates = {"mpipar": [], "torch": []}
-    for run in sides.values():
-        run()  # warm-up
-    tokens = steps * shapes["batch_size"] * shapes["seq_len"]
-    for round_ in range(3):
-        for name in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
-            start = time.perf_counter()
-            sides[name]()
-            rates[name].append(tokens / (time.perf_counter() - start))
-    return (f"mpipar {statistics.median(rates['mpipar']):,.0f} tokens/s, torch eager "
-            f"{statistics.median(rates['torch']):,.0f} tokens/s, mpipar / torch "
-            f"{statistics.median(rates['mpipar']) / statistics.median(rates['torch']):.3f}")
+    mpipar, torch_eager, ratio = side_by_side(mpipar_steps(trainer, steps), torch_steps,
+                                              steps * shapes["batch_size"] * shapes["seq_len"], 3)
+    return f"mpipar {mpipar:,.0f} tokens/s, torch eager {torch_eager:,.0f} tokens/s, mpipar / torch {ratio:.3f}"
 
 
 sys.path.insert(0, str(EXAMPLES))  # torch_mlp, the example's builders
