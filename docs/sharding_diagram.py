@@ -7,7 +7,7 @@ each of P, G, OS, a row per rank marks the elements that rank keeps between step
 (sharding.Layout, the code the engine uses): '#' held, '.' not held.
 """
 
-from mpipar.sharding import SCHEMES, Layout
+from mpipar.schedule.sharding import SCHEMES, Layout
 
 N, M, LENGTH = 4, 2, 16
 

@@ -1,7 +1,7 @@
 """mpipar: an MPI-native trainer for deep nets, written from scratch on NumPy (CuPy on a GPU).
 
-The package is a map of small modules; README.md and docs/foundation.md say which
-does what.
+The package is a map of small modules in folders that import only the ones below them
+(layers, comms, schedule, runtime, predict, ...); docs/architecture.md says which does what.
 Importing it first sizes the BLAS thread pool for the ranks on this node (see
 `mpipar/threads.py`), which must happen before NumPy loads its BLAS, and tells the C
 allocator to keep the memory a step frees for the next step (`mpipar/allocator.py`).

@@ -116,8 +116,8 @@ def activation_timeline(rule: str, count: int, *, width: int = 256, classes: int
     from mpi4py import MPI
 
     from mpipar.comms.topology import make_world
-    from mpipar.executor import Executor
-    from mpipar.plans import CdpPlan
+    from mpipar.runtime.executor import Executor
+    from mpipar.schedule.plans import CdpPlan
 
     backend = make_backend("cpu", "float64")
     model = equal_stage_model(count, width, classes)

@@ -26,7 +26,6 @@ from mpipar.comms.collectives import ALGORITHMS
 from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
 from mpipar.data import DATASETS, TOKEN_DATASETS
 from mpipar.errors import ConfigError
-from mpipar.mesh import Mesh
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, SCHEDULES
 from mpipar.options import (
@@ -40,8 +39,9 @@ from mpipar.options import (
     check,
 )
 from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
+from mpipar.schedule.mesh import Mesh
+from mpipar.schedule.sharding import DDP_MODES, SCHEMES, Sharding, default_units, parse_sharding
 from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy, shared_stages
-from mpipar.sharding import DDP_MODES, SCHEMES, Sharding, default_units, parse_sharding
 
 CDP_SCHEMES = ("cdp-v1", "cdp-v2")
 

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Mapping, TextIO
 
 from mpipar.data import TOKEN_DATASETS
 from mpipar.errors import ConfigError
-from mpipar.memory import peak_rss_bytes
 from mpipar.metrics_file import MetricsFile
+from mpipar.runtime.memory import peak_rss_bytes
 
 if TYPE_CHECKING:  # only for annotations: the trainer imports this module's users
     from mpipar.trainer import EvalResult, StepResult, Trainer

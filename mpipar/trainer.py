@@ -52,19 +52,19 @@ from mpipar.data import (
 )
 from mpipar.divergence import DivergenceWatch
 from mpipar.errors import ConfigError, NonFiniteLossError
-from mpipar.executor import Executor
-from mpipar.gathered_activations import choose as choose_gathered
-from mpipar.gathered_activations import describe as describe_gathered
-from mpipar.gathered_activations import gathered_bytes
-from mpipar.memory import available_bytes, make_probe, peak_rss_bytes
 from mpipar.model import build_stages, leaf_layers, partition
 from mpipar.optim import make_schedule, state_kinds
 from mpipar.options import recompute_segment
-from mpipar.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
-from mpipar.plans import CdpPlan, PipelinePlan, shared_stages
+from mpipar.predict.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
+from mpipar.runtime.executor import Executor
+from mpipar.runtime.gathered_activations import choose as choose_gathered
+from mpipar.runtime.gathered_activations import describe as describe_gathered
+from mpipar.runtime.gathered_activations import gathered_bytes
+from mpipar.runtime.memory import available_bytes, make_probe, peak_rss_bytes
+from mpipar.schedule.plans import CdpPlan, PipelinePlan, shared_stages
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
-from mpipar.sharding import SCHEMES, bytes_per_rank, compute_spans, make_units, unit_bytes_for
+from mpipar.schedule.sharding import SCHEMES, bytes_per_rank, compute_spans, make_units, unit_bytes_for
 from mpipar.tying import TiedGradients, tied_copies
 from mpipar.units import format_bytes
 

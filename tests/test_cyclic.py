@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
-from mpipar import item_store
 from mpipar.cdp import activation_timeline, reference_training
 from mpipar.errors import ConfigError
 from mpipar.optim import make_optimizer
+from mpipar.runtime import item_store
 from mpipar.schedule.cyclic import check_layout, job_time
 from mpipar.schedule.cyclic_compiler import _Compiler, compile_cyclic
 from mpipar.schedule.instructions import Compute, CyclicJob

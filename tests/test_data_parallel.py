@@ -10,7 +10,7 @@ from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.backend import make_backend
 from mpipar.model import build_stages
 from mpipar.models import build_model
-from mpipar.sharding import make_units, unit_bytes_for
+from mpipar.schedule.sharding import make_units, unit_bytes_for
 from mpipar.trainer import Trainer
 
 

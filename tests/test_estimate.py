@@ -6,9 +6,9 @@ import pytest
 from click.testing import CliRunner
 
 from mpipar.cli import cli
-from mpipar.estimate import PHASES, make_layout, scheme_rows, traffic_per_step
-from mpipar.seed_tables import SCHEMES_004, WHY_TABLE_2, seed_table_2
-from mpipar.sharding import SCHEMES
+from mpipar.predict.estimate import PHASES, make_layout, scheme_rows, traffic_per_step
+from mpipar.predict.seed_tables import SCHEMES_004, WHY_TABLE_2, seed_table_2
+from mpipar.schedule.sharding import SCHEMES
 
 PSI, N, M, S = 7e9, 64, 8, 8  # seed 004's Fig. 5 setting
 G = N // M
@@ -28,7 +28,7 @@ def across(times):
 
 @pytest.mark.parametrize("scheme", SCHEMES_004)
 def test_traffic_follows_seed_table_2(scheme):
-    """Every cell of seed 004's Table 2 (mpipar/seed_tables.py), one element a byte here, but
+    """Every cell of seed 004's Table 2 (mpipar/predict/seed_tables.py), one element a byte here, but
     those where our flow differs on purpose (WHY_TABLE_2, checked below)."""
     ours = traffic_per_step(SCHEMES[scheme], PSI, N, M, S, element_bytes=1)
     for phase, cell in zip(PHASES, seed_table_2(scheme, PSI, N, M, S)):

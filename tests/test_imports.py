@@ -217,3 +217,37 @@ def test_no_import_cycles():
     cycles = find_cycles(import_graph())
     assert not cycles, ("import cycles in mpipar (a low-level module must not import a high-level one):\n"
                         + "\n".join("  " + describe(cycle, runtime) for cycle in cycles))
+
+
+# The folders' layering (docs/architecture.md): a folder may import from the ones it sits on,
+# never from one that sits on it. The layers and the pebble-graph cache know nothing of
+# schedules; the compiler knows nothing of the runtime or the predictions; the predictions
+# read plans, never the runtime that runs them.
+NEVER_IMPORTS = {
+    "mpipar.layers": ("mpipar.schedule", "mpipar.runtime", "mpipar.predict", "mpipar.comms"),
+    "mpipar.cache": ("mpipar.schedule", "mpipar.runtime", "mpipar.predict", "mpipar.layers"),
+    "mpipar.comms": ("mpipar.schedule", "mpipar.runtime", "mpipar.predict"),
+    "mpipar.schedule": ("mpipar.runtime", "mpipar.predict", "mpipar.trainer", "mpipar.config"),
+    "mpipar.predict": ("mpipar.runtime", "mpipar.trainer"),
+}
+
+
+def _under(module: str, folder: str) -> bool:
+    return module == folder or module.startswith(folder + ".")
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
+                  for folder, forbidden in NEVER_IMPORTS.items() if _under(module, folder)
+                  for below in forbidden if _under(target, below))
+
+
+def test_every_folder_imports_only_the_ones_below_it():
+    violations = layering_violations(import_graph())
+    assert not violations, "imports running back up the folders:\n  " + "\n  ".join(violations)
+
+
+def test_a_layering_violation_is_seen():
+    assert layering_violations({"mpipar.schedule.plans": {"mpipar.predict.peak", "mpipar.errors"},
+                                "mpipar.predict.peak": {"mpipar.schedule.plans"}}) == \
+        ["mpipar.schedule.plans -> mpipar.predict.peak"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpipar.ledger import MemoryLedger
+from mpipar.runtime.ledger import MemoryLedger
 
 
 def test_peaks_are_kept_per_phase_and_kind():

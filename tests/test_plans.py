@@ -1,4 +1,4 @@
-"""Lowering pipeline programs to the executor's item instructions (mpipar/plans.py), checked
+"""Lowering pipeline programs to the executor's item instructions (mpipar/schedule/plans.py), checked
 without MPI: walking each worker's lowered program, every item is made before it is used,
 sent, updated or dropped, nothing but the persistent state is left at the end of the step,
 and every send has exactly one receive of the same item on its peer."""
@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from mpipar.errors import ConfigError
-from mpipar.plans import lower
 from mpipar.schedule.instructions import Compute, Drop, Item, Receive, ReduceGradients, Send, Update
+from mpipar.schedule.plans import lower
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.strategies import BACKWARD, FORWARD, STRATEGIES, Shape, get_strategy
 

@@ -3,7 +3,7 @@
 import pytest
 
 from mpipar.errors import ConfigError
-from mpipar.sharding import SCHEMES, Sharding, bytes_per_rank, parse_sharding
+from mpipar.schedule.sharding import SCHEMES, Sharding, bytes_per_rank, parse_sharding
 
 PSI, N, M, K = 7e9, 64, 8, 12  # seed 004's Fig. 5 setting, Adam in mixed precision
 

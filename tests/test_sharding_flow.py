@@ -7,8 +7,6 @@ program of data parallelism (one stage on every rank) and of a composed 1f1b x t
 
 import pytest
 
-from mpipar.mesh import Mesh
-from mpipar.plans import PipelinePlan, data_parallel_plan
 from mpipar.schedule.instructions import (
     Compute,
     GatherUnit,
@@ -18,9 +16,11 @@ from mpipar.schedule.instructions import (
     ReleaseUnit,
     Update,
 )
+from mpipar.schedule.mesh import Mesh
+from mpipar.schedule.plans import PipelinePlan, data_parallel_plan
 from mpipar.schedule.program import compile_programs
+from mpipar.schedule.sharding import SCHEMES, parse_sharding
 from mpipar.schedule.strategies import BACKWARD, Shape, get_strategy
-from mpipar.sharding import SCHEMES, parse_sharding
 
 UNITS, MICRO_BATCHES = 4, 3
 

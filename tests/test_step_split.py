@@ -3,8 +3,8 @@
 import time
 
 from conftest import small_config
-from mpipar.executor import Executor
-from mpipar.item_store import ItemStore
+from mpipar.runtime.executor import Executor
+from mpipar.runtime.item_store import ItemStore
 from mpipar.schedule.instructions import Update
 from mpipar.step_split import PARTS, StepSplit
 from mpipar.trainer import Trainer

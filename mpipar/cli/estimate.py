@@ -35,12 +35,12 @@ import click
 from mpipar.cli.params import RenamedOption
 from mpipar.data import DATASETS
 from mpipar.errors import ConfigError
-from mpipar.estimate import PHASES, make_layout, predicted_peaks, scheme_rows
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, state_kinds
 from mpipar.options import FloatRange, IntListType, ModelType, RecomputeType
+from mpipar.predict.estimate import PHASES, make_layout, predicted_peaks, scheme_rows
+from mpipar.schedule.sharding import DDP_MODES
 from mpipar.schedule.strategies import STRATEGIES
-from mpipar.sharding import DDP_MODES
 from mpipar.units import format_bytes
 
 PRECISIONS = ("mixed", "float32", "float64")

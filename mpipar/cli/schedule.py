@@ -28,15 +28,15 @@ import click
 
 from mpipar.cli.params import RenamedOption
 from mpipar.errors import ConfigError
-from mpipar.mesh import Mesh
 from mpipar.options import RecomputeType
-from mpipar.plans import PipelinePlan
 from mpipar.schedule import diagram
 from mpipar.schedule.instructions import Backward, Forward, OptimizerStep, describe
+from mpipar.schedule.mesh import Mesh
+from mpipar.schedule.plans import PipelinePlan
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
+from mpipar.schedule.sharding import Sharding, parse_sharding
 from mpipar.schedule.strategies import STRATEGIES, Shape, get_strategy, load_table, shared_stages
-from mpipar.sharding import Sharding, parse_sharding
 
 POSITIVE = click.IntRange(min=1)
 

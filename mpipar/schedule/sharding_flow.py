@@ -34,8 +34,8 @@ from mpipar.schedule.instructions import (
     ReleaseUnit,
     Update,
 )
+from mpipar.schedule.sharding import Sharding
 from mpipar.schedule.strategies import BACKWARD
-from mpipar.sharding import Sharding
 
 
 def job_flow(job: CyclicJob, units: int, sharding: Sharding, prefetch: int, *, first: bool = False,

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 import deadline
 from mpipar.config import TrainConfig
-from mpipar.executor import Executor
+from mpipar.runtime.executor import Executor
 from mpipar.schedule.instructions import EndTimeStep
 from mpipar.trainer import Trainer
 

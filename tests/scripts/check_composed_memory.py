@@ -25,7 +25,7 @@ from mpi4py import MPI
 import deadline
 from mpipar.cli.estimate import built_model
 from mpipar.config import TrainConfig
-from mpipar.estimate import make_layout, predicted_peaks, scheme_rows
+from mpipar.predict.estimate import make_layout, predicted_peaks, scheme_rows
 from mpipar.trainer import Trainer
 
 deadline.arm(240)

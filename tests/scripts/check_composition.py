@@ -22,7 +22,7 @@ from reference import one_process
 
 import deadline
 from mpipar.config import TrainConfig
-from mpipar.estimate import PHASES, Volume, traffic_per_step
+from mpipar.predict.estimate import PHASES, Volume, traffic_per_step
 from mpipar.schedule.instructions import RecvActivation, RecvGradient
 from mpipar.trainer import Trainer
 

@@ -20,7 +20,7 @@ from reference import one_process
 
 import deadline
 from mpipar.config import TrainConfig
-from mpipar.gathered_activations import PHASE
+from mpipar.runtime.gathered_activations import PHASE
 from mpipar.trainer import Trainer
 
 deadline.arm(300)

@@ -29,7 +29,7 @@ import deadline
 from mpipar.backend import make_backend
 from mpipar.config import TrainConfig
 from mpipar.model import build_stages
-from mpipar.sharding import SCHEMES, bytes_per_rank
+from mpipar.schedule.sharding import SCHEMES, bytes_per_rank
 from mpipar.trainer import Trainer
 
 deadline.arm(400)

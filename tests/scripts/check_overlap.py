@@ -16,11 +16,11 @@ import deadline
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.comms.topology import make_world
-from mpipar.executor import Executor
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
 from mpipar.model import Sequential, build_stages
-from mpipar.plans import data_parallel_plan
-from mpipar.sharding import make_units, parse_sharding, unit_bytes_for
+from mpipar.runtime.executor import Executor
+from mpipar.schedule.plans import data_parallel_plan
+from mpipar.schedule.sharding import make_units, parse_sharding, unit_bytes_for
 
 deadline.arm(120)
 scheme = parse_sharding(sys.argv[1])

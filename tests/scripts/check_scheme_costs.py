@@ -21,8 +21,8 @@ from mpi4py import MPI
 
 import deadline
 from mpipar.config import TrainConfig
-from mpipar.estimate import PHASES, traffic_per_step
-from mpipar.sharding import SCHEMES, bytes_per_rank, parse_sharding
+from mpipar.predict.estimate import PHASES, traffic_per_step
+from mpipar.schedule.sharding import SCHEMES, bytes_per_rank, parse_sharding
 from mpipar.trainer import Trainer
 
 deadline.arm(300)

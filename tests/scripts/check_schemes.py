@@ -19,7 +19,7 @@ from reference import one_process
 
 import deadline
 from mpipar.config import TrainConfig
-from mpipar.sharding import SCHEMES
+from mpipar.schedule.sharding import SCHEMES
 from mpipar.trainer import Trainer
 
 deadline.arm(400)

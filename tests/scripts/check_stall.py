@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 import deadline
 from mpipar.cli import main
-from mpipar.executor import Executor
+from mpipar.runtime.executor import Executor
 from mpipar.schedule.instructions import Send
 
 COMM_TIMEOUT = 3.0  # seconds: the watchdog's time, as --comm-timeout

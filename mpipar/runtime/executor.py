@@ -50,13 +50,14 @@ from mpipar.comms.collectives import iall_reduce, ireduce
 from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.outbox import Outbox
 from mpipar.comms.tags import MAX_MICRO_BATCHES, Kind, p2p_tag
-from mpipar.item_store import LEDGER_KIND, ItemStore
-from mpipar.jobs import Jobs
-from mpipar.ledger import MemoryLedger
 from mpipar.model import LayerHook, Stage
 from mpipar.optim import state_kinds
-from mpipar.peak import ActivationBytes, Peak
-from mpipar.plans import CdpPlan, PipelinePlan, Run
+from mpipar.predict.peak import ActivationBytes, Peak, plan_peak
+from mpipar.runtime.item_store import LEDGER_KIND, ItemStore
+from mpipar.runtime.jobs import Jobs
+from mpipar.runtime.ledger import MemoryLedger
+from mpipar.runtime.sharded_stage import ShardedStage
+from mpipar.runtime.whole_model import WholeModel
 from mpipar.schedule.instructions import (
     Compute,
     Drop,
@@ -72,11 +73,10 @@ from mpipar.schedule.instructions import (
     Send,
     Update,
 )
+from mpipar.schedule.plans import CdpPlan, PipelinePlan, Run
+from mpipar.schedule.sharding import make_units
 from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
-from mpipar.sharded_stage import ShardedStage
-from mpipar.sharding import make_units
 from mpipar.step_split import StepSplit
-from mpipar.whole_model import WholeModel
 
 KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "f": Kind.WEIGHTS,
            "g": Kind.GRADIENT_SUM, "o": Kind.OPTIMIZER_STATE}
@@ -146,8 +146,8 @@ class Executor(ItemStore, Jobs, WholeModel):
         group = len(self.comm.subset_layout(self.mesh.replica_group(self.mesh.worker(rank)))[0])
         units = [max((last - first for _, _, first, last in make_units(stage, self.unit_bytes)), default=0)
                  for stage in self.stages]
-        return self.plan.peak(rank, training, evaluation, steps, largest_units=units, group=group,
-                              itemsize=self.dtype.itemsize, state_kinds=self.kinds)
+        return plan_peak(self.plan, rank, training, evaluation, steps, largest_units=units, group=group,
+                         itemsize=self.dtype.itemsize, state_kinds=self.kinds)
 
     # -- runs of steps ---------------------------------------------------------------------
     def run_steps(self, first_step: int, steps: int, load: Load, *, seed: int, batch_size: int,

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpipar.cache import ActivationCache
-from mpipar.mesh import Mesh
 from mpipar.model import Stage
 from mpipar.optim import CHUNK
 from mpipar.schedule.cyclic import item_homes, persistent_items
@@ -45,11 +44,12 @@ from mpipar.schedule.instructions import (
     Send,
     Update,
 )
+from mpipar.schedule.mesh import Mesh
+from mpipar.schedule.plans import CdpPlan, PipelinePlan
 from mpipar.schedule.program import Compiled
+from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Sharding, sharing_ranks
 from mpipar.schedule.strategies import FORWARD
-from mpipar.sharding import Sharding, sharing_ranks
 
-REDUCTIONS_IN_FLIGHT = 1  # sharded gradient units that may wait for their reduction while the next computes
 SEND_LIFETIME = 3  # time steps a CDP send's buffer may live: posted, received, its completion seen
 INSTRUCTION_BYTES = 160  # a compiled CDP instruction held in memory (116-153 B measured with tracemalloc)
 
@@ -208,6 +208,21 @@ def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, sta
     return composed_peak(peak, [data_parallel_peak(sharding, stage_sizes[s], largest_units[s], mesh.replicas,
                                                    group_size, itemsize=itemsize, state_kinds=state_kinds,
                                                    training=training, prefetch=prefetch) for s in shared])
+
+
+def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes,
+              evaluation: ActivationBytes | None, steps: int, *, largest_units: list[int], group: int,
+              itemsize: int, state_kinds: int) -> Peak:
+    """The most `rank` should hold at once over a run of `steps` steps of `plan`. A pipeline
+    plan compiles every rank's program, so any rank's peak is predicted anywhere; a CDP plan
+    keeps only its own rank's program."""
+    if isinstance(plan, CdpPlan):
+        return cyclic_peak(plan.program(0, steps).program, rank, plan.layout, plan.rule, plan.stage_sizes,
+                           itemsize=plan.itemsize, state_kinds=plan.state_kinds, training=training,
+                           evaluation=evaluation)
+    return mesh_peak(rank, plan.compiled, plan.mesh, plan.sharding, plan.stage_sizes, largest_units, group,
+                     itemsize=itemsize, state_kinds=state_kinds, training=training, evaluation=evaluation,
+                     prefetch=plan.prefetch)
 
 
 def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[int], *, itemsize: int,

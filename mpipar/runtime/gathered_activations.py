@@ -32,7 +32,7 @@ import numpy as np
 from mpipar.comms.collectives import iall_gather
 from mpipar.comms.comm import Comm
 from mpipar.layers import Linear
-from mpipar.ledger import MemoryLedger
+from mpipar.runtime.ledger import MemoryLedger
 
 PHASE = "activation-gather"  # the traffic phase the gathers are counted under
 

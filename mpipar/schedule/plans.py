@@ -28,8 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from mpipar.errors import ConfigError
-from mpipar.mesh import Mesh
-from mpipar.peak import ActivationBytes, Peak, cyclic_peak, mesh_peak
 from mpipar.schedule.cyclic import item_homes, persistent_items
 from mpipar.schedule.cyclic_compiler import compile_cyclic, weight_buffers
 from mpipar.schedule.instructions import (
@@ -53,10 +51,11 @@ from mpipar.schedule.instructions import (
     SendWeights,
     Update,
 )
+from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.program import Compiled, compile_programs
+from mpipar.schedule.sharding import SCHEMES, Sharding
 from mpipar.schedule.sharding_flow import job_flow, update_flow
 from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Shape, get_strategy
-from mpipar.sharding import SCHEMES, Sharding
 
 
 @dataclass(frozen=True)
@@ -204,13 +203,6 @@ class PipelinePlan:
         """A rank that holds `stage` before step `step` (evaluation broadcasts it from there)."""
         return self.mesh.rank(self.compiled.holders[stage][0], 0)
 
-    def peak(self, rank: int, training: ActivationBytes, evaluation: ActivationBytes | None, steps: int, *,
-             largest_units: list[int], group: int, itemsize: int, state_kinds: int) -> Peak:
-        """Any rank's peak (peak.py), predicted anywhere: every rank compiles every program."""
-        return mesh_peak(rank, self.compiled, self.mesh, self.sharding, self.stage_sizes, largest_units, group,
-                         itemsize=itemsize, state_kinds=state_kinds, training=training, evaluation=evaluation,
-                         prefetch=self.prefetch)
-
 
 def data_parallel_plan(rank: int, world_size: int, stage: int, *, sharding: Sharding, units: int,
                        micro_batches: int = 1, prefetch: int = 1) -> PipelinePlan:
@@ -268,13 +260,6 @@ class CdpPlan:
 
     def _newest_homes(self, stage: int, step: int) -> tuple[int, ...]:
         return item_homes(self.layout, self.rule, self.count, Item("w", stage, step), step)
-
-    def peak(self, rank: int, training: ActivationBytes, evaluation: ActivationBytes | None, steps: int,
-             **_pipeline_only) -> Peak:
-        """This rank's peak over a run of `steps` steps (only its own program is kept)."""
-        return cyclic_peak(self.program(0, steps).program, rank, self.layout, self.rule, self.stage_sizes,
-                           itemsize=self.itemsize, state_kinds=self.state_kinds, training=training,
-                           evaluation=evaluation)
 
 
 def _run(program: tuple, updates_from: int, step_ends: tuple) -> Run:

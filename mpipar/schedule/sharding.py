@@ -48,6 +48,8 @@ from mpipar.model import Stage
 SCOPES = ("N", "I", "G")
 _ORDER = {scope: rank for rank, scope in enumerate(SCOPES)}
 
+REDUCTIONS_IN_FLIGHT = 1  # sharded gradient units that may wait for their reduction while the next computes
+
 
 @dataclass(frozen=True)
 class Sharding:

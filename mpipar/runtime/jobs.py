@@ -23,8 +23,8 @@ import numpy as np
 from mpipar.cache import Context
 from mpipar.errors import NonFiniteLossError
 from mpipar.schedule.instructions import Compute, Item
+from mpipar.schedule.sharding import segments
 from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job
-from mpipar.sharding import segments
 
 
 class Jobs:

@@ -43,12 +43,11 @@ from mpipar.comms.collectives import iall_gather, iall_reduce, ireduce_scatter
 from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.routes import block_offsets
 from mpipar.comms.world import sum_across_ranks
-from mpipar.gathered_activations import RowGatherer
-from mpipar.ledger import MemoryLedger
 from mpipar.model import Stage, leaf_layers
 from mpipar.optim import make_optimizer, state_kinds
-from mpipar.peak import REDUCTIONS_IN_FLIGHT
-from mpipar.sharding import Layout, Sharding, Unit, make_units, unit_spans
+from mpipar.runtime.gathered_activations import RowGatherer
+from mpipar.runtime.ledger import MemoryLedger
+from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Layout, Sharding, Unit, make_units, unit_spans
 
 
 class ShardedStage:

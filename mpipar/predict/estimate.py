@@ -33,13 +33,13 @@ import math
 from dataclasses import dataclass
 
 from mpipar.backend import make_backend
-from mpipar.mesh import Mesh
 from mpipar.options import recompute_segment
-from mpipar.peak import ActivationBytes, Peak, dry_run, mesh_peak
-from mpipar.plans import shared_stages
+from mpipar.predict.peak import ActivationBytes, Peak, dry_run, mesh_peak
 from mpipar.schedule.instructions import Backward
+from mpipar.schedule.mesh import Mesh
+from mpipar.schedule.plans import shared_stages
 from mpipar.schedule.program import Compiled, compile_programs
-from mpipar.sharding import (
+from mpipar.schedule.sharding import (
     SCHEMES,
     Sharding,
     StateBytes,

@@ -1,0 +1,12 @@
+"""What a layout costs before it runs: memory per rank and the seeds' tables.
+
+    peak.py         the peak a rank should hold: Table 1's steady state plus named transients,
+                    walked from the compiled programs; the dry run that measures activation bytes
+    estimate.py     `mpipar estimate`: every scheme's predicted peak for a model and a world size
+    seed_tables.py  the seeds' Table 1 (ZeRO memory) and Table 2 (communication) as formulas
+
+They read plans and stages (the compiler never imports them); the runtime reads them for the
+prediction it reports beside its measurement.
+
+Exercised by: mpipar estimate --model mlp --hidden 1024x8 --world-size 4 --dtype float32
+"""
