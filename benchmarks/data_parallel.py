@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 from mpipar.config import TrainConfig
 from mpipar.optim import state_kinds
-from mpipar.sharding import SCHEMES, bytes_per_rank
+from mpipar.schedule.sharding import SCHEMES, bytes_per_rank
 from mpipar.trainer import Trainer
 
 parser = argparse.ArgumentParser()

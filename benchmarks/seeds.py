@@ -18,7 +18,7 @@ the same page:
                parameter memory per GPU: the ledger's peak, DDP against CDP's dp layout
                on each half of the 8 ranks (N = 4); Table 2: docs/cdp_accuracy*.json
 
-Seed 004's tables are transcribed in mpipar/seed_tables.py (tests/test_estimate.py reads them
+Seed 004's tables are transcribed in mpipar/predict/seed_tables.py (tests/test_estimate.py reads them
 too), seed 001's in `SEED_001` here.
 """
 
@@ -34,12 +34,12 @@ from mpi4py import MPI
 from mpipar.cdp import activation_timeline
 from mpipar.comms.cost import Network, predict
 from mpipar.config import TrainConfig
-from mpipar.estimate import PHASES
 from mpipar.files import write_atomically
+from mpipar.predict.estimate import PHASES
+from mpipar.predict.seed_tables import SCHEMES_004, WHY_TABLE_2, seed_table_1, seed_table_2
 from mpipar.schedule.cyclic_compiler import compile_cyclic
 from mpipar.schedule.simulate import simulate
 from mpipar.schedule.strategies import Shape, get_strategy
-from mpipar.seed_tables import SCHEMES_004, WHY_TABLE_2, seed_table_1, seed_table_2
 from mpipar.trainer import Trainer
 
 N, M, S, ITEM = 8, 4, 2, 8  # ranks, group size, micro-batches, float64
