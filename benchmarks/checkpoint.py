@@ -73,7 +73,7 @@ def worker(args) -> None:
         results["async_total"].append(time.perf_counter() - started)
         quiet_disk(comm)
         started = time.perf_counter()
-        store.load(comm, "auto", args.dir, lambda manifest: trainer.engine.state_pieces()[0],
+        store.load(comm, "auto", args.dir, lambda manifest: trainer.engine.whole_model.state_pieces()[0],
                    lambda manifest, path: None, note=print)
         comm.Barrier()
         results["load"].append(time.perf_counter() - started)

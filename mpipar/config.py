@@ -41,7 +41,7 @@ from mpipar.options import (
 from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
 from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.sharding import DDP_MODES, SCHEMES, Sharding, default_units, parse_sharding
-from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy, shared_stages
+from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy, stages_on_several_workers
 
 CDP_SCHEMES = ("cdp-v1", "cdp-v2")
 
@@ -410,7 +410,7 @@ class TrainConfig:
                               "to their owner: choose mpi, ring, hring or horing")
         shape = self.schedule_shape(world_size)
         self.strategy().validate(shape)
-        shared = shared_stages(self.strategy(), shape)
+        shared = stages_on_several_workers(self.strategy(), shape)
         if replicas > 1 and shared:
             raise ConfigError(f"{self.scheme} computes stage {shared[0]} on several workers of a pipeline, which "
                               f"cannot yet be combined with --replicas {replicas}; use gpipe, 1f1b, or lpp/fslpp "

@@ -61,7 +61,7 @@ from mpipar.runtime.gathered_activations import choose as choose_gathered
 from mpipar.runtime.gathered_activations import describe as describe_gathered
 from mpipar.runtime.gathered_activations import gathered_bytes
 from mpipar.runtime.memory import available_bytes, make_probe, peak_rss_bytes
-from mpipar.schedule.plans import CdpPlan, PipelinePlan, shared_stages
+from mpipar.schedule.plans import CdpPlan, PipelinePlan, replica_shared_stages
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
 from mpipar.schedule.sharding import SCHEMES, bytes_per_rank, compute_spans, make_units, unit_bytes_for
@@ -186,7 +186,7 @@ class Trainer:
         per_rank = 1 if cfg.cyclic else cfg.mesh(self.world_size).replicas
         spans, segment = None, recompute_segment(cfg.recompute)
         if segment is not None:  # (refused for CDP)
-            shared = shared_stages(cfg.mesh(self.world_size), [stage.flat.size for stage in self.stages])
+            shared = replica_shared_stages(cfg.mesh(self.world_size), [stage.flat.size for stage in self.stages])
             spans = compute_spans(self.stages, shared, unit_bytes_for(cfg.ddp, cfg.bucket_mb), segment)
         return dry_run(self.stages, self.train_set, self.loss_fn, cfg.batch_size // per_rank // cfg.micro_batches,
                        min(cfg.evaluation_batch(self.world_size), len(self.test_set)), cfg.seed, self._to_device, spans,
@@ -259,7 +259,7 @@ class Trainer:
                                           self.world_size, len(engine.world.group_layout()[0]),
                                           itemsize=engine.flat.dtype.itemsize, state_kinds=engine.state_kinds,
                                           training=self.activations[0], evaluation=self.activations[1],
-                                          prefetch=self.engine.prefetch)
+                                          prefetch=self.engine.plan.prefetch)
                 if peak.total <= limit:
                     fits.append(f"{name} ({format_bytes(peak.total)})")
             advice = (f"; {' or '.join(fits)} fit" if fits else
@@ -296,7 +296,7 @@ class Trainer:
         """The whole model's parameters by name ("layer.parameter"), as host arrays of their
         shapes (collective: every rank calls it). With `root`, only that rank gets them;
         the others get None."""
-        flat = self.engine.full_parameters()
+        flat = self.engine.whole_model.full_parameters()
         if root is not None and self.rank != root:
             return None
         named, offset = {}, 0
@@ -329,7 +329,7 @@ class Trainer:
                 full[segment.offset:segment.offset + segment.size] = np.asarray(
                     named[f"{segment.layer}.{segment.name}"]).reshape(-1)
             parts.append(full)
-        self.engine.load_parameters(np.concatenate(parts))
+        self.engine.whole_model.load_parameters(np.concatenate(parts))
 
     def _to_device(self, inputs, targets):
         return self.backend.inputs(inputs), self.backend.xp.asarray(targets)
@@ -347,7 +347,9 @@ class Trainer:
             *data.batch(micro_batches[b])), cfg.batch_size)
         self.step_totals[3:3 + FLAGS] = self.checkpoints.flags()
         self.engine.finish_gradients()
-        gradients = self.engine.gradient_pieces() if self.tied or self.clipper else []  # views, until the update
+        gradients = []  # views, until the update
+        if self.tied or self.clipper:
+            gradients = self.engine.whole_model.gradient_pieces(self.engine.updated_stages())
         if self.tied:  # the two copies of a tied matrix take the sum of their gradients
             self.tied.sum(gradients)
         if self.clipper:
@@ -468,7 +470,7 @@ class Trainer:
             padding = len(chunk) == 0  # a short slice still joins every batch, on one sample not counted
             inputs, targets = self._to_device(*read(chunk if not padding else samples[:1]))
             ctx = Context(cache=None, key=(0, -1), training=False)
-            logits = self.engine.forward(inputs, ctx, gather_phase="evaluate")
+            logits = self.engine.whole_model.forward(inputs, ctx, gather_phase="evaluate")
             if padding:
                 continue
             totals[0] += float(self.loss_fn.forward(logits, targets, ctx, len(samples)))

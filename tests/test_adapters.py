@@ -49,7 +49,7 @@ def test_a_torch_module_s_parameters_live_in_mpipar_s_flat_buffer():
     inputs, _ = trainer.test_set.batch(np.arange(5))
     inputs = inputs.astype(np.float64)
     from mpipar.cache import Context
-    ours = trainer.engine.forward(inputs, Context(cache=None, key=(0, -1), training=False), gather_phase="evaluate")
+    ours = trainer.engine.whole_model.forward(inputs, Context(cache=None, key=(0, -1), training=False), gather_phase="evaluate")
     with torch.no_grad():
         theirs = torch.nn.Sequential(*(layer.module for layer in trainer.model.layers))(torch.from_numpy(inputs))
     np.testing.assert_allclose(theirs.numpy(), ours, rtol=1e-12)

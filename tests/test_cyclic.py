@@ -78,9 +78,9 @@ def test_single_layout_equals_the_reference_rule_across_an_epoch_boundary(rule, 
                           epochs=3, max_steps=6)
     trainer = Trainer(config)
     trainer.run()
-    assert trainer.engine.next_step == 6 and len(trainer.engine.plan.runs) == 2
+    assert trainer.engine.items.next_step == 6 and len(trainer.engine.plan.runs) == 2
     expected = np.concatenate(reference_training(config, rule))
-    np.testing.assert_allclose(trainer.engine.full_parameters(), expected, rtol=1e-10, atol=0)
+    np.testing.assert_allclose(trainer.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=0)
 
 
 @pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])
@@ -90,7 +90,7 @@ def test_the_cnn_of_the_accuracy_study_follows_the_rule_exactly(rule):
     trainer = Trainer(config)
     trainer.run()
     expected = np.concatenate(reference_training(config, rule))
-    np.testing.assert_allclose(trainer.engine.full_parameters(), expected, rtol=1e-10, atol=1e-15)
+    np.testing.assert_allclose(trainer.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=1e-15)
 
 
 @pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])
@@ -113,7 +113,7 @@ def test_updates_build_each_optimizer_once_and_keep_at_most_two_versions_of_a_st
     last = trainer.stages[-1].flat.nbytes
     assert held == (2 * model if rule == "cdp-v1" else 2 * model - last)
     expected = np.concatenate(reference_training(config, rule))
-    np.testing.assert_allclose(trainer.engine.full_parameters(), expected, rtol=1e-10, atol=0)
+    np.testing.assert_allclose(trainer.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=0)
 
 
 @pytest.mark.parametrize("count", [2, 4, 8])

@@ -191,4 +191,4 @@ def test_a_torch_model_on_the_cpu_updates_by_torch_s_kernels_and_mpipar_s_own_by
     for model, expected in ((f"{examples}/torch_mlp.py:build", TorchUpdates), ("mlp", type(None))):
         trainer = Trainer(small_config(model=model, max_steps=1))
         trainer.run()
-        assert isinstance(trainer.engine.shared[0].optimizer.updates, expected), model
+        assert isinstance(trainer.engine.shared[0].state.optimizer.updates, expected), model

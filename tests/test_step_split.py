@@ -4,7 +4,6 @@ import time
 
 from conftest import small_config
 from mpipar.runtime.executor import Executor
-from mpipar.runtime.item_store import ItemStore
 from mpipar.schedule.instructions import Update
 from mpipar.step_split import PARTS, StepSplit
 from mpipar.trainer import Trainer
@@ -14,7 +13,7 @@ PAUSE = 0.2
 
 def slow_update(executor, instruction) -> None:
     time.sleep(PAUSE)
-    ItemStore._update(executor, instruction)
+    Executor._update(executor, instruction)
 
 
 def test_an_optimizer_made_slow_shows_as_optimizer_time_and_nowhere_else(monkeypatch):

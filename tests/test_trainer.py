@@ -114,7 +114,7 @@ def test_a_later_step_uses_only_its_own_gradient(tmp_path, model):
 def test_adam_s_betas_and_epsilon_reach_every_optimizer_of_the_run():
     trainer = Trainer(small_config(optimizer="adamw", beta1=0.8, beta2=0.99, eps=1e-6))
     trainer.train_step(0, 0, 0)
-    optimizers = trainer.engine.state_pieces()[1]
+    optimizers = trainer.engine.whole_model.state_pieces()[1]
     assert optimizers and all((o.beta1, o.beta2, o.eps) == (0.8, 0.99, 1e-6) for o in optimizers)
 
 

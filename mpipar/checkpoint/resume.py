@@ -92,7 +92,7 @@ class Checkpoints:
         if steps_done == self.last_saved_step:
             return
         started = time.perf_counter()
-        pieces, _ = self.trainer.engine.state_pieces()
+        pieces, _ = self.trainer.engine.whole_model.state_pieces()
         pending = store.begin(self.trainer.comm, Path(self.config.checkpoint_dir), steps_done, pieces,
                               copy=in_background)
         self.last_saved_step, self.last_save_time = steps_done, time.monotonic()
@@ -169,8 +169,8 @@ class Checkpoints:
             self._check_same_data(manifest, path)
 
         def pieces(manifest: dict):
-            engine.start_at(manifest["training"]["step"])  # weights are items of a step: hold step N's
-            return engine.state_pieces()[0]
+            engine.items.start_at(manifest["training"]["step"])  # weights are items of a step: hold step N's
+            return engine.whole_model.state_pieces()[0]
 
         loaded = store.load(self.trainer.comm, self.config.resume, self.config.checkpoint_dir, pieces, check,
                             note=lambda line: print(line, file=sys.stderr, flush=True))
@@ -183,6 +183,6 @@ class Checkpoints:
         if self.trainer.rank == 0:
             print(f"mpipar: resuming from {self.resumed_from} after step {step} (saved by "
                   f"{manifest['world']['ranks']} rank(s), {manifest['world']['scheme']})", flush=True)
-        for optimizer in engine.state_pieces()[1]:
+        for optimizer in engine.whole_model.state_pieces()[1]:
             optimizer.steps = manifest["training"]["optimizer_steps"]
         return step

@@ -36,7 +36,7 @@ from mpipar.schedule.plans import PipelinePlan
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
 from mpipar.schedule.sharding import Sharding, parse_sharding
-from mpipar.schedule.strategies import STRATEGIES, Shape, get_strategy, load_table, shared_stages
+from mpipar.schedule.strategies import STRATEGIES, Shape, get_strategy, load_table, stages_on_several_workers
 
 POSITIVE = click.IntRange(min=1)
 
@@ -88,7 +88,7 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
     mesh, sharding = Mesh(workers // replicas, replicas), parse_sharding(shard)
     workers = mesh.workers  # the diagram is one pipeline's: every replica runs the same
     shape = Shape(workers, stages, micro_batches, loops)
-    if replicas > 1 and shared_stages(strategy, shape):
+    if replicas > 1 and stages_on_several_workers(strategy, shape):
         raise ConfigError(f"{strategy.name} computes a stage on several workers of a pipeline, which cannot yet be "
                           f"combined with --replicas {replicas}")
     compiled = compile_programs(strategy, shape)

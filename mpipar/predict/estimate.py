@@ -37,7 +37,7 @@ from mpipar.options import recompute_segment
 from mpipar.predict.peak import ActivationBytes, Peak, dry_run, mesh_peak
 from mpipar.schedule.instructions import Backward
 from mpipar.schedule.mesh import Mesh
-from mpipar.schedule.plans import shared_stages
+from mpipar.schedule.plans import replica_shared_stages
 from mpipar.schedule.program import Compiled, compile_programs
 from mpipar.schedule.sharding import (
     SCHEMES,
@@ -161,7 +161,7 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
                      default=0) for stage in laid_out]
         segment = recompute_segment(recompute)
         spans = (None if segment is None else
-                 compute_spans(laid_out, shared_stages(mesh, sizes), unit_bytes_for(ddp, bucket_mb), segment))
+                 compute_spans(laid_out, replica_shared_stages(mesh, sizes), unit_bytes_for(ddp, bucket_mb), segment))
         training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch or micro_batch, seed=0,
                                        recompute_spans=spans, split=config.strategy().split_backward)
     groups = []

@@ -40,6 +40,7 @@ from mpipar.schedule.instructions import (
     FetchWeights,
     Forward,
     Item,
+    ItemKind,
     Receive,
     Send,
     Update,
@@ -239,8 +240,10 @@ def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[in
     held for the run: about INSTRUCTION_BYTES an instruction, so it grows with the epoch."""
     count = len(stage_sizes)
     weights = [size * itemsize for size in stage_sizes]
-    size_of = {"x": lambda s: training.inputs[s], "dy": lambda s: _output_bytes(training, s),
-               "w": weights.__getitem__, "g": weights.__getitem__, "o": lambda s: state_kinds * weights[s]}
+    size_of = {ItemKind.INPUT: lambda s: training.inputs[s],
+               ItemKind.OUTPUT_GRADIENT: lambda s: _output_bytes(training, s),
+               ItemKind.WEIGHTS: weights.__getitem__, ItemKind.GRADIENT_SUM: weights.__getitem__,
+               ItemKind.OPTIMIZER_STATE: lambda s: state_kinds * weights[s]}
     alive = {item: size_of[item.kind](item.stage) for item in persistent_items(rule, count, 0)
              if rank in item_homes(layout, rule, count, item, 0)}
     steady = {"home state": sum(alive.values()), "compiled program": len(program) * INSTRUCTION_BYTES}
@@ -256,13 +259,13 @@ def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[in
             forward, g = job.direction == FORWARD, job.global_batch(count)
             stashed += training.stashed[job.stage] if forward else -training.stashed[job.stage]
             if forward and job.stage + 1 < count:
-                made = Item("x", job.stage + 1, g)
+                made = Item(ItemKind.INPUT, job.stage + 1, g)
             elif not forward and job.stage > 0:
-                made = Item("dy", job.stage - 1, g)
+                made = Item(ItemKind.OUTPUT_GRADIENT, job.stage - 1, g)
             if not forward and instruction.new_gradient:
-                alive[Item("g", job.stage, job.step)] = weights[job.stage]
+                alive[Item(ItemKind.GRADIENT_SUM, job.stage, job.step)] = weights[job.stage]
         elif isinstance(instruction, Update):
-            made = Item("w", instruction.stage, instruction.step + 1)
+            made = Item(ItemKind.WEIGHTS, instruction.stage, instruction.step + 1)
             updated.add(instruction.stage)
         elif isinstance(instruction, Send):
             sent += size_of[instruction.item.kind](instruction.item.stage)

@@ -1,14 +1,20 @@
 """The runtime: one rank running its program over MPI, and the memory it holds while it does.
 
-    executor.py              the executor: runs of steps, messages, the table of instruction handlers
-    jobs.py                  how a Compute runs a job: forward, backward, a zero-bubble W, recomputation
-    item_store.py            the life of an item's buffer: keep, take, Drop, Update
-    whole_model.py           the whole model as every plan shows it: evaluation, parameters, checkpoints
-    sharded_stage.py         a stage shared by its replica group: blocks of P, G and OS, units gathered
+    executor.py              the executor: runs of steps, messages, the handlers and their table
+    item_store.py            ItemStore: the life of an item's buffer: keep, get, Drop, Update
+    jobs.py                  JobRunner: how a Compute runs a job: forward, backward, a zero-bubble W,
+                             recomputation
+    whole_model.py           WholeModel: the whole model as every plan shows it: evaluation,
+                             parameters, checkpoint pieces
+    sharded_stage.py         ShardedStage: a stage shared by its replica group, one method per
+                             instruction of the sharding flow
+    sharded_state.py         ShardedState: this rank's blocks of such a stage's P, G and OS
     gathered_activations.py  a weight gradient summed by all-gathering its rows (seed 002)
     ledger.py                bytes of model state a rank holds, by kind and phase
     memory.py                what the array allocator really holds: live and peak bytes, RSS
 
+The executor is composed of these parts, each handed what it reads at construction or at
+the start of a run; none reads an attribute another defines (tests/test_runtime_parts.py).
 The compiler that makes the programs lives in `mpipar/schedule/`; the predictions of what a
 run will hold, in `mpipar/predict/`.
 

@@ -1,19 +1,13 @@
 """Runs this rank's program over MPI: one executor for data parallelism, pipelines and CDP.
 
-A plan (plans.py) hands it the rank's program for a run of steps, in the item
-instructions of schedule/instructions.py; the executor holds every *item* (a stage's
-input x or output gradient dy of one micro-batch, a weight version w, a copy f fetched
-for one job, a gradient sum g, an optimizer state o) in one store and runs:
+A plan (schedule/plans.py) hands it the rank's program for a run of steps, in the item
+instructions of schedule/instructions.py, and it runs them, one handler each:
 
     Receive          Irecv into a fresh buffer (a received input becomes an activation: never reused)
-    Compute          point the stage at the weights the job reads (and, in backward, at the step's
-                     gradient sum) unless it already is, run it; pebbles go into the cache (a
-                     zero-bubble schedule's B leaves them for its W, which frees them). A stage
-                     shared by a replica group runs one unit of layers at a time, on the gathered
-                     unit (sharded_stage.py holds its blocks of P, G and OS)
+    Compute          run the job on the weights it reads; pebbles go into the cache (jobs.py)
     Send             Isend; the outbox keeps the buffer until the send completes, and no longer
-    Drop             forget the item (a gradient waits for its reduction; see _drop for spares); a
-                     buffer still being sent lives until its send completes, by the time step's end
+    Drop             forget the item (a gradient waits for its reduction; item_store.py); a buffer
+                     still being sent lives until its send completes, by the time step's end
     ReduceGradients  non-blocking reduce of a stage's gradient to its holder, or all-reduce among
                      the workers that compute it, polled between layers
     Update           the stage's optimizer steps the weights in place (a shared stage: its OS
@@ -27,11 +21,10 @@ for one job, a gradient sum g, an optimizer state o) in one store and runs:
 
 Pipelines run one step at a time: `run_step` (every instruction before the updates),
 `finish_gradients`, then `step(lr)` once the trainer knows the summed loss is finite.
-CDP runs an epoch at a time with `run_steps`, its steps overlapping. This file holds the
-runs, the messages and the table of handlers; three files hold the rest of the
-executor's methods: how a Compute runs its job (jobs.py), the life of an item's buffer
-with Drop and Update (item_store.py), and the whole model as every plan shows it:
-evaluation, the full parameters, loading and checkpoint pieces (whole_model.py).
+CDP runs an epoch at a time with `run_steps`, its steps overlapping. The executor is
+composed of parts, each handed what it reads: `items` (item_store.py), `jobs` (jobs.py),
+`shared` (sharded_stage.py) and `whole_model` (whole_model.py: evaluation, the full
+parameters, checkpoint pieces).
 
 Exercised by: mpiexec -n 4 mpipar train --scheme 1f1b --stages 2 --shard zero3
               mpiexec -n 4 mpipar train --scheme cdp-v2 --cdp-layout dp --micro-batches 4
@@ -43,7 +36,6 @@ import time
 from typing import Callable
 
 import numpy as np
-from mpi4py import MPI
 
 from mpipar.cache import ActivationCache
 from mpipar.comms.collectives import iall_reduce, ireduce
@@ -53,8 +45,8 @@ from mpipar.comms.tags import MAX_MICRO_BATCHES, Kind, p2p_tag
 from mpipar.model import LayerHook, Stage
 from mpipar.optim import state_kinds
 from mpipar.predict.peak import ActivationBytes, Peak, plan_peak
-from mpipar.runtime.item_store import LEDGER_KIND, ItemStore
-from mpipar.runtime.jobs import Jobs
+from mpipar.runtime.item_store import ItemStore
+from mpipar.runtime.jobs import JobRunner, Load
 from mpipar.runtime.ledger import MemoryLedger
 from mpipar.runtime.sharded_stage import ShardedStage
 from mpipar.runtime.whole_model import WholeModel
@@ -64,6 +56,7 @@ from mpipar.schedule.instructions import (
     EndTimeStep,
     GatherUnit,
     Item,
+    ItemKind,
     KeepSecondary,
     PublishUnit,
     Receive,
@@ -73,71 +66,65 @@ from mpipar.schedule.instructions import (
     Send,
     Update,
 )
-from mpipar.schedule.plans import CdpPlan, PipelinePlan, Run
+from mpipar.schedule.plans import Plan, Run
 from mpipar.schedule.sharding import make_units
 from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
 from mpipar.step_split import StepSplit
 
-KIND_OF = {"x": Kind.ACTIVATION, "dy": Kind.GRADIENT, "w": Kind.WEIGHTS, "f": Kind.WEIGHTS,
-           "g": Kind.GRADIENT_SUM, "o": Kind.OPTIMIZER_STATE}
-PHASE_OF = {"x": "activations", "dy": "gradients", "w": "weights", "f": "weights", "g": "gradient-ring",
-            "o": "optimizer-state"}
+TAG_KIND = {ItemKind.INPUT: Kind.ACTIVATION, ItemKind.OUTPUT_GRADIENT: Kind.GRADIENT, ItemKind.WEIGHTS: Kind.WEIGHTS,
+            ItemKind.FETCHED: Kind.WEIGHTS, ItemKind.GRADIENT_SUM: Kind.GRADIENT_SUM,
+            ItemKind.OPTIMIZER_STATE: Kind.OPTIMIZER_STATE}
+PHASE_OF = {ItemKind.INPUT: "activations", ItemKind.OUTPUT_GRADIENT: "gradients", ItemKind.WEIGHTS: "weights",
+            ItemKind.FETCHED: "weights", ItemKind.GRADIENT_SUM: "gradient-ring",
+            ItemKind.OPTIMIZER_STATE: "optimizer-state"}
 GATHER_PHASE = {FORWARD: "forward-gather", BACKWARD: "backward-gather"}
 
-Load = Callable[[int, int], tuple]  # (step, micro-batch) -> (inputs, targets)
 # (step, this rank's [loss sum, correct, predictions] of it, micro-batches whose loss it computed)
 StepDone = Callable[[int, np.ndarray, int], None]
 
 
-class Executor(ItemStore, Jobs, WholeModel):
+class Executor:
     """One rank's part of training `stages` (all of them laid out; it builds what it keeps) by `plan`."""
 
-    def __init__(self, comm: Comm, stages: list[Stage], plan: PipelinePlan | CdpPlan, cache: ActivationCache,
-                 loss_fn, *, input_shapes: list[tuple[int, ...]], optimizer: str, optimizer_options: dict,
+    def __init__(self, comm: Comm, stages: list[Stage], plan: Plan, cache: ActivationCache, loss_fn, *,
+                 input_shapes: list[tuple[int, ...]], optimizer: str, optimizer_options: dict,
                  collective: str = "ring", unit_bytes: float = 25e6, recompute: int | None = None,
                  gathered_layers: tuple[int, ...] = ()) -> None:
-        self.comm, self.stages, self.plan, self.cache, self.loss_fn = comm, stages, plan, cache, loss_fn
+        self.comm, self.stages, self.plan, self.cache = comm, stages, plan, cache
         self.input_shapes = input_shapes  # per stage; the last entry is the model's output
         self.collective, self.unit_bytes = collective, unit_bytes
-        self.sharding, self.prefetch = plan.sharding, plan.prefetch
-        # --recompute: None, or the layers of a segment whose input a Compute keeps (0: the whole
-        # Compute); its backward reruns each segment's forward first
-        self.recompute = recompute
-        self.optimizer_name, self.optimizer_options = optimizer, optimizer_options
-        self.kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
+        self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
         self.dtype, self.mesh = stages[0].flat.dtype, plan.mesh
-        self.ledger, self.pool = MemoryLedger(), ScratchPool()
-        self.store: dict[Item, np.ndarray] = {}
+        self.ledger, self.pool, self.outbox = MemoryLedger(), ScratchPool(), Outbox()
         # A stage shared by its replica group keeps its state in the sharding flow: one
         # communicator per stage (the world's own where the group is every rank)
         group = self.mesh.replica_group(self.mesh.worker(comm.rank))
         self.shared = {s: ShardedStage(comm if len(group) == comm.size else comm.subset(group), stages[s],
-                                       self.sharding, optimizer=optimizer, optimizer_options=optimizer_options,
+                                       plan.sharding, optimizer=optimizer, optimizer_options=optimizer_options,
                                        collective=collective, unit_bytes=unit_bytes, ledger=self.ledger,
                                        gathered_layers=gathered_layers)
                        for s in plan.shared}
         for s, shared in self.shared.items():
             if len(shared.units) != plan.units[s]:  # the plan and the stage cut it alike (make_units)
                 raise ValueError(f"stage {s} is {len(shared.units)} units, its plan was lowered for {plan.units[s]}")
-        for item in plan.persistent(0):  # the rest arrives laid out, not allocated: items are bound per job
-            flat = stages[item.stage].flat
-            self._keep(item, flat.initial(0, flat.size) if item.kind == "w" else np.zeros(self._size(item), self.dtype))
+        self.items = ItemStore(stages, plan, self.ledger, self.outbox, input_shapes=input_shapes,
+                               state_kinds=self.state_kinds, optimizer=optimizer, optimizer_options=optimizer_options,
+                               replica_shared=frozenset(self.shared), rank=comm.rank)
+        self.jobs = JobRunner(stages, plan, cache, loss_fn, self.items, self.shared, self.ledger, rank=comm.rank,
+                              recompute=recompute, after_layer=self._after_layer, poll=self.poll)
+        self.whole_model = WholeModel(stages, plan, self.items, self.shared, comm, self.ledger, self.pool,
+                                      collective=collective, state_kinds=self.state_kinds)
         # one communicator per stage's reduction group, made in stage order on every rank
         self.stage_comms = {s: comm.subset(ranks) for s, ranks in plan.reduction_groups().items()}
-        self.decay = [stage.flat.decay_spans(0, stage.flat.size) for stage in stages]
-        self.optimizers: dict[int, object] = {}  # per stage this rank updates, built at its first update
-        self.workspace: np.ndarray | None = None  # their scratch, shared: updates never overlap
-        self.bound: list[tuple] = [(None, None)] * len(stages)  # the (weights, gradient) each stage's layers view
-        self.taken_over: set[Item] = set()  # versions an update took the buffer of: their Drop is done
-        self.spares: dict[tuple[str, int], np.ndarray] = {}  # per (kind, stage): a dropped buffer kept for reuse
-        self.reductions: dict[int, object] = {}  # stage -> its gradient reduction in flight
         # (time step, live activation bytes, peak within it): CDP's Fig. 4, kept only when asked
         # for (record_timeline), as a long run would grow it without bound
-        self.next_step, self.timeline, self.record_timeline = 0, [], False
+        self.timeline, self.record_timeline = [], False
         self.job_times: list[tuple[Job, float, float]] = []  # (job, start, end) of a step by perf_counter
-        self.flowing: tuple = (None, None)  # a shared stage's job between two units: (value, targets)
         self.observe: LayerHook | None = None  # called after every layer, once polled (timelines, tests)
         self.split: StepSplit | None = None  # set to time each part of the steps (step_split.py)
+        self.run: Run | None = None
+        self.first_step, self.lr_at = 0, None
+        self.totals, self.losses_computed = np.zeros((0, 3)), np.zeros(0, dtype=int)
 
     def predicted_peak(self, training: ActivationBytes, evaluation: ActivationBytes | None = None, *,
                        rank: int | None = None, steps: int = 1) -> Peak:
@@ -147,7 +134,7 @@ class Executor(ItemStore, Jobs, WholeModel):
         units = [max((last - first for _, _, first, last in make_units(stage, self.unit_bytes)), default=0)
                  for stage in self.stages]
         return plan_peak(self.plan, rank, training, evaluation, steps, largest_units=units, group=group,
-                         itemsize=self.dtype.itemsize, state_kinds=self.kinds)
+                         itemsize=self.dtype.itemsize, state_kinds=self.state_kinds)
 
     # -- runs of steps ---------------------------------------------------------------------
     def run_steps(self, first_step: int, steps: int, load: Load, *, seed: int, batch_size: int,
@@ -176,8 +163,7 @@ class Executor(ItemStore, Jobs, WholeModel):
         start = time.perf_counter()
         with self.ledger.phase("backward"):
             self.outbox.wait_all(f"the sends of step {self.first_step}")
-            for s in sorted(self.reductions):
-                self.reductions.pop(s).wait()
+            self.items.complete_reductions()
         for s in sorted(self.shared):
             self.shared[s].finish_gradients()
         if self.split is not None:
@@ -189,35 +175,28 @@ class Executor(ItemStore, Jobs, WholeModel):
         self._execute(self.run.program[self.run.updates_from:])
         self._end()
 
+    def updated_stages(self) -> set[int]:
+        """The stages this rank updates in the step `run_step` began."""
+        return {instruction.stage for instruction in self.run.program[self.run.updates_from:]
+                if isinstance(instruction, Update)}
+
     def _start(self, first_step: int, steps: int, load: Load, seed: int, batch_size: int, lr_at) -> Run:
-        if first_step != self.next_step and self.plan.steps_in_any_order:
-            for item in [item for item in self.store if item.kind == "w"]:
-                self.store[Item("w", item.stage, first_step)] = self.store.pop(item)
-        elif first_step != self.next_step:
-            raise RuntimeError(f"CDP runs steps in order: expected step {self.next_step}, got {first_step}")
         self.run = self.plan.program(first_step, steps)
-        self.load, self.seed, self.batch_size, self.lr_at = load, seed, batch_size, lr_at
-        self.micro_size = batch_size // self.mesh.replicas // self.plan.micro_batches
-        self.first_step, self.totals = first_step, np.zeros((steps, 3))
+        micro_size = batch_size // self.mesh.replicas // self.plan.micro_batches
+        self.items.begin(self.run, micro_size, first_step)
+        self.first_step, self.lr_at, self.totals = first_step, lr_at, np.zeros((steps, 3))
         self.losses_computed = np.zeros(steps, dtype=int)  # per step: micro-batches whose loss is in totals
-        self.inbox: dict[Item, tuple[np.ndarray, MPI.Request, int]] = {}  # buffer, request, source
-        self.outbox = Outbox()  # sends in flight: each buffer lives until its send completes
-        self.time_offset, self.job_times, self.flowing = len(self.timeline), [], (None, None)
+        self.time_offset, self.job_times = len(self.timeline), []
+        self.jobs.begin(self.run, first_step, load, seed=seed, batch_size=batch_size, micro_size=micro_size,
+                        totals=self.totals, losses_computed=self.losses_computed, job_times=self.job_times)
         for shared in self.shared.values():
             shared.start_step()
         return self.run
 
     def _end(self) -> None:
         """The run is over: its messages are complete and the state the next starts from is here."""
-        for item in list(self.inbox):
-            self._take(item)
+        self.items.end(self.first_step + len(self.totals))
         self.outbox.wait_all(f"the sends of steps {self.first_step}..{self.first_step + len(self.totals) - 1}")
-        self.next_step = self.first_step + len(self.totals)
-        expected = set(self.plan.persistent(self.next_step))
-        if set(self.store) != expected:
-            extra, missing = sorted(set(self.store) - expected), sorted(expected - set(self.store))
-            raise RuntimeError(f"rank {self.comm.rank}: the run ended holding {len(extra)} item(s) beyond its "
-                               f"persistent state (first {extra[:3]}) and lacking {missing[:3]}")
         for s in sorted(self.shared):  # the publishes complete, in stage order on every rank
             self.shared[s].end_step()
         self.pool.clear()  # between steps a rank holds its model state and nothing else
@@ -247,45 +226,55 @@ class Executor(ItemStore, Jobs, WholeModel):
         """Between layers: let gathers, reductions and messages in flight progress."""
         for shared in self.shared.values():
             shared.poll()
-        for handle in self.reductions.values():
-            handle.test()
-        if self.inbox:
-            MPI.Request.Testall([request for _, request, _ in self.inbox.values()])
+        self.items.progress()
         self.outbox.progress()
 
-    # -- instructions (Compute: jobs.py; Drop and Update: item_store.py) -----------------------
+    # -- the handlers, one per instruction; the table below ------------------------------------
     def _tag(self, item: Item) -> int:
-        return p2p_tag(KIND_OF[item.kind], item.stage, item.index % MAX_MICRO_BATCHES)
+        return p2p_tag(TAG_KIND[item.kind], item.stage, item.index % MAX_MICRO_BATCHES)
 
     def _receive(self, instruction: Receive) -> None:
-        item, source = self._shifted(instruction.item), self.plan.peer(instruction.source)
-        buffer = np.empty(self._size(item), dtype=self.dtype)  # fresh: it may become an activation
-        if item.kind in LEDGER_KIND:
-            self.ledger.hold(LEDGER_KIND[item.kind], buffer.nbytes)
+        item, source = self.items.shifted(instruction.item), self.plan.peer(instruction.source)
+        buffer = np.empty(self.items.size(item), dtype=self.dtype)  # fresh: it may become an activation
         with self.comm.traffic.phase(PHASE_OF[item.kind]):
-            self.inbox[item] = (buffer, self.comm.irecv(buffer, source, self._tag(item)), source)
+            self.items.expect(item, buffer, self.comm.irecv(buffer, source, self._tag(item)), source)
 
     def _send(self, instruction: Send) -> None:
-        item, dest = self._shifted(instruction.item), self.plan.peer(instruction.dest)
+        item, dest = self.items.shifted(instruction.item), self.plan.peer(instruction.dest)
         buffer = np.ascontiguousarray(self.stages[item.stage].flat.data if item.stage in self.shared
-                                      else self._take(item))
-        tag = self._tag(self._shifted(instruction.arrives_as or instruction.item))
+                                      else self.items.get(item))
+        tag = self._tag(self.items.shifted(instruction.arrives_as or instruction.item))
         self.outbox.post(self.comm.isend(buffer, dest, tag, PHASE_OF[item.kind]), buffer, dest)
         self.outbox.progress()
 
+    def _compute(self, instruction: Compute) -> None:
+        self.jobs.compute(instruction)
+
+    def _drop(self, instruction: Drop) -> None:
+        self.items.drop(self.items.shifted(instruction.item))
+
     def _reduce(self, instruction: ReduceGradients) -> None:
         s, step = instruction.stage, self.first_step  # a stage several workers compute is never shared (config.py)
-        if Item("g", s, step) not in self.store:  # a holder that computes nothing of s adds zeros
-            self._keep(Item("g", s, step), self._zeros("g", s))
-        grad = self._take(Item("g", s, step))
-        comm = self.stage_comms[s]
+        gradient = Item(ItemKind.GRADIENT_SUM, s, step)
+        if gradient not in self.items.held():  # a holder that computes nothing of s adds zeros
+            self.items.keep(gradient, self.items.zeros(ItemKind.GRADIENT_SUM, s))
+        grad, comm = self.items.get(gradient), self.stage_comms[s]
         with self.comm.traffic.phase("stage-reduce"):
             if instruction.root is None:
-                self.reductions[s] = iall_reduce(comm, grad, self.collective)
+                self.items.reducing(s, iall_reduce(comm, grad, self.collective))
             else:  # in place: the owner's gradient receives the sum; the others' is scratch, dropped after
                 root = instruction.members.index(instruction.root)
-                self.reductions[s] = ireduce(comm, grad, grad if comm.rank == root else None, root,
-                                             self.collective, send_is_scratch=True)
+                self.items.reducing(s, ireduce(comm, grad, grad if comm.rank == root else None, root,
+                                               self.collective, send_is_scratch=True))
+
+    def _update(self, instruction: Update) -> None:
+        s, lr = instruction.stage, self.lr_at(instruction.step + self.run.shift)
+        self.items.wait_reduction(s)
+        if s in self.shared:  # its OS blocks; PublishUnit follows
+            self.shared[s].step(lr)
+            return
+        with self.ledger.phase("update"):
+            self.items.update(s, instruction.step, lr)
 
     def _end_time_step(self, instruction: EndTimeStep) -> None:
         # A dropped buffer still being sent is memory the next time step does not need: its send
@@ -315,7 +304,7 @@ class Executor(ItemStore, Jobs, WholeModel):
         with self.ledger.phase("update"):
             self.shared[instruction.stage].publish(instruction.unit)
 
-    handlers = {Receive: _receive, Send: _send, Drop: ItemStore._drop, Compute: Jobs._compute,
-                Update: ItemStore._update, ReduceGradients: _reduce, EndTimeStep: _end_time_step,
-                GatherUnit: _gather_unit, KeepSecondary: _keep_secondary, ReleaseUnit: _release_unit,
-                ReduceUnit: _reduce_unit, PublishUnit: _publish_unit}
+    handlers = {Receive: _receive, Send: _send, Drop: _drop, Compute: _compute, Update: _update,
+                ReduceGradients: _reduce, EndTimeStep: _end_time_step, GatherUnit: _gather_unit,
+                KeepSecondary: _keep_secondary, ReleaseUnit: _release_unit, ReduceUnit: _reduce_unit,
+                PublishUnit: _publish_unit}

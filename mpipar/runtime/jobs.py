@@ -7,8 +7,7 @@ last stage the loss. The pebbles go into the activation cache; backward frees th
 zero-bubble B leaves them for its W). A stage shared by its replica group runs a job one
 unit of layers at a time, each unit a Compute of its own, the output of one (`flowing`)
 the input of the next. With --recompute a forward keeps only each segment's input, and
-backward reruns the segment's forward first. These methods are the executor's
-(executor.py mixes them in).
+backward reruns the segment's forward first.
 
 Exercised by: mpiexec -n 2 python tests/scripts/check_recompute.py
               mpiexec -n 2 python tests/scripts/check_pipeline.py
@@ -17,22 +16,53 @@ Exercised by: mpiexec -n 2 python tests/scripts/check_recompute.py
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 
-from mpipar.cache import Context
+from mpipar.cache import ActivationCache, Context
 from mpipar.errors import NonFiniteLossError
-from mpipar.schedule.instructions import Compute, Item
+from mpipar.model import Stage
+from mpipar.runtime.item_store import ItemStore
+from mpipar.runtime.ledger import MemoryLedger
+from mpipar.runtime.sharded_stage import ShardedStage
+from mpipar.schedule.instructions import Compute, Item, ItemKind
+from mpipar.schedule.plans import Plan, Run
 from mpipar.schedule.sharding import segments
 from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job
 
+Load = Callable[[int, int], tuple]  # (step, micro-batch) -> (inputs, targets)
 
-class Jobs:
-    """The executor's jobs (it provides stages, plan, run, cache, loss_fn, mesh, comm, shared,
-    load, seed, batch_size, micro_size, recompute, ledger, totals, losses_computed,
-    first_step, job_times, flowing, _take, _keep, _bind, _shifted, _zeros, poll, _after_layer)."""
 
-    def _compute(self, instruction: Compute) -> None:
+class JobRunner:
+    """Runs the Computes of this rank's program: `items` holds what jobs read and make, `shared`
+    the stages its replica group shares; `after_layer` runs after every layer (the executor
+    polls its messages there) and `poll` during a recomputed forward."""
+
+    def __init__(self, stages: list[Stage], plan: Plan, cache: ActivationCache, loss_fn, items: ItemStore,
+                 shared: dict[int, ShardedStage], ledger: MemoryLedger, *, rank: int, recompute: int | None,
+                 after_layer: Callable[[object], None], poll: Callable[[], None]) -> None:
+        self.stages, self.plan, self.cache, self.loss_fn = stages, plan, cache, loss_fn
+        self.items, self.shared, self.ledger = items, shared, ledger
+        self.rank, self.replica = rank, plan.mesh.replica(rank)
+        # --recompute: None, or the layers of a segment whose input a Compute keeps (0: the whole
+        # Compute); its backward reruns each segment's forward first
+        self.recompute = recompute
+        self.after_layer, self.poll = after_layer, poll
+        self.flowing: tuple = (None, None)  # a shared stage's job between two units: (value, targets)
+        self.job_start = 0.0
+
+    def begin(self, run: Run, first_step: int, load: Load, *, seed: int, batch_size: int, micro_size: int,
+              totals: np.ndarray, losses_computed: np.ndarray, job_times: list) -> None:
+        """A run from `first_step`: `load` gives a micro-batch's data; each job's loss goes into
+        `totals` ([loss sum, correct, predictions] per step) and `losses_computed`; a one-step
+        run's jobs their times into `job_times`."""
+        self.run, self.first_step, self.load = run, first_step, load
+        self.seed, self.batch_size, self.micro_size = seed, batch_size, micro_size
+        self.totals, self.losses_computed, self.job_times = totals, losses_computed, job_times
+        self.flowing = (None, None)
+
+    def compute(self, instruction: Compute) -> None:
         """Run a job, or one unit of a shared stage's job: the units of a job follow each other
         in the program, the output of one (`flowing`) the input of the next."""
         job, unit = instruction.job, instruction.unit
@@ -45,12 +75,12 @@ class Jobs:
         if s in self.shared:
             self.shared[s].enter(unit)
         elif job.direction != WEIGHTS:  # a W job reads its B's stash, not the weights
-            self._bind(s, weights=self._take(self._shifted(instruction.weights)))
+            self.items.bind(s, weights=self.items.get(self.items.shifted(instruction.weights)))
         if opens:  # a job's time is its computing, not its wait for an input (that is the bubble)
-            arriving = (Item("x", s, g) if job.direction == FORWARD and s > 0 else
-                        Item("dy", s, g) if backward and not last else None)
+            arriving = (Item(ItemKind.INPUT, s, g) if job.direction == FORWARD and s > 0 else
+                        Item(ItemKind.OUTPUT_GRADIENT, s, g) if backward and not last else None)
             if arriving is not None:
-                self._take(arriving)
+                self.items.get(arriving)
             self.job_start = time.perf_counter()
         span = None if unit is None else self.shared[s].layers(unit)
         with self.ledger.phase("forward" if job.direction == FORWARD else "backward"):
@@ -66,29 +96,29 @@ class Jobs:
     def _forward(self, step: int, s: int, i: int, g: int, last: bool, span, opens: bool, closes: bool) -> None:
         if opens:
             inputs, targets = self.load(step, i) if s == 0 or last else (None, None)
-            x = inputs if s == 0 else self._take(Item("x", s, g))
-            first = self.mesh.replica(self.comm.rank) * (self.batch_size // self.mesh.replicas) + i * self.micro_size
+            x = inputs if s == 0 else self.items.get(Item(ItemKind.INPUT, s, g))
+            first = self.replica * (self.batch_size // self.plan.mesh.replicas) + i * self.micro_size
             ctx = self.cache.context(s, g, step=step, seed=self.seed,
                                      sample_ids=np.arange(first, first + self.micro_size))
         else:
             (x, targets), ctx, self.flowing = self.flowing, self.cache.contexts[(s, g)], (None, None)
         stash, y = ctx, x
         if self.recompute is None:
-            y = self.stages[s].forward(x, ctx, self._after_layer, span)
+            y = self.stages[s].forward(x, ctx, self.after_layer, span)
         else:  # keep only each segment's input; the layers stash into a context forgotten after the forward
             stash = Context(None, ctx.key, step=ctx.step, sample_ids=ctx.sample_ids, seed=ctx.seed)
             for segment in self._segments(s, span):
                 ctx.save(("input", segment), y, targets)
-                y = self.stages[s].forward(y, stash, self._after_layer, segment)
+                y = self.stages[s].forward(y, stash, self.after_layer, segment)
         if not closes:
             self.flowing = (y, targets)
         elif not last:
-            self._keep(Item("x", s + 1, g), y)
+            self.items.keep(Item(ItemKind.INPUT, s + 1, g), y)
         else:
             loss = float(self.loss_fn.forward(y, targets, stash, self.batch_size))
             if not self.plan.settles_each_step and not np.isfinite(loss):
                 raise NonFiniteLossError(f"step {step}, micro-batch {i}: the training loss is {loss} "
-                                         f"(rank {self.comm.rank}); try a lower --lr")
+                                         f"(rank {self.rank}); try a lower --lr")
             self.totals[step - self.first_step] += (loss, float((y.argmax(axis=-1) == targets).sum()), targets.size)
             self.losses_computed[step - self.first_step] += 1
 
@@ -107,7 +137,7 @@ class Jobs:
                     self.loss_fn.forward(y, targets, ctx, self.batch_size)
             if index == 0:
                 dy = self._output_gradient(step, s, g, new_gradient, unit, opens)
-            dy = self.stages[s].backward(dy, ctx, self._after_layer, part, split)
+            dy = self.stages[s].backward(dy, ctx, self.after_layer, part, split)
         dx = dy
         if not closes:
             self.flowing = (dx, None)
@@ -115,7 +145,7 @@ class Jobs:
         if not split:
             self.cache.release(s, g)
         if s > 0:
-            self._keep(Item("dy", s - 1, g), dx)
+            self.items.keep(Item(ItemKind.OUTPUT_GRADIENT, s - 1, g), dx)
 
     def _output_gradient(self, step: int, s: int, g: int, new_gradient: bool, unit: int | None, opens: bool):
         """What a backward starts from (the loss's gradient, a received one, or the unit above's),
@@ -126,13 +156,13 @@ class Jobs:
         if not opens:
             (dy, _), self.flowing = self.flowing, (None, None)  # held no longer than the next unit needs it
             return dy
-        gradient = Item("g", s, step)
+        gradient = Item(ItemKind.GRADIENT_SUM, s, step)
         if new_gradient:
-            self._keep(gradient, self._zeros("g", s))
+            self.items.keep(gradient, self.items.zeros(ItemKind.GRADIENT_SUM, s))
         if s not in self.shared:
-            self._bind(s, gradient=self._take(gradient))  # layers add into the sum so far
+            self.items.bind(s, gradient=self.items.get(gradient))  # layers add into the sum so far
         return (self.loss_fn.backward(self.cache.contexts[(s, g)]) if s == len(self.stages) - 1
-                else self._take(Item("dy", s, g)))
+                else self.items.get(Item(ItemKind.OUTPUT_GRADIENT, s, g)))
 
     def _segments(self, s: int, span: tuple[int, int] | None) -> list[tuple[int, int]]:
         """The runs of layers whose inputs a recomputing Compute keeps (--recompute)."""
@@ -140,6 +170,6 @@ class Jobs:
 
     def _weight_gradients(self, step: int, s: int, g: int) -> None:
         """A zero-bubble W job: the weight gradients from what its B left; then the activations go."""
-        self._bind(s, gradient=self._take(Item("g", s, step)))
-        self.stages[s].backward_weights(self.cache.contexts[(s, g)], self._after_layer)
+        self.items.bind(s, gradient=self.items.get(Item(ItemKind.GRADIENT_SUM, s, step)))
+        self.stages[s].backward_weights(self.cache.contexts[(s, g)], self.after_layer)
         self.cache.release(s, g)

@@ -2,8 +2,8 @@
 
 Whatever the scheme, a rank holds only part of the model: some stages whole (a pipeline
 worker's, an owner's), some in blocks shared by a replica group (sharded_stage.py), a
-CDP rank some weight versions. These methods, the executor's (executor.py mixes them
-in), read and write the whole model the same way for every plan: a stage that every
+CDP rank some weight versions. WholeModel reads and writes the whole model the same way
+for every plan: a stage that every
 worker shares is gathered unit by unit in its replica group, by the forward of the
 sharding flow; any other is brought to every rank from one that holds it.
 
@@ -17,22 +17,36 @@ import numpy as np
 from mpipar.cache import Context
 from mpipar.checkpoint.format import Piece
 from mpipar.comms.collectives import broadcast
-from mpipar.schedule.instructions import Compute, CyclicJob, GatherUnit, Item, Update
+from mpipar.comms.comm import Comm, ScratchPool
+from mpipar.model import Stage
+from mpipar.runtime.item_store import ItemStore
+from mpipar.runtime.ledger import MemoryLedger
+from mpipar.runtime.sharded_stage import ShardedStage
+from mpipar.schedule.instructions import Compute, CyclicJob, GatherUnit, Item, ItemKind, ReleaseUnit
+from mpipar.schedule.plans import Plan
 from mpipar.schedule.sharding_flow import job_flow
 from mpipar.schedule.strategies import FORWARD
 
 
 class WholeModel:
-    """The executor's view of the whole model (it provides stages, plan, store, shared, sharding,
-    prefetch, comm, collective, pool, ledger, dtype, kinds, next_step, _bind, _let_go, handlers)."""
+    """The whole model of `stages` as this rank sees it under `plan`: `items` holds its item
+    stages' state, `shared` the stages its replica group shares; `pool` lends the scratch
+    buffers a stage it lacks is brought into."""
+
+    def __init__(self, stages: list[Stage], plan: Plan, items: ItemStore, shared: dict[int, ShardedStage],
+                 comm: Comm, ledger: MemoryLedger, pool: ScratchPool, *, collective: str, state_kinds: int) -> None:
+        self.stages, self.plan, self.items, self.shared = stages, plan, items, shared
+        self.comm, self.ledger, self.pool = comm, ledger, pool
+        self.collective, self.state_kinds = collective, state_kinds
+        self.dtype = stages[0].flat.dtype
 
     def _whole_stage(self, s: int, phase: str, out: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
         """Stage s's newest parameters on every rank (collective where some rank lacks it:
         gathered in its replica group where sharded, then broadcast from a rank that holds it),
         and whether they are this rank's own buffer."""
         flat = self.stages[s].flat
-        held = self.store.get(Item("w", s, self.next_step))
-        if s in self.shared and self.sharding.parameters == "N":
+        held = self.items.held().get(Item(ItemKind.WEIGHTS, s, self.items.next_step))
+        if s in self.shared and self.plan.sharding.parameters == "N":
             held = flat.data
         weights = held if held is not None and out is None else out
         if weights is None:
@@ -42,9 +56,9 @@ class WholeModel:
             weights[:] = held
         if s in self.shared and held is None:
             self.shared[s].gather_parameters(weights, phase)
-        if not self.plan.everywhere(s, self.next_step):
+        if not self.plan.everywhere(s, self.items.next_step):
             with self.comm.traffic.phase(phase):
-                broadcast(self.comm, weights, self.plan.root(s, self.next_step), self.collective)
+                broadcast(self.comm, weights, self.plan.root(s, self.items.next_step), self.collective)
         return weights, weights is held
 
     def forward(self, x, ctx: Context, gather_phase: str = "evaluate"):
@@ -56,14 +70,14 @@ class WholeModel:
 
     def _forward_stages(self, x, ctx: Context, gather_phase: str):
         for s, stage in enumerate(self.stages):
-            if s in self.shared and self.plan.everywhere(s, self.next_step):
+            if s in self.shared and self.plan.everywhere(s, self.items.next_step):
                 x = self._forward_units(s, x, ctx, gather_phase)
                 continue
             weights, owned = self._whole_stage(s, gather_phase)
-            self._bind(s, weights=weights)
+            self.items.bind(s, weights=weights)
             x = stage.forward(x, ctx)
             if not owned:
-                self._let_go(s, weights)
+                self.items.let_go(s, weights)
                 self.ledger.free("parameters", weights.nbytes)
                 self.pool.give(weights)
         return x
@@ -71,22 +85,22 @@ class WholeModel:
     def _forward_units(self, s: int, x, ctx: Context, gather_phase: str):
         """Shared stage s on one batch, by the forward of the sharding flow (its gathers counted
         under `gather_phase`); the Computes run here, outside any step."""
-        for instruction in job_flow(CyclicJob(0, 0, s, FORWARD), len(self.shared[s].units), self.sharding,
-                                    self.prefetch):
+        for instruction in job_flow(CyclicJob(0, 0, s, FORWARD), len(self.shared[s].units), self.plan.sharding,
+                                    self.plan.prefetch):
             if isinstance(instruction, GatherUnit):
                 self.shared[s].gather(instruction.unit, gather_phase)
             elif isinstance(instruction, Compute):
                 self.shared[s].enter(instruction.unit)
                 x = self.stages[s].forward(x, ctx, span=self.shared[s].layers(instruction.unit))
-            else:
-                self.handlers[type(instruction)](self, instruction)
+            elif isinstance(instruction, ReleaseUnit):  # the only other instruction of a forward job's flow
+                self.shared[s].release(instruction.unit)
         return x
 
     def full_parameters(self) -> np.ndarray:
         """The whole model's newest parameters, on every rank (collective: for checks)."""
         parts = []
         for s, stage in enumerate(self.stages):
-            if s in self.shared and self.plan.everywhere(s, self.next_step):
+            if s in self.shared and self.plan.everywhere(s, self.items.next_step):
                 parts.append(self.shared[s].full_parameters())
             else:
                 parts.append(self._whole_stage(s, "inspect", np.empty(stage.flat.size, dtype=self.dtype))[0])
@@ -98,23 +112,22 @@ class WholeModel:
         it starts a run with the older version equal to the newest. Between runs only."""
         offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
         for s, shared in self.shared.items():
-            shared.load_parameters(full[offsets[s]:offsets[s + 1]])
-        for item, buffer in self.store.items():
-            if item.kind == "w":
+            shared.state.load_parameters(full[offsets[s]:offsets[s + 1]])
+        for item, buffer in self.items.held().items():
+            if item.kind == ItemKind.WEIGHTS:
                 buffer[:] = full[offsets[item.stage]:offsets[item.stage + 1]]
 
-    def gradient_pieces(self) -> list[Piece]:
-        """The summed gradients this rank's optimizers read at the coming updates, placed in the
-        whole model's flat order ("grads"), as views: after finish_gradients, before step. A
-        stage this rank does not update (its gradient went to the stage's owner) has none here."""
+    def gradient_pieces(self, updated: set[int]) -> list[Piece]:
+        """The summed gradients this rank's optimizers read at the coming updates (of the stages
+        `updated`), placed in the whole model's flat order ("grads"), as views: after
+        finish_gradients, before step. A stage this rank does not update (its gradient went to
+        the stage's owner) has none here."""
         offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
         pieces = []
         for s, shared in sorted(self.shared.items()):
-            pieces += shared.gradient_pieces(int(offsets[s]))
-        updated = {instruction.stage for instruction in self.run.program[self.run.updates_from:]
-                   if isinstance(instruction, Update)}
-        for item, buffer in self.store.items():
-            if item.kind == "g" and item.stage in updated and item.stage not in self.shared:
+            pieces += shared.state.gradient_pieces(int(offsets[s]))
+        for item, buffer in self.items.held().items():
+            if item.kind == ItemKind.GRADIENT_SUM and item.stage in updated and item.stage not in self.shared:
                 start = int(offsets[item.stage])
                 pieces.append(Piece("grads", start, start + self.stages[item.stage].flat.size, buffer))
         return pieces
@@ -127,14 +140,14 @@ class WholeModel:
         offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
         pieces, optimizers = [], []
         for s, shared in sorted(self.shared.items()):
-            shared_pieces, shared_optimizers = shared.state_pieces(int(offsets[s]))
+            shared_pieces, shared_optimizers = shared.state.state_pieces(int(offsets[s]))
             pieces, optimizers = pieces + shared_pieces, optimizers + shared_optimizers
-        for item, buffer in self.store.items():
+        for item, buffer in self.items.held().items():
             start, size = int(offsets[item.stage]), self.stages[item.stage].flat.size
-            if item.kind == "w":
-                vector = "params" if item.index == self.next_step else "params.previous"
+            if item.kind == ItemKind.WEIGHTS:
+                vector = "params" if item.index == self.items.next_step else "params.previous"
                 pieces.append(Piece(vector, start, start + size, buffer))
             else:
                 pieces += [Piece(f"optimizer.{kind}", start, start + size, buffer[kind * size:(kind + 1) * size])
-                           for kind in range(self.kinds)]
+                           for kind in range(self.state_kinds)]
         return pieces, optimizers

@@ -34,7 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from mpipar.errors import ConfigError, unknown_name
-from mpipar.schedule.instructions import CyclicJob, EndTimeStep, Item, ItemInstruction, Send
+from mpipar.schedule.instructions import CyclicJob, EndTimeStep, Item, ItemInstruction, ItemKind, Send
 from mpipar.schedule.strategies import FORWARD
 
 LAYOUTS = ("single", "dp", "zero", "pp", "mp")
@@ -108,7 +108,7 @@ def item_homes(layout: str, rule: str, count: int, item: Item, step: int) -> tup
     one on every rank, so that between runs (and at the start of the next) no rank holds a
     second version of a stage it does not read or update. Any other rank fetches a version
     when it first reads it, as within a run."""
-    if item.kind == "o":
+    if item.kind == ItemKind.OPTIMIZER_STATE:
         return (optimizer_home(layout, rule, count, item.stage),)
     if layout == "zero":
         return (item.stage,)
@@ -131,7 +131,7 @@ def persistent_items(rule: str, count: int, step: int) -> list[Item]:
     items = []
     for s in range(count):
         versions = {step} | {weight_version(rule, count, CyclicJob(step, i, s, FORWARD)) for i in range(count)}
-        items += [Item("w", s, v) for v in sorted(versions)] + [Item("o", s, 0)]
+        items += [Item(ItemKind.WEIGHTS, s, v) for v in sorted(versions)] + [Item(ItemKind.OPTIMIZER_STATE, s, 0)]
     return items
 
 

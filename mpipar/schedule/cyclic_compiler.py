@@ -40,6 +40,7 @@ from mpipar.schedule.instructions import (
     EndTimeStep,
     Item,
     ItemInstruction,
+    ItemKind,
     Receive,
     Send,
     Update,
@@ -109,9 +110,9 @@ class _Compiler:
         persistent = persistent_items(rule, count, first_step + steps)  # the state the next run starts from
         self.last_read = {item: end for item in persistent}  # zero carries a weight version until then
         for job in jobs:
-            read = [Item("w", job.stage, weight_version(rule, count, job))]
+            read = [Item(ItemKind.WEIGHTS, job.stage, weight_version(rule, count, job))]
             if job.direction == BACKWARD and job.micro_batch == count - 1:
-                read.append(Item("w", job.stage, job.step))  # the update reads the version it steps from
+                read.append(Item(ItemKind.WEIGHTS, job.stage, job.step))  # the update reads the version it steps from
             for item in read:
                 self.last_read[item] = max(self.last_read.get(item, -1), job_time(rule, count, job))
         for job in jobs:
@@ -119,7 +120,7 @@ class _Compiler:
         for item in persistent:
             homes = item_homes(self.layout, rule, count, item, first_step + steps)
             for rank in homes:
-                self.need(item, rank, end, moves=self.moving_state or item.kind == "o")
+                self.need(item, rank, end, moves=self.moving_state or item.kind == ItemKind.OPTIMIZER_STATE)
             for rank in homes:
                 self.last_use.pop((rank, item), None)  # kept: not dropped at the end
         for (rank, item), time in self.last_use.items():
@@ -149,27 +150,27 @@ class _Compiler:
         if self.moving_state:  # zero: the stage's whole state comes to the rank that computes it
             for item in self.stage_state(s, time):
                 self.need(item, rank, time, moves=True)
-        self.need(Item("w", s, version), rank, time, moves=self.moving_state)
-        gradient = Item("g", s, job.step)
+        self.need(Item(ItemKind.WEIGHTS, s, version), rank, time, moves=self.moving_state)
+        gradient = Item(ItemKind.GRADIENT_SUM, s, job.step)
         new_gradient = job.direction == BACKWARD and not self.holders.get(gradient)
         if job.direction == FORWARD:
             if s > 0:
-                self.need(Item("x", s, g), rank, time, moves=True)
+                self.need(Item(ItemKind.INPUT, s, g), rank, time, moves=True)
         else:
             if s < count - 1:
-                self.need(Item("dy", s, g), rank, time, moves=True)
+                self.need(Item(ItemKind.OUTPUT_GRADIENT, s, g), rank, time, moves=True)
             if not new_gradient:
                 self.need(gradient, rank, time, moves=True)
         self.emit(rank, time, Compute(job, version, new_gradient))
-        for item in (Item("x", s, g), Item("dy", s, g)):  # consumed by the job
+        for item in (Item(ItemKind.INPUT, s, g), Item(ItemKind.OUTPUT_GRADIENT, s, g)):  # consumed by the job
             if self.last_use.pop((rank, item), None) is not None:
                 self.holders[item] = []
                 self.emit(rank, time, Drop(item))
         if job.direction == FORWARD and s < count - 1:
-            self.holds(rank, Item("x", s + 1, g), time)
+            self.holds(rank, Item(ItemKind.INPUT, s + 1, g), time)
         if job.direction == BACKWARD:
             if s > 0:
-                self.holds(rank, Item("dy", s - 1, g), time)
+                self.holds(rank, Item(ItemKind.OUTPUT_GRADIENT, s - 1, g), time)
             if new_gradient:
                 self.holds(rank, gradient, time)
             if job.micro_batch == count - 1:  # the step's last backward of this stage: update it here,
@@ -178,23 +179,23 @@ class _Compiler:
                             time + deferred_update(self.layout, rule))
 
     def update(self, stage: int, step: int, rank: int, time: int) -> None:
-        self.need(Item("g", stage, step), rank, time, moves=True)
-        self.need(Item("w", stage, step), rank, time, moves=self.moving_state)
-        self.need(Item("o", stage, 0), rank, time, moves=True)
+        self.need(Item(ItemKind.GRADIENT_SUM, stage, step), rank, time, moves=True)
+        self.need(Item(ItemKind.WEIGHTS, stage, step), rank, time, moves=self.moving_state)
+        self.need(Item(ItemKind.OPTIMIZER_STATE, stage, 0), rank, time, moves=True)
         self.emit(rank, time, Update(stage, step))
-        gradient = Item("g", stage, step)
+        gradient = Item(ItemKind.GRADIENT_SUM, stage, step)
         del self.last_use[(rank, gradient)]
         self.holders[gradient] = []
         self.emit(rank, time, Drop(gradient))
-        self.holds(rank, Item("w", stage, step + 1), time)
+        self.holds(rank, Item(ItemKind.WEIGHTS, stage, step + 1), time)
 
     def stage_state(self, stage: int, time: int) -> list[Item]:
         """The items of `stage` that exist now and are still to be read (zero moves them together)."""
         live = []
         for item, holders in self.holders.items():
-            if item.stage != stage or not holders or item.kind in ("x", "dy"):
+            if item.stage != stage or not holders or item.kind in (ItemKind.INPUT, ItemKind.OUTPUT_GRADIENT):
                 continue
-            if item.kind == "w" and self.last_read.get(item, -1) < time:
+            if item.kind == ItemKind.WEIGHTS and self.last_read.get(item, -1) < time:
                 continue
             live.append(item)
         return live
@@ -208,15 +209,16 @@ def weight_buffers(program: tuple[ItemInstruction, ...]) -> dict[tuple[int, int]
     plan = {}
     for instruction in reversed(program):
         if isinstance(instruction, Update):
-            old, done = Item("w", instruction.stage, instruction.step), dropped_next[instruction.stage]
+            old, done = Item(ItemKind.WEIGHTS, instruction.stage, instruction.step), dropped_next[instruction.stage]
             plan[(instruction.stage, instruction.step)] = (old in done, min(done - {old}, default=None))
-            done -= {old, Item("w", instruction.stage, instruction.step + 1)}  # it reads one, makes the other
+            # it reads one version, makes the other
+            done -= {old, Item(ItemKind.WEIGHTS, instruction.stage, instruction.step + 1)}
             continue
         if isinstance(instruction, Compute) and instruction.unit is not None:
             continue  # a shared stage's unit: its weights are the sharding flow's, not items
         item = instruction.weights if isinstance(instruction, Compute) else getattr(instruction, "item", None)
-        if item is not None and item.kind == "w" and isinstance(instruction, Drop):
+        if item is not None and item.kind == ItemKind.WEIGHTS and isinstance(instruction, Drop):
             dropped_next[item.stage].add(item)
-        elif item is not None and item.kind == "w":  # a use: a read, a Send, a Receive
+        elif item is not None and item.kind == ItemKind.WEIGHTS:  # a use: a read, a Send, a Receive
             dropped_next[item.stage].discard(item)
     return plan

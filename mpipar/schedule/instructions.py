@@ -27,6 +27,7 @@ Exercised by: mpipar schedule show --scheme 1f1b --workers 4 --stages 4 --micro-
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import NamedTuple
 
 from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job
@@ -160,13 +161,28 @@ def job_of(instruction: Forward | Backward | BackwardWeights) -> Job:
 
 # -- item programs (what the executor runs) ---------------------------------------------------
 
-class Item(NamedTuple):
-    """What can move between ranks: kind x (input of F(index, stage)), dy (gradient entering
-    B(index, stage)), w (stage weights after `index` updates), f (a copy of the stage's
-    weights fetched for one job alone, `index` numbering the job: 3 b for F(stage, b), 3 b + 1
-    for B, 3 b + 2 for W), g (stage gradient of step `index`) or o (stage optimizer state, index 0)."""
+class ItemKind(str, Enum):
+    """What an item is. Its value, a letter or two, is how programs and messages print it."""
 
-    kind: str
+    INPUT = "x"  # the input activation of F(stage, index)
+    OUTPUT_GRADIENT = "dy"  # the gradient entering B(stage, index): that of the stage's output
+    WEIGHTS = "w"  # the stage's weights after `index` updates
+    FETCHED = "f"  # a copy of the stage's weights fetched for one job alone (index: job_number)
+    GRADIENT_SUM = "g"  # the stage's gradient summed over step `index`
+    OPTIMIZER_STATE = "o"  # the stage's optimizer state (index 0)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Item(NamedTuple):
+    """A versioned piece of state that can move between ranks: `kind` of `stage`, numbered by
+    `index` (a micro-batch over the run, an update count, a step or a job; see ItemKind)."""
+
+    kind: ItemKind
     stage: int
     index: int
 
@@ -207,7 +223,7 @@ class Compute:
 
     @property
     def weights(self) -> Item:
-        return Item("f" if self.copy else "w", self.job.stage, self.version)
+        return Item(ItemKind.FETCHED if self.copy else ItemKind.WEIGHTS, self.job.stage, self.version)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ Exercised by: python -m pytest tests/test_plans.py
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from mpipar.errors import ConfigError
 from mpipar.schedule.cyclic import item_homes, persistent_items
@@ -39,6 +40,7 @@ from mpipar.schedule.instructions import (
     FetchWeights,
     Forward,
     Item,
+    ItemKind,
     OptimizerStep,
     Receive,
     RecvActivation,
@@ -76,6 +78,40 @@ class Run:
         return replace(self, shift=first_step)
 
 
+class Plan(Protocol):
+    """What the runtime reads of a plan; PipelinePlan and CdpPlan both are one."""
+
+    mesh: Mesh
+    sharding: Sharding  # how a stage shared by its replica group is split (CDP: none is)
+    prefetch: int  # units gathered ahead of the one computing
+    micro_batches: int  # per step and replica
+    shared: list[int]  # this rank's stages that its replica group shares unit by unit
+    units: list[int]  # per stage: how many units a replica group shares it in
+    settles_each_step: bool  # the trainer sums the loss over ranks before every update
+    keeps_gradients: bool  # a stage's gradient buffer is reused step after step
+    steps_in_any_order: bool  # the state before a step does not depend on the steps before it
+    keeps_spare_weights: bool  # an updater keeps a dropped weight version for its next copy
+    splits_backward: bool  # zero-bubble: backward jobs B and W
+
+    def program(self, first_step: int, steps: int) -> Run:
+        """This rank's program for steps [first_step, first_step + steps)."""
+
+    def persistent(self, step: int) -> list[Item]:
+        """The items this rank holds before step `step`."""
+
+    def peer(self, worker: int) -> int:
+        """The rank a program's `worker` (a Send's dest, a Receive's source) is."""
+
+    def reduction_groups(self) -> dict[int, list[int]]:
+        """Per stage whose gradient several ranks sum by ReduceGradients, those ranks."""
+
+    def everywhere(self, stage: int, step: int) -> bool:
+        """Does every rank hold `stage` before step `step` (whole, or among its replica group)?"""
+
+    def root(self, stage: int, step: int) -> int:
+        """A rank that holds `stage` before step `step`."""
+
+
 def job_number(batch: int, direction: str) -> int:
     """The index of a weight copy fetched for job (stage, batch, direction)."""
     return 3 * batch + (FORWARD, BACKWARD, WEIGHTS).index(direction)
@@ -106,43 +142,46 @@ def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Shardin
             seen += 1
             accumulating |= {s} if d == BACKWARD else set()
             if d == FORWARD and s > 0:
-                items.append(Drop(Item("x", s, b)))
+                items.append(Drop(Item(ItemKind.INPUT, s, b)))
             elif d == BACKWARD and s < stages - 1:
-                items.append(Drop(Item("dy", s, b)))
+                items.append(Drop(Item(ItemKind.OUTPUT_GRADIENT, s, b)))
         elif isinstance(instruction, BackwardWeights):  # never of a shared stage (config.py), and reads no weights
             items.append(Compute(CyclicJob(0, instruction.batch, instruction.stage, WEIGHTS), 0))
         elif isinstance(instruction, (SendActivation, SendGradient)):
-            item = Item("x", instruction.stage + 1, instruction.batch) if isinstance(instruction, SendActivation) \
-                else Item("dy", instruction.stage - 1, instruction.batch)
+            item = (Item(ItemKind.INPUT, instruction.stage + 1, instruction.batch)
+                    if isinstance(instruction, SendActivation)
+                    else Item(ItemKind.OUTPUT_GRADIENT, instruction.stage - 1, instruction.batch))
             items += [Send(item, instruction.dest), Drop(item)]
         elif isinstance(instruction, (RecvActivation, RecvGradient)):
-            kind = "x" if isinstance(instruction, RecvActivation) else "dy"
+            kind = ItemKind.INPUT if isinstance(instruction, RecvActivation) else ItemKind.OUTPUT_GRADIENT
             items.append(Receive(Item(kind, instruction.stage, instruction.batch), instruction.source))
         elif isinstance(instruction, SendWeights):
-            copy = Item("f", instruction.stage, job_number(instruction.batch, instruction.direction))
-            items.append(Send(Item("w", instruction.stage, 0), instruction.dest, arrives_as=copy))
+            copy = Item(ItemKind.FETCHED, instruction.stage, job_number(instruction.batch, instruction.direction))
+            items.append(Send(Item(ItemKind.WEIGHTS, instruction.stage, 0), instruction.dest, arrives_as=copy))
         elif isinstance(instruction, FetchWeights):
             fetched.add((instruction.stage, instruction.batch, instruction.direction))
-            copy = Item("f", instruction.stage, job_number(instruction.batch, instruction.direction))
+            copy = Item(ItemKind.FETCHED, instruction.stage, job_number(instruction.batch, instruction.direction))
             items.append(Receive(copy, instruction.source))
         elif isinstance(instruction, ReleaseWeights):
-            items.append(Drop(Item("f", instruction.stage, job_number(instruction.batch, instruction.direction))))
+            number = job_number(instruction.batch, instruction.direction)
+            items.append(Drop(Item(ItemKind.FETCHED, instruction.stage, number)))
         elif isinstance(instruction, ReduceGradients):
             items.append(instruction)
             reduced.append(instruction.stage)
         elif isinstance(instruction, OptimizerStep):
             updates_from = len(items)
             # a gradient reduced to another rank lives until its reduction completes: here
-            items += [Drop(Item("g", s, 0)) for s in reduced if s not in instruction.stages and s not in shared]
+            items += [Drop(Item(ItemKind.GRADIENT_SUM, s, 0)) for s in reduced
+                      if s not in instruction.stages and s not in shared]
             for s in instruction.stages:
                 if s in shared:
                     items += update_flow(s, 0, shared[s], sharding)
                 else:
-                    items += [Update(s, 0), Drop(Item("g", s, 0)), Drop(Item("w", s, 0))]
+                    items += [Update(s, 0), Drop(Item(ItemKind.GRADIENT_SUM, s, 0)), Drop(Item(ItemKind.WEIGHTS, s, 0))]
     return tuple(items), updates_from
 
 
-def shared_stages(mesh: Mesh, stage_sizes: list[int]) -> list[bool]:
+def replica_shared_stages(mesh: Mesh, stage_sizes: list[int]) -> list[bool]:
     """Per stage: is it shared by its replica group under a sharding triple? With replicas,
     yes, and always in data parallelism, even on one rank; but a stage without parameters
     has nothing to share."""
@@ -167,7 +206,7 @@ class PipelinePlan:
         self.micro_batches = compiled.shape.micro_batches
         self.worker, self.replica = mesh.worker(rank), mesh.replica(rank)
         self.held = [s for s in range(len(stage_sizes)) if self.worker in compiled.holders[s]]
-        self.shared = [s for s in self.held if shared_stages(mesh, stage_sizes)[s]]
+        self.shared = [s for s in self.held if replica_shared_stages(mesh, stage_sizes)[s]]
         self.units = units = units or [1] * len(stage_sizes)
         if self.splits_backward and self.shared:
             raise ConfigError(f"{compiled.strategy.name}'s W jobs cannot run on stage {self.shared[0]}, which a "
@@ -183,7 +222,8 @@ class PipelinePlan:
 
     def persistent(self, step: int) -> list[Item]:
         """The items this rank holds between steps: its held stages' weights and optimizer state."""
-        return [Item(kind, s, step if kind == "w" else 0) for s in self.held if s not in self.shared for kind in "wo"]
+        return [Item(kind, s, step if kind == ItemKind.WEIGHTS else 0) for s in self.held if s not in self.shared
+                for kind in (ItemKind.WEIGHTS, ItemKind.OPTIMIZER_STATE)]
 
     def peer(self, worker: int) -> int:
         """The rank of this rank's pipeline that plays `worker`."""
@@ -228,7 +268,7 @@ class CdpPlan:
         # an updater keeps a dropped weight version for its next copy of an old one, except in the
         # zero layout, where all of a stage's buffers leave with the stage
         self.keeps_spare_weights = layout != "zero"
-        self.micro_batches, self.mesh, self.shared = count, Mesh(world_size, 1), []
+        self.micro_batches, self.mesh, self.shared, self.units = count, Mesh(world_size, 1), [], [1] * count
         self.stage_sizes, self.itemsize, self.state_kinds = stage_sizes, itemsize, state_kinds
         self.runs: dict[tuple[int, int], Run] = {}  # only this rank's: every rank's grows with ranks x steps
 
@@ -259,7 +299,7 @@ class CdpPlan:
         return self._newest_homes(stage, step)[0]
 
     def _newest_homes(self, stage: int, step: int) -> tuple[int, ...]:
-        return item_homes(self.layout, self.rule, self.count, Item("w", stage, step), step)
+        return item_homes(self.layout, self.rule, self.count, Item(ItemKind.WEIGHTS, stage, step), step)
 
 
 def _run(program: tuple, updates_from: int, step_ends: tuple) -> Run:

@@ -204,7 +204,7 @@ for _order, _priority in (("", depth_first), ("-breadth", breadth_first)):
                       _looped_check, looped=True))
 
 
-def shared_stages(strategy: Strategy, shape: Shape) -> list[int]:
+def stages_on_several_workers(strategy: Strategy, shape: Shape) -> list[int]:
     """The stages that more than one worker holds or computes (their gradients are summed
     inside the pipeline); in gpipe and 1f1b none: one worker does everything of a stage."""
     members: dict[int, set[int]] = {}

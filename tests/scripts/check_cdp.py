@@ -102,7 +102,7 @@ for layout, count in CASES:
             trainer.engine.record_timeline = True
             records = traced(trainer)
             trainer.run()
-            got = trainer.engine.full_parameters()
+            got = trainer.engine.whole_model.full_parameters()
             expected = np.concatenate(reference_training(config, rule))
             cases += 1
             if not np.allclose(got, expected, rtol=1e-10, atol=0):

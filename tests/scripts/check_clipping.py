@@ -46,7 +46,7 @@ for model, common in (("mlp", MLP), ("transformer, tied", GPT)):
     for options in CASES[world.size]:
         trainer = Trainer(TrainConfig(**common, **options, grad_clip=clip))
         trainer.run()
-        got = trainer.engine.full_parameters()
+        got = trainer.engine.whole_model.full_parameters()
         cases += 1
         if not np.allclose(got, reference, rtol=1e-10, atol=0):
             worst = np.abs(got - reference).max()

@@ -45,7 +45,7 @@ if W == 4:
 def activation_problems(trainer: Trainer, label: str) -> list[str]:
     """What this rank received along its pipeline, against its program's receives."""
     program = trainer.compiled.programs[trainer.engine.plan.worker]
-    size = trainer.engine.micro_size
+    size = trainer.engine.items.micro_size
     boundary = [size * int(np.prod(shape)) * 8 for shape in trainer.engine.input_shapes]
     expected = STEPS * sum(boundary[i.stage] if isinstance(i, RecvActivation) else boundary[i.stage + 1]
                            for i in program if isinstance(i, (RecvActivation, RecvGradient)))
@@ -94,7 +94,7 @@ for scheme, stages, replicas, micro_batches, loops, shard in CASES:
             trainer.train_step(step, 0, step)
         if optimizer == "sgd":
             failures += activation_problems(trainer, label) + sharding_problems(trainer, label)
-        got = trainer.engine.full_parameters()
+        got = trainer.engine.whole_model.full_parameters()
         cases += 1
         if not np.allclose(got, references[optimizer], rtol=1e-10, atol=0):
             failures.append(f"{label}: differs from one process by up to {np.abs(got - references[optimizer]).max():.3g}")

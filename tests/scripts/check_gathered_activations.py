@@ -46,7 +46,7 @@ for name, options in OPTIMIZERS.items():
             failures.append(f"{label}: chose {chosen}, the rule gives {EXPECTED}")
         if not all(layer in gathered.scheme_name for layer in EXPECTED):
             failures.append(f"{label}: the run's description does not name the chosen layers: {gathered.scheme_name}")
-        got = gathered.engine.full_parameters()
+        got = gathered.engine.whole_model.full_parameters()
         if not np.allclose(got, reference, rtol=1e-10, atol=0):
             failures.append(f"{label}: differs from one process by up to {np.abs(got - reference).max():.3g}")
         moved = gathered.counted.traffic.read(PHASE).sent_bytes

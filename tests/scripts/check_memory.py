@@ -118,7 +118,7 @@ if depth_peaks[3] - depth_peaks[0] < 2 * unit_bytes:
 
 # Construction is exact: a fresh zero3 build, gathered, equals one process's build bit for bit.
 fresh = Trainer(config("zero3"))
-gathered = fresh.engine.full_parameters()
+gathered = fresh.engine.whole_model.full_parameters()
 if not np.array_equal(gathered, one_process_parameters(fresh)):
     failures.append(f"rank {world.rank}: zero3's gathered initial parameters differ from one process's build")
 

@@ -28,7 +28,7 @@ source = Trainer(TrainConfig(**COMMON, scheme="zero3"))
 for step in range(2):
     source.train_step(step, 0, step)
 saved = source.full_parameters()
-saved_flat = source.engine.full_parameters()
+saved_flat = source.engine.whole_model.full_parameters()
 on_root = source.full_parameters(root=0)
 if (on_root is None) != (world.rank != 0):
     failures.append(f"rank {world.rank}: full_parameters(root=0) gave {type(on_root).__name__}")
@@ -57,14 +57,14 @@ got = trainer.full_parameters()
 if got.keys() != saved.keys() or any(not np.array_equal(got[name], saved[name]) for name in saved):
     failures.append(f"rank {world.rank} cdp-v2: full_parameters after load_parameters differs from what was loaded")
 trainer.run()
-got, expected = trainer.engine.full_parameters(), np.concatenate(reference_training(cdp, "cdp-v2", saved_flat))
+got, expected = trainer.engine.whole_model.full_parameters(), np.concatenate(reference_training(cdp, "cdp-v2", saved_flat))
 if not np.allclose(got, expected, rtol=1e-10, atol=0):
     failures.append(f"rank {world.rank} cdp-v2: 3 steps after loading differ from the reference rule started from the "
                     f"loaded parameters by up to {np.abs(got - expected).max():.3g}")
 # After those steps a rank holds older weight versions too (the rule still reads them): all take the loaded values
 trainer.load_parameters(saved)
 offsets = np.cumsum([0] + [stage.flat.size for stage in trainer.stages])
-versions = [(item, buffer) for item, buffer in trainer.engine.store.items() if item.kind == "w"]
+versions = [(item, buffer) for item, buffer in trainer.engine.items.held().items() if item.kind == "w"]
 stale = [item for item, buffer in versions
          if not np.array_equal(buffer, saved_flat[offsets[item.stage]:offsets[item.stage + 1]])]
 if stale:

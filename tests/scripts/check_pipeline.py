@@ -81,7 +81,7 @@ for index, (scheme, stages, micro_batches, loops) in enumerate(CASES):
         trainer = Trainer(TrainConfig(**COMMON, **options, scheme=scheme, stages=stages, micro_batches=micro_batches,
                                       loops=loops, collective=collective))
         trainer.run()
-        got = trainer.engine.full_parameters()
+        got = trainer.engine.whole_model.full_parameters()
         cases += 1
         if not np.allclose(got, references[optimizer], rtol=1e-10, atol=0):
             worst = np.abs(got - references[optimizer]).max()

@@ -41,7 +41,7 @@ for case, (optimizer, options), kept in product(CASES, OPTIMIZERS.items(), ("sta
         trainer.run()
         runs[recompute] = trainer
     trainer = runs[kept]
-    got = trainer.engine.full_parameters()
+    got = trainer.engine.whole_model.full_parameters()
     if not np.allclose(got, references[optimizer], rtol=1e-10, atol=0):
         failures.append(f"{label}: with recomputation differs from one process by up to "
                         f"{np.abs(got - references[optimizer]).max():.3g}")
