@@ -159,8 +159,7 @@ class TrainConfig:
                                        "(its latest)", click.STRING, "checkpoints")
     resume_other_data: bool = _option(False, "resume on other data than the checkpoint's run trained on (fine-tuning); "
                                              "without it such a resume is refused", click.BOOL, "checkpoints")
-    save_every: int = _option(0, "save a checkpoint every this many steps (0: never; CDP saves at the end of "
-                                 "an epoch)", NATURAL, "checkpoints")
+    save_every: int = _option(0, "save a checkpoint every this many steps (0: never)", NATURAL, "checkpoints")
     save_every_minutes: float = _option(0.0, "also save when this many minutes have passed since the last save "
                                              "(0: never)", FloatRange(0.0), "checkpoints")
     async_save: bool = _option(False, "write checkpoint files in a background thread while training goes on "
@@ -345,10 +344,6 @@ class TrainConfig:
             raise ConfigError(f"--grad-clip needs the whole model's gradient at one moment, and --scheme "
                               f"{self.scheme} updates each stage while the others still compute: drop --grad-clip, "
                               "or train with a scheme that settles each step")
-        if self.eval_every:
-            raise ConfigError(f"--eval-every {self.eval_every} evaluates between steps, and --scheme {self.scheme} "
-                              "runs an epoch's steps overlapped as one program: CDP evaluates at the end of each "
-                              "epoch; drop --eval-every")
         if self.recompute != "none":
             raise ConfigError(f"--recompute {self.recompute} is for pipelines and data parallelism; Cyclic Data "
                               "Parallelism keeps its activations flat by its schedule: drop --recompute")

@@ -12,7 +12,7 @@ noisy step from counting. The rule reads only the step losses summed over all ra
 never the clock, the terminal, --log-every or --quiet, so every rank sees the same
 losses and decides the same thing at the same step: a warning printed once by rank 0,
 or, with --stop-on-divergence, an error every rank raises together (no rank is left
-waiting). Cyclic Data Parallelism knows its losses at the end of an epoch and is
+waiting). Cyclic Data Parallelism knows its losses at the end of a run of steps and is
 checked there, step by step.
 
 Exercised by: mpiexec -n 2 mpipar train --optimizer adam --lr 1e6;  python -m pytest tests/test_divergence.py

@@ -16,7 +16,8 @@ one executor (executor.py, plans.py): data parallelism is the program of one sta
 worker, replicated on every rank; a pipeline's is its strategy's. How gradients are summed
 and where parameters, gradients and optimizer state live is the sharding flow's business
 (schedule/sharding_flow.py, sharded_stage.py): the same loop runs DDP, ZeRO-3, PaRO-IIG or 1F1B x ZeRO-3. Cyclic
-Data Parallelism runs on the same executor a whole epoch at a time, as its steps overlap.
+Data Parallelism runs on the same executor in runs of up to 100 steps (plan.longest_run), as
+its steps overlap.
 
 Exercised by: mpipar train   (and python -m pytest tests/test_trainer.py)
 """
@@ -193,10 +194,10 @@ class Trainer:
                        split=not cfg.cyclic and cfg.strategy().split_backward)
 
     def _predicted_peak(self) -> Peak:
-        """The engine's prediction of this rank's peak (for CDP: over the first epoch's program), and the
+        """The engine's prediction of this rank's peak (for CDP: over its first run's program), and the
         rows --ddp allgather-activations gathers in backward."""
         cfg = self.config
-        steps = min(self.sampler.steps_per_epoch, self.total_steps) if cfg.cyclic else 1
+        steps = min(self.sampler.steps_per_epoch, self.total_steps, self.engine.plan.longest_run)
         peak = self.engine.predicted_peak(*self.activations, steps=steps)
         if not self.gathered_layers:
             return peak
@@ -401,17 +402,31 @@ class Trainer:
                 split_micro_batches(indices, self.config.micro_batches)[micro_batch]))
         return load
 
-    def _epoch_as_one_run(self, epoch: int, first_step: int, report, watch: DivergenceWatch | None = None) -> int:
-        """An epoch as one run of the executor, for a plan whose steps overlap in time (CDP), so
-        that they cannot be taken one by one; the step losses are summed over
-        ranks once, at the end. Progress is shown as this rank finishes each step, from the
+    def _epoch_in_runs(self, epoch: int, step: int, report, watch: DivergenceWatch | None = None) -> int:
+        """An epoch from `step` on as runs of the executor of at most `plan.longest_run` steps, for
+        a plan whose steps overlap in time (CDP), so that they cannot be taken one by one. A run
+        ends at every multiple of --eval-every (evaluated there) and of --save-every; checkpoints
+        and stops come between runs. Returns the next step number."""
+        cfg = self.config
+        end = min((epoch + 1) * self.sampler.steps_per_epoch, self.total_steps)
+        while step < end:
+            steps = min(self.engine.plan.longest_run, end - step)
+            for every in (cfg.eval_every, cfg.save_every):  # a run ends where they fall
+                if every:
+                    steps = min(steps, every - step % every)
+            step = self._overlapping_run(epoch, step, steps, report, watch)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
+                evaluation = self.evaluate(epoch, step)
+                if report:
+                    report.evaluation(evaluation, self)
+        return step
+
+    def _overlapping_run(self, epoch: int, first_step: int, steps: int, report, watch: DivergenceWatch | None) -> int:
+        """Steps [first_step, first_step + steps) as one run; the step losses are summed over ranks
+        once, at its end. Progress is shown as this rank finishes each step, from the
         micro-batches it computed; the metrics and the divergence watch get the summed losses at
         the end. Returns the next step number."""
         cfg = self.config
-        epoch_start = epoch * self.sampler.steps_per_epoch  # first_step is later in a run resumed mid-epoch
-        steps = min(epoch_start + self.sampler.steps_per_epoch, self.total_steps) - first_step
-        if steps <= 0:
-            return first_step
 
         def progress(step: int, mine, computed: int) -> None:  # mine: this rank's [loss, correct, predictions]
             report.progress(step, epoch, self, loss=float(mine[0]), accuracy=float(mine[1] / max(mine[2], 1)),
@@ -508,8 +523,8 @@ class Trainer:
         watch = DivergenceWatch(lr=cfg.lr, stop=bool(cfg.stop_on_divergence), warn=report.warn if report else None)
         for epoch in range(min(step // self.sampler.steps_per_epoch, cfg.epochs - 1), cfg.epochs):
             # a plan that settles each step runs step by step, the loss checked before each update;
-            # one whose steps overlap (CDP) runs the epoch as one program
-            epoch_of = self._epoch if self.engine.plan.settles_each_step else self._epoch_as_one_run
+            # one whose steps overlap (CDP) runs the epoch as runs of several steps
+            epoch_of = self._epoch if self.engine.plan.settles_each_step else self._epoch_in_runs
             step = epoch_of(epoch, step, report, watch)
             if not cfg.eval_every or step >= self.total_steps:  # --eval-every K: every K steps, and at the end
                 evaluation = self.evaluate(epoch, step)

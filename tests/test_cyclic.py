@@ -15,6 +15,7 @@ from mpipar.runtime import item_store
 from mpipar.schedule.cyclic import check_layout, job_time
 from mpipar.schedule.cyclic_compiler import _Compiler, compile_cyclic
 from mpipar.schedule.instructions import Compute, CyclicJob
+from mpipar.schedule.plans import CdpPlan
 from mpipar.schedule.strategies import BACKWARD, FORWARD
 from mpipar.trainer import Trainer
 
@@ -78,7 +79,35 @@ def test_single_layout_equals_the_reference_rule_across_an_epoch_boundary(rule, 
                           epochs=3, max_steps=6)
     trainer = Trainer(config)
     trainer.run()
-    assert trainer.engine.items.next_step == 6 and len(trainer.engine.plan.runs) == 2
+    # the second run's program only: the first run's goes once a later run starts
+    assert trainer.engine.items.next_step == 6 and list(trainer.engine.plan.runs) == [(1, 2)]
+    expected = np.concatenate(reference_training(config, rule))
+    np.testing.assert_allclose(trainer.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])
+def test_an_epoch_runs_in_runs_of_bounded_length_and_still_follows_the_rule(rule, monkeypatch):
+    """The program does not grow with the epoch: an epoch of 11 steps (1497 digits in batches of
+    128) runs as runs of at most longest_run = 3 steps, and a run ends at every multiple of
+    --eval-every; the rank keeps at most two compiled programs (of the runs used last), none
+    longer than 3 steps, and the weights equal the reference rule's across the runs'
+    boundaries, in float64."""
+    monkeypatch.setattr(CdpPlan, "longest_run", 3)
+    config = small_config(**OPTIONS, hidden=(16,) * 2, scheme=rule, cdp_layout="single", micro_batches=2,
+                          batch_size=128, optimizer="adam", epochs=2, max_steps=16, eval_every=7)
+    trainer = Trainer(config)
+    runs, run_steps = [], trainer.engine.run_steps
+
+    def recorded(first_step, steps, *args, **options):
+        runs.append((first_step, steps))
+        assert len(trainer.engine.plan.runs) <= 2, f"compiled programs kept: {list(trainer.engine.plan.runs)}"
+        return run_steps(first_step, steps, *args, **options)
+
+    monkeypatch.setattr(trainer.engine, "run_steps", recorded)
+    trainer.run()
+    assert runs == [(0, 3), (3, 3), (6, 1), (7, 3), (10, 1), (11, 3), (14, 0 + 2)]
+    assert max(len(run.program) for run in trainer.engine.plan.runs.values()) <= \
+        len(trainer.engine.plan.program(3, 3).program)
     expected = np.concatenate(reference_training(config, rule))
     np.testing.assert_allclose(trainer.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=0)
 
@@ -105,7 +134,7 @@ def test_updates_build_each_optimizer_once_and_keep_at_most_two_versions_of_a_st
     trainer = Trainer(config)
     trainer.run()
     with_parameters = sum(1 for stage in trainer.stages if stage.flat.size)  # a stage of none has nothing to update
-    assert len(built) == with_parameters and len(trainer.engine.plan.runs) == 2  # 8 steps, 3 runs, 2 plans: built once
+    assert len(built) == with_parameters and list(trainer.engine.plan.runs) == [(1, 4)]  # 8 steps: runs of 4, 4
     model = sum(stage.flat.nbytes for stage in trainer.stages)
     held = max(peaks["parameters"] for peaks in trainer.engine.ledger.report()["peak"].values())
     # v1: the newest version and the one the next step reads, never a third (a copy per update made

@@ -21,7 +21,7 @@ instructions of schedule/instructions.py, and it runs them, one handler each:
 
 Pipelines run one step at a time: `run_step` (every instruction before the updates),
 `finish_gradients`, then `step(lr)` once the trainer knows the summed loss is finite.
-CDP runs an epoch at a time with `run_steps`, its steps overlapping. The executor is
+CDP runs many steps at a time with `run_steps`, its steps overlapping. The executor is
 composed of parts, each handed what it reads: `items` (item_store.py), `jobs` (jobs.py),
 `shared` (sharded_stage.py) and `whole_model` (whole_model.py: evaluation, the full
 parameters, checkpoint pieces).

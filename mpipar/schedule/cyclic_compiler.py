@@ -48,17 +48,21 @@ from mpipar.schedule.instructions import (
 from mpipar.schedule.strategies import BACKWARD, FORWARD
 
 
-def compile_cyclic(layout: str, rule: str, count: int, first_step: int, steps: int) -> CyclicPlan:
-    """Walk the timetable of steps [first_step, first_step + steps) and write each rank's program."""
-    return _Compiler(layout, rule, count).run(first_step, steps)
+def compile_cyclic(layout: str, rule: str, count: int, first_step: int, steps: int,
+                   rank: int | None = None) -> CyclicPlan:
+    """Walk the timetable of steps [first_step, first_step + steps) and write each rank's program;
+    with `rank`, that rank's alone (the others' are empty: the walk is the same, only what is
+    written is less, which is what a rank running its program needs to hold while compiling)."""
+    return _Compiler(layout, rule, count, rank).run(first_step, steps)
 
 
 class _Compiler:
-    def __init__(self, layout: str, rule: str, count: int) -> None:
+    def __init__(self, layout: str, rule: str, count: int, rank: int | None = None) -> None:
         if layout not in LAYOUTS:
             raise unknown_name("CDP layout", layout, LAYOUTS)
         self.layout, self.rule, self.count = layout, rule, count
         self.world = ranks_for(layout, count)
+        self.written = range(self.world) if rank is None else (rank,)  # the ranks whose programs are written
         self.moving_state = layout == "zero"
         self.events: list[list[tuple]] = [[] for _ in range(self.world)]  # (time, phase, order, instruction)
         self.holders: dict[Item, list[int]] = {}  # ranks holding an item, most recent last
@@ -66,7 +70,8 @@ class _Compiler:
         self.last_use: dict[tuple[int, Item], int] = {}  # (rank, item) -> time of its latest use there
 
     def emit(self, rank: int, time: int, instruction: ItemInstruction) -> None:
-        self.events[rank].append((time, PHASES[type(instruction)], len(self.events[rank]), instruction))
+        if rank in self.written:
+            self.events[rank].append((time, PHASES[type(instruction)], len(self.events[rank]), instruction))
 
     def holds(self, rank: int, item: Item, time: int) -> None:
         self.holders[item] = [r for r in self.holders.get(item, []) if r != rank] + [rank]
@@ -126,9 +131,9 @@ class _Compiler:
         for (rank, item), time in self.last_use.items():
             self.emit(rank, time, Drop(item))
         programs = []
-        for events in self.events:
+        for rank, events in enumerate(self.events):
             events.sort(key=lambda event: event[:3])
-            programs.append(self._with_time_steps(events, end))
+            programs.append(self._with_time_steps(events, end) if rank in self.written else ())
         return CyclicPlan(self.layout, rule, count, first_step, steps, tuple(programs))
 
     @staticmethod

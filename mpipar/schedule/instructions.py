@@ -34,7 +34,7 @@ from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job
 
 # -- pipeline programs ---------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RecvActivation:
     """Post the receive of x_s^b, the input of F(s, b), from `source`, the worker that ran
     F(s-1, b). A fresh buffer per micro-batch: the stage may keep it as an activation."""
@@ -44,7 +44,7 @@ class RecvActivation:
     source: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Forward:
     """Run F(s, b): wait for its input (data on stage 0) and weights, stash activations
     under (s, b) in the cache; on the last stage also the loss."""
@@ -53,7 +53,7 @@ class Forward:
     batch: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SendActivation:
     """Send x_{s+1}^b, the output of F(s, b), to `dest`, the worker of F(s+1, b)."""
 
@@ -62,7 +62,7 @@ class SendActivation:
     dest: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RecvGradient:
     """Post the receive of dL/dx_{s+1}^b, the gradient B(s, b) starts from, from `source`,
     the worker of B(s+1, b)."""
@@ -72,7 +72,7 @@ class RecvGradient:
     source: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Backward:
     """Run B(s, b): the stage's backward on the activations F(s, b) left here, adding into
     the stage's gradient; the (s, b) activations are freed."""
@@ -81,7 +81,7 @@ class Backward:
     batch: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BackwardWeights:
     """Run W(s, b) of a schedule that splits the backward (zero-bubble): the weight gradient
     of stage s on micro-batch b, from the inputs and output gradients its B(s, b) left in the
@@ -92,7 +92,7 @@ class BackwardWeights:
     batch: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SendGradient:
     """Send dL/dx_s^b, computed by B(s, b), to `dest`, the worker of B(s-1, b)."""
 
@@ -101,7 +101,7 @@ class SendGradient:
     dest: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SendWeights:
     """The owner sends stage s's weights to `dest` for its job (s, b, d)."""
 
@@ -111,7 +111,7 @@ class SendWeights:
     dest: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FetchWeights:
     """Post the receive of stage s's weights from their owner `source` for job (s, b, d)."""
 
@@ -121,7 +121,7 @@ class FetchWeights:
     source: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReleaseWeights:
     """Free the weights fetched for job (s, b, d), now that it has run."""
 
@@ -130,7 +130,7 @@ class ReleaseWeights:
     direction: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReduceGradients:
     """Start summing stage s's gradient over `members` (sorted ranks): to `root` when the
     stage has one holder, else an all-reduce. Posted when this worker's gradient of s is
@@ -141,7 +141,7 @@ class ReduceGradients:
     root: int | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OptimizerStep:
     """Wait for the reductions, then update `stages` (the stages this worker holds)."""
 
@@ -197,7 +197,7 @@ class CyclicJob(NamedTuple):
         return self.step * count + self.micro_batch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Receive:
     """Post the receive of `item` from `source`. The CDP compiler posts it at the end of the
     time step before its use, after that time step's drops and as the sender posts its send,
@@ -207,7 +207,7 @@ class Receive:
     source: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Compute:
     """Run `job` with stage weights w(stage, version), or with the copy f(stage, version)
     fetched for it when `copy`; a backward adds into g(stage, step), which it starts from
@@ -226,7 +226,7 @@ class Compute:
         return Item(ItemKind.FETCHED if self.copy else ItemKind.WEIGHTS, self.job.stage, self.version)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Update:
     """w(stage, step + 1) = the optimizer applied to w(stage, step), g(stage, step), o(stage)."""
 
@@ -234,7 +234,7 @@ class Update:
     step: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Send:
     """Send `item` to `dest` (at the end of the time step before dest uses it), where it
     arrives as `arrives_as` if named (an owner's weights sent as one job's copy)."""
@@ -244,14 +244,14 @@ class Send:
     arrives_as: Item | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Drop:
     """Forget `item`: its last use on this rank is over."""
 
     item: Item
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EndTimeStep:
     """Time step `time` is over on this rank: the sends of the buffers it dropped complete
     here, so that no dropped buffer lives into the next time step, and the engine samples
@@ -263,7 +263,7 @@ class EndTimeStep:
 
 # -- the sharding flow of a stage shared by its replica group (schedule/sharding_flow.py) --------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GatherUnit:
     """Post the all-gather of unit `unit` of stage s's parameters from P's scope into a
     full buffer of the unit (`from_secondary`: from ZeRO++'s secondary copy, inside the
@@ -276,7 +276,7 @@ class GatherUnit:
     from_secondary: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class KeepSecondary:
     """ZeRO++: copy this rank's block of the group (I scope) out of the unit the forward
     gathered from all ranks, into its secondary copy, for the backward's gathers."""
@@ -285,7 +285,7 @@ class KeepSecondary:
     unit: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReleaseUnit:
     """Free unit `unit`'s gathered parameters: the job's last layer of the unit has run."""
 
@@ -293,7 +293,7 @@ class ReleaseUnit:
     unit: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReduceUnit:
     """Post the reduction of this micro-batch's gradient of the unit to G's scope
     (reduce-scatter in the group or over the replicas), added into the rank's accumulator
@@ -309,7 +309,7 @@ class ReduceUnit:
     then_to_os: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PublishUnit:
     """After the update of the OS blocks: post the all-gathers that bring unit `unit`'s new
     parameters from OS's scope back to P's (in place; none where P and OS agree)."""

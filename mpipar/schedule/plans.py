@@ -92,6 +92,7 @@ class Plan(Protocol):
     steps_in_any_order: bool  # the state before a step does not depend on the steps before it
     keeps_spare_weights: bool  # an updater keeps a dropped weight version for its next copy
     splits_backward: bool  # zero-bubble: backward jobs B and W
+    longest_run: int  # the most steps one run of the executor takes (its program grows with them)
 
     def program(self, first_step: int, steps: int) -> Run:
         """This rank's program for steps [first_step, first_step + steps)."""
@@ -196,6 +197,7 @@ class PipelinePlan:
     keeps_gradients = True  # a stage's gradient buffer is reused step after step (Table 1's G)
     steps_in_any_order = True  # its state does not depend on the steps before (checks run step N alone)
     keeps_spare_weights = True  # (an update never copies an old version aside here)
+    longest_run = 1  # a step at a time: the trainer checks the summed loss before each update
 
     def __init__(self, compiled: Compiled, mesh: Mesh, rank: int, stage_sizes: list[int], *,
                  sharding: Sharding = SCHEMES["ddp"], units: list[int] | None = None, prefetch: int = 1) -> None:
@@ -253,6 +255,9 @@ def data_parallel_plan(rank: int, world_size: int, stage: int, *, sharding: Shar
                         prefetch=prefetch)
 
 
+KEPT_PROGRAMS = 2  # compiled runs a CdpPlan keeps for reuse
+
+
 class CdpPlan:
     """Cyclic Data Parallelism's programs (schedule/cyclic.py) for runs of steps on this rank."""
 
@@ -261,6 +266,11 @@ class CdpPlan:
     settles_each_step = False  # steps overlap: a rank stops at the first non-finite loss it computes
     keeps_gradients = False  # a step's gradient sum travels around the ring and is freed after its update
     steps_in_any_order = False  # a step reads weights of the steps before it
+    # An epoch runs as runs of at most this many steps, so that the compiled program, and the
+    # time to compile it, do not grow with the epoch. Each run fills and drains the cycle once
+    # (docs/cdp.md measures what that costs); its end is where a checkpoint, an evaluation or
+    # a stop can come.
+    longest_run = 100
 
     def __init__(self, layout: str, rule: str, count: int, rank: int, world_size: int, stage_sizes: list[int], *,
                  itemsize: int, state_kinds: int) -> None:
@@ -274,13 +284,19 @@ class CdpPlan:
 
     def program(self, first_step: int, steps: int) -> Run:
         # a plan depends on the first step only through the step numbers; runs of equal length
-        # share one when the rule has reached its steady state (first step > 0)
+        # share one when the rule has reached its steady state (first step > 0). Steps run in
+        # order, so the first run's program is forgotten once a later run starts; of the others
+        # the two used last are kept (an epoch's runs have one length, and a shorter last one).
         key = (min(first_step, 1), steps)
-        if key not in self.runs:
-            plan = compile_cyclic(self.layout, self.rule, self.count, key[0], steps)
+        run = self.runs.pop(key, None)
+        if run is None:
+            plan = compile_cyclic(self.layout, self.rule, self.count, key[0], steps, rank=self.rank)
             program = plan.programs[self.rank]
-            self.runs[key] = _run(program, len(program), tuple(_step_ends(program)))
-        return self.runs[key].shifted(first_step - key[0])
+            run = _run(program, len(program), tuple(_step_ends(program)))
+        if key[0]:
+            self.runs = {kept: held for kept, held in self.runs.items() if kept[0]}
+        self.runs = dict(list(self.runs.items())[-(KEPT_PROGRAMS - 1):]) | {key: run}
+        return run.shifted(first_step - key[0])
 
     def persistent(self, step: int) -> list[Item]:
         return [item for item in persistent_items(self.rule, self.count, step)

@@ -40,14 +40,16 @@ CASES = [(layout, count) for layout in LAYOUTS for count in range(1, 7) if ranks
 
 
 def traced(trainer: Trainer) -> list:
-    """Wrap the engine's run_steps to record the collective counters around each run."""
+    """Wrap the engine's run_steps to record the collective counters around each run, the
+    timeline's length after it and the sends its program holds."""
     records, run_steps = [], trainer.engine.run_steps
 
     def run(*args, **kwargs):
         before = (trainer.counted.sequence, sum(c.library_calls for c in trainer.counted.traffic.by_phase.values()))
         totals = run_steps(*args, **kwargs)
         after = (trainer.counted.sequence, sum(c.library_calls for c in trainer.counted.traffic.by_phase.values()))
-        records.append((before, after, len(trainer.engine.timeline)))
+        sends = sum(isinstance(i, Send) for i in trainer.engine.run.program)
+        records.append((before, after, len(trainer.engine.timeline), sends))
         return totals
 
     trainer.engine.run_steps = run
@@ -56,9 +58,9 @@ def traced(trainer: Trainer) -> list:
 
 def check_messages(trainer: Trainer, records: list, layout: str, label: str) -> list[str]:
     problems, engine, rank = [], trainer.engine, world.rank
-    if any(before != after for before, after, _ in records):
+    if any(before != after for before, after, _, _ in records):
         problems.append(f"{label}: a collective was called while training: {records}")
-    sends = sum(isinstance(i, Send) for run in engine.plan.runs.values() for i in run.program)
+    sends = sum(record[3] for record in records)
     sent = sum(trainer.counted.traffic.read(phase).intra_messages + trainer.counted.traffic.read(phase).inter_messages
                for phase in TRAINING_PHASES)
     if sent != sends:
