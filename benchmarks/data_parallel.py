@@ -98,7 +98,7 @@ if world.rank == 0:
                      f"{peak / 1024:10.0f}")
             figures[name].update(held=held, peak=peak, table_1=vars(table))
         print(line)
-    print(f"  ddp-allgather: {contenders['ddp-allgather'].scheme_name}")
+    print(f"  ddp-allgather: {contenders['ddp-allgather'].scheme.name}")
     counts = {name: contenders[name].counted.traffic.read() for name in ("ddp", "ddp-allgather")}
     sent = {name: (c.sent_bytes + c.library_bytes) / steps_done[name] for name, c in counts.items()}
     print(f"  bytes sent per rank and step: ddp {sent['ddp']:,.0f}, ddp-allgather {sent['ddp-allgather']:,.0f}")

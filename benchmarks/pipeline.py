@@ -86,10 +86,10 @@ for name, options in CONTENDERS.items():
     forward = [statistics.median(merged[(s, FORWARD)]) for s in range(stages)]
     backward = [statistics.median(merged[(s, "B")]) + (statistics.median(merged[(s, "W")]) if (s, "W") in merged
                                                         else 0.0) for s in range(stages)]
-    compiled = trainer.compiled
+    compiled = trainer.scheme.compiled
     predicted = replay(compiled.programs, compiled.shape, compiled.holders, forward, backward)
     step_s = statistics.median(walls)
-    results[name] = {"scheme": trainer.scheme_name, "measured_idle": world.gather(statistics.median(idle), root=0),
+    results[name] = {"scheme": trainer.scheme.name, "measured_idle": world.gather(statistics.median(idle), root=0),
                      "predicted_idle": predicted.idle_fraction(), "measured_latency_s": statistics.median(spans),
                      "predicted_latency_s": predicted.latency, "step_s": step_s,
                      "samples_per_s": common["batch_size"] / step_s, "forward_s": forward, "backward_s": backward}

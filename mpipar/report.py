@@ -121,11 +121,11 @@ class Report:
         cfg = trainer.config
         self._print(f"mpipar: {cfg.model} on {cfg.dataset} ({len(trainer.train_set)} train / "
                     f"{len(trainer.test_set)} test), {trainer.parameter_count:,} parameters, {trainer.world_size} "
-                    f"rank(s), scheme {trainer.scheme_name}, {cfg.device} {cfg.dtype}, global batch "
+                    f"rank(s), scheme {trainer.scheme.name}, {cfg.device} {cfg.dtype}, global batch "
                     f"{cfg.batch_size} in {cfg.micro_batches} micro-batch(es)"
                     f"{'' if cfg.stages or cfg.cyclic else ' per rank'}, "
                     f"{trainer.total_steps} steps")
-        for line in trainer.placement:  # a composed run: which ranks form each pipeline and replica group
+        for line in trainer.scheme.placement:  # a composed run: which ranks form each pipeline and replica group
             self._print(line)
         self._restart_clocks()
 

@@ -15,9 +15,10 @@ order of floating-point additions). The micro-batches run as the rank's program 
 one executor (executor.py, plans.py): data parallelism is the program of one stage on one
 worker, replicated on every rank; a pipeline's is its strategy's. How gradients are summed
 and where parameters, gradients and optimizer state live is the sharding flow's business
-(schedule/sharding_flow.py, sharded_stage.py): the same loop runs DDP, ZeRO-3, PaRO-IIG or 1F1B x ZeRO-3. Cyclic
-Data Parallelism runs on the same executor in runs of up to 100 steps (plan.longest_run), as
-its steps overlap.
+(schedule/sharding_flow.py, runtime/sharded_stage.py): the same loop runs DDP, ZeRO-3,
+PaRO-IIG or 1F1B x ZeRO-3. Cyclic Data Parallelism runs on the same executor in runs of up
+to 100 steps (plan.longest_run), as its steps overlap. What differs between the families
+(stages, plan, name, memory verdicts) the Trainer asks of its scheme (schemes.py).
 
 Exercised by: mpipar train   (and python -m pytest tests/test_trainer.py)
 """
@@ -30,7 +31,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-from mpi4py import MPI
 
 from mpipar.adapters import chain_torch_layers, configured_model, cpu_updates
 from mpipar.backend import make_backend
@@ -54,18 +54,15 @@ from mpipar.data import (
 from mpipar.divergence import DivergenceWatch
 from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.model import build_stages, leaf_layers, partition
-from mpipar.optim import make_schedule, state_kinds
+from mpipar.optim import make_schedule
 from mpipar.options import recompute_segment
-from mpipar.predict.peak import ActivationBytes, Peak, data_parallel_peak, dry_run
+from mpipar.predict.peak import ActivationBytes, Peak, dry_run
 from mpipar.runtime.executor import Executor
-from mpipar.runtime.gathered_activations import choose as choose_gathered
-from mpipar.runtime.gathered_activations import describe as describe_gathered
 from mpipar.runtime.gathered_activations import gathered_bytes
 from mpipar.runtime.memory import available_bytes, make_probe, peak_rss_bytes
-from mpipar.schedule.plans import CdpPlan, PipelinePlan, replica_shared_stages
-from mpipar.schedule.program import compile_programs
-from mpipar.schedule.replay import replay
-from mpipar.schedule.sharding import SCHEMES, bytes_per_rank, compute_spans, make_units, unit_bytes_for
+from mpipar.schedule.plans import replica_shared_stages
+from mpipar.schedule.sharding import compute_spans, unit_bytes_for
+from mpipar.schemes import scheme_for
 from mpipar.tying import TiedGradients, tied_copies
 from mpipar.units import format_bytes
 
@@ -99,7 +96,6 @@ class Trainer:
         self.config = config
         self.comm = comm if comm is not None else world()
         self.rank, self.world_size = self.comm.rank, self.comm.size
-        self.gathered: list = []  # --ddp allgather-activations: its choice for every Linear layer
         abort_on_uncaught_exception(self.comm)
         set_default_timeout(config.comm_timeout)
         # With --memory-profile the allocator is watched from here; the data set is
@@ -134,34 +130,15 @@ class Trainer:
         if self.memory:  # after the builder: a framework's imports are not the run's memory
             self.memory.set_baseline()
         # Stages are laid out here and built by the engine, which allocates only what this rank keeps.
-        if cfg.cyclic:  # Cyclic Data Parallelism: N stages, N micro-batches
-            self.stages = build_stages(self.model, cfg.micro_batches, self.backend, cfg.seed, materialize=False)
-            self.scheme_name = (f"{cfg.scheme}, {cfg.cdp_layout} layout, over {cfg.micro_batches} stages "
-                                f"and micro-batches")
-        else:  # a program per pipeline worker (data parallelism: one stage, one worker, on every rank)
-            self.stages = build_stages(self.model, cfg.stages or 1, self.backend, cfg.seed, materialize=False)
-            self.compiled = compile_programs(cfg.strategy(), cfg.schedule_shape(self.world_size))
-            replay(self.compiled.programs, self.compiled.shape, self.compiled.holders)  # sound, or refused here
-            mesh = cfg.mesh(self.world_size)
-            if not cfg.stages:
-                self.scheme_name = str(cfg.sharding())
-                if cfg.ddp == "allgather-activations":  # seed 002's rule, layer by layer
-                    self.gathered = choose_gathered(self.model.layers, self.model.shapes, cfg.batch_size,
-                                                    self.world_size)
-                    self.scheme_name += "; " + describe_gathered(self.gathered, self.backend.dtype.itemsize)
-            else:
-                self.scheme_name = (f"{cfg.scheme} over {cfg.stages} stages, {cfg.micro_batches} micro-batches"
-                                    + (f", {cfg.loops} loops" if cfg.loops > 1 else "")
-                                    + (f", x {mesh.replicas} replicas sharing each stage as "
-                                       f"{cfg.sharding()}" if mesh.replicas > 1 else ""))
-                if mesh.replicas > 1:
-                    self.placement = mesh.describe(self.counted.group_of)
+        self.scheme = scheme_for(cfg, self.rank, self.world_size)
+        self.stages = build_stages(self.model, self.scheme.stage_count, self.backend, cfg.seed, materialize=False)
+        self.gathered = self.scheme.gathered(self.model, self.backend.dtype.itemsize)
+        self.scheme.describe_placement(self.counted.group_of)
         self.parameter_count = sum(stage.flat.size for stage in self.stages)
         # The model FLOPs of one sample's training step: the layers count a forward's multiply-adds,
         # 2 FLOPs each, and a backward costs two forwards (reported as MFU against --peak-flops).
         self.training_flops_per_sample = 6 * sum(layer.flops(shape)
                                                  for layer, shape in zip(self.model.layers, self.model.shapes))
-        self.placement = getattr(self, "placement", [])
         self._check_model_fits()
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, cfg.seed)
         self.total_steps = self.sampler.steps_per_epoch * cfg.epochs
@@ -184,14 +161,14 @@ class Trainer:
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
         cfg = self.config
-        per_rank = 1 if cfg.cyclic else cfg.mesh(self.world_size).replicas
+        per_rank = self.scheme.replicas
         spans, segment = None, recompute_segment(cfg.recompute)
         if segment is not None:  # (refused for CDP)
             shared = replica_shared_stages(cfg.mesh(self.world_size), [stage.flat.size for stage in self.stages])
             spans = compute_spans(self.stages, shared, unit_bytes_for(cfg.ddp, cfg.bucket_mb), segment)
         return dry_run(self.stages, self.train_set, self.loss_fn, cfg.batch_size // per_rank // cfg.micro_batches,
                        min(cfg.evaluation_batch(self.world_size), len(self.test_set)), cfg.seed, self._to_device, spans,
-                       split=not cfg.cyclic and cfg.strategy().split_backward)
+                       split=self.scheme.splits_backward)
 
     def _predicted_peak(self) -> Peak:
         """The engine's prediction of this rank's peak (for CDP: over its first run's program), and the
@@ -215,58 +192,23 @@ class Trainer:
         gradients and optimizer state alone exceed the memory this node has available.
         It is a lower bound (no activations, no transients): --memory-limit checks the full peak."""
         cfg = self.config
-        itemsize = self.backend.dtype.itemsize
-        per_parameter = (2 + state_kinds(cfg.optimizer, cfg.momentum)) * itemsize
-        if cfg.cyclic:  # a rank holds at least one stage's state
-            need = max(stage.flat.size for stage in self.stages) * per_parameter
-        else:  # its share of its largest stage among the stage's replicas
-            mesh = cfg.mesh(self.world_size)
-            group = len(self.counted.subset_layout(mesh.replica_group(mesh.worker(self.rank)))[0])
-            need = bytes_per_rank(cfg.sharding(), max(s.flat.size for s in self.stages),
-                                  mesh.replicas, group, parameter_bytes=itemsize, gradient_bytes=itemsize,
-                                  state_bytes=per_parameter - 2 * itemsize).total
+        need = self.scheme.least_state_bytes([stage.flat.size for stage in self.stages], self.backend.dtype.itemsize,
+                                             self.counted)
         ranks_here = len(self.counted.group_layout()[0]) if not cfg.group_size else 1  # groups are nodes by default
         available = available_bytes()
         if need * ranks_here > available:
-            raise ConfigError(f"the model has {self.parameter_count:,} parameters: {self.scheme_name} keeps at least "
+            raise ConfigError(f"the model has {self.parameter_count:,} parameters: {self.scheme.name} keeps at least "
                               f"{format_bytes(need)} of parameters, gradients and optimizer state per rank, "
                               f"{format_bytes(need * ranks_here)} for the {ranks_here} rank(s) on this node, which "
                               f"has {format_bytes(available)} available; use a smaller model (--hidden), more "
                               f"nodes, or a sharded scheme (--scheme zero3)")
 
     def _check_memory_limit(self, limit: int) -> None:
-        """Stop on every rank before the first step if the prediction does not fit; name what would.
-        A pipeline rank predicts every rank's peak from the programs; CDP ranks keep only their own
-        program, so they agree on the largest by one small collective. Every rank reaches the same verdict."""
-        if self.config.cyclic:
-            need, worst = self.comm.allreduce((self.predicted.total, self.rank), op=MPI.MAX)
-            if need <= limit:
-                return
-            message = (f"{self.scheme_name} needs {format_bytes(need)} on rank {worst} at its peak, limit "
-                       f"{format_bytes(limit)}; more micro-batches (stages), or smaller ones, need less")
-        elif self.config.stages:
-            peaks = [self.engine.predicted_peak(*self.activations, rank=r).total for r in range(self.world_size)]
-            worst = max(range(self.world_size), key=peaks.__getitem__)
-            if peaks[worst] <= limit:
-                return
-            message = (f"{self.scheme_name} needs {format_bytes(peaks[worst])} on rank {worst} at its peak, limit "
-                       f"{format_bytes(limit)}; more stages, or smaller micro-batches, need less")
-        else:
-            if self.predicted.total <= limit:
-                return
-            engine, fits = self.engine.shared[0], []  # the stage's sharding flow, one stage on every rank
-            for name, sharding in SCHEMES.items():
-                peak = data_parallel_peak(sharding, engine.flat.size, max(unit.size for unit in engine.units),
-                                          self.world_size, len(engine.world.group_layout()[0]),
-                                          itemsize=engine.flat.dtype.itemsize, state_kinds=engine.state_kinds,
-                                          training=self.activations[0], evaluation=self.activations[1],
-                                          prefetch=self.engine.plan.prefetch)
-                if peak.total <= limit:
-                    fits.append(f"{name} ({format_bytes(peak.total)})")
-            advice = (f"; {' or '.join(fits)} fit" if fits else
-                      "; no data-parallel scheme fits on this many ranks: add ranks or shrink the model or batch")
-            message = (f"{self.scheme_name} needs {format_bytes(self.predicted.total)} per rank at its peak, "
-                       f"limit {format_bytes(limit)}{advice}")
+        """Stop on every rank before the first step if the prediction does not fit; name what would
+        (the scheme says it, schemes.py). Every rank reaches the same verdict."""
+        message = self.scheme.over_limit(limit, self.engine, self.predicted, self.activations, self.comm)
+        if message is None:
+            return
         error = ConfigError(message)
         error.on_every_rank = True  # the same verdict on every rank: each exits, none is left waiting
         raise error
@@ -274,14 +216,7 @@ class Trainer:
     def _make_engine(self) -> Executor:
         """The executor of this rank's plan: CDP's programs, or the pipeline strategy's (data parallelism: S = 1)."""
         cfg = self.config
-        sizes = [stage.flat.size for stage in self.stages]
-        if cfg.cyclic:
-            plan = CdpPlan(cfg.cdp_layout, cfg.scheme, cfg.micro_batches, self.rank, self.world_size, sizes,
-                           itemsize=self.backend.dtype.itemsize, state_kinds=state_kinds(cfg.optimizer, cfg.momentum))
-        else:
-            units = [len(make_units(stage, unit_bytes_for(cfg.ddp, cfg.bucket_mb))) for stage in self.stages]
-            plan = PipelinePlan(self.compiled, cfg.mesh(self.world_size), self.rank, sizes, sharding=cfg.sharding(),
-                                units=units, prefetch=cfg.prefetch)
+        plan = self.scheme.plan(self.stages, self.backend.dtype.itemsize)
         first_layers = [layers.start for layers in partition(self.model, len(self.stages))]
         return Executor(self.counted, self.stages, plan, self.cache, self.loss_fn,
                         input_shapes=[self.model.shapes[first] for first in first_layers],

@@ -77,3 +77,33 @@ def test_runtime_files_stay_short():
     long = {path.name: count for path in RUNTIME.glob("*.py")
             if (count := len(path.read_text().splitlines())) > 310}
     assert not long, f"runtime files over 310 lines: {long}"
+
+
+SCHEME_FAMILY = {"cyclic", "stages", "replicas", "scheme", "ddp", "cdp_layout", "shard", "split_backward"}
+TRAINER = RUNTIME.parent / "trainer.py"
+
+
+def scheme_branches(source: str) -> tuple[list[str], list[str]]:
+    """(conditions that test a scheme family's option, conditions that test a property of the plan)
+    of every if, elif and conditional expression in `source`."""
+    on_family, on_plan = [], []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.If, ast.IfExp)):
+            names = {found.attr for found in ast.walk(node.test) if isinstance(found, ast.Attribute)}
+            text = ast.unparse(node.test)
+            if names & SCHEME_FAMILY:
+                on_family.append(text)
+            if "plan." in text:
+                on_plan.append(text)
+    return on_family, on_plan
+
+
+def test_the_trainer_asks_the_scheme_instead_of_branching_on_its_family():
+    on_family, on_plan = scheme_branches(TRAINER.read_text())
+    assert not on_family, f"the Trainer branches on a scheme family's options: {on_family} (schemes.py answers)"
+    assert len(on_plan) <= 2, f"the Trainer branches on the plan's properties {len(on_plan)} times: {on_plan}"
+
+
+def test_a_branch_on_the_family_is_seen():
+    source = "def f(cfg, plan):\n    if cfg.cyclic:\n        pass\n    x = 1 if plan.settles_each_step else 2\n"
+    assert scheme_branches(source) == (["cfg.cyclic"], ["plan.settles_each_step"])

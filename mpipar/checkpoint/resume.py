@@ -133,7 +133,7 @@ class Checkpoints:
                              "next_lr": trainer.lr_at(steps_done), "seed": cfg.seed,
                              "random_streams": "counter-based: data order from (seed, epoch), dropout from "
                                                "(seed, step, stage, sample); no generator state"},
-                "world": {"ranks": trainer.world_size, "scheme": trainer.scheme_name},
+                "world": {"ranks": trainer.world_size, "scheme": trainer.scheme.name},
                 "data": dataclasses.asdict(identity_of(trainer.train_set, trainer.test_set)),
                 "vocab": list(getattr(trainer.train_set, "vocab", [])),  # what mpipar sample prints tokens as
                 "config": {key: list(value) if isinstance(value, tuple) else value

@@ -44,7 +44,7 @@ if W == 4:
 
 def activation_problems(trainer: Trainer, label: str) -> list[str]:
     """What this rank received along its pipeline, against its program's receives."""
-    program = trainer.compiled.programs[trainer.engine.plan.worker]
+    program = trainer.scheme.compiled.programs[trainer.engine.plan.worker]
     size = trainer.engine.items.micro_size
     boundary = [size * int(np.prod(shape)) * 8 for shape in trainer.engine.input_shapes]
     expected = STEPS * sum(boundary[i.stage] if isinstance(i, RecvActivation) else boundary[i.stage + 1]
@@ -65,7 +65,7 @@ def sharding_problems(trainer: Trainer, label: str) -> list[str]:
     problems = []
     group_size = trainer.config.group_size or W
     for worker in range(mesh.workers):
-        held = [s for s, holders in enumerate(trainer.compiled.holders) if worker in holders]
+        held = [s for s, holders in enumerate(trainer.scheme.compiled.holders) if worker in holders]
         tables = [traffic_per_step(trainer.config.sharding(), trainer.stages[s].flat.size, mesh.replicas,
                                    min(group_size, mesh.replicas), trainer.config.micro_batches, element_bytes=8)
                   for s in held if trainer.stages[s].flat.size]

@@ -44,8 +44,8 @@ for name, options in OPTIMIZERS.items():
         chosen = [gathered.model.layers[index].name for index in gathered.gathered_layers]
         if chosen != EXPECTED:
             failures.append(f"{label}: chose {chosen}, the rule gives {EXPECTED}")
-        if not all(layer in gathered.scheme_name for layer in EXPECTED):
-            failures.append(f"{label}: the run's description does not name the chosen layers: {gathered.scheme_name}")
+        if not all(layer in gathered.scheme.name for layer in EXPECTED):
+            failures.append(f"{label}: the run's description does not name the chosen layers: {gathered.scheme.name}")
         got = gathered.engine.whole_model.full_parameters()
         if not np.allclose(got, reference, rtol=1e-10, atol=0):
             failures.append(f"{label}: differs from one process by up to {np.abs(got - reference).max():.3g}")

@@ -42,7 +42,7 @@ KINDS = {"activations": RecvActivation, "gradients": RecvGradient, "weights": Fe
 
 
 def check_costs(trainer: Trainer, label: str) -> list[str]:
-    compiled, rank, problems = trainer.compiled, world.rank, []
+    compiled, rank, problems = trainer.scheme.compiled, world.rank, []
     timeline = replay(compiled.programs, compiled.shape, compiled.holders)
     predicted = trainer.activations[0].stash_peaks(timeline)[rank]
     if trainer.cache.peak_bytes != predicted:

@@ -44,7 +44,7 @@ def measure(scheme: str, micro_batches: int) -> None:
                         + ", ".join(f"{name} {nbytes / MB:.2f}" for name, nbytes in
                                     {**predicted.steady, **predicted.transients}.items()))
     peaks[scheme, micro_batches] = peak
-    stashes[scheme, micro_batches] = trainer.compiled.timeline.peak_activation_bytes(
+    stashes[scheme, micro_batches] = trainer.scheme.compiled.timeline.peak_activation_bytes(
         list(trainer.activations[0].stashed))[world.rank]
     print(f"{label}: steady state {sum(predicted.steady.values()) / MB:.2f} MB, live after a step {live / MB:.2f} MB, "
           f"peak {peak / MB:.2f} MB, predicted {predicted.total / MB:.2f} MB: " + ", ".join(

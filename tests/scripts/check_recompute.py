@@ -47,8 +47,8 @@ for case, (optimizer, options), kept in product(CASES, OPTIMIZERS.items(), ("sta
                         f"{np.abs(got - references[optimizer]).max():.3g}")
     activations = trainer.activations[0]
     worker = trainer.engine.mesh.worker(world.rank)  # data parallelism: every rank plays worker 0
-    computed = sorted({i.stage for i in trainer.compiled.programs[worker] if isinstance(i, Backward)})
-    timeline = trainer.compiled.timeline
+    computed = sorted({i.stage for i in trainer.scheme.compiled.programs[worker] if isinstance(i, Backward)})
+    timeline = trainer.scheme.compiled.timeline
     predicted = activations.stash_peaks(timeline)[worker] + activations.rebuilt(computed)
     predicted_without = runs["none"].activations[0].stash_peaks(timeline)[worker]
     measured, without = trainer.cache.peak_bytes, runs["none"].cache.peak_bytes
