@@ -36,6 +36,7 @@ from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.layers.base import Layer
 from mpipar.model import Sequential
 from mpipar.models import MODELS, build_model
+from mpipar.schedule.sharding import Scope
 
 if TYPE_CHECKING:
     from mpipar.config import TrainConfig
@@ -166,8 +167,8 @@ def chain_torch_layers(stages, loss_fn, cfg: TrainConfig, world_size: int) -> No
     of its own."""
     if world_size != 1 or "mpipar.adapters.torch_stage" not in sys.modules:
         return
-    if (cfg.cyclic or cfg.recompute != "none" or cfg.sharding().parameters != "N" or cfg.strategy().split_backward
-            or cfg.ddp == "allgather-activations"):
+    if (cfg.cyclic or cfg.recompute != "none" or cfg.sharding().parameters != Scope.REPLICATED
+            or cfg.strategy().split_backward or cfg.ddp == "allgather-activations"):
         return
     from mpipar.adapters.torch_stage import TorchChain, TorchLayer, TorchLoss
     for stage in stages:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import click
 
-from mpipar.cli.params import NameListType, QuantityListType, RenamedOption
 from mpipar.comms.bench import DTYPES, OPERATIONS, parse_size
 from mpipar.comms.collectives import ALGORITHMS
+from mpipar.options import NameListType, QuantityListType, RenamedOption
 
 DEFAULT_SIZES = "4KB,256KB,4MB,64MB"
 

@@ -32,12 +32,11 @@ import json
 
 import click
 
-from mpipar.cli.params import RenamedOption
 from mpipar.data import DATASETS
 from mpipar.errors import ConfigError
 from mpipar.models import MODELS
 from mpipar.optim import OPTIMIZERS, state_kinds
-from mpipar.options import FloatRange, IntListType, ModelType, RecomputeType
+from mpipar.options import FloatRange, IntListType, ModelType, RecomputeType, RenamedOption
 from mpipar.predict.estimate import PHASES, make_layout, predicted_peaks, scheme_rows
 from mpipar.schedule.sharding import DDP_MODES
 from mpipar.schedule.strategies import STRATEGIES

@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import click
 
-from mpipar.cli.params import RenamedOption
 from mpipar.errors import ConfigError
-from mpipar.options import RecomputeType
+from mpipar.options import RecomputeType, RenamedOption
 from mpipar.schedule import diagram
 from mpipar.schedule.instructions import Backward, Forward, OptimizerStep, describe
 from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.plans import PipelinePlan
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
-from mpipar.schedule.sharding import Sharding, parse_sharding
+from mpipar.schedule.sharding import Scope, Sharding, parse_sharding
 from mpipar.schedule.strategies import STRATEGIES, Shape, get_strategy, load_table, stages_on_several_workers
 
 POSITIVE = click.IntRange(min=1)
@@ -144,13 +143,13 @@ def replica_flow(instruction, sharding: Sharding, replicas: int, last: bool) -> 
     P, G, OS = sharding.triple
     scope = {"N": "kept whole", "I": "in the group of M", "G": f"over the {replicas} replicas"}
     steps = []
-    if isinstance(instruction, (Forward, Backward)) and P != "N":
+    if isinstance(instruction, (Forward, Backward)) and P != Scope.REPLICATED:
         steps.append(f"all-gather P {scope[P]}, unit by unit, freed after use")
     if isinstance(instruction, Backward):
-        steps.append("gradient added locally" if G == "N" else f"reduce-scatter G {scope[G]}")
+        steps.append("gradient added locally" if G == Scope.REPLICATED else f"reduce-scatter G {scope[G]}")
         if last and sharding.reduces_to_os:
             steps.append(f"then to OS ({scope[OS]}): " + ("all-reduce" if G == OS else "reduce-scatter"))
     if isinstance(instruction, OptimizerStep):
-        published = "whole on every replica" if P == "N" else scope[P]
+        published = "whole on every replica" if P == Scope.REPLICATED else scope[P]
         steps.append(f"step the OS block ({scope[OS]})" + ("" if P == OS else f", all-gather P back ({published})"))
     return "; ".join(steps)

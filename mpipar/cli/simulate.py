@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import click
 
-from mpipar.cli.params import QuantityType, RenamedOption
 from mpipar.comms.cost import MODELLED, OPERATIONS, Network, predict
+from mpipar.options import QuantityType, RenamedOption
 from mpipar.units import format_bytes, format_seconds, parse_bytes, parse_rate, parse_seconds
 
 SIZE = QuantityType("size", parse_bytes)

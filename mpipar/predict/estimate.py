@@ -41,6 +41,7 @@ from mpipar.schedule.plans import replica_shared_stages
 from mpipar.schedule.program import Compiled, compile_programs
 from mpipar.schedule.sharding import (
     SCHEMES,
+    Scope,
     Sharding,
     StateBytes,
     bytes_per_rank,
@@ -92,7 +93,7 @@ def traffic_per_step(sharding: Sharding, parameter_count: float, world_size: int
     elif not sharding.nested:
         publish = global_
     else:
-        publish = (across if OS == "G" else none) + (group if P == "N" else none)
+        publish = (across if OS == Scope.GLOBAL else none) + (group if P == Scope.REPLICATED else none)
     return dict(zip(PHASES, (gather, backward_gather, reduce_, update_reduce, publish)))
 
 

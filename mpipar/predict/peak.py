@@ -48,7 +48,7 @@ from mpipar.schedule.instructions import (
 from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.plans import CdpPlan, PipelinePlan
 from mpipar.schedule.program import Compiled
-from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Sharding, sharing_ranks
+from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Scope, Sharding, sharing_ranks
 from mpipar.schedule.strategies import FORWARD
 
 SEND_LIFETIME = 3  # time steps a CDP send's buffer may live: posted, received, its completion seen
@@ -110,21 +110,21 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
                        evaluation: ActivationBytes | None = None, prefetch: int = 1) -> Peak:
     """The peak of one rank of a stage shared by its replica group (per rank sizes rounded up)."""
     P, G, OS = sharding.triple
-    share = {scope: sharing_ranks(scope, world_size, group_size) for scope in "NIG"}
+    share = {scope: sharing_ranks(scope, world_size, group_size) for scope in Scope}
     secondary = math.ceil(parameters / group_size) if sharding.secondary else 0  # ZeRO++'s copy in the group
     steady = {"parameters": (math.ceil(parameters / share[P]) + secondary) * itemsize,
               "gradients": math.ceil(parameters / share[G]) * itemsize,
               "optimizer_state": state_kinds * math.ceil(parameters / share[OS]) * itemsize,
               "workspace": min(CHUNK, math.ceil(parameters / share[OS])) * itemsize}
     unit = largest_unit * itemsize
-    gathered = (1 + prefetch) * unit if P != "N" else 0
-    if G != "N":
+    gathered = (1 + prefetch) * unit if P != Scope.REPLICATED else 0
+    if G != Scope.REPLICATED:
         gradients = (REDUCTIONS_IN_FLIGHT + 1) * unit
         ring = group_size if sharding.nested else world_size  # the first reduce-scatter's ranks
         scratch = (REDUCTIONS_IN_FLIGHT + 1) * math.ceil(unit / ring)
     else:  # every bucket's all-reduce may be in flight at once, each with one block of scratch
         gradients, scratch = 0, math.ceil(parameters / world_size) * itemsize
-    spare = unit if P != "N" or G != "N" else 0
+    spare = unit if P != Scope.REPLICATED or G != Scope.REPLICATED else 0
     step = {"gathered units": gathered, "unit gradients": gradients, "spare": spare,
             "collective scratch": scratch, "activations": training.training()}
     if evaluation is not None and gathered + evaluation.training() > sum(step.values()):

@@ -46,7 +46,7 @@ from mpipar.model import Stage, leaf_layers
 from mpipar.runtime.gathered_activations import RowGatherer
 from mpipar.runtime.ledger import MemoryLedger
 from mpipar.runtime.sharded_state import ShardedState
-from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Layout, Sharding, Unit, unit_spans
+from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Layout, Scope, Sharding, Unit, unit_spans
 
 
 class ShardedStage:
@@ -134,7 +134,7 @@ class ShardedStage:
 
     # -- parameters: gather, use, release --------------------------------------------------
     def _p_comm(self) -> Comm:
-        return self.intra if self.sharding.parameters == "I" else self.world
+        return self.intra if self.sharding.parameters == Scope.GROUP else self.world
 
     def gather(self, unit: int, phase: str, from_secondary: bool = False) -> None:
         """Post the all-gather of `unit`'s parameters into a full buffer (once per use), from
@@ -163,7 +163,7 @@ class ShardedStage:
     def open_gradient(self, unit: int) -> None:
         """Before `unit`'s backward (after a recomputed forward, so that it is held no longer):
         under a sharded G, a full gradient of the unit for this micro-batch."""
-        if self.sharding.gradients != "N":
+        if self.sharding.gradients != Scope.REPLICATED:
             start, stop = self.units[unit].start, self.units[unit].stop
             self.unit_grads[unit] = self._allocate("gradients", stop - start)
             self.flat.bind(start, stop, grad=self.unit_grads[unit])
@@ -178,7 +178,7 @@ class ShardedStage:
     def reduce(self, unit: int, first: bool, then_to_os: bool) -> None:
         """Post the reduction of this micro-batch's gradient of `unit` (ReduceUnit)."""
         index, unit = unit, self.units[unit]
-        if self.sharding.gradients == "N":  # added locally; on the last micro-batch summed over ranks
+        if self.sharding.gradients == Scope.REPLICATED:  # added locally; on the last micro-batch summed over ranks
             self.flat.settle_grads(self.unit_leaves[index])
             if then_to_os:
                 self.queue.post(self._finish(unit))
@@ -209,8 +209,8 @@ class ShardedStage:
         The full gradient is scratch for the reduce-scatter and holds the reduced block at
         this rank's place, so no second buffer of the unit's size exists."""
         G = self.sharding.gradients
-        hops = ([self.intra, self.inter] if G == "G" and self.sharding.nested  # in the group, then across
-                else [self.intra if G == "I" else self.world])
+        hops = ([self.intra, self.inter] if G == Scope.GLOBAL and self.sharding.nested  # in the group, then across
+                else [self.intra if G == Scope.GROUP else self.world])
         accumulator = self.state.gradient(unit, G)
         send = grad
         for hop, comm in enumerate(hops):
@@ -236,7 +236,7 @@ class ShardedStage:
             if not self.host:  # a GPU's gradient: CUDA-aware or staged (comms/device.py; DDP naive only)
                 sum_across_ranks(self.world, held, self.collective)
                 return
-            yield self._start("update-reduce", iall_reduce, self.world if G == "N" else self.inter, held)
+            yield self._start("update-reduce", iall_reduce, self.world if G == Scope.REPLICATED else self.inter, held)
             return
         # G wider than OS: reduce-scatter (N->G over the world, N->I in the group, I->G across
         # groups) in place: the rest of the accumulator is scratch, OS's block receives the sum
@@ -255,14 +255,14 @@ class ShardedStage:
         if not self.sharding.nested:  # ZeRO-1/2: one global all-gather, in place
             yield self._start("update-gather", iall_gather, self.world, mine(unit, "G"), mine(unit, "N"))
             return
-        if OS == "G":  # across groups, into my I-block
+        if OS == Scope.GLOBAL:  # across groups, into my I-block
             yield self._start("update-gather", iall_gather, self.inter, mine(unit, "G"), mine(unit, "I"))
-        if P == "N":  # in the group, into the full unit
+        if P == Scope.REPLICATED:  # in the group, into the full unit
             yield self._start("update-gather", iall_gather, self.intra, mine(unit, "I"), mine(unit, "N"))
 
     def full_parameters(self) -> np.ndarray:
         """The whole model's parameters, on every rank (collective: for checks and checkpoints)."""
-        if self.sharding.parameters == "N":
+        if self.sharding.parameters == Scope.REPLICATED:
             return to_host(self.state.p_store).copy()
         full = np.empty(self.units[-1].stop, dtype=self.flat.dtype)
         self.gather_parameters(full, "inspect")

@@ -26,7 +26,7 @@ from mpipar.checkpoint.format import Piece
 from mpipar.model import Stage
 from mpipar.optim import make_optimizer, state_kinds
 from mpipar.runtime.ledger import MemoryLedger
-from mpipar.schedule.sharding import Layout, Sharding, Unit, make_units
+from mpipar.schedule.sharding import Layout, Scope, Sharding, Unit, make_units
 
 
 class ShardedState:
@@ -38,7 +38,7 @@ class ShardedState:
         P, G, OS = sharding.triple
         self.units, stored = [], {"P": 0, "G": 0, "secondary": 0}
         for index, (first, last, start, stop) in enumerate(make_units(stage, unit_bytes)):
-            blocks = {scope: layout.block(scope, stop - start) for scope in "NIG"}
+            blocks = {scope: layout.block(scope, stop - start) for scope in Scope}
             self.units.append(Unit(index, first, last, start, stop, blocks, dict(stored)))
             stored["P"] += self.units[-1].length(P)
             stored["G"] += self.units[-1].length(G)
@@ -47,7 +47,7 @@ class ShardedState:
         # unit's block, generated alone (the stage arrives laid out but not allocated).
         # Gradients and optimizer state start at the first step that needs them, so
         # building the engine costs the parameters and nothing else.
-        self.p_store = self.flat.materialize(params=True, grads=False) if P == "N" \
+        self.p_store = self.flat.materialize(params=True, grads=False) if P == Scope.REPLICATED \
             else self._initial_blocks(P, stored["P"])
         self.gradient_elements, self.g_store, self.optimizer = stored["G"], None, None
         self.optimizer_factory = lambda: make_optimizer(optimizer, *self._optimizer_pieces(), **optimizer_options)
@@ -67,7 +67,7 @@ class ShardedState:
         """Where `unit`'s `inner` block lies in the P or G storage (`store`), which holds
         blocks of a scope at least as wide (nesting puts the inner block inside)."""
         scope = self.sharding.parameters if store == "P" else self.sharding.gradients
-        base = unit.start if scope == "N" else unit.offsets[store]
+        base = unit.start if scope == Scope.REPLICATED else unit.offsets[store]
         outer_start = unit.blocks[scope][0]
         start, stop = unit.blocks[inner]
         return slice(base + start - outer_start, base + stop - outer_start)
@@ -105,7 +105,7 @@ class ShardedState:
     def make_gradients(self) -> None:
         """The gradient storage, made at the first step that needs it."""
         if self.g_store is None:
-            if self.sharding.gradients == "N":
+            if self.sharding.gradients == Scope.REPLICATED:
                 self.g_store = self.flat.materialize(params=False, grads=True)
             else:
                 self.g_store = self.flat.backend.xp.zeros(self.gradient_elements, dtype=self.flat.dtype)

@@ -24,6 +24,7 @@ from mpipar.runtime.ledger import MemoryLedger
 from mpipar.runtime.sharded_stage import ShardedStage
 from mpipar.schedule.instructions import Compute, CyclicJob, GatherUnit, Item, ItemKind, ReleaseUnit
 from mpipar.schedule.plans import Plan
+from mpipar.schedule.sharding import Scope
 from mpipar.schedule.sharding_flow import job_flow
 from mpipar.schedule.strategies import FORWARD
 
@@ -46,7 +47,7 @@ class WholeModel:
         and whether they are this rank's own buffer."""
         flat = self.stages[s].flat
         held = self.items.held().get(Item(ItemKind.WEIGHTS, s, self.items.next_step))
-        if s in self.shared and self.plan.sharding.parameters == "N":
+        if s in self.shared and self.plan.sharding.parameters == Scope.REPLICATED:
             held = flat.data
         weights = held if held is not None and out is None else out
         if weights is None:

@@ -40,13 +40,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 
 from mpipar.comms.routes import block_offsets
 from mpipar.errors import ConfigError, unknown_name
 from mpipar.model import Stage
 
-SCOPES = ("N", "I", "G")
-_ORDER = {scope: rank for rank, scope in enumerate(SCOPES)}
+
+class Scope(str, Enum):
+    """Where a piece of state is sharded: its letter is the seeds' notation (--shard I,G,G)."""
+
+    REPLICATED = "N"  # the whole of it on every rank
+    GROUP = "I"  # sharded inside a group of M ranks, replicated across groups
+    GLOBAL = "G"  # sharded over all N ranks
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+_ORDER = {scope: rank for rank, scope in enumerate(Scope)}
 
 REDUCTIONS_IN_FLIGHT = 1  # sharded gradient units that may wait for their reduction while the next computes
 
@@ -55,18 +70,20 @@ REDUCTIONS_IN_FLIGHT = 1  # sharded gradient units that may wait for their reduc
 class Sharding:
     """The scopes of parameters, gradients and optimizer state."""
 
-    parameters: str
-    gradients: str
-    optimizer_state: str
+    parameters: Scope
+    gradients: Scope
+    optimizer_state: Scope
     secondary: bool = False  # ZeRO++: the backward gathers P from a copy sharded in the group
 
     def __post_init__(self) -> None:
-        if self.secondary and self.parameters != "G":
+        if self.secondary and self.parameters != Scope.GLOBAL:
             raise ConfigError("a secondary copy of the parameters (ZeRO++) is for parameters sharded over all ranks "
                               f"(P = G), not P = {self.parameters}")
-        for what, scope in zip(("parameters", "gradients", "optimizer state"), self.triple):
-            if scope not in SCOPES:
+        for what, field, scope in zip(("parameters", "gradients", "optimizer state"),
+                                      ("parameters", "gradients", "optimizer_state"), self.triple):
+            if scope not in tuple(Scope):
                 raise ConfigError(f"the scope of the {what} must be one of N, I, G; got {scope!r}")
+            object.__setattr__(self, field, Scope(scope))  # frozen: the letter becomes its Scope
         p, g, os_ = (_ORDER[s] for s in self.triple)
         if not p <= g <= os_:
             raise ConfigError(f"sharding {','.join(self.triple)} cannot work: each of P, G, OS must be sharded "
@@ -74,20 +91,20 @@ class Sharding:
                               "the optimizer state it holds, from gradients it holds")
 
     @property
-    def triple(self) -> tuple[str, str, str]:
+    def triple(self) -> tuple[Scope, Scope, Scope]:
         return (self.parameters, self.gradients, self.optimizer_state)
 
     @property
     def nested(self) -> bool:
         """True when some state lives in the I scope: G blocks then nest inside I blocks."""
-        return "I" in self.triple
+        return Scope.GROUP in self.triple
 
     @property
     def reduces_to_os(self) -> bool:
         """Whether the step's summed gradient goes on from G's scope to OS's after the last
         backward: always, except where G and OS are both G (ZeRO-2/3, ZeRO++), whose
         reduce-scatter already lands each rank's block where its optimizer state is."""
-        return not self.gradients == self.optimizer_state == "G"
+        return not self.gradients == self.optimizer_state == Scope.GLOBAL
 
     def __str__(self) -> str:
         name = next((name for name, scheme in SCHEMES.items() if scheme == self), None)
@@ -165,12 +182,12 @@ class Layout:
 
     def block(self, scope: str, length: int) -> tuple[int, int]:
         """[start, stop) of this rank's block of a unit of `length` elements, for `scope`."""
-        if scope == "N":
+        if scope == Scope.REPLICATED:
             return 0, length
-        if scope == "I" or self.sharding.nested:
+        if scope == Scope.GROUP or self.sharding.nested:
             inner = block_offsets(length, self.group_size)
             start, stop = int(inner[self.local_rank]), int(inner[self.local_rank + 1])
-            if scope == "I":
+            if scope == Scope.GROUP:
                 return start, stop
             outer = block_offsets(stop - start, self.groups)
             return start + int(outer[self.group_rank]), start + int(outer[self.group_rank + 1])
@@ -211,7 +228,7 @@ def default_units(sharding: Sharding) -> str:
     are sharded, since every rank holds a gathered unit whole while it is in use (25 MB
     buckets gave ZeRO-3 a peak of 0.75x DDP's on a 30 MB model, one layer 0.40x); else
     buckets of --bucket-mb, which keep the reductions few and large."""
-    return "overlap" if sharding.parameters != "N" else "bucketed"
+    return "overlap" if sharding.parameters != Scope.REPLICATED else "bucketed"
 
 
 def unit_bytes_for(mode: str, bucket_mb: float) -> float:

@@ -34,7 +34,7 @@ from mpipar.schedule.instructions import (
     ReleaseUnit,
     Update,
 )
-from mpipar.schedule.sharding import Sharding
+from mpipar.schedule.sharding import Scope, Sharding
 from mpipar.schedule.strategies import BACKWARD
 
 
@@ -46,7 +46,7 @@ def job_flow(job: CyclicJob, units: int, sharding: Sharding, prefetch: int, *, f
     the secondary copy of P that every backward of the step gathers from."""
     backward = job.direction == BACKWARD
     order = list(range(units - 1, -1, -1)) if backward else list(range(units))
-    gathers, from_secondary = sharding.parameters != "N", backward and sharding.secondary
+    gathers, from_secondary = sharding.parameters != Scope.REPLICATED, backward and sharding.secondary
     keeps_secondary = sharding.secondary and not backward and first
     then_to_os = backward and last and sharding.reduces_to_os
     flow = []
@@ -59,7 +59,7 @@ def job_flow(job: CyclicJob, units: int, sharding: Sharding, prefetch: int, *, f
             flow.append(KeepSecondary(job.stage, unit))
         if gathers:
             flow.append(ReleaseUnit(job.stage, unit))
-        if backward and (sharding.gradients != "N" or last):
+        if backward and (sharding.gradients != Scope.REPLICATED or last):
             flow.append(ReduceUnit(job.stage, unit, first, then_to_os))
     return flow
 
