@@ -19,7 +19,7 @@ in alternating timed rounds inside one job so that machine noise hits them all:
 
 Rank 0 prints samples/s (global batch per second), the ratio to no-sync, the model
 state each rank holds (ledger) beside seed 004's Table 1, and the peak during a step.
-Targets: ddp >= 85% of no-sync, zero3 >= 75% (issue 14: no regression after the memory work).
+Targets: ddp >= 85% of no-sync, zero3 >= 75% (no regression after the memory work).
 """
 
 import argparse

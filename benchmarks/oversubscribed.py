@@ -7,7 +7,7 @@ turn, `--rounds` times each (the pairs interleaved, so drift hits both), and rea
 per-step throughput mpipar writes to the metrics file. Every step's time is the global
 batch over its samples/s; the first step of a run (imports warm, buffers fresh) is left
 out. Prints the median step time of each rank count over all its runs and their ratio.
-Issue 14's target: 4 ranks at most 4x the 2-rank step time (it was 34x while waits spun).
+The target: 4 ranks at most 4x the 2-rank step time (it was 34x while waits spun).
 Extra arguments after `--` go to `mpipar train` (e.g. `-- --scheme zero3`).
 """
 
