@@ -12,7 +12,7 @@ from mpipar.cdp import activation_timeline, reference_training
 from mpipar.errors import ConfigError
 from mpipar.optim import make_optimizer
 from mpipar.runtime import item_store
-from mpipar.schedule.cyclic import check_layout, job_time
+from mpipar.schedule.cyclic import check_layout, job_time, ranks_for
 from mpipar.schedule.cyclic_compiler import _Compiler, compile_cyclic
 from mpipar.schedule.instructions import Compute, CyclicJob
 from mpipar.schedule.plans import CdpPlan
@@ -110,6 +110,24 @@ def test_an_epoch_runs_in_runs_of_bounded_length_and_still_follows_the_rule(rule
         len(trainer.engine.plan.program(3, 3).program)
     expected = np.concatenate(reference_training(config, rule))
     np.testing.assert_allclose(trainer.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("layout,count", [("dp", 3), ("zero", 3), ("pp", 3), ("mp", 3), ("mp", 4)])
+def test_a_reused_program_runs_the_jobs_a_fresh_compile_would(layout, count):
+    """A rank runs a program compiled once for later runs of the same length, shifted. In the mp
+    layout the jobs' ranks repeat only every step_period steps: a run starting in another phase
+    needs a program of its own (shifting one from another phase swaps jobs between ranks)."""
+    ranks = ranks_for(layout, count)
+    for rank in range(ranks):
+        plan = CdpPlan(layout, "cdp-v2", count, rank, ranks, [1] * count, itemsize=8, state_kinds=1)
+        plan.program(0, 3)
+        for first in range(3, 3 + 3 * 4, 3):
+            run = plan.program(first, 3)
+            reused = {(i.job.step + run.shift, i.job.micro_batch, i.job.stage, i.job.direction)
+                      for i in run.program if isinstance(i, Compute)}
+            fresh = {(i.job.step, i.job.micro_batch, i.job.stage, i.job.direction)
+                     for i in compile_cyclic(layout, "cdp-v2", count, first, 3).programs[rank] if isinstance(i, Compute)}
+            assert reused == fresh, f"{layout}, N = {count}, rank {rank}, a run from step {first}"
 
 
 @pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])

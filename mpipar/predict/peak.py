@@ -237,7 +237,7 @@ def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[in
     while both live: a bound). A send's buffer outlives its Drop until the send completes:
     posted at the end of a time step, received in the next, and seen complete by the sender
     at its next poll, it is counted for SEND_LIFETIME time steps. The program itself is
-    held for the run: about INSTRUCTION_BYTES an instruction, so it grows with the epoch."""
+    held for the run: about INSTRUCTION_BYTES an instruction, so it grows with the run."""
     count = len(stage_sizes)
     weights = [size * itemsize for size in stage_sizes]
     size_of = {ItemKind.INPUT: lambda s: training.inputs[s],

@@ -90,7 +90,7 @@ class JobRunner:
                 self._backward(step, s, g, instruction.new_gradient, unit, span, opens, closes)
             else:
                 self._forward(step, s, i, g, last, span, opens, closes)
-        if closes and len(self.totals) == 1:  # a one-step run (a pipeline's): its bubble; an epoch's would grow
+        if closes and len(self.totals) == 1:  # a one-step run: its bubble (a longer run's list would grow)
             self.job_times.append((Job(s, i, job.direction), self.job_start, time.perf_counter()))
 
     def _forward(self, step: int, s: int, i: int, g: int, last: bool, span, opens: bool, closes: bool) -> None:

@@ -23,13 +23,14 @@ Where each job runs is the layout (Fig. 2 of the seed):
 Everything that moves is an *item*: a stage's input x or output gradient dy of one
 micro-batch; w, a stage's weights after v updates; g, a stage's gradient summed over a
 step; o, a stage's optimizer state. A program is a list of the small instructions
-below; `cyclic_compiler.py` writes them, `mpipar/cyclic.py` runs them.
+below; `cyclic_compiler.py` writes them, `mpipar/runtime/executor.py` runs them.
 
 Exercised by: mpipar cdp messages --layout dp --micro-batches 4
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -73,6 +74,16 @@ def compute_rank(layout: str, count: int, stage: int, global_batch: int) -> int:
         return stage
     group_start = sum(count - below for below in range(stage))  # mp: the pyramid
     return group_start + global_batch % (count - stage)
+
+
+def step_period(layout: str, count: int) -> int:
+    """After how many steps the assignment of jobs to ranks comes back: 1, except in the mp
+    layout, where stage s's micro-batches cycle over its N - s ranks, so that step t's
+    assignment of stage s returns after (N - s) / gcd(N, N - s) steps. A program compiled
+    for some steps serves, shifted, only runs that start a whole number of periods later."""
+    if layout != "mp":
+        return 1
+    return math.lcm(*((count - stage) // math.gcd(count, count - stage) for stage in range(count)))
 
 
 def deferred_update(layout: str, rule: str) -> bool:

@@ -8,8 +8,8 @@ unit instructions of the sharding flow):
                    transfers they imply) lowered to items, one step per run. Data parallelism
                    is its S = 1 case: one stage on one worker, replicated on every rank, where
                    the stage's replica group shares it by a sharding triple
-    CdpPlan        Cyclic Data Parallelism: the cyclic compiler's program for a run of steps
-                   (an epoch), whose steps overlap in time and whose updates interleave
+    CdpPlan        Cyclic Data Parallelism: the cyclic compiler's program for a run of up to
+                   `longest_run` steps, whose steps overlap in time and whose updates interleave
 
 Lowering a pipeline program is one rule per instruction: an activation or gradient is an
 item x or dy of (stage, micro-batch), kept by the job that makes it and dropped by the one
@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from mpipar.errors import ConfigError
-from mpipar.schedule.cyclic import item_homes, persistent_items
+from mpipar.schedule.cyclic import item_homes, persistent_items, step_period
 from mpipar.schedule.cyclic_compiler import compile_cyclic, weight_buffers
 from mpipar.schedule.instructions import (
     Backward,
@@ -281,13 +281,15 @@ class CdpPlan:
         self.micro_batches, self.mesh, self.shared, self.units = count, Mesh(world_size, 1), [], [1] * count
         self.stage_sizes, self.itemsize, self.state_kinds = stage_sizes, itemsize, state_kinds
         self.runs: dict[tuple[int, int], Run] = {}  # only this rank's: every rank's grows with ranks x steps
+        self.period = step_period(layout, count)
 
     def program(self, first_step: int, steps: int) -> Run:
-        # a plan depends on the first step only through the step numbers; runs of equal length
-        # share one when the rule has reached its steady state (first step > 0). Steps run in
-        # order, so the first run's program is forgotten once a later run starts; of the others
-        # the two used last are kept (an epoch's runs have one length, and a shorter last one).
-        key = (min(first_step, 1), steps)
+        # a plan depends on the first step only through the step numbers and, in the mp layout,
+        # on where it falls in the period of the jobs' assignment to ranks: runs of equal length
+        # from the same phase share one once the rule has reached its steady state (first step
+        # > 0). Steps run in order, so the first run's program is forgotten once a later run
+        # starts; of the others the KEPT_PROGRAMS - 1 used last are kept beside the new one.
+        key = (1 + (first_step - 1) % self.period if first_step else 0, steps)
         run = self.runs.pop(key, None)
         if run is None:
             plan = compile_cyclic(self.layout, self.rule, self.count, key[0], steps, rank=self.rank)
@@ -295,7 +297,7 @@ class CdpPlan:
             run = _run(program, len(program), tuple(_step_ends(program)))
         if key[0]:
             self.runs = {kept: held for kept, held in self.runs.items() if kept[0]}
-        self.runs = dict(list(self.runs.items())[-(KEPT_PROGRAMS - 1):]) | {key: run}
+        self.runs = dict(list(self.runs.items())[max(0, len(self.runs) - KEPT_PROGRAMS + 1):]) | {key: run}
         return run.shifted(first_step - key[0])
 
     def persistent(self, step: int) -> list[Item]:
