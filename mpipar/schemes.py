@@ -51,11 +51,14 @@ class Scheme:
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.name, self.placement = "", []
-        self.per_parameter = lambda itemsize: (2 + state_kinds(config.optimizer, config.momentum)) * itemsize
 
     def gathered(self, model: Sequential, itemsize: int) -> list:
         """The gathering choice of every Linear layer (--ddp allgather-activations), else none."""
         return []
+
+    def per_parameter(self, itemsize: int) -> int:
+        """Bytes of a parameter, its gradient and its optimizer state."""
+        return (2 + state_kinds(self.config.optimizer, self.config.momentum)) * itemsize
 
     def describe_placement(self, group_of: tuple[int, ...]) -> None:
         """Name where the ranks play their parts (`group_of`: each rank's node), if it says more

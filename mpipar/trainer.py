@@ -318,11 +318,15 @@ class Trainer:
                 watch.observe(result.step, result.loss, result.lr)
             step += 1
             self.checkpoints.after_steps(step, self.step_totals[3:3 + FLAGS])
-            if self.config.eval_every and step % self.config.eval_every == 0 and step < self.total_steps:
-                evaluation = self.evaluate(epoch, step)
-                if report:
-                    report.evaluation(evaluation, self)
+            self._evaluate_if_due(epoch, step, report)
         return step
+
+    def _evaluate_if_due(self, epoch: int, step: int, report) -> None:
+        """With --eval-every K: evaluate after every K-th step (the last is evaluated by `run`)."""
+        if self.config.eval_every and step % self.config.eval_every == 0 and step < self.total_steps:
+            evaluation = self.evaluate(epoch, step)
+            if report:
+                report.evaluation(evaluation, self)
 
     def micro_batch_loader(self, epoch: int):
         """`load(step, micro_batch)`: the inputs and targets of one micro-batch of the global batch
@@ -350,10 +354,7 @@ class Trainer:
                 if every:
                     steps = min(steps, every - step % every)
             step = self._overlapping_run(epoch, step, steps, report, watch)
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
-                evaluation = self.evaluate(epoch, step)
-                if report:
-                    report.evaluation(evaluation, self)
+            self._evaluate_if_due(epoch, step, report)
         return step
 
     def _overlapping_run(self, epoch: int, first_step: int, steps: int, report, watch: DivergenceWatch | None) -> int:

@@ -38,6 +38,10 @@ from mpipar.runtime.ledger import MemoryLedger
 from mpipar.schedule.instructions import Item, ItemKind
 from mpipar.schedule.plans import Plan, Run
 
+# numbered by micro-batch over the run, and by step (read per instruction: kept as sets, as
+# looking up an enum's member costs more than the test)
+PER_MICRO_BATCH = frozenset({ItemKind.INPUT, ItemKind.OUTPUT_GRADIENT})
+PER_STEP = frozenset({ItemKind.WEIGHTS, ItemKind.GRADIENT_SUM})
 LEDGER_KIND = {ItemKind.WEIGHTS: "parameters", ItemKind.FETCHED: "parameters", ItemKind.GRADIENT_SUM: "gradients",
                ItemKind.OPTIMIZER_STATE: "optimizer_state"}
 WHAT = {ItemKind.INPUT: "the activation of stage {s}, micro-batch {b} at step {t}",
@@ -110,14 +114,14 @@ class ItemStore:
 
     def shifted(self, item: Item) -> Item:
         """A program's item, with its step (or update count) moved to this run's."""
-        if item.kind in (ItemKind.INPUT, ItemKind.OUTPUT_GRADIENT):
+        if item.kind in PER_MICRO_BATCH:
             return Item(item.kind, item.stage, item.index + self.run.shift * self.plan.micro_batches)
-        if item.kind in (ItemKind.WEIGHTS, ItemKind.GRADIENT_SUM):
+        if item.kind in PER_STEP:
             return Item(item.kind, item.stage, item.index + self.run.shift)
         return item
 
     def size(self, item: Item) -> tuple[int, ...]:
-        if item.kind in (ItemKind.INPUT, ItemKind.OUTPUT_GRADIENT):
+        if item.kind in PER_MICRO_BATCH:
             return (self.micro_size, *self.input_shapes[item.stage + (item.kind == ItemKind.OUTPUT_GRADIENT)])
         size = self.stages[item.stage].flat.size
         return (size * self.state_kinds,) if item.kind == ItemKind.OPTIMIZER_STATE else (size,)

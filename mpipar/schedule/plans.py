@@ -297,7 +297,9 @@ class CdpPlan:
             run = _run(program, len(program), tuple(_step_ends(program)))
         if key[0]:
             self.runs = {kept: held for kept, held in self.runs.items() if kept[0]}
-        self.runs = dict(list(self.runs.items())[max(0, len(self.runs) - KEPT_PROGRAMS + 1):]) | {key: run}
+        self.runs[key] = run  # the newest last: the oldest goes first
+        while len(self.runs) > KEPT_PROGRAMS:
+            del self.runs[next(iter(self.runs))]
         return run.shifted(first_step - key[0])
 
     def persistent(self, step: int) -> list[Item]:
