@@ -228,11 +228,8 @@ class TrainConfig:
         strategy = self.strategy()
         for replicas in (d for d in range(1, world_size + 1) if world_size % d == 0):
             workers = world_size // replicas
-            try:
-                strategy.validate(Shape(workers, self.stages, self.micro_batches or workers, self.loops))
-            except ConfigError:
-                continue
-            return replicas
+            if not strategy.check(Shape(workers, self.stages, self.micro_batches or workers, self.loops)):
+                return replicas
         raise ConfigError(self._no_pipeline_fits(world_size))
 
     def evaluation_batch(self, world_size: int) -> int:

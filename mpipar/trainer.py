@@ -17,7 +17,7 @@ worker, replicated on every rank; a pipeline's is its strategy's. How gradients 
 and where parameters, gradients and optimizer state live is the sharding flow's business
 (schedule/sharding_flow.py, runtime/sharded_stage.py): the same loop runs DDP, ZeRO-3,
 PaRO-IIG or 1F1B x ZeRO-3. Cyclic Data Parallelism runs on the same executor in runs of up
-to 100 steps (plan.longest_run), as its steps overlap. What differs between the families
+to 40 steps (plan.longest_run), as its steps overlap. What differs between the families
 (stages, plan, name, memory verdicts) the Trainer asks of its scheme (schemes.py).
 
 Exercised by: mpipar train   (and python -m pytest tests/test_trainer.py)

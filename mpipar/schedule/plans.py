@@ -267,10 +267,11 @@ class CdpPlan:
     keeps_gradients = False  # a step's gradient sum travels around the ring and is freed after its update
     steps_in_any_order = False  # a step reads weights of the steps before it
     # An epoch runs as runs of at most this many steps, so that the compiled program, and the
-    # time to compile it, do not grow with the epoch. Each run fills and drains the cycle once
-    # (docs/cdp.md measures what that costs); its end is where a checkpoint, an evaluation or
-    # a stop can come.
-    longest_run = 100
+    # time to compile it, do not grow with the epoch: a run's program is about 6.5 KB a step
+    # on 2 ranks, and 40 steps keep a rank's peak within 5% of a 20-step epoch's (docs/peak.md).
+    # Each run fills and drains the cycle once; its end is where a checkpoint, an evaluation
+    # or a stop can come.
+    longest_run = 40
 
     def __init__(self, layout: str, rule: str, count: int, rank: int, world_size: int, stage_sizes: list[int], *,
                  itemsize: int, state_kinds: int) -> None:

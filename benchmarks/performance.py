@@ -1,0 +1,174 @@
+"""docs/performance.md's current figures, regenerated: every benchmark the page quotes, run afresh.
+
+    python benchmarks/performance.py                  # rewrite the page (about 40 minutes)
+    python benchmarks/performance.py --only cdp pipelines
+    python benchmarks/performance.py --small --out /tmp/performance.md    # tests/test_performance_page.py
+
+The page is prose written by hand around blocks that this script writes. A block is
+
+    <!-- regenerated: NAME -->
+    ...
+    <!-- /regenerated -->
+
+and NAME is one of BLOCKS below: a list of benchmark commands, each run from the
+repository root (with `mpiexec -n R` for R ranks), whose output goes into the block as the
+command printed it, under a line with the date and the commit. The `machine` block is this
+machine's description. A block whose benchmark needs a framework that is not installed
+(PyTorch) is kept as it was, and the script says so. `--small` appends each command's small
+counts (a few steps, one round), for a check that every block still regenerates, not for
+figures. A benchmark's exit status 1 with a `FAIL:` verdict line is a figure like any other
+(it missed a target on this machine); any other failure stops the script.
+"""
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"(<!-- regenerated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /regenerated -->)", re.S)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One benchmark run: `argv` on `ranks` ranks; `small` the arguments that make it quick."""
+
+    argv: str
+    small: str
+    ranks: int = 1
+
+    def line(self, small: bool) -> str:
+        words = self.argv + (" " + self.small if small and self.small else "")
+        return f"mpiexec -n {self.ranks} {words}" if self.ranks > 1 else words
+
+
+@dataclass(frozen=True)
+class Block:
+    commands: tuple[Command, ...]
+    needs: str | None = None  # a framework the benchmarks import
+
+
+QUICK = "--steps 2 --warmup 1 --rounds 1"  # the small counts of most timing benchmarks
+BLOCKS = {
+    "single-process": Block((Command("python benchmarks/throughput_mlp.py --threads 1", QUICK),
+                             Command("python benchmarks/throughput_mlp.py --threads 2", QUICK))),
+    "language-model": Block((Command("python benchmarks/language_model.py --threads 1", QUICK),
+                             Command("python benchmarks/language_model.py --threads 2", QUICK),
+                             Command("python benchmarks/language_model.py", QUICK, 2)), needs="torch"),
+    "generation": Block((Command("python benchmarks/generation.py", "--tokens 5 --rounds 1"),)),
+    "mlp-schemes": Block((Command("python benchmarks/mlp_schemes.py", QUICK),
+                          *(Command(f"python benchmarks/mlp_schemes.py --scheme {scheme}", QUICK, 2)
+                            for scheme in ("ddp", "zero3", "1f1b"))), needs="torch"),
+    "collectives": Block((Command("mpipar bench comms --op all-reduce --collective mpi --collective ring --sizes 64MB "
+                                  "--reps 20", "--sizes 1MB --reps 2", 2),)),
+    "data-parallel": Block((Command("python benchmarks/data_parallel.py", "--steps 2 --rounds 1", 2),
+                            Command("python benchmarks/data_parallel.py --group-size 2", "--steps 2 --rounds 1", 2))),
+    "pipelines": Block((Command("python benchmarks/pipeline.py", "--steps 2 --warmup 1", 2),
+                        Command("python benchmarks/pipeline.py --recompute stage", "--steps 2 --warmup 1", 2))),
+    "torch-stages": Block((Command("python benchmarks/torch_stages.py", QUICK, 2),
+                           Command("python benchmarks/torch_stages.py", QUICK),
+                           Command("python benchmarks/torch_overhead.py", QUICK),
+                           Command("python benchmarks/torch_memory.py --scheme zero3", "--steps 1 --warmup 1", 2)),
+                          needs="torch"),
+    "cdp": Block((Command("python benchmarks/cdp.py", "--steps 2 --rounds 1", 2),)),
+    "oversubscribed": Block((Command("python benchmarks/oversubscribed.py", "--rounds 1"),)),
+    "checkpoints": Block((Command("python benchmarks/checkpoint.py --ranks 1 2 --sizes 40 400",
+                                  "--sizes 1 --repeats 1"),)),
+}
+
+
+def run(command: Command, small: bool) -> str:
+    """What `command` printed; a FAIL verdict (exit status 1) is output, any other failure stops."""
+    line = command.line(small)
+    # python, mpiexec and mpipar from this interpreter's environment first, as the Quickstart installs them
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    words = [sys.executable if word == "python" else word for word in line.split()]
+    result = subprocess.run(words, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    judged = result.returncode == 1 and re.search(r"^FAIL", result.stdout, re.M)
+    if result.returncode and not judged:
+        sys.exit(f"{line} failed with exit status {result.returncode}:\n{result.stdout[-2000:]}{result.stderr[-3000:]}")
+    return f"$ {line}\n{result.stdout.rstrip()}\n"
+
+
+def commit() -> str:
+    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return (result.stdout.strip() or "unknown") + (" with changes not committed" if dirty else "")
+
+
+def machine() -> str:
+    """This machine as a table: processor, cores, memory, Python, NumPy and its BLAS, MPI, PyTorch."""
+    import numpy as np
+    from mpi4py import MPI
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    blas = "{name} {version}".format(**np.show_config(mode="dicts")["Build Dependencies"]["blas"])
+    if importlib.util.find_spec("threadpoolctl"):  # the library really loaded, and its kernels
+        from threadpoolctl import threadpool_info
+        blas = ", ".join(f"{pool['internal_api']} {pool['version']} ({pool.get('architecture', '?')})"
+                         for pool in threadpool_info() if pool["user_api"] == "blas") or blas
+    rows = [("processor", f"{cpu}, {os.cpu_count()} cores, {memory:.0f} GiB memory"),
+            ("Python", platform.python_version()), ("NumPy", f"{np.__version__}, BLAS {blas}"),
+            ("MPI", f"{' '.join(MPI.Get_library_version().split()[:3])}, "
+                    f"mpi4py {importlib.metadata.version('mpi4py')}")]
+    if importlib.util.find_spec("torch"):
+        rows.append(("PyTorch", importlib.metadata.version("torch")))
+    return "| | |\n| --- | --- |\n" + "".join(f"| {name} | {value} |\n" for name, value in rows)
+
+
+def regenerate(page: str, only: set[str], small: bool) -> tuple[str, list[str]]:
+    """The page with its blocks run afresh; and a line per block kept as it was, saying why."""
+    names = [match["name"] for match in BLOCK.finditer(page)]
+    unknown = sorted(set(names) - set(BLOCKS) - {"machine"})
+    if unknown or len(set(names)) != len(names):
+        sys.exit(f"the page's blocks {names} must be distinct names of BLOCKS or machine; unknown: {unknown}")
+    kept = []
+    stamp = f"{datetime.date.today().isoformat()}, mpipar {commit()}" + (", small counts" if small else "")
+
+    def fresh(match: re.Match) -> str:
+        name = match["name"]
+        if only and name not in only:
+            return match[0]
+        if name == "machine":
+            body = f"Read on {stamp}:\n\n{machine()}"
+        else:
+            block = BLOCKS[name]
+            if block.needs and not importlib.util.find_spec(block.needs):
+                kept.append(f"kept {name}: its benchmarks need {block.needs}, which is not installed")
+                return match[0]
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            outputs = "\n".join(run(command, small) for command in block.commands)
+            body = f"Run on {stamp}, on the machine above:\n\n```text\n{outputs}```\n"
+        return f"{match[1]}{body}{match[4]}"
+
+    return BLOCK.sub(fresh, page), kept
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--page", type=Path, default=ROOT / "docs" / "performance.md")
+    parser.add_argument("--out", type=Path, help="where to write the page (default: over --page)")
+    parser.add_argument("--only", nargs="+", default=[], help="regenerate only these blocks")
+    parser.add_argument("--small", action="store_true", help="a few steps per command: checks, not figures")
+    args = parser.parse_args()
+    page, kept = regenerate(args.page.read_text(), set(args.only), args.small)
+    out = args.out or args.page
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(page)
+    tmp.replace(out)  # atomically: an interrupted run leaves the page as it was
+    for line in kept:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

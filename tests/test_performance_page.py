@@ -1,0 +1,52 @@
+"""docs/performance.md's figures come from benchmarks/performance.py: the page's blocks are the
+script's, each was written by a run of it, and a run on small counts regenerates every one.
+
+CI runs this file in every lane; lane 2 has PyTorch, so there the torch blocks regenerate too.
+"""
+
+import datetime
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "performance.md"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from performance import BLOCK, BLOCKS  # noqa: E402
+
+
+def blocks(page: str) -> dict[str, str]:
+    return {match["name"]: match["body"] for match in BLOCK.finditer(page)}
+
+
+def test_the_page_has_one_block_per_benchmark_and_each_was_written_by_the_script():
+    written = blocks(PAGE.read_text())
+    assert sorted(written) == sorted([*BLOCKS, "machine"])
+    for name, body in written.items():
+        assert body.startswith(("Run on ", "Read on ")), f"block {name} was not written by benchmarks/performance.py"
+        assert "small counts" not in body, f"block {name} holds a --small run's output, not figures"
+        for command in BLOCKS[name].commands if name in BLOCKS else ():
+            assert f"$ {command.line(small=False)}\n" in body, f"block {name} lacks the output of {command.line(False)}"
+
+
+def test_a_small_run_regenerates_every_block_with_fresh_output(tmp_path):
+    out = tmp_path / "performance.md"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "performance.py"), "--small", "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    before, after = blocks(PAGE.read_text()), blocks(out.read_text())
+    assert sorted(after) == sorted(before)
+    stamp = f"on {datetime.date.today().isoformat()}, mpipar "
+    kept = {line.split()[1].rstrip(":") for line in result.stdout.splitlines() if line.startswith("kept ")}
+    for name in kept:  # only a block whose framework is missing may stay as it was
+        assert BLOCKS[name].needs and not importlib.util.find_spec(BLOCKS[name].needs), result.stdout
+        assert after[name] == before[name]
+    for name, body in after.items():
+        if name in kept:
+            continue
+        assert stamp in body and "small counts" in body, f"block {name} was not regenerated:\n{body[:500]}"
+        for command in BLOCKS[name].commands if name in BLOCKS else ():
+            output = body.split(f"$ {command.line(small=True)}\n", 1)
+            assert len(output) == 2 and output[1].strip(), f"block {name}: no output of {command.line(True)}"
