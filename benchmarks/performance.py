@@ -32,6 +32,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpipar.files import write_atomically
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- regenerated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /regenerated -->)", re.S)
 
@@ -126,32 +128,20 @@ def machine() -> str:
     return "| | |\n| --- | --- |\n" + "".join(f"| {name} | {value} |\n" for name, value in rows)
 
 
-def regenerate(page: str, only: set[str], small: bool) -> tuple[str, list[str]]:
-    """The page with its blocks run afresh; and a line per block kept as it was, saying why."""
-    names = [match["name"] for match in BLOCK.finditer(page)]
-    unknown = sorted(set(names) - set(BLOCKS) - {"machine"})
-    if unknown or len(set(names)) != len(names):
-        sys.exit(f"the page's blocks {names} must be distinct names of BLOCKS or machine; unknown: {unknown}")
-    kept = []
+def regenerate(page: str, name: str, small: bool) -> tuple[str, str | None]:
+    """The page with block `name` run afresh; or as it was, and a line saying why."""
+    match = next(match for match in BLOCK.finditer(page) if match["name"] == name)
     stamp = f"{datetime.date.today().isoformat()}, mpipar {commit()}" + (", small counts" if small else "")
-
-    def fresh(match: re.Match) -> str:
-        name = match["name"]
-        if only and name not in only:
-            return match[0]
-        if name == "machine":
-            body = f"Read on {stamp}:\n\n{machine()}"
-        else:
-            block = BLOCKS[name]
-            if block.needs and not importlib.util.find_spec(block.needs):
-                kept.append(f"kept {name}: its benchmarks need {block.needs}, which is not installed")
-                return match[0]
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            outputs = "\n".join(run(command, small) for command in block.commands)
-            body = f"Run on {stamp}, on the machine above:\n\n```text\n{outputs}```\n"
-        return f"{match[1]}{body}{match[4]}"
-
-    return BLOCK.sub(fresh, page), kept
+    if name == "machine":
+        body = f"Read on {stamp}:\n\n{machine()}"
+    else:
+        block = BLOCKS[name]
+        if block.needs and not importlib.util.find_spec(block.needs):
+            return page, f"kept {name}: its benchmarks need {block.needs}, which is not installed"
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        outputs = "\n".join(run(command, small) for command in block.commands)
+        body = f"Run on {stamp}, on the machine above:\n\n```text\n{outputs}```\n"
+    return page[:match.start("body")] + body + page[match.end("body"):], None
 
 
 def main() -> None:
@@ -161,13 +151,19 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=[], help="regenerate only these blocks")
     parser.add_argument("--small", action="store_true", help="a few steps per command: checks, not figures")
     args = parser.parse_args()
-    page, kept = regenerate(args.page.read_text(), set(args.only), args.small)
+    page = args.page.read_text()
+    names = [match["name"] for match in BLOCK.finditer(page)]
+    unknown = sorted(set(names) - set(BLOCKS) - {"machine"})
+    if unknown or len(set(names)) != len(names):
+        sys.exit(f"the page's blocks {names} must be distinct names of BLOCKS or machine; unknown: {unknown}")
     out = args.out or args.page
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(page)
-    tmp.replace(out)  # atomically: an interrupted run leaves the page as it was
-    for line in kept:
-        print(line)
+    for name in names:
+        if args.only and name not in args.only:
+            continue
+        page, kept = regenerate(page, name, args.small)
+        if kept:
+            print(kept)
+        write_atomically(out, page.encode())  # after every block: a run that stops keeps what it measured
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-from torch.profiler._memory_profiler import Action, MemoryProfile  # noqa: E402
 
 from mpipar.config import TrainConfig  # noqa: E402
 from mpipar.trainer import Trainer  # noqa: E402
@@ -41,13 +40,13 @@ BUILDER = Path(__file__).resolve().parents[1] / "examples" / "torch_mlp.py"
 
 def torch_allocator_peak(profiler) -> int:
     """The peak of the bytes torch's CPU allocator held during `profiler`'s window, above what
-    it held when the window opened."""
+    it held when the window opened: its memory events (bytes allocated, or freed as a negative
+    count) summed in the order they happened."""
+    events = sorted((event.start_ns(), event.nbytes()) for event in profiler.profiler.kineto_results.events()
+                    if event.name() == "[memory]")
     live = peak = 0
-    for _, action, _, size in MemoryProfile(profiler.profiler.kineto_results).timeline:
-        if action == Action.CREATE:
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
+    for _, change in events:
+        live += change
         peak = max(peak, live)
     return peak
 
