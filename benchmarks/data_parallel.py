@@ -5,7 +5,8 @@ Run on 2 ranks (one BLAS thread each, which mpipar sets by itself under mpiexec)
     mpiexec -n 2 python benchmarks/data_parallel.py [--steps 20] [--rounds 7] [--collective mpi] [--json FILE]
 
 MLP 784-512-512-10, float32, global batch 256 on the synthetic set, SGD momentum,
-units of --bucket-mb (default 25 MB: the whole 2.7 MB model is one unit). Contenders,
+each scheme with its default units: --bucket-mb (25 MB: the whole 2.7 MB model is one
+unit) where the parameters are replicated, one layer where they are sharded. Contenders,
 in alternating timed rounds inside one job so that machine noise hits them all:
 
     no-sync      each rank trains its own 128 samples on MPI.COMM_SELF: the same
@@ -77,7 +78,8 @@ if world.rank == 0:
     psi = contenders["ddp"].stages[0].flat.size
     k = 4 * state_kinds("sgd", 0.9)
     print(f"{world.size} ranks, MLP 784-512-512-10 float32 ({psi:,} parameters), global batch 256, "
-          f"collective {args.collective}, units of {args.bucket_mb} MB, group size {args.group_size}; "
+          f"collective {args.collective}, units of {args.bucket_mb} MB (one layer where P is sharded), "
+          f"group size {args.group_size}; "
           f"median of {args.rounds} rounds of {args.steps} steps")
     print(f"  {'scheme':<14}{'samples/s':>10}{'of no-sync':>12}   {'P / G / OS held, KiB':<26}"
           f"{'Table 1, KiB':<22}{'peak, KiB':>10}")

@@ -101,8 +101,9 @@ def run(command: Command, small: bool) -> str:
 
 def commit() -> str:
     result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    # changes to the pages do not change a figure; changes to the code do, and are said
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs"],
+                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return (result.stdout.strip() or "unknown") + (" with changes not committed" if dirty else "")
 
 
@@ -128,10 +129,9 @@ def machine() -> str:
     return "| | |\n| --- | --- |\n" + "".join(f"| {name} | {value} |\n" for name, value in rows)
 
 
-def regenerate(page: str, name: str, small: bool) -> tuple[str, str | None]:
+def regenerate(page: str, name: str, small: bool, stamp: str) -> tuple[str, str | None]:
     """The page with block `name` run afresh; or as it was, and a line saying why."""
     match = next(match for match in BLOCK.finditer(page) if match["name"] == name)
-    stamp = f"{datetime.date.today().isoformat()}, mpipar {commit()}" + (", small counts" if small else "")
     if name == "machine":
         body = f"Read on {stamp}:\n\n{machine()}"
     else:
@@ -157,10 +157,12 @@ def main() -> None:
     if unknown or len(set(names)) != len(names):
         sys.exit(f"the page's blocks {names} must be distinct names of BLOCKS or machine; unknown: {unknown}")
     out = args.out or args.page
+    # read before the first block is written: the page's own changes are not the code's
+    stamp = f"{datetime.date.today().isoformat()}, mpipar {commit()}" + (", small counts" if args.small else "")
     for name in names:
         if args.only and name not in args.only:
             continue
-        page, kept = regenerate(page, name, args.small)
+        page, kept = regenerate(page, name, args.small, stamp)
         if kept:
             print(kept)
         write_atomically(out, page.encode())  # after every block: a run that stops keeps what it measured
