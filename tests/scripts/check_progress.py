@@ -62,10 +62,9 @@ def clocked(run):
     return wrapper
 
 
-if config.cyclic:
-    trainer.engine.run_steps = clocked(trainer.engine.run_steps)
-else:
-    trainer._epoch = clocked(trainer._epoch)
+# the epoch whole: CDP's runs of steps, or the others' step by step (the one the plan takes)
+trainer._epoch_in_runs = clocked(trainer._epoch_in_runs)
+trainer._epoch = clocked(trainer._epoch)
 summary = trainer.run(report)
 deadline.disarm()
 if stream:
