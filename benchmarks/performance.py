@@ -17,7 +17,10 @@ machine's description. A block whose benchmark needs a framework that is not ins
 (PyTorch) is kept as it was, and the script says so. `--small` appends each command's small
 counts (a few steps, one round), for a check that every block still regenerates, not for
 figures. A benchmark's exit status 1 with a `FAIL:` verdict line is a figure like any other
-(it missed a target on this machine); any other failure stops the script.
+(it missed a target on this machine); any other failure stops the script. Under Open MPI on
+a machine with fewer cores than a command's ranks (oversubscribed.py starts 4), export
+PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe first, as tests/conftest.py's
+launcher_environment does.
 """
 
 import argparse

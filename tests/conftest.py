@@ -61,6 +61,17 @@ def launcher_flags() -> list[str]:
     return flags
 
 
+def launcher_environment() -> dict[str, str]:
+    """This environment with what `launcher_flags` asks of Open MPI, as variables, for a script
+    that starts mpiexec itself (benchmarks/performance.py and the benchmarks it runs)."""
+    env = dict(os.environ)
+    if mpi_implementation() == "openmpi":
+        env["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
+        if os.geteuid() == 0:
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
 def mpiexec_command(ranks: int, *args: str) -> list[str]:
     """The command line that runs `args` on `ranks` ranks (more app contexts may follow a ':' in args)."""
     return [mpiexec_path(), *launcher_flags(), "-n", str(ranks), *args]

@@ -16,6 +16,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from performance import BLOCK, BLOCKS  # noqa: E402
 
+from conftest import launcher_environment  # noqa: E402
+
 
 def blocks(page: str) -> dict[str, str]:
     return {match["name"]: match["body"] for match in BLOCK.finditer(page)}
@@ -34,7 +36,7 @@ def test_the_page_has_one_block_per_benchmark_and_each_was_written_by_the_script
 def test_a_small_run_regenerates_every_block_with_fresh_output(tmp_path):
     out = tmp_path / "performance.md"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "performance.py"), "--small", "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=1200)
+                            cwd=ROOT, env=launcher_environment(), capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     before, after = blocks(PAGE.read_text()), blocks(out.read_text())
     assert sorted(after) == sorted(before)
