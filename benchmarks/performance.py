@@ -1,6 +1,6 @@
 """docs/performance.md's current figures, regenerated: every benchmark the page quotes, run afresh.
 
-    python benchmarks/performance.py                  # rewrite the page (about 40 minutes)
+    python benchmarks/performance.py                  # rewrite the page (about 15 minutes)
     python benchmarks/performance.py --only cdp pipelines
     python benchmarks/performance.py --small --out /tmp/performance.md    # tests/test_performance_page.py
 
