@@ -12,12 +12,13 @@ The page is prose written by hand around blocks that this script writes. A block
 
 and NAME is one of BLOCKS below: a list of benchmark commands, each run from the
 repository root (with `mpiexec -n R` for R ranks), whose output goes into the block as the
-command printed it, under a line with the date and the commit. The `machine` block is this
-machine's description. A block whose benchmark needs a framework that is not installed
-(PyTorch) is kept as it was, and the script says so. `--small` appends each command's small
-counts (a few steps, one round), for a check that every block still regenerates, not for
-figures. A benchmark's exit status 1 with a `FAIL:` verdict line is a figure like any other
-(it missed a target on this machine); any other failure stops the script. Under Open MPI on
+command printed it, under a line with the date and the commit. The `machine` block is
+`mpipar info`: the processor, the versions, the MPI library. A block whose benchmark needs
+a framework that is not installed (PyTorch) is kept as it was, and the script says so.
+`--small` appends each command's small counts (a few steps, one round), for a check that
+every block still regenerates, not for figures. A benchmark's exit status 1 with a `FAIL:`
+verdict line is a figure like any other (it missed a target on this machine); any other
+failure stops the script. Under Open MPI on
 a machine with fewer cores than a command's ranks (oversubscribed.py starts 4), export
 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe first, as tests/conftest.py's
 launcher_environment does.
@@ -28,7 +29,6 @@ import datetime
 import importlib.metadata
 import importlib.util
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -62,6 +62,7 @@ class Block:
 
 QUICK = "--steps 2 --warmup 1 --rounds 1"  # the small counts of most timing benchmarks
 BLOCKS = {
+    "machine": Block((Command("mpipar info", ""),)),
     "single-process": Block((Command("python benchmarks/throughput_mlp.py --threads 1", QUICK),
                              Command("python benchmarks/throughput_mlp.py --threads 2", QUICK))),
     "language-model": Block((Command("python benchmarks/language_model.py --threads 1", QUICK),
@@ -110,40 +111,15 @@ def commit() -> str:
     return (result.stdout.strip() or "unknown") + (" with changes not committed" if dirty else "")
 
 
-def machine() -> str:
-    """This machine as a table: processor, cores, memory, Python, NumPy and its BLAS, MPI, PyTorch."""
-    import numpy as np
-    from mpi4py import MPI
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    blas = "{name} {version}".format(**np.show_config(mode="dicts")["Build Dependencies"]["blas"])
-    if importlib.util.find_spec("threadpoolctl"):  # the library really loaded, and its kernels
-        from threadpoolctl import threadpool_info
-        blas = ", ".join(f"{pool['internal_api']} {pool['version']} ({pool.get('architecture', '?')})"
-                         for pool in threadpool_info() if pool["user_api"] == "blas") or blas
-    rows = [("processor", f"{cpu}, {os.cpu_count()} cores, {memory:.0f} GiB memory"),
-            ("Python", platform.python_version()), ("NumPy", f"{np.__version__}, BLAS {blas}"),
-            ("MPI", f"{' '.join(MPI.Get_library_version().split()[:3])}, "
-                    f"mpi4py {importlib.metadata.version('mpi4py')}")]
-    if importlib.util.find_spec("torch"):
-        rows.append(("PyTorch", importlib.metadata.version("torch")))
-    return "| | |\n| --- | --- |\n" + "".join(f"| {name} | {value} |\n" for name, value in rows)
-
-
 def regenerate(page: str, name: str, small: bool, stamp: str) -> tuple[str, str | None]:
     """The page with block `name` run afresh; or as it was, and a line saying why."""
     match = next(match for match in BLOCK.finditer(page) if match["name"] == name)
-    if name == "machine":
-        body = f"Read on {stamp}:\n\n{machine()}"
-    else:
-        block = BLOCKS[name]
-        if block.needs and not importlib.util.find_spec(block.needs):
-            return page, f"kept {name}: its benchmarks need {block.needs}, which is not installed"
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        outputs = "\n".join(run(command, small) for command in block.commands)
-        body = f"Run on {stamp}, on the machine above:\n\n```text\n{outputs}```\n"
+    block = BLOCKS[name]
+    if block.needs and not importlib.util.find_spec(block.needs):
+        return page, f"kept {name}: its benchmarks need {block.needs}, which is not installed"
+    print(f"running {name} ...", file=sys.stderr, flush=True)
+    outputs = "\n".join(run(command, small) for command in block.commands)
+    body = f"Run on {stamp}:\n\n```text\n{outputs}```\n"
     return page[:match.start("body")] + body + page[match.end("body"):], None
 
 
@@ -156,9 +132,9 @@ def main() -> None:
     args = parser.parse_args()
     page = args.page.read_text()
     names = [match["name"] for match in BLOCK.finditer(page)]
-    unknown = sorted(set(names) - set(BLOCKS) - {"machine"})
+    unknown = sorted(set(names) - set(BLOCKS))
     if unknown or len(set(names)) != len(names):
-        sys.exit(f"the page's blocks {names} must be distinct names of BLOCKS or machine; unknown: {unknown}")
+        sys.exit(f"the page's blocks {names} must be distinct names of BLOCKS; unknown: {unknown}")
     out = args.out or args.page
     # read before the first block is written: the page's own changes are not the code's
     stamp = f"{datetime.date.today().isoformat()}, mpipar {commit()}" + (", small counts" if args.small else "")

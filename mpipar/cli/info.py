@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 
 import click
 import numpy as np
@@ -46,7 +47,7 @@ def info(device: str) -> None:
         click.echo(f"backend: cupy {cupy.__version__}, device {name}")
         click.echo(f"device arrays reach MPI: {device_wire()}")
     else:
-        click.echo(f"backend: numpy {numpy.__version__}, device cpu ({os.cpu_count()} cores in the machine)")
+        click.echo(f"backend: numpy {numpy.__version__} (BLAS {blas_library()}), device cpu: {processor()}")
     click.echo(f"allocator: {keep_freed_memory()}")
     if warning:
         click.echo(f"warning: {warning}")
@@ -56,6 +57,22 @@ def info(device: str) -> None:
 
 
 GEMM_SIZE = 1024
+
+
+def blas_library() -> str:
+    """The BLAS NumPy was built with, as numpy.show_config reports it."""
+    blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
+    return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+
+
+def processor() -> str:
+    """The processor's model, the cores in the machine and its memory."""
+    cpuinfo = Path("/proc/cpuinfo")
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("model name")), "") if cpuinfo.exists() else ""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else 0
+    return ", ".join(filter(None, (model or platform.processor(), f"{os.cpu_count()} cores in the machine",
+                                   f"{memory:.0f} GiB memory" if memory else "")))
 
 
 def matrix_product_flops(backend, repeats: int = 5) -> float:
