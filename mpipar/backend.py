@@ -2,7 +2,8 @@
 
 NumPy by default; CuPy with `--device gpu`. Layer code never imports either: it asks
 `array_module(x)` for the module that owns its input, so the same layer runs on both.
-dtype policy: float32 by default, float64 for the exactness tests. Parameters are
+dtype policy: float32 by default, float64 for the exactness tests, float16 arithmetic under
+--precision fp16 (precision.py). Parameters are
 initialised on the host in float64 from a seeded generator and then cast, so every
 rank (and every dtype) starts from the same numbers.
 
@@ -21,7 +22,8 @@ from mpipar.errors import ConfigError, unknown_name
 
 Array = Any  # a numpy.ndarray, or a cupy.ndarray on a GPU
 
-DTYPES = {"float32": np.float32, "float64": np.float64}
+DTYPES = {"float32": np.float32, "float64": np.float64}  # what --dtype offers
+ARITHMETIC_DTYPES = {**DTYPES, "float16": np.float16}  # and --precision fp16's arithmetic (precision.py)
 DEVICES = ("cpu", "gpu")
 
 
@@ -53,19 +55,19 @@ class Backend:
 
 
 def make_backend(device: str = "cpu", dtype: str = "float32") -> Backend:
-    """Backend for `device` in DEVICES and `dtype` in DTYPES; a clear error otherwise."""
+    """Backend for `device` in DEVICES and `dtype` in ARITHMETIC_DTYPES; a clear error otherwise."""
     if device not in DEVICES:
         raise unknown_name("device", device, DEVICES)
-    if dtype not in DTYPES:
+    if dtype not in ARITHMETIC_DTYPES:
         raise unknown_name("dtype", dtype, DTYPES)
     if device == "cpu":
-        return Backend(np, np.dtype(DTYPES[dtype]), device)
+        return Backend(np, np.dtype(ARITHMETIC_DTYPES[dtype]), device)
     try:
         import cupy
     except ImportError as error:
         raise ConfigError(f"--device gpu needs CuPy, which is not importable ({error}); "
                           "install it with: pip install 'mpipar[gpu]'") from None
-    return Backend(cupy, np.dtype(DTYPES[dtype]), device)
+    return Backend(cupy, np.dtype(ARITHMETIC_DTYPES[dtype]), device)
 
 
 def to_host(array) -> np.ndarray:

@@ -38,6 +38,7 @@ from mpipar.options import (
     SizeType,
     check,
 )
+from mpipar.precision import PRECISIONS, Precision, check_precision
 from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
 from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.sharding import DDP_MODES, SCHEMES, Sharding, default_units, parse_sharding
@@ -73,8 +74,11 @@ class TrainConfig:
     tie_embeddings: bool = _option(False, "the transformer's output layer uses the token embedding's matrix (a "
                                           "copy kept equal to it: their gradients are summed each step)",
                                    click.BOOL, "model")
-    dtype: str = _option("float32", "floating-point type of parameters and activations", click.Choice(DTYPES),
-                         "model")
+    dtype: str = _option("float32", "floating-point type of parameters and activations (with --precision fp16: "
+                                    "of the master weights and optimizer state)", click.Choice(DTYPES), "model")
+    precision: str = _option("fp32", "arithmetic of forward and backward: fp32 (--dtype throughout) or fp16 (half "
+                                     "precision with --dtype master weights and loss scaling; GPU only; "
+                                     "docs/precision.md)", click.Choice(PRECISIONS), "model")
     device: str = _option("cpu", "where the arrays live (gpu needs CuPy: pip install 'mpipar[gpu]')",
                           click.Choice(DEVICES), "model")
     dataset: str = _option("digits", "the data set (digits is bundled)", click.Choice(DATASETS), "data")
@@ -300,6 +304,9 @@ class TrainConfig:
             except ImportError:
                 raise ConfigError("--device gpu needs CuPy, which is not installed here: pip install "
                                   "'mpipar[gpu]' (or the cupy-cudaXXx wheel matching your CUDA)") from None
+        check_precision(self.precision, self.device)
+        if self.precision != Precision.FP32:
+            self._validate_half_precision()
         if self.ddp == "allgather-activations" and (self.cyclic or self.stages or self.sharding() != SCHEMES["ddp"]
                                                      or self.device == "gpu" or self.collective == "2d"):
             this = ("--device gpu" if self.device == "gpu" else "--collective 2d (an all-reduce only)"
@@ -359,6 +366,20 @@ class TrainConfig:
                               "--scheme ddp --ddp naive")
         check_layout(self.cdp_layout, self.scheme, count, world_size)
         _check_divisible(self.batch_size, count, f"the {count} micro-batches (N)", count)
+
+    def _validate_half_precision(self) -> None:
+        """What --precision fp16 covers: the built-in models under the data-parallel schemes."""
+        if self.cyclic or self.stages:
+            raise ConfigError(f"--precision {self.precision} runs the data-parallel schemes (--scheme or --shard "
+                              f"without --stages); {'Cyclic Data Parallelism' if self.cyclic else 'pipelines'} "
+                              "train in --precision fp32")
+        if self.model not in MODELS:
+            raise ConfigError(f"--precision {self.precision} trains the built-in models ({', '.join(MODELS)}); a "
+                              "PyTorch or JAX model keeps its own precision (torch.autocast, jmp)")
+        if self.checkpoint_dir or self.resume:
+            raise ConfigError(f"--precision {self.precision} does not save or resume checkpoints: a checkpoint's "
+                              "files hold one dtype, and half-precision training keeps float16 parameters beside "
+                              "--dtype master weights")
 
     def _validate_data_parallel(self, world_size: int) -> None:
         if self.scheme in STRATEGIES and self.scheme not in SCHEMES:

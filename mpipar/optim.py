@@ -40,6 +40,7 @@ import numpy as np
 
 from mpipar.backend import array_module
 from mpipar.errors import ConfigError, unknown_name
+from mpipar.precision import MasterWeights
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
@@ -259,13 +260,21 @@ class Adam(_PiecewiseOptimizer):
 
 def make_optimizer(name: str, params: Sequence, grads: Sequence, decay: Sequence[Spans], *, momentum: float = 0.9,
                    weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                   state=None, workspace=None, updates=None):
+                   state=None, workspace=None, updates=None, master_dtype=None, loss_scaler=None):
     """The optimizer called `name` (one of OPTIMIZERS) over the given pieces, with weight
     decay inside each piece's `decay` spans; `state`, if given, is the flat buffer
     (state_kinds x all pieces) to keep its state in; `workspace`, if given, the scratch
     buffer (one chunk, or the largest piece if smaller): optimizers that never step at the
     same time can share one. `updates`, if given, updates the CPU's pieces in place of the
-    NumPy loop (a run of torch stages: mpipar/adapters/torch_updates.py)."""
+    NumPy loop (a run of torch stages: mpipar/adapters/torch_updates.py). `master_dtype`,
+    if given and not the pieces' own (--precision fp16), updates master copies in it
+    instead, their gradients divided by `loss_scaler`'s scale (precision.py)."""
+    if master_dtype is not None and params and np.dtype(master_dtype) != params[0].dtype:
+        if state is not None or workspace is not None:
+            raise ValueError("master weights keep their own state and workspace, in the master dtype")
+        return MasterWeights(lambda *pieces: make_optimizer(name, *pieces, momentum=momentum, weight_decay=weight_decay,
+                                                            betas=betas, eps=eps, updates=updates),
+                             params, grads, decay, np.dtype(master_dtype), loss_scaler)
     if name == "sgd":
         return SGD(params, grads, decay, momentum=momentum, weight_decay=weight_decay, state=state,
                    workspace=workspace, updates=updates)

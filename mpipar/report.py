@@ -119,9 +119,10 @@ class Report:
 
     def start(self, trainer: Trainer) -> None:
         cfg = trainer.config
+        arithmetic = cfg.dtype if cfg.precision == "fp32" else f"{cfg.precision} with {cfg.dtype} master weights"
         self._print(f"mpipar: {cfg.model} on {cfg.dataset} ({len(trainer.train_set)} train / "
                     f"{len(trainer.test_set)} test), {trainer.parameter_count:,} parameters, {trainer.world_size} "
-                    f"rank(s), scheme {trainer.scheme.name}, {cfg.device} {cfg.dtype}, global batch "
+                    f"rank(s), scheme {trainer.scheme.name}, {cfg.device} {arithmetic}, global batch "
                     f"{cfg.batch_size} in {cfg.micro_batches} micro-batch(es)"
                     f"{'' if cfg.stages or cfg.cyclic else ' per rank'}, "
                     f"{trainer.total_steps} steps")
@@ -242,6 +243,9 @@ class Report:
                     f"{human_bytes(held['gradients'])}, optimizer state {human_bytes(held['optimizer_state'])}; "
                     f"at most {human_bytes(peak)} ({phase})")
         self._memory_line(summary["memory_per_rank"])
+        if summary["loss_scale"] is not None:
+            self._print(f"float16: {summary['skipped_steps']} step(s) skipped on a gradient overflow; loss scale "
+                        f"now {summary['loss_scale']:g}")
 
     def _memory_line(self, per_rank: dict) -> None:
         """Measured peaks over ranks (largest, smallest, which rank) beside the prediction."""

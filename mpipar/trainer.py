@@ -56,6 +56,7 @@ from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.model import build_stages, leaf_layers, partition
 from mpipar.optim import make_schedule
 from mpipar.options import recompute_segment
+from mpipar.precision import LossScaler, Precision, arithmetic_dtype
 from mpipar.predict.peak import ActivationBytes, Peak, dry_run
 from mpipar.runtime.executor import Executor
 from mpipar.runtime.gathered_activations import gathered_bytes
@@ -109,6 +110,9 @@ class Trainer:
         agree_on_setup(self.comm, self._setup)
         agree_on_data(self.comm, self.train_set, self.test_set)  # a rank with other data stops them all
         self.engine = self._make_engine()  # collective (sub-communicators): only once every rank is set up
+        copies = self.tied.copies() if self.tied else []
+        self.clipper = (GradientClipper(config.grad_clip or math.inf, self.comm, copies, self.engine.ledger)
+                        if config.grad_clip or self.loss_scaler else None)
         for leaf in leaf_layers(self.model.layers):  # the engine holds the initial values now
             leaf.release_initial()
         chain_torch_layers(self.stages, self.loss_fn, config, self.world_size)
@@ -121,7 +125,7 @@ class Trainer:
     def _setup(self) -> None:
         self.config = cfg = self.config.for_world(self.world_size)
         cfg.validate(self.world_size)
-        self.backend = make_backend(cfg.device, cfg.dtype)
+        self.backend = make_backend(cfg.device, arithmetic_dtype(cfg.precision, cfg.dtype))
         if cfg.device == "gpu" and self.world_size > 1:
             device_wire()  # decided here, on every rank: a bad MPIPAR_CUDA_AWARE is one sentence, not a crash
         self.train_set, self.test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
@@ -150,13 +154,13 @@ class Trainer:
         self.activations = self._activation_bytes()
         # [loss sum, correct predictions, predictions] of a step and each rank's checkpoint votes
         # (checkpoint/resume.py), summed over ranks in one message
-        # and, with --grad-clip, this rank's part of the gradient's squared norm (clipping.py)
+        # and, with --grad-clip or --precision fp16, this rank's part of the gradient's squared norm
+        # (clipping.py), which also tells every rank whether a float16 gradient overflowed
         self.step_totals = np.zeros(3 + FLAGS + 1, dtype=np.float64)
         self.evaluation_seconds = 0.0  # of the whole run: what --eval-every and --eval-batches cost
         pairs = tied_copies(self.stages)
         self.tied = TiedGradients(pairs, self.counted, self.comm) if pairs else None
-        self.clipper = (GradientClipper(cfg.grad_clip, self.comm, self.tied.copies() if self.tied else [])
-                        if cfg.grad_clip else None)
+        self.loss_scaler = LossScaler() if cfg.precision == Precision.FP16 else None
 
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
@@ -223,7 +227,9 @@ class Trainer:
                         optimizer=cfg.optimizer, optimizer_options=dict(momentum=cfg.momentum,
                                                                         weight_decay=cfg.weight_decay,
                                                                         betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                                                        updates=cpu_updates(self.model, cfg.device)),
+                                                                        updates=cpu_updates(self.model, cfg.device),
+                                                                        master_dtype=cfg.dtype,
+                                                                        loss_scaler=self.loss_scaler),
                         collective=cfg.collective, unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb),
                         recompute=recompute_segment(cfg.recompute), gathered_layers=self.gathered_layers)
 
@@ -279,6 +285,8 @@ class Trainer:
         micro_batches = split_micro_batches(rank_slice(indices, mesh.replica(self.rank), mesh.replicas),
                                             cfg.micro_batches)
         data = self.train_set.for_epoch(epoch, cfg.seed)  # a token stream's windows are cut anew each epoch
+        if self.loss_scaler:
+            self.loss_fn.loss_scale = self.loss_scaler.scale
         self.step_totals[:3] = self.engine.run_step(step, cfg.seed, lambda _step, b: self._to_device(
             *data.batch(micro_batches[b])), cfg.batch_size)
         self.step_totals[3:3 + FLAGS] = self.checkpoints.flags()
@@ -298,8 +306,11 @@ class Trainer:
                                        "stopped before the update (try a lower --lr)")
             error.on_every_rank = True  # the loss was summed over all ranks: they all stop here
             raise error
-        if self.clipper:
-            self.clipper.clip(gradients, float(self.step_totals[-1]))
+        if self.loss_scaler:  # every rank holds the same sum: all skip an overflowed step, or none
+            self.loss_scaler.update(math.isfinite(self.step_totals[-1]))
+        if self.clipper and not (self.loss_scaler and self.loss_scaler.skipping):
+            self.clipper.clip(gradients, float(self.step_totals[-1]),
+                              self.loss_scaler.unscale if self.loss_scaler else 1.0)
         lr = self.lr_at(step)
         self.engine.step(lr)
         accuracy = float(self.step_totals[1] / self.step_totals[2])
@@ -478,6 +489,8 @@ class Trainer:
                    "peak_activation_bytes": self.cache.peak_bytes,
                    "parameter_count": self.parameter_count, "memory": self.engine.ledger.report(),
                    "checkpoint_seconds": self.checkpoints.save_seconds,
+                   "loss_scale": self.loss_scaler.scale if self.loss_scaler else None,
+                   "skipped_steps": self.loss_scaler.skipped if self.loss_scaler else 0,
                    "checkpoint_write_seconds": self.checkpoints.write_seconds,
                    "sent_bytes": {phase: {"intra": counts.intra_bytes, "inter": counts.inter_bytes,
                                           "library": counts.library_bytes, "received": counts.received_bytes}

@@ -7,7 +7,9 @@ sequence of next-token targets, every output for MSE). A micro-batch contributes
 
 so the micro-batch losses — and their gradients — summed over all micro-batches
 and all ranks are exactly the mean loss (and its gradient) over the global batch.
-Every parallel scheme in mpipar is proven against that identity.
+Every parallel scheme in mpipar is proven against that identity. `loss_scale` multiplies
+the gradient alone (not the loss): float16 training's loss scaling (precision.py), applied in
+the same multiplication as the batch's share, so that no gradient underflows before it.
 
     SoftmaxCrossEntropy   p = softmax(z);   loss = -log p[target];   dz = (p - onehot) * scale
     MSE                   loss = mean (y - t)^2;                     dy = 2 (y - t) * scale
@@ -28,6 +30,7 @@ class SoftmaxCrossEntropy:
     """Fused softmax + cross-entropy on logits (..., C) against integer targets (...)."""
 
     name = "SoftmaxCrossEntropy"
+    loss_scale = 1.0
 
     def forward(self, logits: Array, targets: Array, ctx: Context, global_batch: int) -> Array:
         if logits.shape[:-1] != targets.shape:
@@ -50,7 +53,7 @@ class SoftmaxCrossEntropy:
         xp = array_module(log_probs)
         grad = xp.exp(log_probs)
         grad[xp.arange(grad.shape[0]), flat_targets] -= 1.0
-        grad *= scale
+        grad *= scale * self.loss_scale
         return grad.reshape(shape)
 
 
@@ -58,6 +61,7 @@ class MSE:
     """Mean squared error between predictions and targets of the same shape."""
 
     name = "MSE"
+    loss_scale = 1.0
 
     def forward(self, predictions: Array, targets: Array, ctx: Context, global_batch: int) -> Array:
         if predictions.shape != targets.shape:
@@ -70,4 +74,4 @@ class MSE:
 
     def backward(self, ctx: Context) -> Array:
         diff, scale = ctx.pop(self)
-        return diff * (2.0 * scale)
+        return diff * (2.0 * scale * self.loss_scale)

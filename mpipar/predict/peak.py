@@ -107,15 +107,24 @@ class Peak:
 
 def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, world_size: int, group_size: int, *,
                        itemsize: int, state_kinds: int, training: ActivationBytes,
-                       evaluation: ActivationBytes | None = None, prefetch: int = 1) -> Peak:
-    """The peak of one rank of a stage shared by its replica group (per rank sizes rounded up)."""
+                       evaluation: ActivationBytes | None = None, prefetch: int = 1,
+                       master_itemsize: int = 0) -> Peak:
+    """The peak of one rank of a stage shared by its replica group (per rank sizes rounded up).
+    `master_itemsize` (--precision fp16): the optimizer keeps master weights of its blocks in
+    that size, its state too, and reads their gradients in it (precision.py)."""
     P, G, OS = sharding.triple
     share = {scope: sharing_ranks(scope, world_size, group_size) for scope in Scope}
     secondary = math.ceil(parameters / group_size) if sharding.secondary else 0  # ZeRO++'s copy in the group
+    updated = math.ceil(parameters / share[OS])
     steady = {"parameters": (math.ceil(parameters / share[P]) + secondary) * itemsize,
               "gradients": math.ceil(parameters / share[G]) * itemsize,
-              "optimizer_state": state_kinds * math.ceil(parameters / share[OS]) * itemsize,
-              "workspace": min(CHUNK, math.ceil(parameters / share[OS])) * itemsize}
+              "optimizer_state": state_kinds * updated * itemsize,
+              "workspace": min(CHUNK, updated) * itemsize}
+    if master_itemsize:
+        steady["optimizer_state"] = (1 + state_kinds) * updated * master_itemsize
+        # the gradients read in the master dtype, the inner optimizer's chunk, and the chunk in which
+        # the float16 gradients are squared for the overflow check (clipping.py)
+        steady["workspace"] = (updated + min(CHUNK, updated)) * master_itemsize + min(CHUNK, updated) * 4
     unit = largest_unit * itemsize
     gathered = (1 + prefetch) * unit if P != Scope.REPLICATED else 0
     if G != Scope.REPLICATED:
@@ -192,7 +201,8 @@ def composed_peak(pipeline: Peak, shares: list[Peak]) -> Peak:
 
 def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, stage_sizes: list[int],
               largest_units: list[int], group_size: int, *, itemsize: int, state_kinds: int,
-              training: ActivationBytes, evaluation: ActivationBytes | None = None, prefetch: int = 1) -> Peak:
+              training: ActivationBytes, evaluation: ActivationBytes | None = None, prefetch: int = 1,
+              master_itemsize: int = 0) -> Peak:
     """The peak of `rank` running `compiled` on `mesh`, each stage shared among its replica
     group by `sharding` (`group_size`: the group's ranks in one node; `largest_units`: per
     stage). Data parallelism (one worker, one stage) is the sharding flow's own figures."""
@@ -200,7 +210,7 @@ def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, sta
     if mesh.workers == 1 and len(stage_sizes) == 1 and stage_sizes[0]:
         return data_parallel_peak(sharding, stage_sizes[0], largest_units[0], mesh.replicas, group_size,
                                   itemsize=itemsize, state_kinds=state_kinds, training=training,
-                                  evaluation=evaluation, prefetch=prefetch)
+                                  evaluation=evaluation, prefetch=prefetch, master_itemsize=master_itemsize)
     peak = pipeline_peak(worker, compiled, stage_sizes, itemsize=itemsize, state_kinds=state_kinds,
                          training=training, evaluation=evaluation)
     shared = [s for s, size in enumerate(stage_sizes) if worker in compiled.holders[s] and size]
@@ -213,7 +223,7 @@ def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, sta
 
 def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes,
               evaluation: ActivationBytes | None, steps: int, *, largest_units: list[int], group: int,
-              itemsize: int, state_kinds: int) -> Peak:
+              itemsize: int, state_kinds: int, master_itemsize: int = 0) -> Peak:
     """The most `rank` should hold at once over a run of `steps` steps of `plan`. A pipeline
     plan compiles every rank's program, so any rank's peak is predicted anywhere; a CDP plan
     keeps only its own rank's program."""
@@ -223,7 +233,7 @@ def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes
                            evaluation=evaluation)
     return mesh_peak(rank, plan.compiled, plan.mesh, plan.sharding, plan.stage_sizes, largest_units, group,
                      itemsize=itemsize, state_kinds=state_kinds, training=training, evaluation=evaluation,
-                     prefetch=plan.prefetch)
+                     prefetch=plan.prefetch, master_itemsize=master_itemsize)
 
 
 def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[int], *, itemsize: int,

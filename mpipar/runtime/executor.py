@@ -95,6 +95,8 @@ class Executor:
         self.collective, self.unit_bytes = collective, unit_bytes
         self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
         self.dtype, self.mesh = stages[0].flat.dtype, plan.mesh
+        master = optimizer_options.get("master_dtype")  # --precision fp16's master weights (precision.py)
+        self.master_itemsize = np.dtype(master).itemsize if master and np.dtype(master) != self.dtype else 0
         self.ledger, self.pool, self.outbox = MemoryLedger(), ScratchPool(), Outbox()
         # A stage shared by its replica group keeps its state in the sharding flow: one
         # communicator per stage (the world's own where the group is every rank)
@@ -134,7 +136,8 @@ class Executor:
         units = [max((last - first for _, _, first, last in make_units(stage, self.unit_bytes)), default=0)
                  for stage in self.stages]
         return plan_peak(self.plan, rank, training, evaluation, steps, largest_units=units, group=group,
-                         itemsize=self.dtype.itemsize, state_kinds=self.state_kinds)
+                         itemsize=self.dtype.itemsize, state_kinds=self.state_kinds,
+                         master_itemsize=self.master_itemsize)
 
     # -- runs of steps ---------------------------------------------------------------------
     def run_steps(self, first_step: int, steps: int, load: Load, *, seed: int, batch_size: int,

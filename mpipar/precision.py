@@ -1,0 +1,169 @@
+"""Mixed precision: half-precision arithmetic, master weights in full precision, dynamic loss scaling.
+
+`--precision fp16` runs the forward and the backward in IEEE half precision (float16): the
+activations, the parameters the layers read and the gradients they write are 2 bytes each,
+so a GPU's tensor cores do the products and half the bytes cross the wire. Half precision
+alone does not train: an Adam update lr * m / sqrt(v) is often below float16's resolution
+of a weight near 1 (2^-11), and gradients below 2^-24 vanish. So, as in seed 004 (ZeRO,
+section 3 and Table 1) and the mixed-precision training it cites:
+
+    parameters   float16, where the layers read them           2 bytes per parameter (P)
+    gradients    float16, summed over ranks in float16          2 bytes per parameter (G)
+    optimizer    a float32 master copy of the parameters and   12 bytes with Adam (OS):
+                 float32 state (Adam: two moments)              4 (master) + 4 + 4
+
+Each rank's optimizer updates its OS blocks (the whole stage under DDP, a 1/N block under
+ZeRO-1/2/3, PaRO's group block) on the master copy, then rounds the result into the float16
+parameters that the sharding flow publishes. A rank's master copy is of its OS blocks only,
+so it is sharded exactly as the optimizer state is: the 2 + 2 + 12 of Table 1 for every
+sharding triple. The update reads a float32 copy of the float16 gradient blocks it updates
+(4 bytes per element of the OS blocks, counted as workspace; DeepSpeed keeps the same copy).
+
+Loss scaling keeps small gradients representable: the loss's gradient is multiplied by a
+scale S (2^16 at first), every gradient is S times too large, and the update divides by S
+in float32. When a gradient overflows (an inf or a NaN anywhere in the model) the step is
+skipped on every rank and S halves; after `growth_interval` good steps in a row S doubles.
+Every rank decides from the same number: the sum over ranks of the squares of the
+gradients each rank updates (clipping.py's global norm), which is finite exactly when no
+rank's gradient overflowed.
+
+`--precision bf16` (bfloat16: float32's range, so no loss scaling) needs an array library
+with bfloat16 arrays; neither NumPy nor CuPy has one, so it is refused. On the CPU, NumPy
+has no half-precision matrix products (it converts element by element), so fp16 is slower
+than float32 there and refused too, unless MPIPAR_HALF_ON_CPU=1: the tests use it to check
+the maths against float64 on small models.
+
+Exercised by: python -m pytest tests/test_precision.py
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from typing import Callable, Sequence
+
+import numpy as np
+
+from mpipar.backend import array_module
+from mpipar.errors import ConfigError, NonFiniteLossError
+
+HALF_ON_CPU = "MPIPAR_HALF_ON_CPU"  # 1: run --precision fp16 on NumPy (for the tests of the maths)
+
+
+class Precision(str, Enum):
+    """The arithmetic of the forward and the backward."""
+
+    FP32 = "fp32"  # --dtype throughout: parameters, activations, gradients, optimizer state
+    FP16 = "fp16"  # float16 arithmetic, --dtype master weights and optimizer state, loss scaling
+    BF16 = "bf16"  # bfloat16 arithmetic: refused until an array library here has bfloat16
+
+
+PRECISIONS = tuple(precision.value for precision in Precision)
+
+
+def check_precision(precision: str, device: str) -> None:
+    """Raise ConfigError with one sentence where `precision` cannot run on `device`."""
+    if precision == Precision.FP32:
+        return
+    if precision == Precision.BF16:
+        raise ConfigError("--precision bf16 needs bfloat16 arrays, which neither NumPy nor CuPy has; use "
+                          "--precision fp16 (half precision with loss scaling)")
+    if device == "cpu" and os.environ.get(HALF_ON_CPU) != "1":
+        raise ConfigError("--precision fp16 runs on a GPU (--device gpu): NumPy has no half-precision matrix "
+                          "products, so on the CPU it would be slower than float32, not faster")
+
+
+def arithmetic_dtype(precision: str, dtype: str) -> str:
+    """The dtype of activations, parameters and gradients: float16 for fp16, else `dtype`."""
+    return "float16" if precision == Precision.FP16 else dtype
+
+
+class LossScaler:
+    """The dynamic loss scale S of float16 training, and whether this step's update is skipped.
+
+    `scale` multiplies the loss's gradient of the coming step. After the step's gradients
+    are summed, `update(finite)` records the scale they were computed with (`unscale` is
+    its inverse, which the update multiplies them by) and decides: a step whose gradient
+    overflowed is skipped (`skipping`) and halves S; `growth_interval` good steps in a row
+    double it. Every rank calls `update` with the same verdict, so every rank skips alike.
+    """
+
+    def __init__(self, initial: float = 2.0**16, growth_interval: int = 2000, factor: float = 2.0,
+                 least: float = 2.0**-24) -> None:
+        self.scale, self.growth_interval, self.factor, self.least = initial, growth_interval, factor, least
+        self.unscale, self.skipping = 1.0 / initial, False
+        self.good_steps, self.skipped = 0, 0  # good steps since the last change of S; steps skipped in all
+
+    def update(self, finite: bool) -> None:
+        """The verdict on this step's gradient (every rank the same): finite, or overflowed."""
+        self.unscale, self.skipping = 1.0 / self.scale, not finite
+        if finite:
+            self.good_steps += 1
+            if self.good_steps == self.growth_interval:
+                self.scale, self.good_steps = self.scale * self.factor, 0
+            return
+        self.skipped += 1
+        self.scale, self.good_steps = self.scale / self.factor, 0
+        if self.scale < self.least:
+            error = NonFiniteLossError(f"the gradient overflows float16 at every loss scale (down to "
+                                       f"{self.least:g}): the training diverges; try a lower --lr or --grad-clip")
+            error.on_every_rank = True  # every rank reached the same verdict
+            raise error
+
+
+class MasterWeights:
+    """An optimizer over half-precision pieces that updates master copies in `master_dtype`.
+
+    `make_inner(params, grads, decay)` builds the optimizer proper over the master pieces
+    and their gradients (optim.make_optimizer). A step copies the half-precision gradients
+    into the master dtype, divided by the loss scale, lets the inner optimizer update the
+    master copies, and rounds them into the half-precision parameters. A step the loss
+    scaler skips changes nothing: not the parameters, the state or the step count.
+    """
+
+    def __init__(self, make_inner: Callable, params: Sequence, grads: Sequence, decay: Sequence,
+                 master_dtype: np.dtype, scaler: LossScaler | None) -> None:
+        xp = array_module(params[0])
+        self.params, self.grads, self.scaler = list(params), list(grads), scaler
+        total = sum(piece.size for piece in self.params)
+        self.master = xp.empty(total, dtype=master_dtype)
+        self.master_grads = xp.empty(total, dtype=master_dtype)
+        self.master_pieces, self.master_grad_pieces, offset = [], [], 0
+        for piece in self.params:
+            self.master_pieces.append(self.master[offset:offset + piece.size])
+            self.master_grad_pieces.append(self.master_grads[offset:offset + piece.size])
+            self.master_pieces[-1][:] = piece
+            offset += piece.size
+        self.inner = make_inner(self.master_pieces, self.master_grad_pieces, decay)
+
+    @property
+    def steps(self) -> int:
+        return self.inner.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.inner.steps = value
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @property
+    def state_bytes(self) -> int:
+        """The master copy and the inner optimizer's state: seed 004's K (12 bytes with Adam)."""
+        return self.master.nbytes + self.inner.state_bytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.master_grads.nbytes + self.inner.workspace_bytes
+
+    def step(self, lr: float) -> None:
+        if self.scaler is not None and self.scaler.skipping:
+            return
+        unscale = self.master.dtype.type(1.0 if self.scaler is None else self.scaler.unscale)
+        for grad, master_grad in zip(self.grads, self.master_grad_pieces):
+            xp = array_module(grad)
+            xp.multiply(grad, unscale, out=master_grad)  # a strongly typed scalar: computed in the master dtype
+        self.inner.step(lr)
+        for piece, master in zip(self.params, self.master_pieces):
+            piece[:] = master  # rounded to half precision
