@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
+from mpipar.precision import HALF_ON_CPU
 from mpipar.trainer import Trainer
 
 
@@ -39,9 +40,12 @@ def test_cdp_model_state_per_rank_is_within_10_percent_of_ddps_by_the_allocator(
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn", "transformer"])
-def test_training_and_evaluation_stay_within_the_predicted_peak_and_evaluation_under_training(model, tmp_path):
-    options = dict(model=model, memory_profile=True, max_steps=3)
+@pytest.mark.parametrize("model, precision", [("mlp", "fp32"), ("cnn", "fp32"), ("transformer", "fp32"),
+                                              ("mlp", "fp16"), ("transformer", "fp16")])
+def test_training_and_evaluation_stay_within_the_predicted_peak_and_evaluation_under_training(model, precision,
+                                                                                              tmp_path, monkeypatch):
+    monkeypatch.setenv(HALF_ON_CPU, "1")  # fp16: NumPy's float16 stands in for a GPU's
+    options = dict(model=model, memory_profile=True, max_steps=3, precision=precision)
     if model == "transformer":  # nanoGPT's CPU recipe's shapes, on a slice of tiny Shakespeare
         text = tmp_path / "text.txt"
         text.write_text(TEXT.read_text()[:200_000])

@@ -1,0 +1,164 @@
+"""--precision fp16 on the CPU: the loss scaler, the master weights, the layers in float16 against
+float64, training against float64, Table 1's bytes and the agreed skip on several ranks, the refusals.
+
+NumPy's float16 stands in for a GPU's (MPIPAR_HALF_ON_CPU=1): the maths is the same, only slow.
+
+    python -m pytest tests/test_precision.py -q
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_layers import LAYER_CASES, run_forward
+
+from conftest import SCRIPTS, run_mpi, small_config
+from mpipar.backend import make_backend
+from mpipar.errors import ConfigError, NonFiniteLossError
+from mpipar.model import FlatParams, Sequential, mark_written
+from mpipar.optim import make_optimizer
+from mpipar.precision import HALF_ON_CPU, LossScaler
+from mpipar.trainer import Trainer
+
+TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def test_the_loss_scale_halves_on_an_overflow_and_doubles_after_enough_good_steps():
+    scaler = LossScaler(initial=1024.0, growth_interval=3)
+    scaler.update(finite=False)
+    assert (scaler.skipping, scaler.unscale, scaler.scale, scaler.skipped) == (True, 1 / 1024, 512.0, 1)
+    for _ in range(2):
+        scaler.update(finite=True)
+        assert (scaler.skipping, scaler.scale) == (False, 512.0)
+    scaler.update(finite=True)  # the third good step in a row
+    assert (scaler.unscale, scaler.scale) == (1 / 512, 1024.0)
+    scaler.update(finite=True)
+    scaler.update(finite=False)  # an overflow restarts the count of good steps
+    scaler.update(finite=True)
+    scaler.update(finite=True)
+    assert scaler.scale == 512.0
+
+
+def test_a_gradient_that_overflows_at_every_scale_stops_the_run():
+    scaler = LossScaler(initial=4.0, least=1.0)
+    scaler.update(finite=False)
+    scaler.update(finite=False)
+    with pytest.raises(NonFiniteLossError, match="overflows float16 at every loss scale"):
+        scaler.update(finite=False)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_master_weights_update_as_the_master_dtype_would_and_round_into_the_parameters(name):
+    rng = np.random.default_rng(3)
+    master = rng.standard_normal(300)
+    params = master.astype(np.float16)
+    gradient = rng.standard_normal(300) * 1e-6  # below float16's smallest normal number: scaling keeps it
+    scaler = LossScaler(initial=2.0**16)
+    scaled = (gradient * 2.0**16).astype(np.float16)
+    decay = [[(0, 200)]]
+    options = dict(momentum=0.9, weight_decay=0.1)
+    half = make_optimizer(name, [params], [scaled], decay, master_dtype=np.float64, loss_scaler=scaler, **options)
+    reference_params = params.astype(np.float64)  # the master copy starts from the float16 parameters
+    reference = make_optimizer(name, [reference_params], [scaled.astype(np.float64) / 2.0**16], decay, **options)
+    scaler.update(finite=True)
+    half.step(0.01)
+    reference.step(0.01)
+    np.testing.assert_array_equal(half.master, reference_params)
+    np.testing.assert_array_equal(params, reference_params.astype(np.float16))
+    assert params.dtype == np.float16 and not np.array_equal(params, master.astype(np.float16))
+    kinds = {"sgd": 1, "adamw": 2}[name]
+    assert half.state_bytes == (1 + kinds) * 300 * 8  # the master copy is optimizer state (seed 004's K)
+
+
+def test_a_skipped_step_changes_no_parameter_state_or_step_count():
+    params = np.linspace(-1, 1, 50).astype(np.float16)
+    grads = np.full(50, np.inf, dtype=np.float16)
+    scaler = LossScaler()
+    optimizer = make_optimizer("adam", [params], [grads], [[]], master_dtype=np.float32, loss_scaler=scaler)
+    before = params.copy()
+    scaler.update(finite=False)
+    optimizer.step(0.1)
+    np.testing.assert_array_equal(params, before)
+    assert optimizer.steps == 0 and not optimizer.state.any()
+
+
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+def test_each_layer_in_float16_stays_float16_and_near_float64(case):
+    """Forward, input gradient and weight gradients in float16 against float64 on the same
+    values: within 2% of the largest value (float16 keeps 11 bits; sums lose a few more), and
+    never promoted to float32 on the way (NumPy 2 promotes on a float32 scalar)."""
+    make_layer, x = LAYER_CASES[case]
+    results = {}
+    for dtype in ("float64", "float16"):
+        layer = make_layer()
+        Sequential([layer], input_shape=x.shape[1:])
+        flat = FlatParams([layer], make_backend("cpu", dtype), seed=0)
+        inputs = x.astype(dtype) if x.dtype.kind == "f" else x
+        y, ctx = run_forward(layer, inputs.copy())
+        weights = np.random.default_rng(1).standard_normal(y.shape).astype(dtype)
+        flat.zero_grad()
+        dx = layer.backward(weights, ctx)
+        mark_written(layer)
+        flat.settle_grads()
+        results[dtype] = (y, dx, flat.grad.copy())
+    for name, wide, narrow in zip(("output", "input gradient", "weight gradient"), results["float64"],
+                                  results["float16"]):
+        if wide is None or wide.size == 0:
+            continue
+        assert narrow.dtype == np.float16, f"{case}: the {name} is {narrow.dtype}, not float16"
+        error = np.abs(narrow.astype(np.float64) - wide).max() / max(np.abs(wide).max(), 1e-12)
+        assert error < 2e-2, f"{case}: the {name} in float16 is {error:.2%} of its largest value off float64's"
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_fp16_training_follows_float64(model, tmp_path, monkeypatch):
+    """40 steps with float16 arithmetic and float64 master weights against float64 throughout:
+    the test loss within 1%, the parameters within 5% (in norm) of float64's. The MLP trains
+    with SGD, whose step grows with the gradient (a missing unscale diverges); the transformer
+    with AdamW, tied embeddings and clipping (whose norm must be the unscaled one). Without the
+    loss scale, gradients underflow and training stalls."""
+    monkeypatch.setenv(HALF_ON_CPU, "1")
+    options = dict(hidden=(64, 64), optimizer="sgd", lr=0.05)
+    if model == "transformer":
+        corpus = tmp_path / "text.txt"
+        corpus.write_text(TEXT.read_text()[:20000])
+        options = dict(model="transformer", dataset="text", text_file=str(corpus), seq_len=16, width=32, heads=2,
+                       blocks=2, optimizer="adamw", lr=3e-3, batch_size=8, tie_embeddings=True, eval_batches=2,
+                       grad_clip=1.0)
+    runs = {}
+    for precision in ("fp32", "fp16"):
+        trainer = Trainer(small_config(**options, precision=precision, max_steps=40))
+        summary = trainer.run()
+        runs[precision] = (summary["test_loss"], trainer.engine.whole_model.full_parameters().astype(np.float64))
+    (loss, params), (reference_loss, reference) = runs["fp16"], runs["fp32"]
+    initial = Trainer(small_config(**options, max_steps=40)).engine.whole_model.full_parameters()
+    assert abs(loss - reference_loss) < 0.01 * reference_loss, f"test loss {loss} against float64's {reference_loss}"
+    moved = np.linalg.norm(reference - initial)
+    assert np.linalg.norm(params - reference) < 0.05 * np.linalg.norm(reference)
+    assert np.linalg.norm(params - reference) < 0.5 * moved, "fp16 training went elsewhere than float64's"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_table_1_bytes_and_an_overflow_on_one_rank_skipped_by_every_rank(ranks):
+    result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_precision.py"), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"cases hold Table 1 and skip an overflow together on {ranks} rank(s)" in result.stdout
+
+
+@pytest.mark.parametrize("options, sentence", [
+    (dict(), "--precision fp16 runs on a GPU"),
+    (dict(precision="bf16"), "--precision bf16 needs bfloat16 arrays"),
+    (dict(stages=2, scheme="1f1b", half=True), "pipelines train in --precision fp32"),
+    (dict(scheme="cdp-v2", half=True), "Cyclic Data Parallelism train in --precision fp32"),
+    (dict(checkpoint_dir="ckpt", half=True), "does not save or resume checkpoints"),
+    (dict(model="net.py:build", half=True), "trains the built-in models"),
+])
+def test_what_fp16_does_not_cover_is_refused_in_one_sentence(options, sentence, monkeypatch):
+    if options.pop("half", False):
+        monkeypatch.setenv(HALF_ON_CPU, "1")
+    else:
+        monkeypatch.delenv(HALF_ON_CPU, raising=False)
+    config = small_config(**{"precision": "fp16", **options})
+    with pytest.raises(ConfigError, match=sentence):
+        config.validate(2)
