@@ -6,15 +6,18 @@ NumPy's float16 stands in for a GPU's (MPIPAR_HALF_ON_CPU=1): the maths is the s
     python -m pytest tests/test_precision.py -q
 """
 
+import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from test_layers import LAYER_CASES, run_forward
 
 from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.backend import make_backend
+from mpipar.cli import cli
 from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.model import FlatParams, Sequential, mark_written
 from mpipar.optim import make_optimizer
@@ -162,3 +165,16 @@ def test_what_fp16_does_not_cover_is_refused_in_one_sentence(options, sentence, 
     config = small_config(**{"precision": "fp16", **options})
     with pytest.raises(ConfigError, match=sentence):
         config.validate(2)
+
+
+@pytest.mark.parametrize("scheme", ["ddp", "zero3"])
+def test_mpipar_estimate_mixed_predicts_the_peak_that_fp16_training_predicts(scheme, monkeypatch):
+    """`mpipar estimate --precision mixed` is `mpipar train --precision fp16`: the same 2 + 2 + 12
+    bytes, float16 activations from its dry run and the float32 update workspace."""
+    monkeypatch.setenv(HALF_ON_CPU, "1")
+    result = CliRunner().invoke(cli, ["estimate", "--model", "mlp", "--hidden", "64,64", "--world-size", "1",
+                                      "--group-size", "1", "--batch-size", "32", "--precision", "mixed", "--json"])
+    assert result.exit_code == 0, result.output
+    estimated = json.loads(result.output)["schemes"][scheme]["peak"]
+    trainer = Trainer(small_config(hidden=(64, 64), precision="fp16", dtype="float32", scheme=scheme))
+    assert estimated == trainer.predicted.total

@@ -7,11 +7,13 @@
 prints, for every sharding scheme, the PaRO paper's Table 1 (parameters, gradients,
 optimizer state held by one rank) and Table 2 (bytes sent in one optimizer step,
 summed over all ranks, inside groups and between them), in bytes; the paper is seed
-004 in docs/glossary.md. `--dtype mixed` is the paper's setting: 2-byte parameters and
-gradients, a 4-byte master copy plus the optimizer's 4-byte state; float32 and float64
-are what mpipar trains in (no master copy).
+004 in docs/glossary.md. `--precision mixed` is the paper's setting, and what `mpipar train
+--precision fp16` keeps: 2-byte parameters and gradients, a 4-byte master copy plus the
+optimizer's 4-byte state; float32 and float64 are the --dtype of a --precision fp32 run (no
+master copy).
 
-In float32 and float64 it also prints the predicted peak per rank (peak.py): Table 1
+It also prints the predicted peak per rank (peak.py; mixed: without --stages, as fp16
+trains data-parallel only, with its float16 activations and float32 update workspace): Table 1
 plus what a step holds on top, with units of --ddp/--bucket-mb, or, without --ddp, each
 scheme's default as `mpipar train` takes it (one layer where the scheme shards the
 parameters, buckets of --bucket-mb elsewhere). With --model the
@@ -105,8 +107,8 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
               help="SGD momentum (0: SGD keeps no state)")
 @click.option("--dtype", "--precision", "precision", cls=RenamedOption, type=click.Choice(PRECISIONS),
               default="mixed", show_default=True,
-              help="mixed: 2-byte parameters and gradients, 4-byte master copy and state (the paper's); "
-                   "float32 and float64: what mpipar trains in")
+              help="mixed: 2-byte parameters and gradients, 4-byte master copy and state (the paper's, and "
+                   "mpipar train --precision fp16's); float32 and float64: mpipar train --dtype's")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def estimate(params: float | None, model: str | None, dataset: str, hidden: tuple[int, ...], world_size: int,
              group_size: int, micro_batches: int | None, stages: int, scheme: str | None, replicas: int, loops: int,
@@ -123,14 +125,14 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
     built = None if model is None else built_model(model, dataset, hidden)
     element, k = state_bytes_per_parameter(precision, optimizer, momentum)
     layouts = {mode: make_layout(params, built, world_size, group_size, stages, scheme, replicas, micro_batches,
-                                 loops, batch_size, mode, bucket_mb, 8 if precision == "float64" else 4, recompute)
+                                 loops, batch_size, mode, bucket_mb, element, recompute)
                for mode in ([ddp] if ddp else ["bucketed", "overlap"])}  # overlap: where P is sharded
     layout = next(iter(layouts.values()))
     count = params if params is not None else sum(layout.stage_sizes)
     micro_batches = layout.compiled.shape.micro_batches
     rows = scheme_rows(layout, micro_batches, element, k)
-    peaks = {} if precision == "mixed" else predicted_peaks(layouts, prefetch, element,
-                                                            state_kinds(optimizer, momentum))
+    peaks = {} if precision == "mixed" and stages else predicted_peaks(
+        layouts, prefetch, element, state_kinds(optimizer, momentum), 4 if precision == "mixed" else 0)
     mesh = layout.mesh
     if as_json:
         click.echo(json.dumps({"parameters": count, "world_size": world_size, "group_size": group_size,
@@ -164,7 +166,8 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
                + ("to share the stages in their replica groups; activations along the pipelines are not counted "
                   if stages else "") + "(schemes: docs/sharding.md; words: docs/glossary.md)")
     if not peaks:
-        click.echo("peak: predicted for what mpipar trains in; give --dtype float32 or float64")
+        click.echo("peak: mpipar trains mixed precision (--precision fp16) without --stages only; give --dtype "
+                   "float32 or float64")
     elif built is None:
         click.echo(f"peak: the per-rank state plus what a step holds on top, in units of {bucket_mb:g} MB (a layer "
                    "needs --model); activations left out (give --model to count them)")

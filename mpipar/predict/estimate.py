@@ -51,6 +51,7 @@ from mpipar.schedule.sharding import (
     unit_bytes_for,
 )
 
+ITEMSIZE_DTYPES = {8: "float64", 4: "float32", 2: "float16"}  # the dry run's arithmetic, by element size
 PHASES = ("forward-gather", "backward-gather", "backward-reduce", "update-reduce", "update-gather")
 
 
@@ -155,8 +156,8 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
         training = evaluation = ActivationBytes((0,) * len(sizes), (0,) * len(sizes), (0,) * len(sizes))
     else:
         train_set, eval_batch, model, loss = built
-        laid_out = build_stages(model, stages or 1, make_backend("cpu", "float64" if itemsize == 8 else "float32"),
-                                0, materialize=False)
+        backend = make_backend("cpu", ITEMSIZE_DTYPES[itemsize])
+        laid_out = build_stages(model, stages or 1, backend, 0, materialize=False)
         sizes = [stage.flat.size for stage in laid_out]
         units = [max((stop - start for _, _, start, stop in make_units(stage, unit_bytes_for(ddp, bucket_mb))),
                      default=0) for stage in laid_out]
@@ -164,6 +165,7 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
         spans = (None if segment is None else
                  compute_spans(laid_out, replica_shared_stages(mesh, sizes), unit_bytes_for(ddp, bucket_mb), segment))
         training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch or micro_batch, seed=0,
+                                       to_device=lambda inputs, targets: (backend.inputs(inputs), targets),
                                        recompute_spans=spans, split=config.strategy().split_backward)
     groups = []
     for worker in range(mesh.workers):  # ranks are grouped by --group-size consecutive ranks
@@ -196,17 +198,19 @@ def scheme_rows(layout: Layout, micro_batches: int, element: int, k: int) -> lis
     return rows
 
 
-def predicted_peaks(layouts: dict[str, Layout], prefetch: int, itemsize: int, kinds: int) -> dict[str, Peak]:
+def predicted_peaks(layouts: dict[str, Layout], prefetch: int, itemsize: int, kinds: int,
+                    master_itemsize: int = 0) -> dict[str, Peak]:
     """Scheme -> the predicted peak of the rank that holds the most (peak.mesh_peak). `layouts`
     by --ddp mode: one, which every scheme uses (--ddp given), or each scheme's default
-    units (sharding.default_units) among several."""
+    units (sharding.default_units) among several. `master_itemsize`: mpipar train --precision
+    fp16's master weights (0: none)."""
     peaks = {}
     for name, sharding in SCHEMES.items():
         layout = next(iter(layouts.values())) if len(layouts) == 1 else layouts[default_units(sharding)]
         peaks[name] = max((mesh_peak(rank, layout.compiled, layout.mesh, sharding, layout.stage_sizes,
                                      layout.largest_units, layout.groups[layout.mesh.worker(rank)], itemsize=itemsize,
                                      state_kinds=kinds, training=layout.training, evaluation=layout.evaluation,
-                                     prefetch=prefetch)
+                                     prefetch=prefetch, master_itemsize=master_itemsize)
                            for rank in range(0, layout.mesh.size, layout.mesh.replicas)),  # one rank per worker
                           key=lambda peak: peak.total)
     return peaks
