@@ -160,10 +160,12 @@ class MasterWeights:
     def step(self, lr: float) -> None:
         if self.scaler is not None and self.scaler.skipping:
             return
-        unscale = self.master.dtype.type(1.0 if self.scaler is None else self.scaler.unscale)
+        unscale = 1.0 if self.scaler is None else self.scaler.unscale
         for grad, master_grad in zip(self.grads, self.master_grad_pieces):
-            xp = array_module(grad)
-            xp.multiply(grad, unscale, out=master_grad)  # a strongly typed scalar: computed in the master dtype
+            # widened first, then divided: in float16, g / S would underflow (and NumPy and CuPy
+            # differ in the type they give a float16 array times a scalar)
+            master_grad[:] = grad
+            master_grad *= unscale
         self.inner.step(lr)
         for piece, master in zip(self.params, self.master_pieces):
             piece[:] = master  # rounded to half precision
