@@ -31,7 +31,14 @@ error (rank 0's traceback goes to stderr). The cases:
     result is the exact sum, bit for bit; times are medians of 7;
   - one process only: tokens/s of the transformer at nanoGPT's GPU recipe shapes (6 blocks of
     width 384, 6 heads, context 256, batch 64, float32, AdamW, tied) against the same model
-    in torch eager (benchmarks/language_model.py's GPT), 3 alternating rounds of 10 steps.
+    in torch eager (benchmarks/language_model.py's GPT), 3 alternating rounds of 10 steps;
+    and the same with --precision fp16 against torch eager under autocast(float16) with its
+    GradScaler;
+  - --precision fp16 (docs/precision.md): the transformer (width 64, 2 blocks, context 64)
+    trained 200 steps in fp16 and in float32 on the GPU: the evaluation loss within 2% of
+    float32's; and a loss scale started at 2^28, so that the first steps overflow: on every
+    rank the same steps are skipped, the parameters stay as they were until the first
+    applied step, and the run ends with a finite loss.
 """
 
 import statistics
@@ -307,7 +314,9 @@ def device_messages() -> str:
     return f"{verdict}; library CUDA-aware: {aware}; " + ", ".join(report)
 
 
-def transformer_speed_on_cuda() -> str:
+def transformer_speed_on_cuda(precision: str = "fp32") -> str:
+    import contextlib
+
     import torch
     import torch.nn.functional as F
 
@@ -317,32 +326,79 @@ def transformer_speed_on_cuda() -> str:
     shapes = dict(seq_len=256, width=384, heads=6, blocks=6, batch_size=64)
     trainer = Trainer(TrainConfig(**{**TRANSFORMER, **shapes, "grad_clip": 1.0, "lr": 1e-3, "beta2": 0.99,
                                      "weight_decay": 0.1, "dtype": "float32", "device": "gpu", "seed": 0,
-                                     "log_every": 10**6, "max_steps": 10**6}, text_file=text_file()))
+                                     "log_every": 10**6, "max_steps": 10**6, "precision": precision},
+                                  text_file=text_file()))
     train_set = trainer.train_set
     model = GPT(train_set.num_classes, shapes["seq_len"], shapes["width"], shapes["heads"], shapes["blocks"]).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     sampler = GlobalBatchSampler(len(train_set), shapes["batch_size"], 0)
     position = {"torch": 0}  # torch's steps so far (mpipar_steps counts its own)
     steps = 10
-
+    half = precision == "fp16"
+    scaler = torch.amp.GradScaler("cuda", enabled=half)
 
     def torch_steps() -> None:
         for _ in range(steps):
             epoch, within = divmod(position["torch"], sampler.steps_per_epoch)
             inputs, targets = train_set.for_epoch(epoch, 0).batch(sampler.global_batch_indices(epoch, within))
-            logits = model(torch.from_numpy(inputs).cuda())
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(targets).cuda().reshape(-1))
+            with torch.autocast("cuda", dtype=torch.float16) if half else contextlib.nullcontext():
+                logits = model(torch.from_numpy(inputs).cuda())
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       torch.from_numpy(targets).cuda().reshape(-1))
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             float(loss.detach())
             position["torch"] += 1
         torch.cuda.synchronize()
 
     mpipar, torch_eager, ratio = side_by_side(mpipar_steps(trainer, steps), torch_steps,
                                               steps * shapes["batch_size"] * shapes["seq_len"], 3)
-    return f"mpipar {mpipar:,.0f} tokens/s, torch eager {torch_eager:,.0f} tokens/s, mpipar / torch {ratio:.3f}"
+    return (f"{precision}: mpipar {mpipar:,.0f} tokens/s, torch eager{' autocast' if half else ''} "
+            f"{torch_eager:,.0f} tokens/s, mpipar / torch {ratio:.3f}")
+
+
+HALF = dict(TRANSFORMER, seq_len=64, width=64, heads=4, blocks=2, batch_size=32, lr=1e-3, grad_clip=1.0,
+            dtype="float32", max_steps=200, eval_batches=8)
+
+
+def fp16_follows_float32() -> str:
+    """200 steps of the transformer in fp16 and in float32 on the GPU: evaluation losses within 2%."""
+    losses = {}
+    for precision in ("fp32", "fp16"):
+        trainer = Trainer(TrainConfig(**{**COMMON, **HALF, "precision": precision, "device": "gpu"},
+                                      text_file=text_file()))
+        losses[precision] = trainer.run()["test_loss"]
+    gap = abs(losses["fp16"] - losses["fp32"]) / losses["fp32"]
+    return (f"{'ok' if gap < 0.02 else 'FAILED'}: evaluation loss fp16 {losses['fp16']:.5f}, float32 "
+            f"{losses['fp32']:.5f} ({gap:.3%} apart, at most 2%)")
+
+
+def fp16_overflow_skipped_by_every_rank() -> str:
+    """A loss scale of 2^28: the first steps overflow; every rank skips the same ones."""
+    import cupy
+
+    trainer = Trainer(TrainConfig(**{**COMMON, **HALF, "precision": "fp16", "device": "gpu", "max_steps": 20},
+                                  text_file=text_file()))
+    trainer.loss_scaler.scale = 2.0**28
+    first_update, last = None, None
+    for step in range(20):
+        before = cupy.asnumpy(trainer.engine.whole_model.full_parameters())
+        last = trainer.train_step(step, 0, step)
+        after = cupy.asnumpy(trainer.engine.whole_model.full_parameters())
+        if trainer.loss_scaler.skipping != np.array_equal(before, after):
+            return f"FAILED: step {step} {'skipped' if trainer.loss_scaler.skipping else 'applied'}, the " \
+                   f"parameters {'changed' if trainer.loss_scaler.skipping else 'stayed'}"
+        if first_update is None and not trainer.loss_scaler.skipping:
+            first_update = step
+    skips = world.allgather(trainer.loss_scaler.skipped)
+    verdict = ("ok" if len(set(skips)) == 1 and skips[0] > 0 and first_update is not None and np.isfinite(last.loss)
+               else "FAILED")
+    return (f"{verdict}: steps skipped per rank {skips}, the first update at step {first_update}, "
+            f"loss scale now {trainer.loss_scaler.scale:g}, last loss {last.loss:.4f}")
 
 
 sys.path.insert(0, str(EXAMPLES))  # torch_mlp, the example's builders
@@ -363,3 +419,6 @@ if world.size > 1:
 if world.size == 1:
     case("torch mlp 784-512-512-10 speed on cuda", torch_speed_on_cuda)
     case("transformer at the gpu recipe's shapes, speed on cuda", transformer_speed_on_cuda)
+    case("transformer at the gpu recipe's shapes in fp16, speed on cuda", lambda: transformer_speed_on_cuda("fp16"))
+    case("transformer fp16 follows float32 over 200 steps on the gpu", fp16_follows_float32)
+case("fp16 overflow skipped by every rank on the gpu", fp16_overflow_skipped_by_every_rank)
