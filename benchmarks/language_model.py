@@ -34,7 +34,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -59,9 +58,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch_stages import alternating_rounds  # noqa: E402  (its rounds, shared by the torch benchmarks)
 
+from mpipar import step_split  # noqa: E402
 from mpipar.config import TrainConfig  # noqa: E402
 from mpipar.data import GlobalBatchSampler, load_dataset, rank_slice  # noqa: E402
-from mpipar.step_split import StepSplit  # noqa: E402
 from mpipar.trainer import Trainer  # noqa: E402
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -79,17 +78,6 @@ def mpipar_side(text: Path) -> tuple[Callable[[int], None], Trainer]:
             trainer.train_step(step[0], step[0] // per_epoch, step[0] % per_epoch)
             step[0] += 1
     return run, trainer
-
-
-def split_of_steps(run: Callable[[int], None], trainer: Trainer, steps: int) -> list[str]:
-    """Where `steps` more of mpipar's steps spend their time (mpipar/step_split.py), untimed by the rounds."""
-    trainer.engine.split = split = StepSplit()
-    WORLD.Barrier()
-    start = time.perf_counter()
-    run(steps)
-    wall = time.perf_counter() - start
-    trainer.engine.split = None
-    return split.lines(wall, steps)
 
 
 class Block(nn.Module):
@@ -181,7 +169,7 @@ def main() -> None:
         run(args.warmup)
     rates = {name: [args.steps * RECIPE["batch_size"] / seconds for seconds in rounds]
              for name, rounds in alternating_rounds(sides, args.steps, args.rounds, WORLD.Barrier).items()}
-    split = split_of_steps(run_mpipar, trainer, args.steps)
+    split = step_split.measure(trainer.engine, run_mpipar, args.steps, WORLD.Barrier)  # untimed by the rounds
     if WORLD.rank == 0:
         ratio = statistics.median(a / b for a, b in zip(rates["mpipar"], rates[other]))
         print(f"nanoGPT CPU recipe (4x128, context 64, batch 12, tied, AdamW, clip 1.0), {WORLD.size} rank(s), "

@@ -21,7 +21,8 @@ process (2 cores here: one rank each).
 
 Torch's side runs over gloo (TCP on localhost). The sides take turns in timed rounds
 (benchmarks/torch_stages.py's alternating_rounds); figures are medians over rounds, the
-ratio the median of per-round ratios.
+ratio the median of per-round ratios. After the rounds mpipar runs --steps more steps with
+its step split on (mpipar/step_split.py) and rank 0 prints where they went.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch_stages import alternating_rounds  # noqa: E402
 
+from mpipar import step_split  # noqa: E402
 from mpipar.config import TrainConfig  # noqa: E402
 from mpipar.data import GlobalBatchSampler, load_dataset, rank_slice  # noqa: E402
 from mpipar.trainer import Trainer  # noqa: E402
@@ -51,7 +53,7 @@ MPIPAR_SCHEME = {"compute": {}, "ddp": {"scheme": "ddp"}, "zero3": {"scheme": "z
                  "1f1b": {"scheme": "1f1b", "stages": 2, "micro_batches": MICRO_BATCHES}}
 
 
-def mpipar_side(scheme: str, batch: int) -> Callable[[int], None]:
+def mpipar_side(scheme: str, batch: int) -> tuple[Callable[[int], None], Trainer]:
     trainer = Trainer(TrainConfig(model="mlp", hidden=(512, 512), dataset="synthetic", batch_size=batch, lr=LR,
                                   optimizer="sgd", momentum=MOMENTUM, seed=SEED, log_every=10**6,
                                   **MPIPAR_SCHEME[scheme]))
@@ -61,7 +63,7 @@ def mpipar_side(scheme: str, batch: int) -> Callable[[int], None]:
         for _ in range(count):
             trainer.train_step(step[0], step[0] // per_epoch, step[0] % per_epoch)
             step[0] += 1
-    return run
+    return run, trainer
 
 
 def torch_side(scheme: str, batch: int) -> Callable[[int], None]:
@@ -131,11 +133,13 @@ def main() -> None:
         port = WORLD.bcast(29500 + os.getpid() % 1000, root=0)
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=WORLD.rank,
                                              world_size=WORLD.size)
-    sides = {"mpipar": mpipar_side(args.scheme, batch), "torch": torch_side(args.scheme, batch)}
+    run_mpipar, trainer = mpipar_side(args.scheme, batch)
+    sides = {"mpipar": run_mpipar, "torch": torch_side(args.scheme, batch)}
     for run in sides.values():
         run(args.warmup)
     rates = {name: [args.steps * batch / seconds for seconds in rounds]
              for name, rounds in alternating_rounds(sides, args.steps, args.rounds, WORLD.Barrier).items()}
+    split = step_split.measure(trainer.engine, run_mpipar, args.steps, WORLD.Barrier)  # untimed by the rounds
     if WORLD.rank == 0:
         ratio = statistics.median(a / b for a, b in zip(rates["mpipar"], rates["torch"]))
         print(f"MLP 784-512-512-10, float32, batch {batch}, {args.scheme}, {WORLD.size} rank(s), 1 thread each, "
@@ -144,6 +148,8 @@ def main() -> None:
             print(f"  {name:7s} {statistics.median(values):9,.0f} samples/s (median; rounds "
                   f"{min(values):,.0f}-{max(values):,.0f})")
         print(f"  mpipar / torch: {ratio:.3f} (median of per-round ratios)")
+        print(f"  mpipar's step, split over {args.steps} more steps (rank 0):")
+        print("\n".join(f"    {line}" for line in split))
     if WORLD.size > 1:  # as benchmarks/torch_stages.py: both ranks idle before the group goes
         sides.clear()
         gc.collect()

@@ -24,10 +24,16 @@ slices, clipping's norm and the per-step metrics' sum across ranks) and the exec
 Python between instructions. With no split set the executor pays one `is None` test per
 instruction.
 
-Exercised by: python benchmarks/language_model.py --threads 1  (prints the split of both runs' mpipar steps)
+`measure` does all of it for a benchmark: a split on, a number of steps timed, the lines.
+
+Exercised by: python benchmarks/language_model.py --threads 1; python benchmarks/mlp_schemes.py
+(each prints the split of mpipar's steps after its timed rounds)
 """
 
 from __future__ import annotations
+
+import time
+from typing import Callable
 
 from mpipar.schedule.instructions import Compute, EndTimeStep, Update
 from mpipar.schedule.strategies import FORWARD
@@ -55,8 +61,27 @@ class StepSplit:
     def add(self, part: str, seconds: float) -> None:
         self.seconds[part] += seconds
 
+    def execute(self, instructions, handle: Callable) -> None:
+        """`handle` each instruction in turn, its time added to its part."""
+        for instruction in instructions:
+            start = time.perf_counter()
+            handle(instruction)
+            self.add(self.part_of(instruction), time.perf_counter() - start)
+
     def lines(self, wall_seconds: float, steps: int) -> list[str]:
         """Milliseconds per step and share of the wall time, per part, then "other"."""
         parts = {**self.seconds, "other": wall_seconds - sum(self.seconds.values())}
         return [f"{part:13s} {1e3 * seconds / steps:7.2f} ms a step  {100 * seconds / wall_seconds:5.1f}%"
                 for part, seconds in parts.items()]
+
+
+def measure(executor, run: Callable[[int], None], steps: int, barrier: Callable[[], None]) -> list[str]:
+    """The split of `steps` more steps, which `run(steps)` trains on `executor`, as `lines` gives
+    it; `barrier` lines the ranks up first, so that no rank's clock starts with another's lag."""
+    executor.split = split = StepSplit()
+    barrier()
+    start = time.perf_counter()
+    run(steps)
+    wall = time.perf_counter() - start
+    executor.split = None
+    return split.lines(wall, steps)

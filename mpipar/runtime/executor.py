@@ -209,16 +209,10 @@ class Executor:
 
     def _execute(self, instructions) -> None:
         if self.split is not None:
-            self._execute_timed(instructions)
+            self.split.execute(instructions, lambda instruction: self.handlers[type(instruction)](self, instruction))
             return
         for instruction in instructions:
             self.handlers[type(instruction)](self, instruction)
-
-    def _execute_timed(self, instructions) -> None:
-        for instruction in instructions:
-            start = time.perf_counter()
-            self.handlers[type(instruction)](self, instruction)
-            self.split.add(StepSplit.part_of(instruction), time.perf_counter() - start)
 
     def _after_layer(self, layer) -> None:
         self.poll()
