@@ -376,10 +376,6 @@ class TrainConfig:
         if self.model not in MODELS:
             raise ConfigError(f"--precision {self.precision} trains the built-in models ({', '.join(MODELS)}); a "
                               "PyTorch or JAX model keeps its own precision (torch.autocast, jmp)")
-        if self.checkpoint_dir or self.resume:
-            raise ConfigError(f"--precision {self.precision} does not save or resume checkpoints: a checkpoint's "
-                              "files hold one dtype, and half-precision training keeps float16 parameters beside "
-                              "--dtype master weights")
 
     def _validate_data_parallel(self, world_size: int) -> None:
         if self.scheme in STRATEGIES and self.scheme not in SCHEMES:

@@ -63,20 +63,28 @@ RESUMED = {  # scheme: (ranks, options); CDP's runs end at --save-every, inside 
 }
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("scheme", list(RESUMED))
+# --precision fp16 (NumPy's float16 standing in for a GPU's): float16 parameters, float32 master copy and state
+HALF = {"ddp": (2, ["--scheme", "ddp"]), "zero2": (2, ["--scheme", "zero2"]),
+        "zero3": (2, ["--scheme", "zero3", "--bucket-mb", "0.002"]),
+        "paro-iig": (4, ["--scheme", "paro-iig", "--group-size", "2"])}
+HALF_OPTIONS, HALF_ENV = ["--precision", "fp16", "--dtype", "float32"], {"MPIPAR_HALF_ON_CPU": "1"}
+
+
+@pytest.mark.parametrize("scheme, dtype", [(scheme, dtype) for dtype in ("float64", "float32") for scheme in RESUMED]
+                         + [(scheme, "fp16") for scheme in HALF])
 def test_a_resumed_run_continues_bit_for_bit(tmp_path, scheme, dtype):
-    ranks, options = RESUMED[scheme]
-    half = 4
-    common = [*SMALL, *options, "--dtype", dtype, "--optimizer", "adam", "--max-steps", str(2 * half),
-              "--save-every", str(half), "--keep", "5"]
+    ranks, options = (HALF if dtype == "fp16" else RESUMED)[scheme]
+    half, env = 4, HALF_ENV if dtype == "fp16" else None
+    common = [*SMALL, *options, *(HALF_OPTIONS if dtype == "fp16" else ["--dtype", dtype]), "--optimizer", "adam",
+              "--max-steps", str(2 * half), "--save-every", str(half), "--keep", "5"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    result = train(ranks, *common, "--checkpoint-dir", str(whole), "--metrics", str(tmp_path / "whole.jsonl"))
+    result = train(ranks, *common, "--checkpoint-dir", str(whole), "--metrics", str(tmp_path / "whole.jsonl"),
+                   env_extra=env)
     assert result.returncode == 0, result.stderr
     resumed.mkdir()
     shutil.copytree(step_dir(whole, half), step_dir(resumed, half))  # as if the job had been killed after it
     result = train(ranks, *common, "--checkpoint-dir", str(resumed), "--resume", "auto",
-                   "--metrics", str(tmp_path / "resumed.jsonl"))
+                   "--metrics", str(tmp_path / "resumed.jsonl"), env_extra=env)
     assert result.returncode == 0, result.stderr
     assert f"resuming from {step_dir(resumed, half)} after step {half}" in result.stdout
     assert_same_state(step_dir(whole, 2 * half), step_dir(resumed, 2 * half))
@@ -119,6 +127,19 @@ def test_a_zero3_checkpoint_loads_into_another_layout_and_continues(tmp_path, la
     continued, reference = read_vectors(step_dir(tmp_path / "continued", 6)), read_vectors(one_process_continuation)
     for vector in reference:
         np.testing.assert_allclose(continued[vector], reference[vector], rtol=1e-10, atol=1e-14, err_msg=vector)
+
+
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_an_fp16_zero3_checkpoint_loads_on_other_ranks_master_copy_included(tmp_path, ranks):
+    common = [*SMALL, *HALF_OPTIONS, "--scheme", "zero3", "--bucket-mb", "0.002", "--max-steps", "3"]
+    result = train(2, *common, "--checkpoint-dir", str(tmp_path / "saved"), env_extra=HALF_ENV)
+    assert result.returncode == 0, result.stderr
+    saved = step_dir(tmp_path / "saved", 3)
+    assert read_vectors(saved, ["params.master"])["params.master"].dtype == np.float32
+    result = train(ranks, *common, "--resume", str(saved), "--checkpoint-dir", str(tmp_path / "loaded"),
+                   env_extra=HALF_ENV)
+    assert result.returncode == 0, result.stderr
+    assert_same_state(saved, step_dir(tmp_path / "loaded", 3))  # loaded, then saved again as it is
 
 
 def test_a_job_killed_mid_save_resumes_from_the_previous_checkpoint(tmp_path):

@@ -154,7 +154,6 @@ def test_table_1_bytes_and_an_overflow_on_one_rank_skipped_by_every_rank(ranks):
     (dict(precision="bf16"), "--precision bf16 needs bfloat16 arrays"),
     (dict(stages=2, scheme="1f1b", half=True), "pipelines train in --precision fp32"),
     (dict(scheme="cdp-v2", half=True), "Cyclic Data Parallelism train in --precision fp32"),
-    (dict(checkpoint_dir="ckpt", half=True), "does not save or resume checkpoints"),
     (dict(model="net.py:build", half=True), "trains the built-in models"),
 ])
 def test_what_fp16_does_not_cover_is_refused_in_one_sentence(options, sentence, monkeypatch):

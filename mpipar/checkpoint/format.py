@@ -9,7 +9,10 @@ The whole model is seen as a few flat vectors of one length, the parameter count
 `params` (the weights, every stage's flat buffer one after the other, in layer order),
 `optimizer.0`, `optimizer.1` (the optimizer's state kinds: SGD's momentum; Adam's first
 and second moments), and for Cyclic Data Parallelism `params.previous` (the weights one
-update older, which its next step still reads). The manifest's `parameters` table says
+update older, which its next step still reads); under --precision fp16 also `params.master`
+(the optimizer's float32 master copy, beside float16 `params`: precision.py). Every vector
+is of the manifest's `dtype` (the parameters') unless `vector_dtypes` names another (fp16's
+master copy and optimizer state). The manifest's `parameters` table says
 where each named parameter lies in that order, so any tool can cut a vector back into
 tensors. A file holds ranges [start, stop) of those vectors, each as one 1-d tensor
 named "VECTOR@START"; the manifest lists them per file with the file's size and CRC-32.
@@ -153,7 +156,7 @@ def check_compatible(manifest: dict, table: list[dict], dtype: np.dtype, optimiz
     """Refuse, naming the first difference, a checkpoint of another model, data type or optimizer."""
     if manifest["dtype"] != np.dtype(dtype).name:
         raise CheckpointError(f"checkpoint {where} holds {manifest['dtype']} parameters; this run uses "
-                              f"{np.dtype(dtype).name} (--dtype)")
+                              f"{np.dtype(dtype).name} (--dtype, --precision)")
     saved = {(p["name"], tuple(p["shape"]), p["offset"]) for p in manifest["parameters"]}
     here = {(p["name"], tuple(p["shape"]), p["offset"]) for p in table}
     if saved != here:
@@ -167,12 +170,17 @@ def check_compatible(manifest: dict, table: list[dict], dtype: np.dtype, optimiz
                               f"this run uses {optimizer} (--optimizer), whose state differs")
 
 
+def vector_dtype(manifest: dict, vector: str) -> str:
+    """The dtype of one of the checkpoint's flat vectors."""
+    return manifest.get("vector_dtypes", {}).get(vector, manifest["dtype"])
+
+
 def read_vectors(directory: Path, vectors: list[str] | None = None) -> dict[str, np.ndarray]:
     """Whole flat vectors (all of them by default) from every file of the checkpoint, checked
     (`params.previous` is zero where a stage has no older version saved)."""
     manifest = read_manifest(directory)
     wanted = manifest["vectors"] if vectors is None else vectors
-    full = {vector: np.zeros(manifest["size"], dtype=manifest["dtype"]) for vector in wanted}
+    full = {vector: np.zeros(manifest["size"], dtype=vector_dtype(manifest, vector)) for vector in wanted}
     filled = dict.fromkeys(wanted, 0)
     for entry in manifest["files"]:
         if not any(saved["vector"] in full for saved in entry["ranges"]):

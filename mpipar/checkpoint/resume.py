@@ -55,11 +55,20 @@ class Checkpoints:
         self.pending = None  # a save being written in the background: (PendingSave, thread, manifest, start)
         self.resumed_from: Path | None = None
         if self.enabled:
-            itemsize = trainer.backend.dtype.itemsize
-            checkpoint_bytes = trainer.parameter_count * itemsize * (1 + state_kinds(self.config.optimizer,
-                                                                                     self.config.momentum))
+            kinds = state_kinds(self.config.optimizer, self.config.momentum)
+            vectors = {**dict.fromkeys(["params", *(f"optimizer.{kind}" for kind in range(kinds))],
+                                       trainer.backend.dtype.name), **self.vector_dtypes()}
+            checkpoint_bytes = trainer.parameter_count * sum(np.dtype(name).itemsize for name in vectors.values())
             store.check_directory(trainer.comm, Path(self.config.checkpoint_dir), checkpoint_bytes)
             checkpoint_on_signals(StoppedToRequeue.exit_status)
+
+    def vector_dtypes(self) -> dict[str, str]:
+        """The vectors not of the parameters' dtype (format.py): under --precision fp16 the master
+        copy and the optimizer state, in --dtype."""
+        if self.config.precision == "fp32":
+            return {}
+        kinds = [f"optimizer.{kind}" for kind in range(state_kinds(self.config.optimizer, self.config.momentum))]
+        return dict.fromkeys(["params.master", *kinds], self.config.dtype)
 
     def flags(self) -> np.ndarray:
         """This rank's votes, summed over ranks with the step's loss."""
@@ -125,7 +134,8 @@ class Checkpoints:
         per_epoch = trainer.sampler.steps_per_epoch
         epoch, in_epoch = divmod(steps_done, per_epoch)
         return {"format": FORMAT, "mpipar_version": mpipar.__version__,
-                "dtype": trainer.backend.dtype.name, "size": trainer.parameter_count,
+                "dtype": trainer.backend.dtype.name, "vector_dtypes": self.vector_dtypes(),
+                "size": trainer.parameter_count,
                 "parameters": parameter_table(trainer.stages),
                 "training": {"step": steps_done, "epoch": epoch, "step_in_epoch": in_epoch,
                              "steps_per_epoch": per_epoch, "first_sample": in_epoch * cfg.batch_size,

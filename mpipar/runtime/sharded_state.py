@@ -25,6 +25,7 @@ import numpy as np
 from mpipar.checkpoint.format import Piece
 from mpipar.model import Stage
 from mpipar.optim import make_optimizer, state_kinds
+from mpipar.precision import MasterWeights
 from mpipar.runtime.ledger import MemoryLedger
 from mpipar.schedule.sharding import Layout, Scope, Sharding, Unit, make_units
 
@@ -129,8 +130,9 @@ class ShardedState:
                       self.gradient(unit, OS)) for unit in self.units]
 
     def state_pieces(self, offset: int) -> tuple[list[Piece], list]:
-        """This rank's parameters (its blocks of P's scope) and optimizer state (of OS's) as views
-        placed in the whole model's flat order, the stage starting at `offset`; and its optimizer."""
+        """This rank's parameters (its blocks of P's scope) and optimizer state (of OS's; with master
+        weights, their master copy too) as views placed in the whole model's flat order, the stage
+        starting at `offset`; and its optimizer."""
         optimizer = self.make_optimizer()
         P, OS = self.sharding.parameters, self.sharding.optimizer_state
         per_kind = len(optimizer.state) // self.state_kinds if self.state_kinds else 0
@@ -144,6 +146,9 @@ class ShardedState:
                 first = kind * per_kind + position
                 pieces.append(Piece(f"optimizer.{kind}", offset + unit.start + start, offset + unit.start + stop,
                                     optimizer.state[first:first + stop - start]))
+            if isinstance(optimizer, MasterWeights):  # its master copy is laid out as each state kind
+                pieces.append(Piece("params.master", offset + unit.start + start, offset + unit.start + stop,
+                                    optimizer.master[position:position + stop - start]))
             position += stop - start
         return pieces, [optimizer]
 
