@@ -17,8 +17,12 @@ from test_layers import LAYER_CASES, run_forward
 
 from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.backend import make_backend
+from mpipar.cache import ActivationCache
 from mpipar.cli import cli
 from mpipar.errors import ConfigError, NonFiniteLossError
+from mpipar.layers import GELU, LayerNorm, SoftmaxCrossEntropy
+from mpipar.layers.activations import reference_gelu, reference_gelu_grad
+from mpipar.layers.norm import reference_layer_norm, reference_layer_norm_grad
 from mpipar.model import FlatParams, Sequential, mark_written
 from mpipar.optim import make_optimizer
 from mpipar.precision import HALF_ON_CPU, LossScaler
@@ -177,3 +181,49 @@ def test_mpipar_estimate_mixed_predicts_the_peak_that_fp16_training_predicts(sch
     estimated = json.loads(result.output)["schemes"][scheme]["peak"]
     trainer = Trainer(small_config(hidden=(64, 64), precision="fp16", dtype="float32", scheme=scheme))
     assert estimated == trainer.predicted.total
+
+
+def test_the_loss_of_a_gpu_recipe_batch_does_not_overflow_float16():
+    """64 sequences of 256 tokens at a loss of ln 65 each: their sum, 71,000, is above float16's
+    largest number (65,504); the loss is summed in float32."""
+    logits, targets = np.zeros((64, 256, 65), np.float16), np.zeros((64, 256), np.int64)
+    loss = SoftmaxCrossEntropy().forward(logits, targets, ActivationCache().context(0, 0), 64)
+    assert abs(float(loss) - np.log(65)) < 2**-10 * np.log(65), loss  # within float16's resolution
+
+
+@pytest.mark.parametrize("vecdot", [True, False], ids=["numpy 2", "numpy 1"])
+def test_layer_norm_of_large_activations_stays_finite_and_right_in_float16(vecdot, monkeypatch):
+    """Activations of about 100 over a width of 384: a row's sum of squares (3.8e6) overflows
+    float16; LayerNorm sums its rows in float32."""
+    if not vecdot:
+        monkeypatch.delattr(np, "vecdot", raising=False)
+    generator = np.random.default_rng(5)
+    x, dy = 100 * generator.standard_normal((6, 384)), 50 * generator.standard_normal((6, 384))
+    layer = LayerNorm(384)
+    Sequential([layer], input_shape=(384,))
+    flat = FlatParams([layer], make_backend("cpu", "float16"), seed=0)
+    y = layer.forward(x.astype(np.float16), ActivationCache().context(0, 0))
+    ctx = ActivationCache().context(0, 0)
+    layer.forward(x.astype(np.float16), ctx)
+    flat.zero_grad()
+    dx = layer.backward(dy.astype(np.float16), ctx)
+    gain, shift = (layer.params[name].astype(np.float64) for name in ("gain", "shift"))
+    expected_dx, expected_gain, _ = reference_layer_norm_grad(x, gain, dy)
+    for name, got, expected in (("output", y, reference_layer_norm(x, gain, shift)), ("input gradient", dx,
+                                expected_dx), ("gain gradient", layer.grads["gain"], expected_gain)):
+        assert np.isfinite(got).all(), f"the {name} is not finite"
+        error = np.abs(got.astype(np.float64) - expected).max() / np.abs(expected).max()
+        assert error < 1e-2, f"the {name} is {error:.2%} of its largest value off float64's"
+
+
+def test_gelu_of_large_inputs_stays_finite_and_right_in_float16():
+    """GELU's cube overflows float16 from |x| = 40 and its square from 256; the results must
+    still be float64's: x (or 0) and a derivative of 1 (or 0) where tanh saturates."""
+    x = np.array([-300, -60, -16, -5, -1, -0.1, 0, 0.1, 1, 5, 16, 60, 300])
+    dy = np.linspace(0.5, 2, x.size)
+    layer = GELU()
+    ctx = ActivationCache().context(0, 0)
+    y = layer.forward(x.astype(np.float16), ctx)
+    dx = layer.backward(dy.astype(np.float16), ctx)
+    np.testing.assert_allclose(y, reference_gelu(x), rtol=2e-3, atol=1e-3)
+    np.testing.assert_allclose(dx, reference_gelu_grad(x, dy), rtol=2e-3, atol=1e-3)

@@ -6,7 +6,10 @@
            dx = dy * (1/2 (1 + tanh u) + x/2 (1 - tanh^2 u) c (1 + 3 * 0.044715 x^2))
 
 ReLU and Tanh keep their *output* (the next layer usually keeps the same array, so
-the cache counts it once); GELU needs its input.
+the cache counts it once); GELU needs its input. In float16, GELU's cube overflows from
+|x| = 40 (and its backward's square from 256, where inf times the saturated 1 - tanh u = 0
+is NaN), so the polynomial reads x clipped to [-16, 16]: from |x| = 16 on, tanh u is exactly
++-1 in every dtype, so the clip changes no result, only keeps infinities out.
 
 Exercised by: python -m pytest tests/test_layers.py -k "ReLU or Tanh or GELU"
 """
@@ -21,6 +24,7 @@ from mpipar.layers.base import Layer
 from mpipar.layers.row_parts import in_row_parts, rows
 
 _GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_SATURATED = 16.0  # tanh(c (16 + 0.044715 16^3)) = tanh(159) is 1 in float16, 32 and 64
 
 
 class ReLU(Layer):
@@ -69,7 +73,7 @@ class GELU(Layer):
 
 def _gelu(y, x) -> None:
     """y = x/2 (1 + tanh u), in y."""
-    _tanh_of_u(x, out=y)
+    _tanh_of_u(_polynomial_input(x), out=y)
     y += 1
     y *= x
     y *= 0.5
@@ -78,6 +82,7 @@ def _gelu(y, x) -> None:
 def _gelu_grad(dx, x, dy) -> None:
     """dx = dy (1 + t)/2 (1 + x (1 - t) du/dx), as 1 - t^2 = (1 - t)(1 + t); in dx and one temporary."""
     xp = array_module(x)
+    x = _polynomial_input(x)  # dx *= x below meets 1 - t = 0 where the clip acts, or 1 + t = 0
     t = _tanh_of_u(x, out=xp.empty_like(x))
     xp.multiply(x, x, out=dx)
     dx *= 3 * 0.044715 * _GELU_C
@@ -90,6 +95,13 @@ def _gelu_grad(dx, x, dy) -> None:
     dx *= t
     dx *= 0.5
     dx *= dy
+
+
+def _polynomial_input(x):
+    """x, or in float16 a copy clipped to where tanh u saturates (see the top of this file)."""
+    if x.dtype.itemsize >= 4:
+        return x
+    return array_module(x).clip(x, -_GELU_SATURATED, _GELU_SATURATED)
 
 
 def _tanh_of_u(x, out):

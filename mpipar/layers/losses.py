@@ -10,6 +10,8 @@ and all ranks are exactly the mean loss (and its gradient) over the global batch
 Every parallel scheme in mpipar is proven against that identity. `loss_scale` multiplies
 the gradient alone (not the loss): float16 training's loss scaling (precision.py), applied in
 the same multiplication as the batch's share, so that no gradient underflows before it.
+The loss is summed in float32 at least: a float16 sum of a batch's losses overflows from
+65504 on (64 sequences of 256 tokens at a loss of 4 already do).
 
     SoftmaxCrossEntropy   p = softmax(z);   loss = -log p[target];   dz = (p - onehot) * scale
     MSE                   loss = mean (y - t)^2;                     dy = 2 (y - t) * scale
@@ -46,7 +48,7 @@ class SoftmaxCrossEntropy:
         positions = math.prod(targets.shape[1:])
         scale = 1.0 / (positions * global_batch)
         ctx.save(self, log_probs, flat_targets, logits.shape, scale)
-        return -log_probs[xp.arange(rows.shape[0]), flat_targets].sum() * scale
+        return -log_probs[xp.arange(rows.shape[0]), flat_targets].sum(dtype=_summed(log_probs)) * scale
 
     def backward(self, ctx: Context) -> Array:
         log_probs, flat_targets, shape, scale = ctx.pop(self)
@@ -55,6 +57,11 @@ class SoftmaxCrossEntropy:
         grad[xp.arange(grad.shape[0]), flat_targets] -= 1.0
         grad *= scale * self.loss_scale
         return grad.reshape(shape)
+
+
+def _summed(array: Array):
+    """The dtype a loss is summed in: the array's, or float32 where it is narrower."""
+    return array_module(array).promote_types(array.dtype, "float32")
 
 
 class MSE:
@@ -67,10 +74,11 @@ class MSE:
         if predictions.shape != targets.shape:
             raise ShapeError(f"{self.name}: predictions {tuple(predictions.shape)} do not match "
                              f"targets {tuple(targets.shape)}")
+        xp = array_module(predictions)
         diff = predictions - targets
         scale = 1.0 / (math.prod(predictions.shape[1:]) * global_batch)
         ctx.save(self, diff, scale)
-        return (diff * diff).sum() * scale
+        return xp.square(diff, dtype=_summed(diff)).sum() * scale
 
     def backward(self, ctx: Context) -> Array:
         diff, scale = ctx.pop(self)

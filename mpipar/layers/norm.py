@@ -11,7 +11,8 @@ products are `vecdot`s (with a vector of ones for the sum; it makes no array of 
 products): on (768, 128) rows 2.5x faster than `mean`. The results are built in place in their own
 buffers, in row parts on the rank's threads (row_parts.py). `reference_layer_norm` and
 `reference_layer_norm_grad` are the formulas above written plainly, which tests compare
-these against in float64.
+these against in float64. In float16 (--precision fp16) the rows' sums are taken in float32:
+a row of 384 squares of 13 already overflows float16, whose largest number is 65504.
 
 Exercised by: python -m pytest tests/test_layers.py -k LayerNorm
 """
@@ -102,25 +103,31 @@ def _ones(size: int, dtype, xp) -> Array:
 
 
 def _row_dot(a: Array, b: Array) -> Array:
-    """sum over the last axis of a * b, making no array of the products. Not a matrix product:
-    BLAS's rounding of a row can depend on how many rows it is given (seen: `x @ ones` on 2
-    and on 3 row parts differed in the last bit), and the threads' parts must give the
-    same bits as one part."""
-    xp = array_module(a)
+    """sum over the last axis of a * b, making no array of the products, in float32 at least.
+    Not a matrix product: BLAS's rounding of a row can depend on how many rows it is given
+    (seen: `x @ ones` on 2 and on 3 row parts differed in the last bit), and the threads'
+    parts must give the same bits as one part."""
+    xp, wide = array_module(a), _wide(a)
     if hasattr(xp, "vecdot"):  # NumPy 2 (b may be one row, broadcast: the ones of a sum)
-        return xp.vecdot(a, b)
+        return xp.vecdot(a, b, dtype=wide)
     if xp is np:  # NumPy 1
-        return np.einsum("ri,ri->r" if b.ndim == 2 else "ri,i->r", a, b)
+        return np.einsum("ri,ri->r" if b.ndim == 2 else "ri,i->r", a, b, dtype=wide)
     # CuPy 14: its einsum spends a third of a millisecond in Python per call, more than the
     # kernels of a small model's LayerNorm take on the GPU
-    return (a * b).sum(axis=-1)
+    return xp.multiply(a, b, dtype=wide).sum(axis=-1)
 
 
 def _column_dot(a: Array, b: Array) -> Array:
-    """sum over the rows of a * b (one value per column); on NumPy without an array of the products."""
+    """sum over the rows of a * b (one value per column), in float32 at least; on NumPy without
+    an array of the products."""
     if array_module(a) is np:
-        return np.einsum("ri,ri->i", a, b)
-    return (a * b).sum(axis=0)  # CuPy: see _row_dot
+        return np.einsum("ri,ri->i", a, b, dtype=_wide(a))
+    return array_module(a).multiply(a, b, dtype=_wide(a)).sum(axis=0)  # CuPy: see _row_dot
+
+
+def _wide(a: Array):
+    """The dtype sums over a's rows are taken in: a's own, or float32 where a's is narrower."""
+    return array_module(a).promote_types(a.dtype, "float32")
 
 
 def reference_layer_norm(x, gain, shift, eps: float = 1e-5):
