@@ -77,12 +77,23 @@ def to_host(array) -> np.ndarray:
     return array.get()
 
 
+def accumulation_dtype(array):
+    """The dtype sums over `array` are taken in: its own, or float32 where its own is narrower
+    (float16 rounds each partial sum: 16384 rows of a bias gradient summed in float16 came out
+    11% off in one column)."""
+    return array_module(array).promote_types(array.dtype, "float32")
+
+
 def scatter_add(target, indices, values) -> None:
-    """target[indices] += values, with repeated indices adding up (embedding gradients)."""
+    """target[indices] += values, with repeated indices adding up (embedding gradients); into a
+    float32 copy where the target is float16 (a token seen a thousand times adds a thousand terms)."""
     xp = array_module(target)
+    wide = target if target.dtype == accumulation_dtype(target) else target.astype(accumulation_dtype(target))
     if xp is np:
-        np.add.at(target, indices, values)
+        np.add.at(wide, indices, values)
     else:
         import cupyx
 
-        cupyx.scatter_add(target, indices, values)
+        cupyx.scatter_add(wide, indices, values)
+    if wide is not target:
+        target[...] = wide

@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from mpipar.backend import Array, array_module
+from mpipar.backend import Array, accumulation_dtype, array_module
 from mpipar.cache import Context
 from mpipar.errors import ShapeError
 
@@ -131,11 +131,15 @@ class Layer:
             grad[start:start + rows] += a[start:start + rows] @ b
 
     def grad_sum(self, grad: Array, values: Array, axis: int) -> None:
-        """grad += values summed over `axis` (or = while fresh)."""
-        if self.fresh_grads:
+        """grad += values summed over `axis` (or = while fresh), summed in float32 at least (a
+        float16 gradient through a float32 sum of its own: one small temporary)."""
+        wide = accumulation_dtype(values)
+        if self.fresh_grads and wide == grad.dtype:
             values.sum(axis=axis, out=grad)
+        elif self.fresh_grads:
+            grad[...] = values.sum(axis=axis, dtype=wide)
         else:
-            grad += values.sum(axis=axis)
+            grad += values.sum(axis=axis, dtype=wide)
 
     def shape_error(self, expected: str, got: tuple) -> ShapeError:
         """The error for an input this layer cannot take, naming it and both shapes."""

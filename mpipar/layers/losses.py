@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from mpipar.backend import Array, array_module
+from mpipar.backend import Array, accumulation_dtype, array_module
 from mpipar.cache import Context
 from mpipar.errors import ShapeError
 
@@ -48,7 +48,7 @@ class SoftmaxCrossEntropy:
         positions = math.prod(targets.shape[1:])
         scale = 1.0 / (positions * global_batch)
         ctx.save(self, log_probs, flat_targets, logits.shape, scale)
-        return -log_probs[xp.arange(rows.shape[0]), flat_targets].sum(dtype=_summed(log_probs)) * scale
+        return -log_probs[xp.arange(rows.shape[0]), flat_targets].sum(dtype=accumulation_dtype(log_probs)) * scale
 
     def backward(self, ctx: Context) -> Array:
         log_probs, flat_targets, shape, scale = ctx.pop(self)
@@ -57,11 +57,6 @@ class SoftmaxCrossEntropy:
         grad[xp.arange(grad.shape[0]), flat_targets] -= 1.0
         grad *= scale * self.loss_scale
         return grad.reshape(shape)
-
-
-def _summed(array: Array):
-    """The dtype a loss is summed in: the array's, or float32 where it is narrower."""
-    return array_module(array).promote_types(array.dtype, "float32")
 
 
 class MSE:
@@ -78,7 +73,7 @@ class MSE:
         diff = predictions - targets
         scale = 1.0 / (math.prod(predictions.shape[1:]) * global_batch)
         ctx.save(self, diff, scale)
-        return xp.square(diff, dtype=_summed(diff)).sum() * scale
+        return xp.square(diff, dtype=accumulation_dtype(diff)).sum() * scale
 
     def backward(self, ctx: Context) -> Array:
         diff, scale = ctx.pop(self)

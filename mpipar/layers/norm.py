@@ -23,7 +23,7 @@ import functools
 
 import numpy as np
 
-from mpipar.backend import Array, array_module
+from mpipar.backend import Array, accumulation_dtype, array_module
 from mpipar.cache import Context
 from mpipar.layers.base import Layer, ParamSpec, constant_init
 from mpipar.layers.row_parts import in_row_parts, rows
@@ -107,7 +107,7 @@ def _row_dot(a: Array, b: Array) -> Array:
     Not a matrix product: BLAS's rounding of a row can depend on how many rows it is given
     (seen: `x @ ones` on 2 and on 3 row parts differed in the last bit), and the threads'
     parts must give the same bits as one part."""
-    xp, wide = array_module(a), _wide(a)
+    xp, wide = array_module(a), accumulation_dtype(a)
     if hasattr(xp, "vecdot"):  # NumPy 2 (b may be one row, broadcast: the ones of a sum)
         return xp.vecdot(a, b, dtype=wide)
     if xp is np:  # NumPy 1
@@ -121,13 +121,8 @@ def _column_dot(a: Array, b: Array) -> Array:
     """sum over the rows of a * b (one value per column), in float32 at least; on NumPy without
     an array of the products."""
     if array_module(a) is np:
-        return np.einsum("ri,ri->i", a, b, dtype=_wide(a))
-    return array_module(a).multiply(a, b, dtype=_wide(a)).sum(axis=0)  # CuPy: see _row_dot
-
-
-def _wide(a: Array):
-    """The dtype sums over a's rows are taken in: a's own, or float32 where a's is narrower."""
-    return array_module(a).promote_types(a.dtype, "float32")
+        return np.einsum("ri,ri->i", a, b, dtype=accumulation_dtype(a))
+    return array_module(a).multiply(a, b, dtype=accumulation_dtype(a)).sum(axis=0)  # CuPy: see _row_dot
 
 
 def reference_layer_norm(x, gain, shift, eps: float = 1e-5):
