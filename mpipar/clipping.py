@@ -14,8 +14,9 @@ sum over ranks (with the loss), and every rank scales its own pieces by the same
 
 Under --precision fp16 the same sum also says whether any rank's float16 gradient overflowed
 (it is then not finite), so the trainer builds a clipper with no limit (math.inf) to measure
-it; the squares are summed in float32 a chunk at a time (a float16 square overflows from
-256 on), and `clip` takes the loss scale the gradients carry.
+it; float16 squares are summed in float32 (one overflows from 256 on: einsum casts in
+small buffers, so no float32 copy of the gradient is made), and `clip` takes the loss scale
+the gradients carry.
 
 Cyclic Data Parallelism updates each stage while others are still computing, so no
 rank knows the whole gradient at one moment there: --grad-clip is refused for CDP.
@@ -27,12 +28,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from mpipar.backend import array_module
+from mpipar.backend import accumulation_dtype, array_module
 from mpipar.checkpoint.format import Piece
 from mpipar.checkpoint.layout import own_share, piece_holding
-from mpipar.optim import CHUNK
 
 EPSILON = 1e-6  # torch's clip_grad_norm_ adds it to the norm
 
@@ -40,12 +38,10 @@ EPSILON = 1e-6  # torch's clip_grad_norm_ adds it to the norm
 class GradientClipper:
     """This rank's part of the global gradient norm, and the scaling by the clip factor."""
 
-    def __init__(self, max_norm: float, comm, copies: list[tuple[int, int]] = (), ledger=None) -> None:
-        """`copies`: ranges of tied copies (tying.py), left out: the norm is over distinct weights;
-        `ledger` (runtime/ledger.py) counts the float32 chunk of float16 gradients as workspace."""
-        self.max_norm, self.comm, self.copies, self.ledger = max_norm, comm, list(copies), ledger
+    def __init__(self, max_norm: float, comm, copies: list[tuple[int, int]] = ()) -> None:
+        """`copies`: ranges of tied copies (tying.py), left out: the norm is over distinct weights."""
+        self.max_norm, self.comm, self.copies = max_norm, comm, list(copies)
         self.counted: list[tuple[int, int]] | None = None  # the ranges of "grads" this rank counts
-        self.chunk = None  # float32 chunk in which float16 gradients are squared (made at the first)
 
     def local_square_sum(self, pieces: list[Piece]) -> float:
         """The sum of squares of the elements this rank counts (collective at the first call)."""
@@ -58,22 +54,12 @@ class GradientClipper:
             total += self._square_sum(piece.array[start - piece.start:stop - piece.start])
         return total
 
-    def _square_sum(self, part) -> float:
-        xp = array_module(part)
-        if part.dtype.itemsize >= 4:
+    @staticmethod
+    def _square_sum(part) -> float:
+        xp, wide = array_module(part), accumulation_dtype(part)
+        if part.dtype == wide:
             return float(xp.vdot(part, part))
-        if self.chunk is None or self.chunk.size < min(CHUNK, part.size):
-            if self.ledger is not None:
-                self.ledger.free("workspace", 0 if self.chunk is None else self.chunk.nbytes)
-                self.ledger.hold("workspace", 4 * min(CHUNK, part.size))
-            self.chunk = xp.empty(min(CHUNK, part.size), dtype=np.float32)
-        total = 0.0
-        for start in range(0, part.size, CHUNK):
-            chunk = part[start:start + CHUNK]
-            widened = self.chunk[:chunk.size]
-            widened[:] = chunk
-            total += float(xp.vdot(widened, widened))
-        return total
+        return float(xp.einsum("i,i->", part, part, dtype=wide))
 
     def clip(self, pieces: list[Piece], square_sum: float, unscale: float = 1.0) -> float:
         """Scale `pieces` (this rank's gradients, `1 / unscale` times the true ones) if the global

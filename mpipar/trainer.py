@@ -110,9 +110,6 @@ class Trainer:
         agree_on_setup(self.comm, self._setup)
         agree_on_data(self.comm, self.train_set, self.test_set)  # a rank with other data stops them all
         self.engine = self._make_engine()  # collective (sub-communicators): only once every rank is set up
-        copies = self.tied.copies() if self.tied else []
-        self.clipper = (GradientClipper(config.grad_clip or math.inf, self.comm, copies, self.engine.ledger)
-                        if config.grad_clip or self.loss_scaler else None)
         for leaf in leaf_layers(self.model.layers):  # the engine holds the initial values now
             leaf.release_initial()
         chain_torch_layers(self.stages, self.loss_fn, config, self.world_size)
@@ -161,6 +158,8 @@ class Trainer:
         pairs = tied_copies(self.stages)
         self.tied = TiedGradients(pairs, self.counted, self.comm) if pairs else None
         self.loss_scaler = LossScaler() if cfg.precision == Precision.FP16 else None
+        self.clipper = (GradientClipper(cfg.grad_clip or math.inf, self.comm, self.tied.copies() if self.tied else [])
+                        if cfg.grad_clip or self.loss_scaler else None)
 
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""

@@ -44,7 +44,7 @@ from mpipar.schedule.sharding import DDP_MODES
 from mpipar.schedule.strategies import STRATEGIES
 from mpipar.units import format_bytes
 
-PRECISIONS = ("mixed", "float32", "float64")
+STATE_PRECISIONS = ("mixed", "float32", "float64")  # of the state it counts; train's are precision.PRECISIONS
 POSITIVE = click.IntRange(min=1)
 
 
@@ -105,7 +105,7 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True)
 @click.option("--momentum", type=FloatRange(min=0), default=0.9, show_default=True,
               help="SGD momentum (0: SGD keeps no state)")
-@click.option("--dtype", "--precision", "precision", cls=RenamedOption, type=click.Choice(PRECISIONS),
+@click.option("--dtype", "--precision", "precision", cls=RenamedOption, type=click.Choice(STATE_PRECISIONS),
               default="mixed", show_default=True,
               help="mixed: 2-byte parameters and gradients, 4-byte master copy and state (the paper's, and "
                    "mpipar train --precision fp16's); float32 and float64: mpipar train --dtype's")

@@ -122,9 +122,7 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
               "workspace": min(CHUNK, updated) * itemsize}
     if master_itemsize:
         steady["optimizer_state"] = (1 + state_kinds) * updated * master_itemsize
-        # the gradients read in the master dtype, the inner optimizer's chunk, and the chunk in which
-        # the float16 gradients are squared for the overflow check (clipping.py)
-        steady["workspace"] = (updated + min(CHUNK, updated)) * master_itemsize + min(CHUNK, updated) * 4
+        steady["workspace"] = (updated + min(CHUNK, updated)) * master_itemsize  # the gradients read in it, a chunk
     unit = largest_unit * itemsize
     gathered = (1 + prefetch) * unit if P != Scope.REPLICATED else 0
     if G != Scope.REPLICATED:
