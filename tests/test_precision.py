@@ -216,15 +216,18 @@ def test_layer_norm_of_large_activations_stays_finite_and_right_in_float16(vecdo
         assert error < 1e-2, f"the {name} is {error:.2%} of its largest value off float64's"
 
 
-def test_gelu_of_large_inputs_stays_finite_and_right_in_float16():
-    """GELU's cube overflows float16 from |x| = 40 and its square from 256; the results must
-    still be float64's: x (or 0) and a derivative of 1 (or 0) where tanh saturates."""
-    x = np.array([-300, -60, -16, -5, -1, -0.1, 0, 0.1, 1, 5, 16, 60, 300])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_gelu_of_large_inputs_stays_finite_and_right(dtype):
+    """exp(-2u) overflows float32 from x = -10 (and float16's cube from |x| = 40); the results
+    must still be float64's: x (or 0) and a derivative of 1 (or 0) where the logistic saturates."""
+    x = np.array([-300, -60, -16, -9.7, -5, -1, -0.1, 0, 0.1, 1, 5, 9.7, 16, 60, 300])
     dy = np.linspace(0.5, 2, x.size)
     layer = GELU()
     ctx = ActivationCache().context(0, 0)
-    y = layer.forward(x.astype(np.float16), ctx)
-    dx = layer.backward(dy.astype(np.float16), ctx)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        y = layer.forward(x.astype(dtype), ctx)
+        dx = layer.backward(dy.astype(dtype), ctx)
+    assert y.dtype == dx.dtype == dtype
     np.testing.assert_allclose(y, reference_gelu(x), rtol=2e-3, atol=1e-3)
     np.testing.assert_allclose(dx, reference_gelu_grad(x, dy), rtol=2e-3, atol=1e-3)
 
