@@ -6,6 +6,7 @@ dy = R must return dL/dx and accumulate dL/dtheta; both are compared with
 """
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -203,6 +204,28 @@ def test_threads_give_the_same_bits_as_one_thread(monkeypatch):
     one, three = layers_on_threads(1, monkeypatch), layers_on_threads(3, monkeypatch)
     for a, b in zip(one, three, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_gelu_layer_norm_and_attention_hand_parts_to_the_threads(monkeypatch):
+    """Each direction of each layer gives work to the pool (an argument in front of the arrays, or
+    a float16 wrapper, once kept GELU whole on the calling thread, silently)."""
+    monkeypatch.setattr(row_parts, "THREADS", 2)
+    monkeypatch.setattr(row_parts, "PARALLEL_ELEMENTS", 1)
+    pool, handed = row_parts._threads(), []
+    monkeypatch.setattr(row_parts, "_threads", lambda: pool)
+    monkeypatch.setattr(pool, "submit", lambda *args: handed.append(args) or ThreadPoolExecutor(1).submit(*args))
+    generator = np.random.default_rng(11)
+    for layer in (GELU(), indexed(LayerNorm(8), 0), indexed(CausalSelfAttention(8, 2), 0)):
+        if layer.param_specs():
+            FlatParams([layer], F64, seed=4).zero_grad()
+        x, dy = generator.standard_normal((4, 6, 8)), generator.standard_normal((4, 6, 8))
+        ctx = ActivationCache().context(0, 0)
+        handed.clear()
+        layer.forward(x, ctx)
+        assert handed, f"{layer.name}'s forward ran whole on the calling thread"
+        handed.clear()
+        layer.backward(dy, ctx)
+        assert handed, f"{layer.name}'s backward ran whole on the calling thread"
 
 
 @pytest.mark.parametrize("vecdot", [True, False], ids=["numpy 2", "numpy 1"])

@@ -24,6 +24,7 @@ Exercised by: python -m pytest tests/test_layers.py -k "ReLU or Tanh or GELU"
 
 from __future__ import annotations
 
+import functools
 import math
 
 from mpipar.backend import Array, array_module
@@ -64,23 +65,38 @@ class GELU(Layer):
     Backward recomputes e rather than keep a second array per element. Both directions
     work in place in as few buffers as the formula allows (the output; backward one more):
     each NumPy operation is a pass over memory, and a fresh result array per operation was
-    most of this layer's time. They run in row parts on the rank's threads (row_parts.py).
+    most of this layer's time. Large arrays run in row parts on the rank's threads (row_parts.py).
     `reference_gelu` and `reference_gelu_grad` are the formulas above written plainly,
     which tests compare these against in float64."""
 
     def forward(self, x: Array, ctx: Context) -> Array:
         ctx.save(self, x)
         y = array_module(x).empty(x.shape, dtype=x.dtype)  # C order: rows(y) is a view
-        in_row_parts(_in_float32_at_least, _gelu, rows(y), rows(x))
+        in_row_parts(_gelu, rows(y), rows(x))
         return y
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
         dx = array_module(x).empty(x.shape, dtype=x.dtype)
-        in_row_parts(_in_float32_at_least, _gelu_grad, rows(dx), rows(x), rows(dy))
+        in_row_parts(_gelu_grad, rows(dx), rows(x), rows(dy))
         return dx
 
 
+def _in_float32_at_least(function):
+    """function(out, *inputs), through float32 copies where `out` is float16."""
+    @functools.wraps(function)
+    def widened(out, *inputs) -> None:
+        if out.dtype.itemsize >= 4:
+            function(out, *inputs)
+            return
+        xp = array_module(out)
+        wide = xp.empty(out.shape, dtype=xp.float32)
+        function(wide, *(array.astype(xp.float32) for array in inputs))
+        out[...] = wide
+    return widened
+
+
+@_in_float32_at_least
 def _gelu(y, x) -> None:
     """y = x s = x / (1 + e), in y."""
     e = _exp_minus_two_u(x, out=y)
@@ -88,6 +104,7 @@ def _gelu(y, x) -> None:
     array_module(x).divide(x, e, out=y)
 
 
+@_in_float32_at_least
 def _gelu_grad(dx, x, dy) -> None:
     """dx = dy (s + s (1 - s) 2c (x + 3 * 0.044715 x^3)), in dx and one temporary; every
     intermediate lies in [0, 1] or is a power of x times one, so nothing overflows."""
@@ -119,17 +136,6 @@ def _exp_minus_two_u(x, out):
     limit = EXP_LIMIT[out.dtype.itemsize]
     xp.clip(out, -limit, limit, out=out)
     return xp.exp(out, out=out)
-
-
-def _in_float32_at_least(function, out, *inputs) -> None:
-    """function(out, *inputs), through float32 copies where `out` is float16."""
-    if out.dtype.itemsize >= 4:
-        function(out, *inputs)
-        return
-    xp = array_module(out)
-    wide = xp.empty(out.shape, dtype=xp.float32)
-    function(wide, *(array.astype(xp.float32) for array in inputs))
-    out[...] = wide
 
 
 def reference_gelu(x):
