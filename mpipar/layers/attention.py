@@ -58,12 +58,15 @@ class CausalSelfAttention(Layer):
         if x.ndim != 3 or x.shape[2] != self.dim:
             raise self.shape_error(f"(batch, T, {self.dim})", x.shape)
         n, t, _ = x.shape
+        xp = array_module(x)
         q, k, v = self._heads(x)
         probs = q @ k.swapaxes(-1, -2)
         probs *= 1.0 / math.sqrt(self.head_dim)
-        probs += _future_mask(t, t, 0, x.dtype, array_module(x))
+        probs += _future_mask(t, t, 0, x.dtype, xp)
         in_row_parts(_softmax_in_place, probs)
-        merged = (probs @ v).transpose(0, 2, 1, 3).reshape(n * t, self.dim)
+        merged = xp.empty((n, t, self.heads, self.head_dim), dtype=x.dtype)  # the heads side by side per row
+        xp.matmul(probs, v, out=merged.transpose(0, 2, 1, 3))  # BLAS writes the strided heads directly
+        merged = merged.reshape(n * t, self.dim)
         ctx.save(self, x, q, k, v, probs, merged)
         return self._project_out(merged, n, t)
 
@@ -90,11 +93,11 @@ class CausalSelfAttention(Layer):
         # d_qkv in the layout of the forward's qkv, so its rows multiply as one matrix
         d_qkv = xp.empty((n, t, 3, self.heads, self.head_dim), dtype=dy.dtype)
         d_q, d_k, d_v = d_qkv.transpose(2, 0, 3, 1, 4)
-        d_v[...] = probs.swapaxes(-1, -2) @ d_out
+        xp.matmul(probs.swapaxes(-1, -2), d_out, out=d_v)
         d_scores = d_out @ v.swapaxes(-1, -2)  # d_probs, then in place:
         in_row_parts(self._softmax_backward, d_scores, probs)
-        d_q[...] = d_scores @ k
-        d_k[...] = d_scores.swapaxes(-1, -2) @ q
+        xp.matmul(d_scores, k, out=d_q)
+        xp.matmul(d_scores.swapaxes(-1, -2), q, out=d_k)
         d_qkv = d_qkv.reshape(n * t, 3 * d)
         self.grad_matmul(self.grads["qkv_weight"], x.reshape(n * t, d).T, d_qkv)
         self.grad_sum(self.grads["qkv_bias"], d_qkv, axis=0)
