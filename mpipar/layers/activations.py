@@ -15,9 +15,10 @@ logistic function: y = x s, and with 1 - s = e s the derivative is
 
 NumPy's exp of float32 is about twice as fast as its tanh, and GELU was a fifth of a
 transformer's step. -2u is clipped to +-EXP_LIMIT before exp, so e stays a normal number in
-its dtype (no overflow, no slow subnormals); where the clip acts (|x| > 9.6 in float32), s is 1 or 0 to the
-dtype's precision and y is x or 0 as before. A float16 array is computed in float32, as torch
-computes half-precision elementwise functions: float16's exponent ends at e = 65504.
+its dtype (no overflow, no slow subnormals); where the clip acts (|x| > 9.6 in float32), s is
+1 or 0 to the dtype's precision, and y is x or 0. A float16 array is computed in float32
+copies, as torch computes half-precision elementwise functions: float16's largest number is
+65504, which e passes from u = -5.5 on.
 
 Exercised by: python -m pytest tests/test_layers.py -k "ReLU or Tanh or GELU"
 """
