@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,9 @@ import click
 
 from mpipar.backend import DEVICES, DTYPES
 from mpipar.comms.collectives import ALGORITHMS
+from mpipar.comms.device import ENVIRONMENT as CUDA_AWARE
+from mpipar.comms.device import check_cuda_aware_setting
+from mpipar.comms.handle import comm_timeout_seconds, environment_timeout
 from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
 from mpipar.data import DATASETS, TOKEN_DATASETS
 from mpipar.errors import ConfigError
@@ -38,7 +42,8 @@ from mpipar.options import (
     SizeType,
     check,
 )
-from mpipar.precision import PRECISIONS, Precision, check_precision
+from mpipar.precision import HALF_ON_CPU, PRECISIONS, Precision, check_precision
+from mpipar.report import progress_setting
 from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
 from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.sharding import DDP_MODES, SCHEMES, Sharding, default_units, parse_sharding
@@ -296,6 +301,8 @@ class TrainConfig:
             value = getattr(self, spec.name)
             if value is not None:
                 check(f"--{spec.name.replace('_', '-')}", spec.metadata["type"], value)
+        comm_timeout_seconds(self.comm_timeout, "--comm-timeout")
+        check_environment(os.environ)
         if self.micro_batches == 0 or self.ddp is None or (self.stages and not self.cyclic and not self.replicas):
             return self.for_world(world_size).validate(world_size)
         if self.device == "gpu":
@@ -466,6 +473,19 @@ def _check_divisible(batch_size: int, parts: int, what: str, micro_batches: int 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
+def check_environment(environ) -> None:
+    """Every MPIPAR_* variable a run reads, checked with the options: a bad one is one sentence before
+    the first message, not a failure in the middle of training (on each rank at once)."""
+    environment_timeout(environ)
+    progress_setting(environ)
+    check_cuda_aware_setting(environ.get(CUDA_AWARE))
+    for name, meanings in ((HALF_ON_CPU, "1 (run --precision fp16 on the CPU, for tests) or 0"),
+                           ("MPIPAR_MALLOC", "default (keep glibc's malloc settings)")):
+        allowed = [word.split(" ")[0] for word in meanings.split(" or ")]
+        if environ.get(name, "") not in ("", *allowed):
+            raise ConfigError(f"{name} must be {meanings} or unset, not {environ[name]!r}")
+
+
 def load_config(path: str | None, overrides: dict) -> TrainConfig:
     """Defaults, then the TOML file at `path` (if any), then the non-None `overrides`
     (the command line's values), each converted by its field's type."""
@@ -486,4 +506,5 @@ def load_config(path: str | None, overrides: dict) -> TrainConfig:
     for name, value in overrides.items():
         if value is not None:
             values[name] = check(f"--{name.replace('_', '-')}", FIELDS[name].metadata["type"], value)
+    check_environment(os.environ)  # here too: what reads the options next (the report) reads these
     return TrainConfig(**values)

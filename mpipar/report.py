@@ -67,13 +67,16 @@ def progress_mode(stream: TextIO, quiet: bool, environ: Mapping[str, str] = os.e
     """'bar', 'lines' or 'off': how rank 0 shows progress on `stream` (see the module docstring)."""
     if quiet:
         return "off"
+    return progress_setting(environ) or ("bar" if interactive_terminal(stream, environ) else "lines")
+
+
+def progress_setting(environ: Mapping[str, str] = os.environ) -> str:
+    """$MPIPAR_PROGRESS, one of PROGRESS_MODES, or "" where it is unset; a ConfigError for any other value."""
     chosen = environ.get("MPIPAR_PROGRESS", "").strip().lower()
-    if chosen:
-        if chosen not in PROGRESS_MODES:
-            raise ConfigError(f"MPIPAR_PROGRESS={chosen!r} is not one of {', '.join(PROGRESS_MODES)}; "
-                              "set one of those or unset it to let mpipar choose")
-        return chosen
-    return "bar" if interactive_terminal(stream, environ) else "lines"
+    if chosen and chosen not in PROGRESS_MODES:
+        raise ConfigError(f"MPIPAR_PROGRESS={chosen!r} is not one of {', '.join(PROGRESS_MODES)}; "
+                          "set one of those or unset it to let mpipar choose")
+    return chosen
 
 
 def interactive_terminal(stream: TextIO, environ: Mapping[str, str] = os.environ) -> bool:

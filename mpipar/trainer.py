@@ -98,7 +98,6 @@ class Trainer:
         self.comm = comm if comm is not None else world()
         self.rank, self.world_size = self.comm.rank, self.comm.size
         abort_on_uncaught_exception(self.comm)
-        set_default_timeout(config.comm_timeout)
         # With --memory-profile the allocator is watched from here; the data set is
         # left out of the figures (the baseline is set once it is loaded, in _setup).
         self.memory = make_probe(config.device) if config.memory_profile else None
@@ -122,6 +121,7 @@ class Trainer:
     def _setup(self) -> None:
         self.config = cfg = self.config.for_world(self.world_size)
         cfg.validate(self.world_size)
+        set_default_timeout(cfg.comm_timeout)
         self.backend = make_backend(cfg.device, arithmetic_dtype(cfg.precision, cfg.dtype))
         if cfg.device == "gpu" and self.world_size > 1:
             device_wire()  # decided here, on every rank: a bad MPIPAR_CUDA_AWARE is one sentence, not a crash

@@ -7,7 +7,8 @@
     tags.py         what a message tag encodes
     routes.py       ring, H-Ring and HO-Ring schedules of blocks
     collectives.py  all-reduce, reduce-scatter, all-gather, reduce, broadcast
-    handle.py       non-blocking operations advanced by polling
+    handle.py       non-blocking operations advanced by polling; the watchdog of every wait
+    liveness.py     the side channel a timed-out wait asks which ranks still answer
     chain.py        chains of collectives run in the background, started in the same order everywhere
     cost.py         the alpha-beta cost model, run on the same schedules
     bench.py        timing every collective algorithm (mpipar bench comms)

@@ -66,15 +66,20 @@ class WireChoice:
 def choose_wire(environment: str | None, library_answer: bool | None) -> WireChoice:
     """The path for device arrays, from the user's variable (first) and the library's answer."""
     if environment is not None:
-        if environment not in ("0", "1"):
-            raise ConfigError(f"{ENVIRONMENT} must be 1 (the MPI library is CUDA-aware) or 0 (stage device "
-                              f"arrays through host memory), got {environment!r}")
+        check_cuda_aware_setting(environment)
         return WireChoice(Wire.CUDA_AWARE if environment == "1" else Wire.STAGED, f"{ENVIRONMENT}={environment}")
     if library_answer is None:
         return WireChoice(Wire.STAGED, "the MPI library does not say whether it is CUDA-aware")
     if library_answer:
         return WireChoice(Wire.CUDA_AWARE, "the MPI library says it is CUDA-aware")
     return WireChoice(Wire.STAGED, "the MPI library says it is not CUDA-aware")
+
+
+def check_cuda_aware_setting(environment: str | None) -> None:
+    """A ConfigError unless $MPIPAR_CUDA_AWARE is unset, 1 or 0."""
+    if environment not in (None, "0", "1"):
+        raise ConfigError(f"{ENVIRONMENT} must be 1 (the MPI library is CUDA-aware) or 0 (stage device "
+                          f"arrays through host memory), got {environment!r}")
 
 
 def library_cuda_support() -> bool | None:

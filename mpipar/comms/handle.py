@@ -13,12 +13,18 @@ Waiting (`Handle.wait`, `wait_requests`) tests the requests again and again, and
 between two tests leaves the core to others: sched_yield for the first
 milliseconds, then short sleeps growing to LONGEST_SLEEP. With more ranks than
 cores the rank being waited for then gets the core instead of the waiting one.
-A watchdog raises CommTimeout after `timeout` seconds, naming this rank, the
-operation and the peers whose messages are still open, instead of hanging forever.
+A watchdog raises CommTimeout after `timeout` seconds instead of hanging forever.
+Before it does, it asks the other ranks over the side channel (liveness.py), which
+every wait answers between its tests, and names the ranks that did not answer: those
+stopped making progress, whichever rank this one waits on directly. Every live rank of
+a stalled job times out at about the same moment; only the lowest-numbered live rank
+reports, the others wait on for the abort that report brings (`DEFER_AFTER_ASKING`),
+so the job ends with one sentence. Without a side channel (a wait outside a training
+run) the sentence names the peers whose messages are still open.
 The timeout defaults to `default_timeout()`: set_default_timeout (the trainer's
 --comm-timeout), else $MPIPAR_COMM_TIMEOUT, else 300 s.
 
-Exercised by: python -m pytest tests/test_waits.py tests/test_harness.py
+Exercised by: python -m pytest tests/test_waits.py tests/test_stall.py
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ from typing import Callable, Generator
 
 from mpi4py import MPI
 
+from mpipar.comms import liveness
 from mpipar.errors import ConfigError, MpiparError
 
 Steps = Generator[tuple[list, list[int]], None, None]  # (requests, peer of each)
 
 DEFAULT_TIMEOUT = 300.0  # seconds: far beyond any step, soon enough that a hung job does not burn hours
+SHORTEST_TIMEOUT = 0.1  # seconds: below this a timeout would fire inside ordinary messages, not on a stall
 # The pauses between tests, chosen by measurement (docs/peak.md, "Waiting"; docs/performance.md). For the first
 # YIELD_FOR seconds a wait only yields: with more ranks than cores that hands the core to a rank
 # with work at once, and on an idle core sched_yield returns at once, so short waits cost no
@@ -47,6 +55,9 @@ YIELD_FOR = 0.010
 FIRST_SLEEP = 50e-6
 LONGEST_SLEEP = 0.001
 LIBRARY_YIELD_FOR = 1.0
+# A timed-out rank that learns of a live rank below it waits on, for that rank's report to abort the
+# job, this many graces (and 2 s) before it reports itself: the others time out within a grace of it.
+DEFER_AFTER_ASKING = 2
 LIBRARY = -1  # the "peer" of a request that the MPI library's own collective owns
 
 _yield_core: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))  # not on every OS
@@ -63,12 +74,28 @@ class CommTimeout(MpiparError):
     names_its_rank = True
 
 
+def comm_timeout_seconds(value: float, setting: str) -> float:
+    """`value` as a timeout, 0 meaning not set; a ConfigError naming `setting` if it is no usable timeout."""
+    if not (value == 0 or SHORTEST_TIMEOUT <= value < float("inf")):
+        raise ConfigError(f"{setting} must be 0 (not set) or a number of seconds from {SHORTEST_TIMEOUT:g} up, "
+                          f"not {value:g}")
+    return float(value)
+
+
+def environment_timeout(environ=os.environ) -> float:
+    """$MPIPAR_COMM_TIMEOUT in seconds, 0 where it is unset; a ConfigError if it is no usable timeout."""
+    text = environ.get("MPIPAR_COMM_TIMEOUT", "").strip()
+    try:
+        value = float(text or 0)
+    except ValueError:
+        raise ConfigError(f"MPIPAR_COMM_TIMEOUT must be a number of seconds (0: not set), not {text!r}") from None
+    return comm_timeout_seconds(value, "MPIPAR_COMM_TIMEOUT")
+
+
 def set_default_timeout(seconds: float) -> None:
     """The watchdog's time for waits given none; 0 means not set (then $MPIPAR_COMM_TIMEOUT, else 300 s)."""
     global _default_timeout
-    if not seconds >= 0:
-        raise ConfigError(f"the communication timeout must be 0 (not set) or a number of seconds, not {seconds}")
-    _default_timeout = float(seconds)
+    _default_timeout = comm_timeout_seconds(seconds, "the communication timeout")
 
 
 def _timeout_source(seconds: float) -> str:
@@ -84,16 +111,7 @@ def _timeout_source(seconds: float) -> str:
 
 def default_timeout() -> float:
     """Seconds a wait lasts before CommTimeout: set_default_timeout, else $MPIPAR_COMM_TIMEOUT, else 300."""
-    if _default_timeout:
-        return _default_timeout
-    text = os.environ.get("MPIPAR_COMM_TIMEOUT", "")
-    try:
-        seconds = float(text or 0)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:
-        raise ConfigError(f"MPIPAR_COMM_TIMEOUT must be a number of seconds (0: not set), not {text!r}")
-    return seconds or DEFAULT_TIMEOUT
+    return _default_timeout or environment_timeout() or DEFAULT_TIMEOUT
 
 
 def wait_requests(requests: list[MPI.Request], what: str, peers: list[int], timeout: float | None = None,
@@ -111,19 +129,22 @@ def wait_requests(requests: list[MPI.Request], what: str, peers: list[int], time
     while any(requests):
         if MPI.Request.Testsome(requests):
             patience.restart()
-        elif not patience.pause():
-            raise _timed_out(MPI.COMM_WORLD.rank if rank is None else rank, what, seconds, requests, peers)
+        elif not patience.pause() and (timeout := patience.timed_out(rank, what, requests, peers)):
+            raise timeout
 
 
 class _Patience:
-    """The pauses between the tests of one wait, and its deadline.
+    """The pauses between the tests of one wait, its deadline, and what happens there.
 
-    Each pause yields the core for the first YIELD_FOR seconds since the wait began or
-    last saw progress, then sleeps, from FIRST_SLEEP doubling to LONGEST_SLEEP: progress
-    means the peers are active, and the next message is likely to come soon."""
+    Each pause answers the side channel's questions, then yields the core for the first
+    YIELD_FOR seconds since the wait began or last saw progress, then sleeps, from
+    FIRST_SLEEP doubling to LONGEST_SLEEP: progress means the peers are active, and the
+    next message is likely to come soon."""
 
     def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
         self.deadline = time.monotonic() + seconds
+        self.silent: list[int] | None = None  # the ranks that did not answer, once asked
         self.restart()
 
     def restart(self) -> None:
@@ -132,6 +153,7 @@ class _Patience:
     def pause(self, library: bool = False) -> bool:
         """Pause before the next test; False (without pausing) once the deadline has passed.
         `library`: the wait is on the MPI library's collective, which moves only inside tests."""
+        liveness.answer_questions()
         now = time.monotonic()
         if now > self.deadline:
             return False
@@ -142,6 +164,30 @@ class _Patience:
             if not library:  # the library's collective moves per test: a peer that came late must not slow it
                 self.sleep = min(2 * self.sleep, LONGEST_SLEEP)
         return True
+
+
+    def timed_out(self, rank: int | None, what: str, requests: list[MPI.Request],
+                  peers: list[int]) -> CommTimeout | None:
+        """At the deadline: the CommTimeout to raise, or None to wait on while a lower live rank reports.
+
+        `rank` (this rank in the communicator of `peers`; default COMM_WORLD's) names this
+        rank only where no side channel is open; with one, the ranks are the world's."""
+        channel = liveness.channel()
+        if channel is None:
+            return _timed_out(MPI.COMM_WORLD.rank if rank is None else rank, what, self.seconds, requests, peers)
+        grace = grace_for(self.seconds)
+        if self.silent is None:
+            self.silent, answered = channel.ask(grace)
+            if any(other < channel.rank for other in answered):
+                self.deadline = time.monotonic() + DEFER_AFTER_ASKING * grace + 2
+                return None
+        return _stalled(channel.rank, what, self.seconds, self.silent, grace)
+
+
+def grace_for(seconds: float) -> float:
+    """How long a timed-out rank waits for the answers: a live rank answers within milliseconds,
+    a crowded node may keep it off a core for a while, and the job should still end soon."""
+    return min(5.0, max(1.0, seconds / 3))
 
 
 def _completed(requests: list[MPI.Request]) -> bool:
@@ -157,6 +203,15 @@ def _timed_out(rank: int, what: str, seconds: float, requests: list[MPI.Request]
                    else f"messages to or from rank(s) {open_peers}")
     return CommTimeout(f"rank {rank}: {what} still waits after {seconds:g} s for {waiting_for} "
                        f"({_timeout_source(seconds)} fired: that rank stopped, or is slower than that allows)")
+
+
+def _stalled(rank: int, what: str, seconds: float, silent: list[int], grace: float) -> CommTimeout:
+    source = _timeout_source(seconds)
+    if not silent:
+        return CommTimeout(f"rank {rank}: {what} still waits after {seconds:g} s, and every rank still answers: "
+                           f"one is slower than {source} allows, or the ranks wait on each other")
+    return CommTimeout(f"rank {rank}: {what} still waits after {seconds:g} s: rank(s) {silent} stopped making "
+                       f"progress (no answer within {grace:g} s; {source} fired)")
 
 
 class Handle:
@@ -197,5 +252,6 @@ class Handle:
             if self._requests is not step:  # a step completed and the next one was posted: progress
                 patience.restart()
                 step = self._requests
-            elif not patience.pause(library=self._peers == [LIBRARY]):
-                raise _timed_out(self.rank, self.name, seconds, self._requests, self._peers)
+            elif (not patience.pause(library=self._peers == [LIBRARY])
+                  and (timeout := patience.timed_out(self.rank, self.name, self._requests, self._peers))):
+                raise timeout

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from mpipar.comms import liveness
 from mpipar.comms.comm import Comm
 from mpipar.errors import ConfigError
 
@@ -41,6 +42,10 @@ def world_groups(group_size: int | None = None, mpi_comm: MPI.Intracomm | None =
 
 
 def make_world(group_size: int | None = None, mpi_comm: MPI.Intracomm | None = None) -> Comm:
-    """The counted communicator of `mpi_comm` (default COMM_WORLD), grouped by `group_size` or by node."""
+    """The counted communicator of `mpi_comm` (default COMM_WORLD), grouped by `group_size` or by node,
+    and the side channel its waits ask when they time out (liveness.py)."""
     mpi_comm = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
-    return Comm(mpi_comm, world_groups(group_size, mpi_comm))
+    counted = Comm(mpi_comm, world_groups(group_size, mpi_comm))
+    if mpi_comm.size > 1:
+        liveness.listen(mpi_comm)
+    return counted
