@@ -1,4 +1,4 @@
-"""Noticing a run that diverges without ever reaching NaN.
+"""Noticing a run that diverges without ever reaching NaN, and saying which option made a NaN.
 
 A non-finite loss already stops training. A learning rate that is far too large can
 instead throw the model to a finite loss far above where it started and keep it
@@ -15,12 +15,21 @@ or, with --stop-on-divergence, an error every rank raises together (no rank is l
 waiting). Cyclic Data Parallelism knows its losses at the end of a run of steps and is
 checked there, step by step.
 
+A loss that became NaN or infinite stops the run with advice from `non_finite_advice`:
+the option whose value makes every update overflow when one does (a weight decay whose
+factor 1 - lr * decay flips and grows each weight, or whose decay term's square passes
+the dtype's largest number; an Adam epsilon that is 0 in the dtype, so that a weight
+whose gradient is 0 gets 0/0), else the learning rate.
+
 Exercised by: mpiexec -n 2 mpipar train --optimizer adam --lr 1e6;  python -m pytest tests/test_divergence.py
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
+
+import numpy as np
 
 from mpipar.errors import MpiparError
 
@@ -68,3 +77,18 @@ class DivergenceWatch:
             raise error
         if self.warn:
             self.warn(message + " (--stop-on-divergence stops the run instead)")
+
+
+def non_finite_advice(*, lr: float, weight_decay: float, eps: float, optimizer: str, dtype: str) -> str:
+    """What to change after a NaN or infinite loss, naming the option that overflows every update."""
+    info = np.finfo(dtype)
+    if weight_decay * lr > 1:
+        return (f"--weight-decay {weight_decay:g} with --lr {lr:g} multiplies each weight by 1 - {weight_decay * lr:g} "
+                f"at every step, which flips and grows it: lower --weight-decay (1e-4 to 0.1 is usual)")
+    if weight_decay > math.sqrt(float(info.max)):
+        return (f"--weight-decay {weight_decay:g} makes the decay term's square overflow {dtype} "
+                f"(largest {float(info.max):.3g}): lower --weight-decay (1e-4 to 0.1 is usual)")
+    if optimizer in ("adam", "adamw") and eps < float(info.tiny):
+        return (f"--eps {eps:g} is below {dtype}'s smallest normal number {float(info.tiny):.3g}, so Adam's "
+                f"update of a weight whose gradient is 0 is 0/0: use --eps 1e-8")
+    return "try a lower --lr"

@@ -25,6 +25,7 @@ Exercised by: mpipar train   (and python -m pytest tests/test_trainer.py)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from mpipar.data import (
     rank_slice,
     split_micro_batches,
 )
-from mpipar.divergence import DivergenceWatch
+from mpipar.divergence import DivergenceWatch, non_finite_advice
 from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.model import build_stages, leaf_layers, partition
 from mpipar.optim import make_schedule
@@ -275,6 +276,20 @@ class Trainer:
     def _to_device(self, inputs, targets):
         return self.backend.inputs(inputs), self.backend.xp.asarray(targets)
 
+    def _non_finite_advice(self) -> str:
+        cfg = self.config
+        return non_finite_advice(lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, optimizer=cfg.optimizer,
+                                 dtype=self.backend.dtype.name)
+
+    @contextlib.contextmanager
+    def _advice_on_non_finite_loss(self):
+        """A NaN loss found inside the engine (on one rank: CDP and the pipelines check each micro-batch's)
+        leaves it naming where; the advice is the trainer's, which knows the options."""
+        try:
+            yield
+        except NonFiniteLossError as error:
+            raise NonFiniteLossError(f"{error}; {self._non_finite_advice()}") from None
+
     def train_step(self, step: int, epoch: int, step_in_epoch: int) -> StepResult:
         """One optimizer step on the global batch `step_in_epoch` of `epoch`."""
         start = time.perf_counter()
@@ -286,8 +301,9 @@ class Trainer:
         data = self.train_set.for_epoch(epoch, cfg.seed)  # a token stream's windows are cut anew each epoch
         if self.loss_scaler:
             self.loss_fn.loss_scale = self.loss_scaler.scale
-        self.step_totals[:3] = self.engine.run_step(step, cfg.seed, lambda _step, b: self._to_device(
-            *data.batch(micro_batches[b])), cfg.batch_size)
+        with self._advice_on_non_finite_loss():
+            self.step_totals[:3] = self.engine.run_step(step, cfg.seed, lambda _step, b: self._to_device(
+                *data.batch(micro_batches[b])), cfg.batch_size)
         self.step_totals[3:3 + FLAGS] = self.checkpoints.flags()
         self.engine.finish_gradients()
         gradients = []  # views, until the update
@@ -302,7 +318,7 @@ class Trainer:
         loss = float(self.step_totals[0])
         if not math.isfinite(loss):
             error = NonFiniteLossError(f"step {step + 1} (epoch {epoch + 1}): the training loss is {loss}; "
-                                       "stopped before the update (try a lower --lr)")
+                                       f"stopped before the update ({self._non_finite_advice()})")
             error.on_every_rank = True  # the loss was summed over all ranks: they all stop here
             raise error
         if self.loss_scaler:  # every rank holds the same sum: all skip an overflowed step, or none
@@ -379,9 +395,10 @@ class Trainer:
                             lr=self.lr_at(step), share=(computed, cfg.micro_batches))
 
         start = time.perf_counter()
-        totals = self.engine.run_steps(first_step, steps, self.micro_batch_loader(epoch), seed=cfg.seed,
-                                       batch_size=cfg.batch_size,
-                                       lr_at=self.lr_at, on_step=progress if report else None)
+        with self._advice_on_non_finite_loss():
+            totals = self.engine.run_steps(first_step, steps, self.micro_batch_loader(epoch), seed=cfg.seed,
+                                           batch_size=cfg.batch_size,
+                                           lr_at=self.lr_at, on_step=progress if report else None)
         seconds = (time.perf_counter() - start) / steps
         summed = np.concatenate([totals.reshape(-1), self.checkpoints.flags()])
         with self.counted.traffic.phase("metrics"):

@@ -7,12 +7,13 @@ no number of replicas fits, more micro-batches than samples.
 """
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_mpi
+from conftest import SCRIPTS, run_mpi
 from mpipar.checkpoint import store
 
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -106,8 +107,39 @@ def test_a_configuration_that_cannot_run_is_one_sentence_before_training(args, s
     assert_one_sentence(mpipar_on_two_ranks(*args), sentence)
 
 
+@pytest.mark.parametrize("args, advice", [
+    (["--optimizer", "adam", "--eps", "5e-324"], "--eps 4.94066e-324 is below float32's smallest normal number "
+                                                 "1.18e-38, so Adam's update of a weight whose gradient is 0 is 0/0: "
+                                                 "use --eps 1e-8"),
+    (["--optimizer", "adamw", "--weight-decay", "1e30"], "--weight-decay 1e+30 with --lr 0.001 multiplies each weight "
+                                                         "by 1 - 1e+27 at every step, which flips and grows it: lower "
+                                                         "--weight-decay (1e-4 to 0.1 is usual)"),
+])
+def test_a_nan_loss_names_the_option_that_made_it(args, advice):
+    result = mpipar_on_two_ranks(*args, "--max-steps", "3")
+    assert_one_sentence(result, f"step 2 (epoch 1): the training loss is nan; stopped before the update ({advice})")
+
+
+def test_a_nan_loss_found_inside_cdp_carries_the_advice_too():
+    """CDP checks each micro-batch's loss on the rank that computed it, inside the engine."""
+    result = mpipar_on_two_ranks("--scheme", "cdp-v2", "--micro-batches", "2", "--lr", "1e308", "--max-steps", "3")
+    assert result.returncode == 2, result.stderr
+    assert re.search(r"mpipar: error on rank \d: step \d, micro-batch \d: the training loss is nan; try a lower --lr\n",
+                     result.stderr), result.stderr
+
+
 def test_a_far_too_large_learning_rate_stops_without_numpy_warnings():
     result = mpipar_on_two_ranks("--lr", "1e308", "--max-steps", "3")
     assert_one_sentence(result, "step 2 (epoch 1): the training loss is nan; stopped before the update (try a "
                                 "lower --lr)")
     assert "RuntimeWarning" not in result.stderr, result.stderr
+
+
+def test_a_full_disk_on_one_rank_names_that_rank_once(tmp_path):
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "disk_full_on_rank_one.py"), str(tmp_path), timeout=90)
+    assert result.returncode == 2, result.stdout + result.stderr
+    sentence = re.search(r"mpipar: error: (.*)\n", result.stderr)
+    assert sentence, result.stderr
+    assert sentence.group(1).startswith(f"cannot write this rank's checkpoint file in {tmp_path}/"), sentence.group(1)
+    assert sentence.group(1).endswith(": No space left on device (on rank 1)"), sentence.group(1)
+    assert sentence.group(1).count("rank 1") == 1, f"the rank is named once: {sentence.group(1)}"

@@ -136,7 +136,8 @@ def write(pending: PendingSave) -> None:
     try:
         pending.entry = write_shard(pending.temporary, pending.rank, pending.ranges)
     except OSError as error:
-        pending.failure = (f"rank {pending.rank} cannot write its checkpoint file in {pending.temporary}: "
+        # no rank here: where the ranks' failures differ, agreeing on them adds "(on rank R)"
+        pending.failure = (f"cannot write this rank's checkpoint file in {pending.temporary}: "
                            f"{error.strerror or error}")
     pending.ranges = []  # the host copies are no longer needed
     pending.write_seconds = time.perf_counter() - started

@@ -117,8 +117,8 @@ class JobRunner:
         else:
             loss = float(self.loss_fn.forward(y, targets, stash, self.batch_size))
             if not self.plan.settles_each_step and not np.isfinite(loss):
-                raise NonFiniteLossError(f"step {step}, micro-batch {i}: the training loss is {loss} "
-                                         f"(rank {self.rank}); try a lower --lr")
+                # the command line names the rank; the trainer adds what to change
+                raise NonFiniteLossError(f"step {step}, micro-batch {i}: the training loss is {loss}")
             self.totals[step - self.first_step] += (loss, float((y.argmax(axis=-1) == targets).sum()), targets.size)
             self.losses_computed[step - self.first_step] += 1
 
