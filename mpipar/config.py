@@ -88,7 +88,8 @@ class TrainConfig:
                           click.Choice(DEVICES), "model")
     dataset: str = _option("digits", "the data set (digits is bundled)", click.Choice(DATASETS), "data")
     data_dir: str | None = _option(None, "directory with the data set's IDX files (else $MPIPAR_DATA/NAME, "
-                                         "/usr/share/datasets/NAME), or --dataset tokens' train.bin and val.bin",
+                                         "/usr/share/datasets/NAME or $MPIPAR_SYSTEM_DATA/NAME), or --dataset "
+                                         "tokens' train.bin and val.bin",
                                    click.STRING, "data")
     text_file: str | None = _option(None, "UTF-8 text file for --dataset text", click.STRING, "data")
     seq_len: int = _option(64, "tokens per window (context) for --dataset text and tokens", POSITIVE, "data")

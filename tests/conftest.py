@@ -1,4 +1,4 @@
-"""Shared helpers: small configurations and a way to run scripts under mpiexec.
+"""Shared helpers: small configurations, a way to run scripts under mpiexec, and a data set or a skip.
 
 `run_mpi` works under MPICH's and Open MPI's mpiexec alike: it adds the flags that
 Open MPI needs to start more ranks than cores and, as CI does, to run as root, and it
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from mpipar.config import TrainConfig
+from mpipar.data import locate_dataset
 
 SCRIPTS = Path(__file__).parent / "scripts"
-FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 
 
 def small_config(**overrides) -> TrainConfig:
@@ -28,6 +28,15 @@ def small_config(**overrides) -> TrainConfig:
     values = dict(dtype="float64", max_steps=3, epochs=1, batch_size=32, log_every=1000)
     values.update(overrides)
     return TrainConfig(**values)
+
+
+def needs_dataset(name: str, data_dir: str | None = None) -> Path:
+    """The directory of data set `name` (an IDX set) as mpipar's own lookup finds it; where it finds
+    none, the test skips with the lookup's sentence: what was searched and how to get the set."""
+    located = locate_dataset(name, data_dir)
+    if located.missing:
+        pytest.skip(located.missing)
+    return located.directory
 
 
 def mpiexec_path() -> str:

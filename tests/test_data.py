@@ -9,17 +9,20 @@ import struct
 import numpy as np
 import pytest
 
+from conftest import needs_dataset
 from mpipar.data import (
     DATASETS,
+    DatasetLocation,
     GlobalBatchSampler,
     eval_slice,
     load_dataset,
+    locate_dataset,
     rank_slice,
     read_idx,
     split_micro_batches,
     write_idx,
 )
-from mpipar.data.datasets import IDX_FILES, SYSTEM_DATA_ROOT
+from mpipar.data.datasets import IDX_FILES, SYSTEM_DATA_ENV, SYSTEM_DATA_ROOT, system_data_root
 from mpipar.errors import ConfigError, DataError
 
 # ---------------------------------------------------------------- IDX format
@@ -105,10 +108,8 @@ def test_digits_split_is_fixed():
 
 
 def test_fashion_mnist_autodetected_from_system_dir(monkeypatch):
-    system_dir = SYSTEM_DATA_ROOT / "fashion-mnist"
-    if not system_dir.is_dir():
-        pytest.skip(f"{system_dir} absent (the Debian package dataset-fashion-mnist provides it)")
-    monkeypatch.delenv("MPIPAR_DATA", raising=False)
+    monkeypatch.delenv("MPIPAR_DATA", raising=False)  # so only the system's directory is searched
+    needs_dataset("fashion-mnist")
     train, test = load_dataset("fashion-mnist")
     assert (len(train), len(test)) == (60000, 10000)
     assert train.input_shape == (1, 28, 28) and train.num_classes == 10
@@ -170,9 +171,44 @@ def test_idx_set_not_found_lists_searched_places(tmp_path, monkeypatch):
     with pytest.raises(DataError) as info:
         load_dataset("kmnist")
     message = str(info.value)
-    for place in (tmp_path / "env", tmp_path / "env" / "kmnist", SYSTEM_DATA_ROOT / "kmnist"):
+    for place in (tmp_path / "env", tmp_path / "env" / "kmnist", system_data_root() / "kmnist"):
         assert str(place) in message
     assert "mpipar data download kmnist" in message
+
+
+def test_the_system_data_directory_is_the_environments_where_it_names_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("MPIPAR_DATA", raising=False)
+    monkeypatch.delenv(SYSTEM_DATA_ENV, raising=False)
+    assert system_data_root() == SYSTEM_DATA_ROOT
+    _write_fake_idx_set(tmp_path / "system" / "kmnist", n_train=9)
+    monkeypatch.setenv(SYSTEM_DATA_ENV, str(tmp_path / "system"))
+    train, _ = load_dataset("kmnist")
+    assert len(train) == 9 and train.source == str(tmp_path / "system" / "kmnist")
+    monkeypatch.setenv(SYSTEM_DATA_ENV, str(tmp_path / "empty"))  # hides the system's sets
+    with pytest.raises(DataError, match=f"none of {tmp_path / 'empty' / 'kmnist'} holds all of"):
+        load_dataset("kmnist")
+
+
+def test_locate_dataset_answers_where_load_dataset_would_read_or_why_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPIPAR_DATA", str(tmp_path / "env"))
+    monkeypatch.setenv(SYSTEM_DATA_ENV, str(tmp_path / "system"))
+    _write_fake_idx_set(tmp_path / "system" / "mnist")
+    _write_fake_idx_set(tmp_path / "env" / "mnist")  # $MPIPAR_DATA comes first
+    _write_fake_idx_set(tmp_path / "mine")
+    assert locate_dataset("mnist").directory == tmp_path / "env" / "mnist"
+    assert locate_dataset("mnist", data_dir=str(tmp_path / "mine")).directory == tmp_path / "mine"
+    missing = locate_dataset("kmnist")
+    assert missing.directory is None
+    with pytest.raises(DataError) as info:
+        load_dataset("kmnist")
+    assert missing.missing == str(info.value)
+    assert str(tmp_path / "system" / "kmnist") in missing.missing
+    for name in ("digits", "synthetic"):  # bundled, generated: always here, in no directory
+        assert locate_dataset(name) == DatasetLocation(None, None)
+    with pytest.raises(ConfigError, match="'text' is not looked up by name: a run reads it from --text-file"):
+        locate_dataset("text")
+    with pytest.raises(ConfigError, match="cifar"):
+        locate_dataset("cifar")
 
 
 def test_idx_count_mismatch_names_both_files(tmp_path, monkeypatch):

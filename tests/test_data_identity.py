@@ -1,7 +1,9 @@
 """Data sets recognised by checksum when loaded, ranks agreeing on their data, files others can read.
 
 Run: .venv/bin/python -m pytest tests/test_data_identity.py -q
-The Fashion-MNIST tests skip with a reason when /usr/share/datasets/fashion-mnist is absent.
+The Fashion-MNIST tests use the copy in the system's data directory (/usr/share/datasets, where
+Debian's dataset-fashion-mnist puts it, or $MPIPAR_SYSTEM_DATA) and skip, naming where mpipar
+looked, where it has none.
 """
 
 import os
@@ -15,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FASHION_DIR, SCRIPTS, run_mpi
+from conftest import SCRIPTS, needs_dataset, run_mpi
 from mpipar.data import identity as identity_module
 from mpipar.data import load_dataset, write_idx
 from mpipar.data.identity import (
@@ -56,14 +58,9 @@ def publish(monkeypatch, name: str, paths: dict[str, Path], by_stored_bytes: boo
         monkeypatch.setitem(identity_module.KNOWN_FILES, digest, (name, role))
 
 
-def needs_fashion() -> None:
-    if not FASHION_DIR.is_dir():
-        pytest.skip(f"{FASHION_DIR} absent (the Debian package dataset-fashion-mnist provides it)")
-
-
 @pytest.fixture(autouse=True)
 def no_data_environment(monkeypatch):
-    monkeypatch.delenv("MPIPAR_DATA", raising=False)
+    monkeypatch.delenv("MPIPAR_DATA", raising=False)  # so a set is found in the system's data directory alone
 
 
 # ---------------------------------------------------------------- identity at load time
@@ -129,9 +126,9 @@ def test_the_table_holds_every_published_file_once():
 
 
 def test_debians_fashion_mnist_is_recognised_file_by_file():
-    needs_fashion()
+    fashion = needs_dataset("fashion-mnist")
     for role, stem in IDX_FILES.items():
-        path = FASHION_DIR / f"{stem}.gz"
+        path = fashion / f"{stem}.gz"
         stored, raw = read_idx_bytes(path)
         assert stored is not raw  # gzip, re-compressed by Debian: only the content hash can know it
         assert identify_file(path, role, stored, raw).known_as == ("fashion-mnist", role)
@@ -139,15 +136,15 @@ def test_debians_fashion_mnist_is_recognised_file_by_file():
 
 def _fashion_as(tmp_path: Path, name: str) -> Path:
     """Fashion-MNIST's files linked into a directory named after another data set."""
+    fashion = needs_dataset("fashion-mnist")
     directory = tmp_path / name
     directory.mkdir()
-    for path in FASHION_DIR.iterdir():
+    for path in fashion.iterdir():
         (directory / path.name).symlink_to(path)
     return directory
 
 
 def test_fashion_mnist_files_loaded_as_kmnist_are_refused(tmp_path):
-    needs_fashion()
     directory = _fashion_as(tmp_path, "kmnist")
     with pytest.raises(DataError) as info:
         load_dataset("kmnist", data_dir=str(tmp_path))
@@ -156,7 +153,6 @@ def test_fashion_mnist_files_loaded_as_kmnist_are_refused(tmp_path):
 
 
 def test_mpipar_train_on_fashion_mnist_named_kmnist_stops_before_training(tmp_path):
-    needs_fashion()
     _fashion_as(tmp_path, "kmnist")
     metrics = tmp_path / "run.jsonl"
     result = subprocess.run([sys.executable, "-m", "mpipar", "train", "--dataset", "kmnist", "--data-dir",
@@ -292,14 +288,14 @@ def test_two_ranks_with_different_valid_data_stop_together_within_10_s(tmp_path)
 
 
 def test_two_ranks_one_on_fashion_mnist_one_on_another_set_stop_together(tmp_path):
-    needs_fashion()
+    fashion = needs_dataset("fashion-mnist")
     write_fake_set(tmp_path / "other" / "fashion-mnist", seed=3)
-    result, seconds = _train_with_a_data_dir_per_rank([FASHION_DIR, tmp_path / "other"], "--dataset",
+    result, seconds = _train_with_a_data_dir_per_rank([fashion, tmp_path / "other"], "--dataset",
                                                       "fashion-mnist", "--max-steps", "2")
     assert result.returncode == 2, result.stderr
     lines = _error_lines(result.stderr)
     assert lines and all(line == lines[0] for line in lines), result.stderr
-    assert (f"rank 0 loaded fashion-mnist from {FASHION_DIR} (60000 training and 10000 test samples of shape "
+    assert (f"rank 0 loaded fashion-mnist from {fashion} (60000 training and 10000 test samples of shape "
             f"1x28x28") in lines[0]
     assert f"rank 1 loaded fashion-mnist from {tmp_path / 'other' / 'fashion-mnist'} (100 training" in lines[0]
     # Rank 1 waits while rank 0 reads 30 MB of gzip: 3 to 5 s on an idle machine, more on a busy CI

@@ -7,8 +7,10 @@ opening fence). It runs in a fresh `bash` with `set -eo pipefail`, in a clean
 environment that has only what the README's set-up gives: PATH without .venv (so a
 block must activate the environment itself, as the README says), HOME and TMPDIR in a
 scratch folder, LANG=C.UTF-8, and the Open MPI launcher's own OMPI_*/PRTE_* settings
-when the test's environment has them (CI sets them to run as root). Blocks that
-are not commands are marked ```text and not run.
+when the test's environment has them (CI sets them to run as root); and the data
+lookup's $MPIPAR_DATA and $MPIPAR_SYSTEM_DATA where set, so that a block finds the data
+sets this test found when it chose what to skip. Blocks that are not commands are marked
+```text and not run.
 
 The working directory is a scratch mirror of the repository root: one symbolic link
 per top-level entry, so `examples/...`, `docs/...` and `.venv` resolve as in the
@@ -43,7 +45,8 @@ extra, where that framework is not installed: the README's set-up does not insta
 and CI runs these blocks in a lane that does (.ci/run). The README's Quickstart block, and any block whose
 every line .ci/run runs, is skipped because CI runs exactly those commands. A block
 that needs what a machine may lack is skipped with the reason printed: the
-Fashion-MNIST files (CI installs them with apt-get) or a GPU.
+Fashion-MNIST files where mpipar's lookup finds none (its sentence says where it looked;
+CI installs them with apt-get) or a GPU.
 
 A failing command fails its case, naming the file, the line and the output's tail;
 `pytest -rs` prints each skipped block's reason.
@@ -62,10 +65,12 @@ from pathlib import Path
 
 import pytest
 
+from mpipar.data import locate_dataset
+from mpipar.data.datasets import DATA_ENV, SYSTEM_DATA_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md"]
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
-FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 BLOCK_TIMEOUT_S = 300
 
 BENCHMARK_COUNTS = {
@@ -224,8 +229,9 @@ def skip_reason(block: Block) -> str | None:
         return "it makes a virtual environment; this test installs nothing (CI makes its own: .ci/run)"
     if "--device gpu" in text and shutil.which("nvidia-smi") is None:
         return "needs a GPU"
-    if re.search(r"fashion|every_scheme|cdp_accuracy", text) and not FASHION_DIR.is_dir():
-        return f"needs the Fashion-MNIST files in {FASHION_DIR} (apt-get install dataset-fashion-mnist)"
+    fashion_missing = locate_dataset("fashion-mnist").missing
+    if re.search(r"fashion|every_scheme|cdp_accuracy", text) and fashion_missing:
+        return f"needs Fashion-MNIST: {fashion_missing}"
     for framework, uses in FRAMEWORK_USES.items():
         if uses.search(text) and missing_packages(framework):
             return f"needs {framework}, the `{framework}` extra (pip install 'mpipar[{framework}]'), not installed here"
@@ -237,12 +243,15 @@ def skip_reason(block: Block) -> str | None:
     return None
 
 
+DATA_VARIABLES = (DATA_ENV, SYSTEM_DATA_ENV)  # where mpipar looks for data: skip_reason looked there too
+
+
 def clean_environment(scratch: Path) -> dict[str, str]:
     """What a fresh login shell has: the system PATH without any virtual environment."""
     venv_bins = {str(ROOT / ".venv" / "bin"), str(Path(sys.prefix) / "bin")}
     path = [entry for entry in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep) if entry not in venv_bins]
     env = {"PATH": os.pathsep.join(path), "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8"}
-    env.update({k: v for k, v in os.environ.items() if k.startswith(("OMPI_", "PRTE_"))})
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("OMPI_", "PRTE_")) or k in DATA_VARIABLES})
     return env
 
 

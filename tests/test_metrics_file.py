@@ -92,6 +92,14 @@ def test_a_directory_without_write_permission_is_one_sentence_on_two_ranks(tmp_p
         if mpi_implementation() == "openmpi":  # its ranks, as nobody, may not reach the launcher's PMIx server
             pytest.skip("Open MPI's launcher, run as root, cannot start its ranks as another user")
         prefix = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+        # a clone in a directory only root may enter (mktemp -d makes one) is out of nobody's reach
+        probe = subprocess.run([*prefix, sys.executable, "-c", "import mpipar"], capture_output=True, text=True,
+                               timeout=60)
+        if probe.returncode:
+            said = (probe.stderr.strip() or probe.stdout.strip() or f"exit status {probe.returncode}").splitlines()
+            pytest.skip(f"the ranks would run as the unprivileged user nobody (uid 65534), who cannot import "
+                        f"mpipar with {sys.executable} from this clone: `{' '.join(prefix)} python -c 'import "
+                        f"mpipar'` says {said[-1]}")
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o555)

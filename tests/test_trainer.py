@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import FASHION_DIR, small_config
+from conftest import needs_dataset, small_config
 from mpipar.errors import NonFiniteLossError
 from mpipar.trainer import Trainer
 
@@ -67,9 +67,8 @@ def test_default_run_reaches_95_percent_on_digits():
     assert trainer.run()["test_accuracy"] >= 0.95
 
 
-@pytest.mark.skipif(not FASHION_DIR.is_dir(),
-                    reason=f"Fashion-MNIST is not installed at {FASHION_DIR} (apt-get install dataset-fashion-mnist)")
 def test_fashion_mnist_mlp_reaches_85_percent_in_3_epochs():
+    needs_dataset("fashion-mnist")
     trainer = Trainer(small_config(dtype="float32", dataset="fashion-mnist", model="mlp", hidden=(256, 256),
                                    max_steps=0, epochs=3, batch_size=64))
     assert trainer.run()["test_accuracy"] >= 0.85

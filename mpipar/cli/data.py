@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from mpipar.data.datasets import DATA_ENV, DATASETS, idx_files_in, idx_search_dirs
+from mpipar.data.datasets import DATA_ENV, DATASETS, idx_search_dirs, locate_dataset
 from mpipar.data.download import DOWNLOADS
 from mpipar.data.download import download as download_dataset
 from mpipar.data.tokens import prepare_text
@@ -51,11 +51,11 @@ def list_datasets(data_dir: str | None) -> None:
         elif name == "tokens":
             where = "train.bin and val.bin in --data-dir (`mpipar data prepare-text FILE --out DIR`, or nanoGPT's)"
         else:
-            searched = idx_search_dirs(name, data_dir)
-            found = next((d for d in searched if idx_files_in(d) is not None), None)
+            found = locate_dataset(name, data_dir).directory
             if found is not None:
                 where = f"present in {found}"
             else:
+                searched = idx_search_dirs(name, data_dir)
                 where = f"missing (searched {', '.join(map(str, searched))}); `mpipar data download {name}`"
         click.echo(f"{name:14} {where}")
 

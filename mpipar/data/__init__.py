@@ -1,13 +1,22 @@
 """Data for mpipar: data sets, the IDX file format, checked downloads and the batch sampler.
 
 The trainer needs only `load_dataset`, `agree_on_data` and the sampler functions; `mpipar data`
-(see mpipar/cli/data.py) uses the download registry. The `download` function is
+(see mpipar/cli/data.py) uses the download registry and `locate_dataset`, which the tests also
+ask before they need a set this machine may lack. The `download` function is
 deliberately not re-exported: it would hide the `mpipar.data.download` module
 of the same name. Exercised by
 `pytest tests/test_data.py tests/test_download.py tests/test_data_identity.py`.
 """
 
-from mpipar.data.datasets import DATASETS, TOKEN_DATASETS, Dataset, ImageDataset, load_dataset
+from mpipar.data.datasets import (
+    DATASETS,
+    TOKEN_DATASETS,
+    Dataset,
+    DatasetLocation,
+    ImageDataset,
+    load_dataset,
+    locate_dataset,
+)
 from mpipar.data.download import DOWNLOADS, DownloadSpec
 from mpipar.data.identity import agree_on_data
 from mpipar.data.idx import read_idx, write_idx
@@ -18,6 +27,7 @@ __all__ = [
     "DATASETS",
     "DOWNLOADS",
     "Dataset",
+    "DatasetLocation",
     "DownloadSpec",
     "GlobalBatchSampler",
     "ImageDataset",
@@ -26,6 +36,7 @@ __all__ = [
     "agree_on_data",
     "eval_slice",
     "load_dataset",
+    "locate_dataset",
     "rank_slice",
     "read_idx",
     "split_micro_batches",

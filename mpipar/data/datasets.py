@@ -6,7 +6,8 @@ with statistics of their training split; `text` (characters of any UTF-8 file) a
 (mpipar/data/tokens.py), `tokens` read in place rather than loaded. Each set carries a fingerprint of its
 content and where it came from, which the ranks compare (mpipar/data/identity.py);
 IDX files are recognised by their checksums as they are read, so a published set
-under another set's name is refused. Exercised by
+under another set's name is refused. `locate_dataset(name)` says where a set named by
+`--dataset` would be found, or why it would not, without loading it. Exercised by
 `pytest tests/test_data.py tests/test_data_identity.py` and by `mpipar data list`.
 """
 
@@ -30,8 +31,10 @@ DATASETS: tuple[str, ...] = ("digits", "mnist", "fashion-mnist", "kmnist", "synt
 TOKEN_DATASETS: tuple[str, ...] = ("text", "tokens")  # streams of token ids, for the language model
 IDX_DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist", "kmnist")
 
-# Where Debian's dataset-* packages (e.g. dataset-fashion-mnist) install their files.
+# Where Debian's dataset-* packages (e.g. dataset-fashion-mnist) install their files; $MPIPAR_SYSTEM_DATA
+# stands in for it, so that a machine's installed sets can be hidden (an empty directory) or moved.
 SYSTEM_DATA_ROOT = Path("/usr/share/datasets")
+SYSTEM_DATA_ENV = "MPIPAR_SYSTEM_DATA"
 DATA_ENV = "MPIPAR_DATA"
 
 # Fixed seeds, deliberately not the run's seed: the train/test split and the
@@ -139,8 +142,13 @@ def idx_search_dirs(name: str, data_dir: str | None = None) -> list[Path]:
     if os.environ.get(DATA_ENV):
         root = Path(os.environ[DATA_ENV]).expanduser()
         dirs += [root, root / name]
-    dirs.append(SYSTEM_DATA_ROOT / name)
+    dirs.append(system_data_root() / name)
     return dirs
+
+
+def system_data_root() -> Path:
+    """The system's directory of data sets: $MPIPAR_SYSTEM_DATA if set, else SYSTEM_DATA_ROOT."""
+    return Path(os.environ.get(SYSTEM_DATA_ENV) or SYSTEM_DATA_ROOT).expanduser()
 
 
 def idx_files_in(directory: Path) -> dict[str, Path] | None:
@@ -164,7 +172,7 @@ def find_idx_files(name: str, data_dir: str | None = None) -> dict[str, Path]:
     if data_dir:
         raise DataError(f"--data-dir {data_dir} holds no {name}: neither {searched[0]} nor {searched[1]} holds all "
                         f"of {', '.join(IDX_FILES.values())} (each may end in .gz); point --data-dir at the files, "
-                        f"or leave it out to use ${DATA_ENV} or {SYSTEM_DATA_ROOT / name}")
+                        f"or leave it out to use ${DATA_ENV} or {system_data_root() / name}")
     how = f"run `mpipar data download {name}`"
     if name == "fashion-mnist":
         how += " or `apt-get install dataset-fashion-mnist`"
@@ -173,6 +181,31 @@ def find_idx_files(name: str, data_dir: str | None = None) -> dict[str, Path]:
         f"{', '.join(IDX_FILES.values())} (each may end in .gz); {how}, then pass --data-dir "
         f"or set ${DATA_ENV}"
     )
+
+
+@dataclass(frozen=True)
+class DatasetLocation:
+    """Where a data set would be loaded from here, or why it could not be."""
+
+    directory: Path | None  # the directory of its files; None for a bundled or generated set, or a missing one
+    missing: str | None = None  # why it cannot be loaded here: what was searched and how to get it
+
+
+def locate_dataset(name: str, data_dir: str | None = None) -> DatasetLocation:
+    """Where `load_dataset(name, data_dir=data_dir)` would find data set `name`, or why it would not,
+    by the same search and without reading the files' contents. `text` and `tokens` are not
+    looked up by name (a run names their file or directory), so they are refused."""
+    if name in IDX_DATASETS:
+        try:
+            return DatasetLocation(find_idx_files(name, data_dir)["train_images"].parent)
+        except DataError as exc:
+            return DatasetLocation(None, str(exc))
+    if name in TOKEN_DATASETS:
+        raise ConfigError(f"data set {name!r} is not looked up by name: a run reads it from "
+                          f"{'--text-file' if name == 'text' else '--data-dir'}")
+    if name not in DATASETS:
+        raise unknown_name("data set", name, DATASETS)
+    return DatasetLocation(None)
 
 
 def _read_checked(name: str, role: str, path: Path, identities: list[FileIdentity]) -> np.ndarray:
