@@ -81,9 +81,10 @@ class TrainConfig:
                                    click.BOOL, "model")
     dtype: str = _option("float32", "floating-point type of parameters and activations (with --precision fp16: "
                                     "of the master weights and optimizer state)", click.Choice(DTYPES), "model")
-    precision: str = _option("fp32", "arithmetic of forward and backward: fp32 (--dtype throughout) or fp16 (half "
-                                     "precision with --dtype master weights and loss scaling; GPU only; "
-                                     "docs/precision.md)", click.Choice(PRECISIONS), "model")
+    precision: str = _option("fp32", "arithmetic of forward and backward: fp32 (--dtype throughout; CPU and GPU) "
+                                     "or fp16 (half precision with --dtype master weights and loss scaling; GPU "
+                                     "only); bf16 is refused everywhere, as neither NumPy nor CuPy has bfloat16 "
+                                     "(docs/precision.md)", click.Choice(PRECISIONS), "model")
     device: str = _option("cpu", "where the arrays live (gpu needs CuPy: pip install 'mpipar[gpu]')",
                           click.Choice(DEVICES), "model")
     dataset: str = _option("digits", "the data set (digits is bundled)", click.Choice(DATASETS), "data")

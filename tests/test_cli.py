@@ -110,3 +110,10 @@ def test_cdp_trains_through_the_cli_on_one_rank():
     assert "scheme cdp-v2, single layout, over 3 stages and micro-batches" in result.stdout
     accuracy = float(result.stdout.split("test accuracy")[-1].split()[0].strip("%:,"))
     assert accuracy > 80
+
+
+def test_the_help_says_where_each_precision_runs():
+    """--precision lists bf16 only to refuse it with a reason; the help must not offer it as a choice that works."""
+    text = " ".join(mpipar("train", "--help").stdout.split())
+    assert "fp32 (--dtype throughout; CPU and GPU)" in text and "loss scaling; GPU only)" in text, text
+    assert "bf16 is refused everywhere" in text, text
