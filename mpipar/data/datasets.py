@@ -173,13 +173,13 @@ def find_idx_files(name: str, data_dir: str | None = None) -> dict[str, Path]:
         raise DataError(f"--data-dir {data_dir} holds no {name}: neither {searched[0]} nor {searched[1]} holds all "
                         f"of {', '.join(IDX_FILES.values())} (each may end in .gz); point --data-dir at the files, "
                         f"or leave it out to use ${DATA_ENV} or {system_data_root() / name}")
-    how = f"run `mpipar data download {name}`"
+    how = (f"`mpipar data download {name}` fetches them into ${DATA_ENV}/{name} where they are found (or, with "
+           f"${DATA_ENV} unset, into ./data/{name}: then pass --data-dir data)")
     if name == "fashion-mnist":
-        how += " or `apt-get install dataset-fashion-mnist`"
+        how += ", and `apt-get install dataset-fashion-mnist` puts them where they are found"
     raise DataError(
         f"data set {name!r} not found: none of {', '.join(map(str, searched))} holds all of "
-        f"{', '.join(IDX_FILES.values())} (each may end in .gz); {how}, then pass --data-dir "
-        f"or set ${DATA_ENV}"
+        f"{', '.join(IDX_FILES.values())} (each may end in .gz); {how}"
     )
 
 
