@@ -28,15 +28,14 @@ import sys
 import time
 from typing import TYPE_CHECKING, Mapping, TextIO
 
+from mpipar.config import progress_setting
 from mpipar.data import TOKEN_DATASETS
-from mpipar.errors import ConfigError
 from mpipar.metrics_file import MetricsFile
 from mpipar.runtime.memory import peak_rss_bytes
 
 if TYPE_CHECKING:  # only for annotations: the trainer imports this module's users
     from mpipar.trainer import EvalResult, StepResult, Trainer
 
-PROGRESS_MODES = ("bar", "lines", "off")
 BAR_SECONDS = 0.1  # the bar is redrawn at most this often: drawing every 2 ms step would cost time
 
 
@@ -68,15 +67,6 @@ def progress_mode(stream: TextIO, quiet: bool, environ: Mapping[str, str] = os.e
     if quiet:
         return "off"
     return progress_setting(environ) or ("bar" if interactive_terminal(stream, environ) else "lines")
-
-
-def progress_setting(environ: Mapping[str, str] = os.environ) -> str:
-    """$MPIPAR_PROGRESS, one of PROGRESS_MODES, or "" where it is unset; a ConfigError for any other value."""
-    chosen = environ.get("MPIPAR_PROGRESS", "").strip().lower()
-    if chosen and chosen not in PROGRESS_MODES:
-        raise ConfigError(f"MPIPAR_PROGRESS={chosen!r} is not one of {', '.join(PROGRESS_MODES)}; "
-                          "set one of those or unset it to let mpipar choose")
-    return chosen
 
 
 def interactive_terminal(stream: TextIO, environ: Mapping[str, str] = os.environ) -> bool:
