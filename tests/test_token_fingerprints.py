@@ -23,11 +23,12 @@ from mpipar.errors import DataError
 L = ["--model", "transformer", "--dataset", "tokens", "--seq-len", "16", "--width", "16", "--heads", "2",
      "--blocks", "1", "--batch-size", "8", "--log-every", "1"]
 META = '{"vocab_size": 65, "dtype": "uint16"}'
-# `mpipar train` that says its peak resident memory (VmHWM, this process's own: ru_maxrss would carry the
-# forking test process's peak across exec) as it exits
+# `mpipar` that says, as it exits, its peak resident memory (VmHWM, this process's own: ru_maxrss would carry
+# the forking test process's peak across exec) and the bytes it read with read() (rchar, page cache included)
 WITH_PEAK = ("import atexit, re, sys; atexit.register(lambda: print('VmHWM', re.search(r'VmHWM:\\s+(\\d+)', "
-             "open('/proc/self/status').read()).group(1), file=sys.stderr, flush=True)); "
-             "from mpipar.cli import main; main()")
+             "open('/proc/self/status').read()).group(1), 'rchar', re.search(r'rchar: (\\d+)', "
+             "open('/proc/self/io').read()).group(1), file=sys.stderr, flush=True)); from mpipar.cli import main; "
+             "main()")
 
 
 def write_stream(directory: Path, train_ids: int = 1 << 21) -> Path:
@@ -134,13 +135,13 @@ def test_a_two_gigabyte_train_bin_with_a_bad_last_id_is_refused_before_the_first
     assert len(peaks) == 2 and max(peaks) < 300 * 1024, f"resident {peaks} KiB: the file was loaded whole"
 
 
-def seconds_to_first_step(directory: Path) -> float:
-    """Seconds from launching a one-step run on `directory` to its first step's line. Windows of 256 tokens:
-    the epoch's permutation of windows (data/sampler.py) is drawn whole, which for 2 GB of ids in windows
-    of 16 is 67 million of them, 7 s and 512 MiB of its own."""
+def first_step(directory: Path) -> tuple[float, int]:
+    """(seconds from launch to the first step's line, bytes read) of a one-step run on `directory`. Windows
+    of 256 tokens: the epoch's permutation of windows (data/sampler.py) is drawn whole, which for 2 GB of ids
+    in windows of 16 is 67 million of them, 7 s and 512 MiB of its own."""
     started = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "mpipar", "train", *L, "--seq-len", "256", "--max-steps", "1",
-                                "--eval-batches", "1", "--data-dir", str(directory)], stdout=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-c", WITH_PEAK, "train", *L, "--seq-len", "256", "--max-steps",
+                                "1", "--eval-batches", "1", "--data-dir", str(directory)], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     seconds = None
     for line in process.stdout:
@@ -148,16 +149,16 @@ def seconds_to_first_step(directory: Path) -> float:
             seconds = time.perf_counter() - started
     stderr = process.stderr.read()
     assert process.wait(timeout=300) == 0 and seconds is not None, stderr
-    return seconds
+    return seconds, int(re.search(r"rchar (\d+)", stderr).group(1))
 
 
 def test_a_valid_two_gigabyte_train_bin_starts_in_30_s_at_first_use_and_5_s_once_fingerprinted(tmp_path):
     directory = big_stream(tmp_path, last_id=64)
-    first = seconds_to_first_step(directory)
-    assert (directory / token_scan.FINGERPRINTS).is_file(), "the first run left no fingerprints"
-    again = seconds_to_first_step(directory)
-    print(f"\n2 GB train.bin: first step {first:.1f} s after launch at the file's first use, {again:.1f} s once "
-          "its fingerprint exists")
+    first, first_read = first_step(directory)
+    again, again_read = first_step(directory)
+    print(f"\n2 GB train.bin: first step {first:.1f} s after launch at the file's first use ({first_read:,} bytes "
+          f"read), {again:.1f} s once its fingerprint exists ({again_read:,} bytes read)")
+    assert first_read > 2 * 1024**3 and again_read < 100 * 1024**2, "the file was read again: its fingerprint unused"
     assert first < 30, f"{first:.1f} s to the first step at the file's first use"
     assert again < 5, f"{again:.1f} s to the first step once the file's fingerprint exists"
 
