@@ -1,25 +1,28 @@
 """Each .bin of a token directory read once: its SHA-256 and its ids checked in one pass, then remembered.
 
 `checked_sha256` reads a file in chunks of CHUNK bytes with plain reads into one reused
-buffer (not through the memory map, whose pages would stay resident): each chunk goes
-into the SHA-256 and its ids are compared with the vocabulary. An id outside
-[0, vocab_size) stops the read with one sentence naming the file and the first such
-position; a 10 GB file is read in about 10 s, with resident memory flat.
+buffer (not through the memory map, whose pages would count as the rank's resident
+memory): each chunk goes into the SHA-256 and its ids are compared with the vocabulary.
+An id outside [0, vocab_size) stops the read with one sentence naming the file and the
+first such position. 2 GB take 3 to 7 s on a shared 2-core machine, in flat memory.
 
 What a read found is remembered in a fingerprint file, so that the next run does not
-read the file again: the file's size, modification and status-change times (ns), the
-dtype it was read as, its SHA-256 and its smallest and largest id, under its name. The
-ids are then valid for any vocabulary holding the largest. The fingerprint file is
-`mpipar-fingerprints.json` beside the data or, where the data's directory cannot be
-written, `$XDG_CACHE_HOME/mpipar/fingerprints/<sha256 of the directory's path>.json`
-(`~/.cache` when XDG_CACHE_HOME is unset). An entry whose size or times differ from the
-file's is not used: the file is read again. Several ranks reading the same new files at
-once each compute the same entries; every write replaces the whole fingerprint file in
-one step (files.write_atomically), so a reader sees one complete version or another.
+read the file again: under the file's name, its size, modification and status-change
+times (ns), the dtype it was read as, its SHA-256 and its largest id (the ids are then
+valid for any vocabulary above it; a negative id is refused, never remembered). The
+fingerprint file is `mpipar-fingerprints.json` beside the data or, where the data's
+directory cannot be written, `$XDG_CACHE_HOME/mpipar/fingerprints/<SHA-256 of the
+directory's path>.json` (`~/.cache` when XDG_CACHE_HOME is unset). An entry whose size,
+times or dtype differ from the file's is not used: the file is read again (a change that
+keeps all of them goes unseen: one within the same tick of the file system's clock as the
+entry's, or under a clock set back). Ranks reading the same new files at once each compute
+the same entries; every write replaces the whole fingerprint file in one step
+(files.write_atomically), so a reader sees one complete version or another, and an entry
+another rank's write left out is computed again.
 
-`partial_identity` is the identity checkpoints recorded before identity version 2 (the
-first and last MiB of each .bin): it serves only to compare the data with such a
-checkpoint (checkpoint/resume.py).
+`partial_identity` is identity version 1 of token data (the meta and the first and last
+MiB of each .bin), what checkpoints that record no identity version hold: it serves only
+to compare the data with such a checkpoint (checkpoint/resume.py).
 
 Exercised by: python -m pytest tests/test_token_errors.py tests/test_token_fingerprints.py
 """

@@ -49,7 +49,7 @@ from mpipar.files import write_atomically
 TRAIN_FRACTION = 0.9  # as nanoGPT's prepare.py: the first 90% trains, the last 10% validates
 SAMPLE_BLOCK = 1024  # window starts drawn at once by a WindowSample: 8 KiB of int64, beside a batch
 BIN_FILES = ("train.bin", "val.bin")
-IDENTITY_VERSION = 2  # of token data: 2, the SHA-256 of every byte; 1 (before), the first and last MiB of each .bin
+IDENTITY_VERSION = 2  # of token data: 2 hashes every byte; 1 (token_scan.partial_identity) the ends of each .bin
 _OFFSET_STREAM = 7919  # keeps the offsets' random stream apart from the data order's ([seed, epoch])
 
 
