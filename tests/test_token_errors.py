@@ -113,6 +113,9 @@ CASES = {
     "id beyond the vocabulary in val.bin": (with_id("val.bin", 1_999, 9_999),
                                             "{d}/val.bin holds token id 9999 at position 1,999 (counted from 0), "
                                             "outside the vocabulary of 58 ids (0 to 57) that {d}/meta.json gives"),
+    "negative id in an int16 file": (lambda d: (with_meta(dtype="int16")(d), with_id("val.bin", 5, 0xFFFF)(d)),
+                                     "{d}/val.bin holds token id -1 at position 5 (counted from 0), outside the "
+                                     "vocabulary of 58 ids (0 to 57) that {d}/meta.json gives"),
     "id beyond GPT-2's vocabulary without a meta": (with_id("train.bin", 17, 60_000, drop_meta=True),
                                                     "{d}/train.bin holds token id 60000 at position 17 (counted "
                                                     "from 0), outside the vocabulary of 50,304 ids (0 to 50,303) "
