@@ -90,7 +90,7 @@ def _read_pickle(path: Path) -> dict:
                         "numbers from a pickle: rewrite it, or write a meta.json (mpipar data prepare-text)") from None
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except Exception as exc:  # noqa: BLE001 - bytes that are not a pickle fail in many ways, all of them this one
+    except Exception as exc:  # bytes that are not a pickle fail in many ways (EOFError, KeyError, ...): all are this
         reason = str(exc).rstrip(".") or type(exc).__name__
         raise DataError(f"{path} is not a readable pickle ({reason}); rewrite it with nanoGPT's prepare.py, or "
                         "write a meta.json (mpipar data prepare-text)") from None
