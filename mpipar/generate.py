@@ -36,6 +36,8 @@ from mpipar.errors import CheckpointError, ConfigError
 from mpipar.model import Stage, build_stages
 from mpipar.models import build_model
 
+MODEL_FIELDS = ("model", "seq_len", "width", "heads", "blocks")  # of a manifest's config: what rebuilds the model
+
 
 @dataclass
 class LanguageModel:
@@ -67,6 +69,10 @@ def load_language_model(directory: Path) -> LanguageModel:
     """The transformer a checkpoint holds, whatever the scheme and world size that saved it."""
     manifest = read_manifest(directory)
     saved = manifest.get("config", {})
+    missing = [key for key in MODEL_FIELDS if key not in saved]
+    if missing:
+        raise CheckpointError(f"checkpoint {directory}'s manifest records no {', '.join(missing)} in its config, "
+                              "so the model it holds cannot be rebuilt")
     if saved.get("model") != "transformer":
         raise ConfigError(f"checkpoint {directory} holds --model {saved.get('model')}; mpipar sample generates "
                           "text from a transformer")

@@ -52,6 +52,7 @@ from mpipar.data import (
     rank_slice,
     split_micro_batches,
 )
+from mpipar.data.tokens import WindowSample
 from mpipar.divergence import DivergenceWatch, non_finite_advice
 from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.model import build_stages, leaf_layers, partition
@@ -156,6 +157,7 @@ class Trainer:
         # (clipping.py), which also tells every rank whether a float16 gradient overflowed
         self.step_totals = np.zeros(3 + FLAGS + 1, dtype=np.float64)
         self.evaluation_seconds = 0.0  # of the whole run: what --eval-every and --eval-batches cost
+        self.said_evaluation_cap = False  # rank 0 says once that --eval-batches asks for more than the split has
         pairs = tied_copies(self.stages)
         self.tied = TiedGradients(pairs, self.counted, self.comm) if pairs else None
         self.loss_scaler = LossScaler() if cfg.precision == Precision.FP16 else None
@@ -414,12 +416,14 @@ class Trainer:
         self.checkpoints.after_steps(first_step + steps, summed[-FLAGS:])
         return first_step + steps
 
-    def evaluation_set(self) -> tuple[np.ndarray, Callable]:
+    def evaluation_set(self) -> tuple[np.ndarray | WindowSample, Callable]:
         """(every sample evaluated, in order; how to read a batch of them): the whole validation
         split, or with --eval-batches N a fixed sample of N global batches of it, drawn from the
         seed alone (the same on every rank, in every scheme, at every evaluation). A token
-        stream's sample is windows starting anywhere in the split, as nanoGPT draws them; its
-        whole split is its non-overlapping windows."""
+        stream's sample is windows starting anywhere in the split, as nanoGPT draws them, at most
+        as many as the split has starting positions (rank 0 says so once where --eval-batches asks
+        for more); its whole split is its non-overlapping windows. Either sample is read by
+        contiguous slices."""
         cfg, test = self.config, self.test_set
         count = cfg.eval_batches if cfg.eval_batches is not None else \
             (DEFAULT_EVAL_BATCHES if isinstance(test, TokenStream) else 0)
@@ -427,13 +431,21 @@ class Trainer:
             return np.arange(len(test)), test.batch
         samples = count * cfg.batch_size
         if isinstance(test, TokenStream):
-            return test.sample_starts(samples, cfg.seed), test.windows
+            starts = len(test.tokens) - test.seq_len
+            if samples > starts and not self.said_evaluation_cap:
+                self.said_evaluation_cap = True
+                if self.rank == 0:
+                    print(f"mpipar: --eval-batches {count} asks for {samples:,} validation windows, more than the "
+                          f"{starts:,} places a window can start in the split: each evaluation takes {starts:,} "
+                          "windows", flush=True)
+            return test.sample_starts(min(samples, starts), cfg.seed), test.windows
         chosen = np.random.default_rng([cfg.seed, EVAL_SAMPLE_STREAM]).choice(len(test), min(samples, len(test)),
                                                                               replace=False)
         return np.sort(chosen), test.batch
 
     def evaluate(self, epoch: int, step: int) -> EvalResult:
-        """Loss and accuracy on the evaluation set; each rank takes a contiguous slice of it.
+        """Loss and accuracy on the evaluation set; each rank takes a contiguous slice of it,
+        read one batch at a time (a token stream's sample is generated as it is read).
 
         Every rank runs the same number of batches, whatever its slice: a sharded engine
         gathers weights collectively in each forward, so one extra batch on one rank
@@ -444,7 +456,10 @@ class Trainer:
         batch = self.config.evaluation_batch(self.world_size)
         batches = math.ceil(math.ceil(len(samples) / self.world_size) / batch)
         totals = np.zeros(3, dtype=np.float64)  # loss sum, correct, predictions
-        for chunk in np.array_split(samples[part], batches) if batches else []:
+        mine = part.stop - part.start
+        for index in range(batches):  # np.array_split's pieces: the first mine % batches take one more
+            first = part.start + index * (mine // batches) + min(index, mine % batches)
+            chunk = samples[first:first + mine // batches + (index < mine % batches)]
             padding = len(chunk) == 0  # a short slice still joins every batch, on one sample not counted
             inputs, targets = self._to_device(*read(chunk if not padding else samples[:1]))
             ctx = Context(cache=None, key=(0, -1), training=False)

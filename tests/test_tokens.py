@@ -1,5 +1,6 @@
 """Token streams (mpipar/data/tokens.py): prepared files, nanoGPT's layout, the refused pickle,
-windows that cover every token once an epoch, and a large file read in place.
+windows that cover every token once an epoch, and evaluation's sample, drawn a block at a time and capped
+at the split's window starts. (Bad token data: test_token_errors.py; a 2 GB file: test_token_fingerprints.py.)
 
     python -m pytest tests/test_tokens.py -q
 """
@@ -8,11 +9,13 @@ import json
 import pickle
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import run_mpi
 from mpipar.data import load_dataset
 from mpipar.data.tokens import TokenStream, load_token_dir, prepare_text, text_streams
 from mpipar.errors import DataError
@@ -94,27 +97,6 @@ def test_text_and_its_prepared_tokens_give_the_same_windows(small_text, tmp_path
     assert len(from_text) == len(from_files)
 
 
-def test_a_two_gigabyte_stream_starts_at_once_with_flat_memory(tmp_path):
-    directory = tmp_path / "big"
-    directory.mkdir()
-    size = 2 * 1024**3
-    for name in ("train.bin", "val.bin"):
-        with (directory / name).open("wb") as file:
-            file.truncate(size if name == "train.bin" else 1 << 20)  # sparse: no disk is written
-    (directory / "meta.json").write_text(json.dumps({"vocab_size": 65, "dtype": "uint16"}))
-    # VmHWM, this process's own peak: ru_maxrss would carry over the forking test process's peak across exec
-    code = (f"import re, time; from mpipar.data import load_dataset; start = time.perf_counter(); "
-            f"train, _ = load_dataset('tokens', data_dir={str(directory)!r}, seq_len=64); "
-            f"train.for_epoch(0, 0).batch(__import__('numpy').arange(0, len(train), len(train) // 64)); "
-            f"peak = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1); "
-            f"print(time.perf_counter() - start, peak, len(train))")
-    seconds, max_rss_kib, windows = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                                   check=True).stdout.split()
-    assert int(windows) == (size // 2 - 64) // 64
-    assert float(seconds) < 5, f"{seconds} s to open a 2 GB stream"
-    assert int(max_rss_kib) < 300 * 1024, f"resident {int(max_rss_kib) // 1024} MiB: the stream was loaded whole"
-
-
 def test_a_directory_without_its_files_names_them(tmp_path):
     with pytest.raises(DataError, match=r"has no train.bin or val.bin; mpipar data prepare-text FILE --out"):
         load_dataset("tokens", data_dir=str(tmp_path), seq_len=8)
@@ -143,3 +125,62 @@ def test_a_language_model_run_reports_tokens_per_second_and_its_flops_utilisatio
     parameters = int(result.stdout.split(" parameters")[0].rsplit(" ", 1)[1].replace(",", ""))
     # about 6 FLOPs per parameter and token (a forward multiply-add is 2, a backward 4), plus attention's
     assert 3 * parameters < flops_per_token.pop() < 12 * parameters
+
+
+def test_a_window_sample_is_the_same_however_it_is_sliced():
+    sample = TokenStream("t", np.zeros(5000, dtype=np.uint16), [], 65, seq_len=8).sample_starts(3000, seed=4)
+    whole = sample[0:3000]
+    assert len(whole) == 3000 and whole.min() >= 0 and whole.max() < 5000 - 8
+    assert len(set(whole.tolist())) > 2000, "the starts are not spread over the stream"
+    for ranks in (2, 3, 7):  # every rank's contiguous slice, read in batches of 5
+        cuts = np.linspace(0, 3000, ranks + 1).astype(int)
+        parts = [sample[start:min(start + 5, stop)] for a, stop in zip(cuts, cuts[1:]) for start in range(a, stop, 5)]
+        np.testing.assert_array_equal(np.concatenate(parts), whole)
+    np.testing.assert_array_equal(whole, TokenStream("t", np.zeros(5000, dtype=np.uint16), [], 65, seq_len=8)
+                                  .sample_starts(3000, seed=4)[0:3000])
+
+
+def test_a_slice_of_a_sample_of_a_trillion_windows_costs_a_few_kilobytes():
+    sample = TokenStream("t", np.zeros(10**6, dtype=np.uint16), [], 65, seq_len=8).sample_starts(10**12, seed=0)
+    tracemalloc.start()
+    batch = sample[5 * 10**11 - 4:5 * 10**11 + 4]  # across two blocks
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(batch) == 8 and len(sample) == 10**12
+    assert peak < 64 * 1024, f"{peak:,} bytes to read 8 starts of a sample of 10^12"
+
+
+def prepared(small_text: Path, tmp_path: Path, characters: int) -> Path:
+    small_text.write_text(small_text.read_text()[:characters])
+    prepare_text(small_text, tmp_path / "d")
+    return tmp_path / "d"
+
+
+def test_an_absurd_eval_batches_is_capped_at_the_split_s_window_starts_within_the_predicted_peak(small_text, tmp_path):
+    directory = prepared(small_text, tmp_path, 20_000)  # 2,000 validation tokens: 1,984 starts of 16
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from conftest import small_config; "
+            f"from mpipar.trainer import Trainer; t = Trainer(small_config(model='transformer', dataset='tokens', "
+            f"data_dir={str(directory)!r}, seq_len=16, width=16, heads=2, blocks=1, batch_size=8, dtype='float32', "
+            f"memory_profile=True, max_steps=1, eval_batches=100_000_000)); t.train_step(0, 0, 0); "
+            f"t.memory.reset_peak(); t.evaluate(0, 1); t.evaluate(0, 1); print(t.memory.peak_bytes(), "
+            f"t.predicted.total, len(t.evaluation_set()[0]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if line.startswith("mpipar: --eval-batches")]
+    assert notes == ["mpipar: --eval-batches 100000000 asks for 800,000,000 validation windows, more than the "
+                     "1,984 places a window can start in the split: each evaluation takes 1,984 windows"]
+    evaluation, predicted, windows = map(int, result.stdout.splitlines()[-1].split())
+    print(f"evaluation of --eval-batches 100000000: allocator peak {evaluation:,} B, predicted peak {predicted:,} B")
+    assert windows == 1984
+    assert evaluation <= 1.1 * predicted, f"evaluation peaks at {evaluation:,} B, predicted {predicted:,} B"
+
+
+def test_the_cap_is_said_once_on_two_ranks(small_text, tmp_path):
+    directory = prepared(small_text, tmp_path, 20_000)
+    result = run_mpi(2, sys.executable, "-m", "mpipar", "train", "--model", "transformer", "--dataset", "tokens",
+                     "--data-dir", str(directory), "--seq-len", "16", "--width", "16", "--heads", "2", "--blocks",
+                     "1", "--batch-size", "8", "--max-steps", "3", "--eval-every", "1", "--eval-batches",
+                     "100000000", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("mpipar: --eval-batches 100000000 asks for") == 1, result.stdout
+    assert result.stdout.count("eval epoch 1 step") == 3, result.stdout

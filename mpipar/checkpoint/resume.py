@@ -35,6 +35,8 @@ import mpipar
 from mpipar.checkpoint import store
 from mpipar.checkpoint.format import FORMAT, check_compatible, parameter_table
 from mpipar.data.identity import DataIdentity, identity_of
+from mpipar.data.token_scan import partial_identity
+from mpipar.data.tokens import IDENTITY_VERSION
 from mpipar.errors import CheckpointError, StoppedToRequeue
 from mpipar.optim import state_kinds
 from mpipar.signals import checkpoint_on_signals, stop_requested
@@ -144,21 +146,38 @@ class Checkpoints:
                              "random_streams": "counter-based: data order from (seed, epoch), dropout from "
                                                "(seed, step, stage, sample); no generator state"},
                 "world": {"ranks": trainer.world_size, "scheme": trainer.scheme.name},
-                "data": dataclasses.asdict(identity_of(trainer.train_set, trainer.test_set)),
+                "data": {**dataclasses.asdict(identity_of(trainer.train_set, trainer.test_set)),
+                         "identity_version": IDENTITY_VERSION,
+                         "file_sha256": getattr(trainer.train_set, "file_sha256", {})},
                 "vocab": list(getattr(trainer.train_set, "vocab", [])),  # what mpipar sample prints tokens as
                 "config": {key: list(value) if isinstance(value, tuple) else value
                            for key, value in dataclasses.asdict(cfg).items()}}
 
     def _check_same_data(self, manifest: dict, path: Path) -> None:
-        """Refuse a resume on other data than the checkpoint's run trained on, unless asked for."""
+        """Refuse a resume on other data than the checkpoint's run trained on, unless asked for. Token
+        data recorded by identity version 1 is compared as that version saw it: by the first and last
+        MiB of each .bin (`resume` says so once)."""
         if "data" not in manifest or self.config.resume_other_data:
             return  # a checkpoint from before the data was recorded cannot be checked
-        saved = DataIdentity(**{**manifest["data"], "sample_shape": tuple(manifest["data"]["sample_shape"])})
+        recorded = {key: value for key, value in manifest["data"].items()
+                    if key not in ("identity_version", "file_sha256")}
+        saved = DataIdentity(**{**recorded, "sample_shape": tuple(recorded["sample_shape"])})
         loaded = identity_of(self.trainer.train_set, self.trainer.test_set)
-        if saved.compared() != loaded.compared():
-            raise CheckpointError(f"checkpoint {path} was trained on {saved.describe()}, and this run loaded "
-                                  f"{loaded.describe()}: point --data-dir or --text-file at the same data, or "
+        if _partially_identified(manifest) and loaded.name == "tokens":
+            loaded = dataclasses.replace(loaded, fingerprint=partial_identity(Path(loaded.source)))
+        if saved.compared() == loaded.compared():
+            return
+        files, here = manifest["data"].get("file_sha256", {}), getattr(self.trainer.train_set, "file_sha256", {})
+        changed = [name for name in files if name in here and here[name] != files[name]]
+        if changed:
+            now, then = (", ".join(sums[name][:12] for name in changed) for sums in (here, files))
+            raise CheckpointError(f"{' and '.join(str(Path(loaded.source) / name) for name in changed)} "
+                                  f"{'is' if len(changed) == 1 else 'are'} not what checkpoint {path} was trained on "
+                                  f"(SHA-256 {now} now, {then} in that run): point --data-dir at the same data, or "
                                   "pass --resume-other-data to go on training on this data (fine-tuning)")
+        raise CheckpointError(f"checkpoint {path} was trained on {saved.describe()}, and this run loaded "
+                              f"{loaded.describe()}: point --data-dir or --text-file at the same data, or "
+                              "pass --resume-other-data to go on training on this data (fine-tuning)")
 
     def resume(self) -> int:
         """Load the checkpoint --resume names, if any (collective); returns the step to start at."""
@@ -193,6 +212,15 @@ class Checkpoints:
         if self.trainer.rank == 0:
             print(f"mpipar: resuming from {self.resumed_from} after step {step} (saved by "
                   f"{manifest['world']['ranks']} rank(s), {manifest['world']['scheme']})", flush=True)
+            if _partially_identified(manifest) and not self.config.resume_other_data:
+                print(f"mpipar: {self.resumed_from} records its token data by the first and last MiB of each .bin "
+                      "(identity version 1), so only those were compared with this run's data", flush=True)
         for optimizer in engine.whole_model.state_pieces()[1]:
             optimizer.steps = manifest["training"]["optimizer_steps"]
         return step
+
+
+def _partially_identified(manifest: dict) -> bool:
+    """Whether the checkpoint recorded its token data by identity version 1 (the ends of each .bin)."""
+    data = manifest.get("data") or {}
+    return data.get("name") == "tokens" and data.get("identity_version", 1) < 2

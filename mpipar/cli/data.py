@@ -89,9 +89,6 @@ def download(name: str, data_dir: str | None, mirror: str | None) -> None:
               help="Directory to write train.bin, val.bin and meta.json into (made if missing).")
 def prepare_text_command(text_file: str, out: str) -> None:
     """Write a UTF-8 file's characters as token ids: train.bin (first 90%), val.bin, meta.json."""
-    try:
-        meta = prepare_text(Path(text_file), Path(out))
-    except MpiparError as exc:
-        raise click.ClickException(str(exc)) from exc
+    meta = prepare_text(Path(text_file), Path(out))  # a DataError is the CLI's: one sentence, exit status 2
     click.echo(f"{out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} validation tokens, "
                f"{meta['vocab_size']} characters, {meta['dtype']}; train with --dataset tokens --data-dir {out}")

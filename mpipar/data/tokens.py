@@ -15,9 +15,17 @@ as a target. `for_epoch` draws a fresh offset in [0, seq_len) from (seed, epoch)
 same on every rank, so that the cuts move from epoch to epoch; the sampler shuffles the
 windows' order. `--dataset text` builds the same stream in memory from a text file.
 
-nanoGPT's `meta.pkl` is a pickle, and unpickling runs code of the file's choosing, so it
-is read by an unpickler that builds only dicts, lists, tuples, strings, numbers and
-booleans and refuses anything else (a class, a function) in one sentence.
+`load_token_dir` checks a directory before the first step, on every rank, each problem
+one sentence: missing or empty files, a size that is not a whole number of ids, a meta
+that cannot describe the files (token_meta.py), an id outside the vocabulary, named with
+its file and position (token_scan.py). The scan also gives each file's SHA-256: the
+stream's fingerprint, which the ranks compare and a checkpoint records, covers every
+byte of both files (identity version 2).
+
+`WindowSample` is evaluation's sample of windows starting anywhere in the split, drawn
+in blocks of SAMPLE_BLOCK starts, block b from (seed, b) alone: a rank generates only
+the blocks of its own slice, one batch at a time, so memory does not grow with the size
+of the sample.
 
 Exercised by: mpipar data prepare-text ../shared/data/tinyshakespeare.txt --out runs/shakespeare;
 python -m pytest tests/test_tokens.py
@@ -27,20 +35,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
-import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from mpipar.data.token_meta import parse_meta, read_meta, token_dtype
+from mpipar.data.token_scan import checked_sha256
 from mpipar.errors import ConfigError, DataError
 from mpipar.files import write_atomically
 
 TRAIN_FRACTION = 0.9  # as nanoGPT's prepare.py: the first 90% trains, the last 10% validates
-GPT2_VOCAB = 50304  # nanoGPT's vocabulary where a directory has no meta: GPT-2's 50,257 padded to a multiple of 64
-IDENTITY_SPAN = 1 << 20  # bytes of each end of a .bin that its identity hashes (a whole 10 GB file takes too long)
+SAMPLE_BLOCK = 1024  # window starts drawn at once by a WindowSample: 8 KiB of int64, beside a batch
+BIN_FILES = ("train.bin", "val.bin")
+IDENTITY_VERSION = 2  # of token data: 2 hashes every byte; 1 (token_scan.partial_identity) the ends of each .bin
 _OFFSET_STREAM = 7919  # keeps the offsets' random stream apart from the data order's ([seed, epoch])
 
 
@@ -56,6 +65,7 @@ class TokenStream:
     offset: int = 0
     fingerprint: str = ""  # what the ranks compare and a checkpoint records
     source: str = ""
+    file_sha256: dict[str, str] = field(default_factory=dict)  # of each token file, by name: a resume names the one
 
     @property
     def num_classes(self) -> int:
@@ -83,14 +93,34 @@ class TokenStream:
         window = self.tokens[positions].astype(np.int64)
         return window[:, :-1], window[:, 1:]
 
-    def sample_starts(self, count: int, seed: int) -> np.ndarray:
+    def sample_starts(self, count: int, seed: int) -> WindowSample:
         """`count` window starts anywhere in the stream (as nanoGPT's evaluation draws them), fixed
         by `seed`: the same sample on every rank, in every scheme, at every evaluation."""
-        return np.random.default_rng([seed, _OFFSET_STREAM, 1]).integers(0, len(self.tokens) - self.seq_len, count)
+        return WindowSample(count, len(self.tokens) - self.seq_len, seed)
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+@dataclass(frozen=True)
+class WindowSample:
+    """`count` window starts in [0, high), generated a block at a time: start i is entry i % SAMPLE_BLOCK of
+    block i // SAMPLE_BLOCK, drawn from (seed, block) alone, so any slice is made without the rest."""
+
+    count: int
+    high: int
+    seed: int
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, part: slice) -> np.ndarray:
+        start, stop, step = part.indices(self.count)
+        if step != 1:
+            raise IndexError("a WindowSample is read in contiguous slices")
+        if stop <= start:
+            return np.empty(0, dtype=np.int64)
+        first, last = start // SAMPLE_BLOCK, (stop - 1) // SAMPLE_BLOCK
+        blocks = np.concatenate([np.random.default_rng([self.seed, _OFFSET_STREAM, 1, block]).integers(
+            0, self.high, SAMPLE_BLOCK) for block in range(first, last + 1)])
+        return blocks[start - first * SAMPLE_BLOCK:stop - first * SAMPLE_BLOCK]
 
 
 def encode_text(text: str) -> tuple[np.ndarray, list[str]]:
@@ -116,86 +146,52 @@ def prepare_text(text_file: Path, out: Path) -> dict:
     text, content = read_text(text_file)
     ids, vocab = encode_text(text)
     cut = int(len(ids) * TRAIN_FRACTION)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, part in (("train.bin", ids[:cut]), ("val.bin", ids[cut:])):
-        write_atomically(out / name, part.tobytes())
+    if not ids.size:
+        raise DataError(f"text file {text_file} is empty: there are no tokens to write")
+    if not 0 < cut < len(ids):
+        raise DataError(f"text file {text_file} holds {len(ids)} characters, too few to split into training and "
+                        "validation tokens (90% and 10%): it needs at least 10")
     meta = {"format": "mpipar-tokens/1", "vocab": vocab, "vocab_size": len(vocab), "dtype": ids.dtype.name,
             "train_tokens": cut, "val_tokens": len(ids) - cut, "source": str(text_file),
             "source_sha256": hashlib.sha256(content).hexdigest()}
-    write_atomically(out / "meta.json", json.dumps(meta, indent=1).encode())
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, part in zip(BIN_FILES, (ids[:cut], ids[cut:])):
+            write_atomically(out / name, part.tobytes())
+        write_atomically(out / "meta.json", json.dumps(meta, indent=1).encode())
+    except OSError as exc:
+        blocking = next((parent for parent in (out, *out.parents) if parent.exists()), None)
+        why = (f"{blocking} is a file, not a directory" if blocking is not None and not blocking.is_dir()
+               else exc.strerror or str(exc))
+        raise DataError(f"cannot write the token files into --out {out}: {why}") from None
     return meta
 
 
-class _PlainDataUnpickler(pickle.Unpickler):
-    """Builds only plain data: any class or function a pickle names is refused."""
-
-    def find_class(self, module: str, name: str):
-        raise pickle.UnpicklingError(f"it names {module}.{name}")
-
-
-def read_meta(directory: Path) -> dict:
-    """meta.json, else nanoGPT's meta.pkl (plain data only), else {} (nanoGPT's GPT-2 default)."""
-    if (directory / "meta.json").is_file():
-        try:
-            return json.loads((directory / "meta.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise DataError(f"cannot read {directory / 'meta.json'}: {exc}") from None
-    if (directory / "meta.pkl").is_file():
-        try:
-            meta = _PlainDataUnpickler(io.BytesIO((directory / "meta.pkl").read_bytes())).load()
-        except (pickle.UnpicklingError, EOFError, ValueError) as exc:
-            raise DataError(f"{directory / 'meta.pkl'} holds more than plain data ({exc}); mpipar reads only "
-                            "dicts, lists, strings and numbers from a pickle: rewrite it, or write a "
-                            "meta.json (mpipar data prepare-text)") from None
-        if not isinstance(meta, dict):
-            raise DataError(f"{directory / 'meta.pkl'} holds a {type(meta).__name__}, not a dict of vocab_size, "
-                            "itos and stoi")
-        itos = meta.get("itos", {})
-        return {"vocab_size": meta.get("vocab_size", len(itos)),
-                "vocab": [itos[i] for i in sorted(itos)] if isinstance(itos, dict) else list(itos)}
-    return {}
-
-
-def _identity(directory: Path, meta: dict) -> str:
-    """A sha256 of the meta and, for each .bin, its size and its first and last MiB."""
-    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
-    for name in ("train.bin", "val.bin"):
-        path = directory / name
-        size = path.stat().st_size
-        digest.update(f"{name}:{size}".encode())
-        with path.open("rb") as file:
-            digest.update(file.read(IDENTITY_SPAN))
-            file.seek(max(0, size - IDENTITY_SPAN))
-            digest.update(file.read(IDENTITY_SPAN))
-    return digest.hexdigest()
-
-
 def load_token_dir(directory: str | None, seq_len: int) -> tuple[TokenStream, TokenStream]:
-    """The training and validation streams of a token directory, memory-mapped."""
+    """The training and validation streams of a token directory, checked and memory-mapped."""
     if not directory:
         raise DataError("--dataset tokens reads train.bin and val.bin: pass --data-dir DIR "
                         "(mpipar data prepare-text FILE --out DIR writes them)")
     root = Path(directory).expanduser()
-    missing = [name for name in ("train.bin", "val.bin") if not (root / name).is_file()]
+    missing = [name for name in BIN_FILES if not (root / name).is_file()]
     if missing:
         raise DataError(f"--data-dir {root} has no {' or '.join(missing)}; mpipar data prepare-text FILE --out "
                         f"{root} writes them")
-    meta = read_meta(root)
-    vocab = list(meta.get("vocab", []))
-    vocab_size = int(meta.get("vocab_size") or len(vocab) or GPT2_VOCAB)
-    dtype = np.dtype(meta.get("dtype", token_dtype(vocab_size).name))
-    fingerprint = _identity(root, meta)
-    streams = []
-    for name in ("train.bin", "val.bin"):
-        path = root / name
-        if path.stat().st_size % dtype.itemsize:
-            raise DataError(f"{path} holds {path.stat().st_size} bytes, not a whole number of {dtype.name} ids")
-        tokens = np.memmap(path, dtype=dtype, mode="r")
-        if len(tokens) < 2 * seq_len:
-            raise DataError(f"{path} holds {len(tokens)} tokens, too few for windows of --seq-len {seq_len}")
-        streams.append(TokenStream("tokens", tokens, vocab, vocab_size, seq_len, fingerprint=fingerprint,
-                                   source=str(root)))
-    return streams[0], streams[1]
+    sizes = {name: (root / name).stat().st_size for name in BIN_FILES}
+    empty = [name for name, size in sizes.items() if not size]
+    if empty:
+        raise DataError(f"{' and '.join(str(root / name) for name in empty)} {'is' if len(empty) == 1 else 'are'} "
+                        f"empty; mpipar data prepare-text FILE --out {root} writes token files from a text")
+    meta = parse_meta(read_meta(root), root, sizes)
+    for name, size in sizes.items():
+        if size // meta.dtype.itemsize < 2 * seq_len:
+            raise DataError(f"{root / name} holds {size // meta.dtype.itemsize} tokens, too few for windows of "
+                            f"--seq-len {seq_len}")
+    file_sha256 = {name: checked_sha256(root / name, meta) for name in BIN_FILES}  # every id read once, then kept
+    fingerprint = hashlib.sha256(json.dumps({**meta.as_identity(), **file_sha256}, sort_keys=True).encode())
+    return tuple(TokenStream("tokens", np.memmap(root / name, dtype=meta.dtype, mode="r"), meta.vocab,
+                             meta.vocab_size, seq_len, fingerprint=fingerprint.hexdigest(), source=str(root),
+                             file_sha256=file_sha256) for name in BIN_FILES)
 
 
 def text_streams(text_file: str | None, seq_len: int) -> tuple[TokenStream, TokenStream]:

@@ -1,0 +1,215 @@
+"""Each token file read once, its SHA-256 and ids remembered (mpipar/data/token_scan.py); a 2 GB file checked
+in flat memory; a resume on data changed anywhere refused, naming the file; a checkpoint of identity
+version 1 (the first and last MiB) still resumes, saying so once.
+
+    python -m pytest tests/test_token_fingerprints.py -q -s     (-s shows the 2 GB file's times)
+"""
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_mpi
+from mpipar.data import load_dataset, token_scan
+from mpipar.errors import DataError
+
+L = ["--model", "transformer", "--dataset", "tokens", "--seq-len", "16", "--width", "16", "--heads", "2",
+     "--blocks", "1", "--batch-size", "8", "--log-every", "1"]
+META = '{"vocab_size": 65, "dtype": "uint16"}'
+# `mpipar` that says, as it exits, its peak resident memory (VmHWM, this process's own: ru_maxrss would carry
+# the forking test process's peak across exec) and the bytes it read with read() (rchar, page cache included)
+WITH_PEAK = ("import atexit, re, sys; atexit.register(lambda: print('VmHWM', re.search(r'VmHWM:\\s+(\\d+)', "
+             "open('/proc/self/status').read()).group(1), 'rchar', re.search(r'rchar: (\\d+)', "
+             "open('/proc/self/io').read()).group(1), file=sys.stderr, flush=True)); from mpipar.cli import main; "
+             "main()")
+
+
+def write_stream(directory: Path, train_ids: int = 1 << 21) -> Path:
+    """train.bin (4 MiB by default) and val.bin of ids below 65 by a fixed formula, and a meta.json."""
+    directory.mkdir()
+    (np.arange(train_ids, dtype=np.uint64) * 2654435761 % 65).astype(np.uint16).tofile(directory / "train.bin")
+    (np.arange(1 << 15, dtype=np.uint64) * 40503 % 65).astype(np.uint16).tofile(directory / "val.bin")
+    (directory / "meta.json").write_text(META)
+    return directory
+
+
+def set_id(path: Path, position: int, value: int) -> None:
+    with path.open("r+b") as file:
+        file.seek(2 * position)
+        file.write(np.uint16(value).tobytes())
+
+
+def test_a_file_is_read_once_and_again_only_once_it_changed(tmp_path, monkeypatch):
+    directory = write_stream(tmp_path / "d")
+    scans = []
+    scan = token_scan._scan
+    monkeypatch.setattr(token_scan, "_scan", lambda path, meta: scans.append(path.name) or scan(path, meta))
+    first, _ = load_dataset("tokens", data_dir=str(directory), seq_len=16)
+    again, _ = load_dataset("tokens", data_dir=str(directory), seq_len=16)
+    assert scans == ["train.bin", "val.bin"], "a file was read again though it had not changed"
+    assert again.fingerprint == first.fingerprint
+    set_id(directory / "train.bin", 1 << 20, 64)  # the middle: the same size
+    changed, _ = load_dataset("tokens", data_dir=str(directory), seq_len=16)
+    assert scans == ["train.bin", "val.bin", "train.bin"]
+    assert changed.file_sha256["train.bin"] == hashlib.sha256((directory / "train.bin").read_bytes()).hexdigest()
+    assert changed.fingerprint != first.fingerprint
+
+
+def test_ids_remembered_for_one_vocabulary_are_checked_against_a_smaller_one(tmp_path):
+    directory = write_stream(tmp_path / "d")
+    load_dataset("tokens", data_dir=str(directory), seq_len=16)
+    (directory / "meta.json").write_text('{"vocab_size": 40, "dtype": "uint16"}')
+    ids = np.fromfile(directory / "train.bin", dtype=np.uint16)
+    first = int(np.flatnonzero(ids >= 40)[0])
+    with pytest.raises(DataError, match=rf"train.bin holds token id {ids[first]} at position {first} \(counted "
+                                        r"from 0\), outside the vocabulary of 40 ids \(0 to 39\)"):
+        load_dataset("tokens", data_dir=str(directory), seq_len=16)
+
+
+def test_a_directory_that_cannot_be_written_keeps_its_fingerprints_in_the_user_cache(tmp_path, monkeypatch):
+    directory = write_stream(tmp_path / "d")
+    (directory / token_scan.FINGERPRINTS).mkdir()  # what stands there is no file that can be replaced
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first, _ = load_dataset("tokens", data_dir=str(directory), seq_len=16)
+    (kept,) = (tmp_path / "cache" / "mpipar" / "fingerprints").iterdir()
+    assert set(json.loads(kept.read_text())["files"]) == {"train.bin", "val.bin"}
+    monkeypatch.setattr(token_scan, "_scan", lambda path, meta: pytest.fail(f"{path} was read again"))
+    assert load_dataset("tokens", data_dir=str(directory), seq_len=16)[0].fingerprint == first.fingerprint
+
+
+def test_writers_at_once_never_leave_a_torn_fingerprint_file(tmp_path):
+    directory = write_stream(tmp_path / "d")
+    writer = ("import sys; from pathlib import Path; from mpipar.data.token_scan import _remember; "
+              "[_remember(Path(sys.argv[1]) / f'{sys.argv[2]}-{i}.bin', {'sha256': 'ab' * 32, 'pad': 'x' * 4000}) "
+              "for i in range(150)]")
+    writers = [subprocess.Popen([sys.executable, "-c", writer, str(directory), str(n)]) for n in range(4)]
+    place, reads, torn = directory / token_scan.FINGERPRINTS, 0, []
+    while any(process.poll() is None for process in writers):
+        if place.exists():
+            try:
+                json.loads(place.read_text())
+                reads += 1
+            except ValueError as error:
+                torn.append(str(error))
+    assert all(process.returncode == 0 for process in writers)
+    assert not torn, f"{len(torn)} of {reads + len(torn)} reads found a torn fingerprint file: {torn[0]}"
+    assert json.loads(place.read_text())["format"] == token_scan.FORMAT
+
+
+def big_stream(tmp_path: Path, last_id: int) -> Path:
+    """A sparse 2 GB train.bin of zeros but for its last id; made in no time, taking no disk."""
+    directory = tmp_path / "big"
+    directory.mkdir()
+    with (directory / "train.bin").open("wb") as file:
+        file.truncate(2 * 1024**3)
+        file.seek(2 * 1024**3 - 2)
+        file.write(np.uint16(last_id).tobytes())
+    with (directory / "val.bin").open("wb") as file:
+        file.truncate(1 << 20)
+    (directory / "meta.json").write_text(META)
+    return directory
+
+
+def peaks_kib(stderr: str) -> list[int]:
+    return [int(kib) for kib in re.findall(r"VmHWM (\d+)", stderr)]  # two ranks' lines may run together
+
+
+def test_a_two_gigabyte_train_bin_with_a_bad_last_id_is_refused_before_the_first_step_in_flat_memory(tmp_path):
+    directory = big_stream(tmp_path, last_id=65)
+    result = run_mpi(2, sys.executable, "-c", WITH_PEAK, "train", *L, "--max-steps", "3", "--data-dir",
+                     str(directory), timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output and "step 1/" not in result.stdout, output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error")]
+    assert errors == [f"mpipar: error: {directory}/train.bin holds token id 65 at position 1,073,741,823 (counted "
+                      f"from 0), outside the vocabulary of 65 ids (0 to 64) that {directory}/meta.json gives"], output
+    peaks = peaks_kib(result.stderr)
+    print(f"\n2 GB train.bin with a bad last id: peak resident memory per rank {[p // 1024 for p in peaks]} MiB")
+    assert len(peaks) == 2 and max(peaks) < 300 * 1024, f"resident {peaks} KiB: the file was loaded whole"
+
+
+def first_step(directory: Path) -> tuple[float, int]:
+    """(seconds from launch to the first step's line, bytes read) of a one-step run on `directory`. Windows
+    of 256 tokens: the epoch's permutation of windows (data/sampler.py) is drawn whole, which for 2 GB of ids
+    in windows of 16 is 67 million of them, 7 s and 512 MiB of its own."""
+    started = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-c", WITH_PEAK, "train", *L, "--seq-len", "256", "--max-steps",
+                                "1", "--eval-batches", "1", "--data-dir", str(directory)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    seconds = None
+    for line in process.stdout:
+        if seconds is None and line.startswith("step 1/"):
+            seconds = time.perf_counter() - started
+    stderr = process.stderr.read()
+    assert process.wait(timeout=300) == 0 and seconds is not None, stderr
+    return seconds, int(re.search(r"rchar (\d+)", stderr).group(1))
+
+
+def test_a_valid_two_gigabyte_train_bin_starts_in_30_s_at_first_use_and_5_s_once_fingerprinted(tmp_path):
+    directory = big_stream(tmp_path, last_id=64)
+    first, first_read = first_step(directory)
+    again, again_read = first_step(directory)
+    print(f"\n2 GB train.bin: first step {first:.1f} s after launch at the file's first use ({first_read:,} bytes "
+          f"read), {again:.1f} s once its fingerprint exists ({again_read:,} bytes read)")
+    assert first_read > 2 * 1024**3 and again_read < 100 * 1024**2, "the file was read again: its fingerprint unused"
+    assert first < 30, f"{first:.1f} s to the first step at the file's first use"
+    assert again < 5, f"{again:.1f} s to the first step once the file's fingerprint exists"
+
+
+def train(*args: str):
+    return run_mpi(2, sys.executable, "-m", "mpipar", "train", *L, "--quiet", *args, timeout=240)
+
+
+def one_error(result) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output, output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error: ")]
+    assert len(errors) == 1, output
+    return errors[0].removeprefix("mpipar: error: ")
+
+
+def test_a_resume_after_one_token_changed_in_the_middle_of_train_bin_is_refused_naming_it(tmp_path):
+    directory = write_stream(tmp_path / "d")
+    runs = ["--data-dir", str(directory), "--checkpoint-dir", str(tmp_path / "runs")]
+    saved = train(*runs, "--max-steps", "2")
+    assert saved.returncode == 0, saved.stderr
+    then = hashlib.sha256((directory / "train.bin").read_bytes()).hexdigest()
+    set_id(directory / "train.bin", 1 << 20, 64)  # 2 MiB in: outside the first and last MiB
+    now = hashlib.sha256((directory / "train.bin").read_bytes()).hexdigest()
+    refused = train(*runs, "--max-steps", "4", "--resume", "auto")
+    assert one_error(refused) == (
+        f"{directory}/train.bin is not what checkpoint {tmp_path / 'runs' / 'step-00000002'} was trained on "
+        f"(SHA-256 {now[:12]} now, {then[:12]} in that run): point --data-dir at the same data, or pass "
+        "--resume-other-data to go on training on this data (fine-tuning)")
+
+
+# What identity version 1 recorded for write_stream's files (the first and last MiB of each .bin and the meta),
+# computed by mpipar's tokens.py before version 2
+VERSION_1_FINGERPRINT = "9a3254af154e12d3128b53e6917ecf06409d9b857e69042d41efbaff5a8cb6e3"
+
+
+def test_a_checkpoint_of_identity_version_1_resumes_on_its_data_saying_once_that_the_check_was_partial(tmp_path):
+    directory = write_stream(tmp_path / "d")
+    runs = ["--data-dir", str(directory), "--checkpoint-dir", str(tmp_path / "runs")]
+    assert train(*runs, "--max-steps", "2").returncode == 0
+    manifest_file = tmp_path / "runs" / "step-00000002" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    for key in ("identity_version", "file_sha256"):
+        del manifest["data"][key]
+    manifest["data"]["fingerprint"] = VERSION_1_FINGERPRINT
+    manifest_file.write_text(json.dumps(manifest))
+    resumed = train(*runs, "--max-steps", "3", "--resume", "auto", "--save-every", "100")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    notes = [line for line in resumed.stdout.splitlines() if "identity version 1" in line]
+    assert notes == [f"mpipar: {manifest_file.parent} records its token data by the first and last MiB of each "
+                     ".bin (identity version 1), so only those were compared with this run's data"], resumed.stdout
+    set_id(directory / "train.bin", 10, 64)  # in the first MiB: what version 1 did see
+    refused = train(*runs, "--max-steps", "4", "--resume", str(manifest_file.parent))
+    assert one_error(refused).startswith(f"checkpoint {manifest_file.parent} was trained on tokens from {directory}")
