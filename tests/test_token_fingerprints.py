@@ -24,11 +24,18 @@ L = ["--model", "transformer", "--dataset", "tokens", "--seq-len", "16", "--widt
      "--blocks", "1", "--batch-size", "8", "--log-every", "1"]
 META = '{"vocab_size": 65, "dtype": "uint16"}'
 # `mpipar` that says, as it exits, its peak resident memory (VmHWM, this process's own: ru_maxrss would carry
-# the forking test process's peak across exec) and the bytes it read with read() (rchar, page cache included)
-WITH_PEAK = ("import atexit, re, sys; atexit.register(lambda: print('VmHWM', re.search(r'VmHWM:\\s+(\\d+)', "
-             "open('/proc/self/status').read()).group(1), 'rchar', re.search(r'rchar: (\\d+)', "
-             "open('/proc/self/io').read()).group(1), file=sys.stderr, flush=True)); from mpipar.cli import main; "
-             "main()")
+# the forking test process's peak across exec) and the bytes it read with read() (rchar, page cache included).
+# It says so on the way out of main() (mpi4py finalizes MPI at exit, later): a rank that exits with an error
+# gets the launcher to end the others, and a line printed at exit could be lost with them.
+WITH_PEAK = """
+import re, sys
+from mpipar.cli import main
+try:
+    main()
+finally:
+    print('VmHWM', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1), 'rchar',
+          re.search(r'rchar: (\\d+)', open('/proc/self/io').read()).group(1), file=sys.stderr, flush=True)
+"""
 
 
 def write_stream(directory: Path, train_ids: int = 1 << 21) -> Path:
