@@ -31,9 +31,9 @@ import time
 
 from mpi4py import MPI
 
-from mpipar.config import TrainConfig
 from mpipar.data import split_micro_batches
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dataset", default="synthetic", help="the image data set to train on")

@@ -17,8 +17,8 @@ import time
 
 from mpi4py import MPI
 
-from mpipar.config import TrainConfig
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=1000)

@@ -40,8 +40,8 @@ def width_for(megabytes: float) -> int:
 def worker(args) -> None:
     from mpipar.checkpoint import store
     from mpipar.comms import world
-    from mpipar.config import TrainConfig
-    from mpipar.trainer import Trainer
+    from mpipar.train.config import TrainConfig
+    from mpipar.train.trainer import Trainer
 
     comm = world()
     width = width_for(args.size)

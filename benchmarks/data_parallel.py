@@ -30,10 +30,10 @@ import time
 
 from mpi4py import MPI
 
-from mpipar.config import TrainConfig
-from mpipar.optim import state_kinds
-from mpipar.schedule.sharding import SCHEMES, bytes_per_rank
-from mpipar.trainer import Trainer
+from mpipar.optim.optimizers import state_kinds
+from mpipar.schedule.sharding import NAMED_SHARDINGS, bytes_per_rank
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20)
@@ -48,7 +48,7 @@ common = dict(model="mlp", hidden=(512, 512), dataset="synthetic", optimizer="sg
               dtype="float32", epochs=100, collective=args.collective, bucket_mb=args.bucket_mb)
 contenders = {"no-sync": Trainer(TrainConfig(batch_size=256 // world.size, **common), comm=MPI.COMM_SELF),
               "ddp-naive": Trainer(TrainConfig(batch_size=256, ddp="naive", **common))}
-for name in SCHEMES:
+for name in NAMED_SHARDINGS:
     contenders[name] = Trainer(TrainConfig(batch_size=256, scheme=name, group_size=args.group_size, **common))
 contenders["ddp-allgather"] = Trainer(TrainConfig(batch_size=256, ddp="allgather-activations", **common))
 steps_done = dict.fromkeys(contenders, 0)
@@ -88,10 +88,10 @@ if world.rank == 0:
         median = statistics.median(values)
         line = f"  {name:<14}{median:10.0f}{median / ceiling:12.1%}"
         figures[name] = {"samples_per_s": median, "of_no_sync": median / ceiling, "rounds": values}
-        if name in SCHEMES:
+        if name in NAMED_SHARDINGS:
             ledger = contenders[name].engine.ledger
             held = ledger.steady()
-            table = bytes_per_rank(SCHEMES[name], psi, world.size, args.group_size, parameter_bytes=4,
+            table = bytes_per_rank(NAMED_SHARDINGS[name], psi, world.size, args.group_size, parameter_bytes=4,
                                    gradient_bytes=4, state_bytes=k)
             peak = max(peaks["total"] for peaks in ledger.report()["peak"].values())
             formula = (table.parameters, table.gradients, table.optimizer_state)

@@ -1,4 +1,4 @@
-"""Generation with and without the key/value cache, in alternating rounds (mpipar/generate.py).
+"""Generation with and without the key/value cache, in alternating rounds (mpipar/models/generate.py).
 
     source .venv/bin/activate
     python benchmarks/generation.py
@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from mpipar.backend import make_backend
-from mpipar.generate import LanguageModel, generate
-from mpipar.model import build_stages
-from mpipar.models import build_model
+from mpipar.models.builtin import build_model
+from mpipar.models.generate import LanguageModel, generate
+from mpipar.models.sequential import build_stages
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ warm-up steps, float32, on tiny Shakespeare (../shared/data/tinyshakespeare.txt)
             AdamW(foreach=False), clip_grad_norm_, the same schedule; on 2 ranks
             DistributedDataParallel over gloo (TCP on localhost)
 
-After the rounds, mpipar runs --steps more steps with its step split on (mpipar/step_split.py)
+After the rounds, mpipar runs --steps more steps with its step split on (mpipar/report/step_split.py)
 and prints where they spent their time: forward, backward, optimizer, communication,
 waiting, other.
 
@@ -58,10 +58,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch_stages import alternating_rounds  # noqa: E402  (its rounds, shared by the torch benchmarks)
 
-from mpipar import step_split  # noqa: E402
-from mpipar.config import TrainConfig  # noqa: E402
 from mpipar.data import GlobalBatchSampler, load_dataset, rank_slice  # noqa: E402
-from mpipar.trainer import Trainer  # noqa: E402
+from mpipar.report import step_split  # noqa: E402
+from mpipar.train.config import TrainConfig  # noqa: E402
+from mpipar.train.trainer import Trainer  # noqa: E402
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 RECIPE = dict(model="transformer", dataset="text", seq_len=64, width=128, heads=4, blocks=4, tie_embeddings=True,

@@ -22,7 +22,7 @@ process (2 cores here: one rank each).
 Torch's side runs over gloo (TCP on localhost). The sides take turns in timed rounds
 (benchmarks/torch_stages.py's alternating_rounds); figures are medians over rounds, the
 ratio the median of per-round ratios. After the rounds mpipar runs --steps more steps with
-its step split on (mpipar/step_split.py) and rank 0 prints where they went.
+its step split on (mpipar/report/step_split.py) and rank 0 prints where they went.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch_stages import alternating_rounds  # noqa: E402
 
-from mpipar import step_split  # noqa: E402
-from mpipar.config import TrainConfig  # noqa: E402
 from mpipar.data import GlobalBatchSampler, load_dataset, rank_slice  # noqa: E402
-from mpipar.trainer import Trainer  # noqa: E402
+from mpipar.report import step_split  # noqa: E402
+from mpipar.train.config import TrainConfig  # noqa: E402
+from mpipar.train.trainer import Trainer  # noqa: E402
 
 BATCH, LR, MOMENTUM, SEED, MICRO_BATCHES = 256, 0.01, 0.9, 0, 4
 MPIPAR_SCHEME = {"compute": {}, "ddp": {"scheme": "ddp"}, "zero3": {"scheme": "zero3"},

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpipar.data import locate_dataset
-from mpipar.files import write_atomically
+from mpipar.system.files import write_atomically
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- regenerated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /regenerated -->)", re.S)

@@ -29,10 +29,10 @@ import time
 
 from mpi4py import MPI
 
-from mpipar.config import TrainConfig
 from mpipar.schedule.replay import replay
 from mpipar.schedule.strategies import FORWARD
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=12)

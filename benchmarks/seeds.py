@@ -31,16 +31,16 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from mpipar.cdp import activation_timeline
 from mpipar.comms.cost import Network, predict
-from mpipar.config import TrainConfig
-from mpipar.files import write_atomically
 from mpipar.predict.estimate import PHASES
 from mpipar.predict.seed_tables import SCHEMES_004, WHY_TABLE_2, seed_table_1, seed_table_2
 from mpipar.schedule.cyclic_compiler import compile_cyclic
 from mpipar.schedule.simulate import simulate
 from mpipar.schedule.strategies import Shape, get_strategy
-from mpipar.trainer import Trainer
+from mpipar.system.files import write_atomically
+from mpipar.train.cdp_reference import activation_timeline
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 N, M, S, ITEM = 8, 4, 2, 8  # ranks, group size, micro-batches, float64
 
@@ -199,8 +199,9 @@ def section_horing() -> list[str]:
 
 def section_000(state: dict) -> list[str]:
     lines = ["## Seed 000: Fig. 4, activation memory of CDP against DP", "",
-             "One rank, N equal stages and N micro-batches (`mpipar.cdp.activation_timeline`, as `mpipar cdp "
-             "memory`): the most activation bytes the pebble cache held in any time step, CDP-v2 against DP "
+             "One rank, N equal stages and N micro-batches "
+             "(`mpipar.train.cdp_reference.activation_timeline`, as `mpipar cdp memory`): the most activation "
+             "bytes the pebble cache held in any time step, CDP-v2 against DP "
              "(`cdp-v1` has the same schedule), beside the seed's (N + 1) / 2N.", "",
              "| N | CDP peak / DP peak | seed (N + 1) / 2N |", "| ---: | ---: | ---: |"]
     for count in (2, 4, 8):

@@ -5,7 +5,7 @@ What it measures
     softmax cross-entropy, SGD with momentum 0.9, lr 0.01) on mpipar's synthetic
     data set, in one process, two ways:
 
-    mpipar  the path a user gets: `mpipar.trainer.Trainer(TrainConfig(...))` and
+    mpipar  the path a user gets: `mpipar.train.trainer.Trainer(TrainConfig(...))` and
             `trainer.train_step(step, epoch, step_in_epoch)`, exactly what
             `mpipar train` calls once per step (without the progress report).
     floor   a minimal hand-written NumPy loop of the same math: Linear-ReLU-
@@ -92,9 +92,9 @@ if ARGS.threads is not None:
 
 import numpy as np  # noqa: E402  (after the thread variables, on purpose)
 
-from mpipar.config import TrainConfig  # noqa: E402
 from mpipar.data import GlobalBatchSampler  # noqa: E402
-from mpipar.trainer import Trainer  # noqa: E402
+from mpipar.train.config import TrainConfig  # noqa: E402
+from mpipar.train.trainer import Trainer  # noqa: E402
 
 
 class NumpyMLP:

@@ -32,8 +32,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from mpipar.config import TrainConfig  # noqa: E402
-from mpipar.trainer import Trainer  # noqa: E402
+from mpipar.train.config import TrainConfig  # noqa: E402
+from mpipar.train.trainer import Trainer  # noqa: E402
 
 BUILDER = Path(__file__).resolve().parents[1] / "examples" / "torch_mlp.py"
 

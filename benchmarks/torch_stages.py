@@ -41,9 +41,9 @@ for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import torch  # noqa: E402
 
-from mpipar.config import TrainConfig  # noqa: E402
 from mpipar.data import GlobalBatchSampler, load_dataset, rank_slice  # noqa: E402
-from mpipar.trainer import Trainer  # noqa: E402
+from mpipar.train.config import TrainConfig  # noqa: E402
+from mpipar.train.trainer import Trainer  # noqa: E402
 
 BUILDER = Path(__file__).resolve().parents[1] / "examples" / "torch_mlp.py"
 BATCH, LR, MOMENTUM, SEED = 256, 0.01, 0.9, 0

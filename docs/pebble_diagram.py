@@ -7,9 +7,9 @@ through a forward pass and drains through its backward, once per micro-batch.
     python docs/pebble_diagram.py          (its output is pasted into docs/foundation.md)
 """
 
-from mpipar.config import TrainConfig
-from mpipar.report import human_bytes
-from mpipar.trainer import Trainer
+from mpipar.report.progress import human_bytes
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 ROWS = 8
 

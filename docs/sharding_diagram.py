@@ -7,7 +7,7 @@ each of P, G, OS, a row per rank marks the elements that rank keeps between step
 (sharding.Layout, the code the engine uses): '#' held, '.' not held.
 """
 
-from mpipar.schedule.sharding import SCHEMES, Layout
+from mpipar.schedule.sharding import NAMED_SHARDINGS, Layout
 
 N, M, LENGTH = 4, 2, 16
 
@@ -19,7 +19,7 @@ def holdings(scheme, rank: int, scope: str) -> str:
 
 
 print(f"N = {N} ranks (group 0: ranks 0,1; group 1: ranks 2,3), one unit of {LENGTH} elements")
-for name, scheme in SCHEMES.items():
+for name, scheme in NAMED_SHARDINGS.items():
     print(f"\n{name + ' (' + ','.join(scheme.triple) + ')':<22}P                  G                  OS")
     for rank in range(N):
         cells = "   ".join(holdings(scheme, rank, scope) for scope in scheme.triple)

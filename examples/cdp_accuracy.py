@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mpipar.files import write_atomically
+from mpipar.system.files import write_atomically
 
 RULES = {"DP": ["--scheme", "ddp"], "CDP-v1": ["--scheme", "cdp-v1", "--cdp-layout", "single"],
          "CDP-v2": ["--scheme", "cdp-v2", "--cdp-layout", "single"]}

@@ -3,12 +3,12 @@
 The package is a map of small modules in folders that import only the ones below them
 (layers, comms, schedule, runtime, predict, ...); docs/architecture.md says which does what.
 Importing it first sizes the BLAS thread pool for the ranks on this node (see
-`mpipar/threads.py`), which must happen before NumPy loads its BLAS, and tells the C
-allocator to keep the memory a step frees for the next step (`mpipar/allocator.py`).
+`mpipar/system/threads.py`), which must happen before NumPy loads its BLAS, and tells the C
+allocator to keep the memory a step frees for the next step (`mpipar/system/malloc.py`).
 """
 
-from mpipar.allocator import keep_freed_memory
-from mpipar.threads import limit_blas_threads_per_rank
+from mpipar.system.malloc import keep_freed_memory
+from mpipar.system.threads import limit_blas_threads_per_rank
 
 limit_blas_threads_per_rank()
 keep_freed_memory()

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from mpipar.config import TrainConfig
 from mpipar.data import locate_dataset
+from mpipar.train.config import TrainConfig
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

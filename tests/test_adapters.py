@@ -16,7 +16,7 @@ from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.adapters import build_user_model, load_builder
 from mpipar.cache import ActivationCache
 from mpipar.errors import ConfigError
-from mpipar.trainer import Trainer
+from mpipar.train.trainer import Trainer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -202,8 +202,8 @@ def test_one_process_takes_a_stage_s_torch_gradients_in_one_autograd_call_and_eq
     micro-batches with SGD (momentum, decay on weights) equal torch's own training to
     rtol 1e-10."""
     torch = pytest.importorskip("torch")
-    from mpipar.config import TrainConfig
     from mpipar.data import GlobalBatchSampler, load_dataset
+    from mpipar.train.config import TrainConfig
 
     common = dict(dtype="float64", max_steps=3, epochs=1, batch_size=48, lr=0.05, log_every=1000, seed=3,
                   optimizer="sgd", momentum=0.9, weight_decay=1e-3)
@@ -301,8 +301,8 @@ def test_torch_flops_agree_with_torch_s_own_counter():
 
 PEAK_PROBE = """
 import sys
-from mpipar.config import TrainConfig
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 trainer = Trainer(TrainConfig(model=sys.argv[1], hidden=(512, 512), dataset="synthetic", batch_size=64,
                               dtype="float32", log_every=1000, memory_profile=True))
 for step in range(3):

@@ -1,4 +1,4 @@
-"""A training step in the steady state asks the kernel for no memory (mpipar/allocator.py).
+"""A training step in the steady state asks the kernel for no memory (mpipar/system/malloc.py).
 
 Each case runs a fresh process, since the allocator is set when mpipar is imported: it
 trains a small transformer on tiny Shakespeare and counts the minor page faults of its
@@ -18,14 +18,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpipar import allocator
+from mpipar.system import malloc as allocator
 
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 STEP_FAULTS = f"""
 import resource
-from mpipar.config import TrainConfig
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 trainer = Trainer(TrainConfig(model="transformer", dataset="text", text_file={str(TEXT)!r}, seq_len=64,
                               width=128, heads=4, blocks=2, batch_size=12, optimizer="adamw", grad_clip=1.0,

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import run_mpi
-from mpipar.comms.bench import bus_factor, format_size, parse_size
+from mpipar.comms.timing import bus_factor, format_size, parse_size
 from mpipar.errors import ConfigError
 
 RANKS = 2

@@ -8,12 +8,12 @@ import pytest
 from conftest import SCRIPTS, small_config
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
-from mpipar.cdp import fresh_stages, reference_training
 from mpipar.data import GlobalBatchSampler, load_dataset
 from mpipar.errors import ConfigError
 from mpipar.layers import SoftmaxCrossEntropy
-from mpipar.model import build_stages
-from mpipar.models import build_model
+from mpipar.models.builtin import build_model
+from mpipar.models.sequential import build_stages
+from mpipar.train.cdp_reference import fresh_stages, reference_training
 
 sys.path.insert(0, str(SCRIPTS))
 from reference import one_process  # noqa: E402  (the data-parallel oracle)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.errors import ConfigError
-from mpipar.trainer import Trainer
+from mpipar.train.trainer import Trainer
 
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 

@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from conftest import SCRIPTS, run_mpi
-from mpipar.config import TrainConfig
 from mpipar.errors import ConfigError
+from mpipar.train.config import TrainConfig
 
 
 @pytest.mark.parametrize("ranks,cases", [(4, 18), (8, 32)])

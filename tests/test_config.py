@@ -5,8 +5,8 @@ import types
 
 import pytest
 
-from mpipar.config import TrainConfig, load_config
 from mpipar.errors import ConfigError
+from mpipar.train.config import TrainConfig, load_config
 
 
 def test_file_then_command_line_override(tmp_path):

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
-from mpipar.cdp import activation_timeline, reference_training
 from mpipar.errors import ConfigError
-from mpipar.optim import make_optimizer
+from mpipar.optim.optimizers import make_optimizer
 from mpipar.runtime import item_store
 from mpipar.schedule.cyclic import check_layout, job_time, ranks_for
 from mpipar.schedule.cyclic_compiler import _Compiler, compile_cyclic
 from mpipar.schedule.instructions import Compute, CyclicJob
 from mpipar.schedule.plans import CdpPlan
 from mpipar.schedule.strategies import BACKWARD, FORWARD
-from mpipar.trainer import Trainer
+from mpipar.train.cdp_reference import activation_timeline, reference_training
+from mpipar.train.trainer import Trainer
 
 OPTIONS = dict(dtype="float64", dropout=0.1, lr=0.05, log_every=1000)
 

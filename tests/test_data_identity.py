@@ -29,7 +29,7 @@ from mpipar.data.identity import (
 )
 from mpipar.data.idx import IDX_FILES, read_idx_bytes
 from mpipar.errors import ConfigError, DataError
-from mpipar.files import atomic_output, write_atomically
+from mpipar.system.files import atomic_output, write_atomically
 
 
 def write_fake_set(directory: Path, seed: int = 0, compress: bool = True, n_train: int = 100,

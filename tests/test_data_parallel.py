@@ -8,10 +8,10 @@ import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.backend import make_backend
-from mpipar.model import build_stages
-from mpipar.models import build_model
+from mpipar.models.builtin import build_model
+from mpipar.models.sequential import build_stages
 from mpipar.schedule.sharding import make_units, unit_bytes_for
-from mpipar.trainer import Trainer
+from mpipar.train.trainer import Trainer
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4, 8])

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import run_mpi
-from mpipar.divergence import DivergenceError, DivergenceWatch
+from mpipar.report.divergence import DivergenceError, DivergenceWatch
 
 DIVERGING = ["--optimizer", "adam", "--lr", "1e6"]
 SCHEMES = {"ddp": [], "cdp-v2": ["--scheme", "cdp-v2", "--micro-batches", "2"]}

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from mpipar.cli import cli
 from mpipar.predict.estimate import PHASES, make_layout, scheme_rows, traffic_per_step
 from mpipar.predict.seed_tables import SCHEMES_004, WHY_TABLE_2, seed_table_2
-from mpipar.schedule.sharding import SCHEMES
+from mpipar.schedule.sharding import NAMED_SHARDINGS
 
 PSI, N, M, S = 7e9, 64, 8, 8  # seed 004's Fig. 5 setting
 G = N // M
@@ -30,7 +30,7 @@ def across(times):
 def test_traffic_follows_seed_table_2(scheme):
     """Every cell of seed 004's Table 2 (mpipar/predict/seed_tables.py), one element a byte here, but
     those where our flow differs on purpose (WHY_TABLE_2, checked below)."""
-    ours = traffic_per_step(SCHEMES[scheme], PSI, N, M, S, element_bytes=1)
+    ours = traffic_per_step(NAMED_SHARDINGS[scheme], PSI, N, M, S, element_bytes=1)
     for phase, cell in zip(PHASES, seed_table_2(scheme, PSI, N, M, S)):
         if (scheme, phase) not in WHY_TABLE_2:
             assert (ours[phase].intra, ours[phase].inter) == pytest.approx(cell), phase
@@ -39,7 +39,7 @@ def test_traffic_follows_seed_table_2(scheme):
 def test_where_we_differ_from_the_extracted_table_and_why():
     assert {cell for cell in WHY_TABLE_2} == {("zero1", "update-reduce"), ("mics", "update-reduce"),
                                               ("paro-nig", "backward-reduce"), ("paro-igg", "update-gather")}
-    ours = {name: traffic_per_step(SCHEMES[name], PSI, N, M, S, element_bytes=1) for name in SCHEMES}
+    ours = {name: traffic_per_step(NAMED_SHARDINGS[name], PSI, N, M, S, element_bytes=1) for name in NAMED_SHARDINGS}
     # ZeRO-1 reduce-scatters the accumulated gradient (seed 003) instead of all-reducing it: half the bytes
     assert ours["zero1"]["update-reduce"].total == pytest.approx(sum(flat(1)))
     # MiCS all-reduces each Psi/M block across the g groups: 2 (g-1)/g Psi/M per rank, all inter-group
@@ -70,7 +70,7 @@ def memory_of(rows, name):
 
 
 def test_no_groups_no_inter_group_bytes():
-    for name, sharding in SCHEMES.items():
+    for name, sharding in NAMED_SHARDINGS.items():
         assert all(v.inter == 0 for v in traffic_per_step(sharding, 1000, 8, 8, 2).values()), name
 
 
@@ -79,7 +79,7 @@ def test_cli_prints_every_scheme_in_bytes():
                                       "--micro-batches", "8"])
     assert result.exit_code == 0, result.output
     assert "zero3         219 MB    219 MB   1.31 GB" in result.output
-    assert all(name in result.output for name in SCHEMES)
+    assert all(name in result.output for name in NAMED_SHARDINGS)
 
 
 def test_cli_counts_a_built_in_model_and_prints_json():

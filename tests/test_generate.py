@@ -1,4 +1,4 @@
-"""Generation (mpipar/generate.py, `mpipar sample`): the key/value cache draws the same tokens
+"""Generation (mpipar/models/generate.py, `mpipar sample`): the key/value cache draws the same tokens
 as full forwards and runs one position per new token; any checkpoint layout samples alike.
 
     python -m pytest tests/test_generate.py -q
@@ -13,11 +13,11 @@ import pytest
 
 from conftest import run_mpi
 from mpipar.backend import make_backend
-from mpipar.decoder import Decoder
 from mpipar.errors import ConfigError
-from mpipar.generate import LanguageModel, draw, generate, load_language_model
-from mpipar.model import build_stages
-from mpipar.models import build_model
+from mpipar.models.builtin import build_model
+from mpipar.models.decoder import Decoder
+from mpipar.models.generate import LanguageModel, draw, generate, load_language_model
+from mpipar.models.sequential import build_stages
 
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 MODEL = ["--model", "transformer", "--dataset", "text", "--seq-len", "16", "--width", "16", "--heads", "2",

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import SCRIPTS, mpi_implementation, mpiexec_path, run_mpi
-from mpipar.launch import mpi_library
+from mpipar.system.launch import mpi_library
 
 
 def test_a_deadlocked_script_ends_with_every_ranks_stack():

@@ -1,4 +1,4 @@
-"""What launched the job (`mpipar.launch`): library, launcher, ranks against cores, the warning.
+"""What launched the job (`mpipar.system.launch`): library, launcher, ranks against cores, the warning.
 
 The MPI cases run tests/scripts/check_launch.py under mpiexec; the Slurm cases show
 the functions a Slurm environment, since no Slurm runs here.
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import SCRIPTS, mpi_implementation, run_mpi
-from mpipar.launch import launcher, mpi_library, rank_from_environment
+from mpipar.system.launch import launcher, mpi_library, rank_from_environment
 
 MACHINE_CORES = len(os.sched_getaffinity(0))
 
@@ -65,7 +65,7 @@ def test_info_lines_name_the_library_and_launcher_in_use():
                 "mpich": ("MPI: MPICH", "launcher: hydra mpiexec")}.get(mpi_implementation(), ("MPI: ", "launcher: "))
     assert lines[0].startswith(expected[0]) and lines[1].startswith(expected[1]), lines
     assert "world size: 2" in lines
-    # One node here: both ranks on it, with the machine's cores and one thread each (mpipar/threads.py).
+    # One node here: both ranks on it, with the machine's cores and one thread each (mpipar/system/threads.py).
     cores = f"{MACHINE_CORES} core" + ("s" if MACHINE_CORES > 1 else "")
     assert lines[3].startswith(f"  host {os.uname().nodename}: ranks 0, 1 on {cores}"), lines
     assert lines[3].endswith("; threads per rank: OPENBLAS_NUM_THREADS=1, OMP_NUM_THREADS=1, MKL_NUM_THREADS=1"), lines

@@ -36,7 +36,7 @@ from mpipar.layers import (
 )
 from mpipar.layers.activations import reference_gelu, reference_gelu_grad
 from mpipar.layers.norm import reference_layer_norm, reference_layer_norm_grad
-from mpipar.model import FlatParams, Sequential, mark_written
+from mpipar.models.sequential import FlatParams, Sequential, mark_written
 
 F64 = make_backend("cpu", "float64")
 STEP = 1e-6

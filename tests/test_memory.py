@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mpipar.errors import ConfigError
-from mpipar.runtime.memory import GpuMemoryProbe, MemoryProbe, make_probe, peak_rss_bytes, rss_bytes
+from mpipar.runtime.memory_probe import GpuMemoryProbe, MemoryProbe, make_probe, peak_rss_bytes, rss_bytes
 
 MB = 2**20
 SLACK = 64 * 1024  # the Python objects a test allocates besides the arrays' data (array headers, ints)

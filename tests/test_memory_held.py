@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
-from mpipar.precision import HALF_ON_CPU
-from mpipar.trainer import Trainer
+from mpipar.optim.precision import HALF_ON_CPU
+from mpipar.train.trainer import Trainer
 
 
 @pytest.mark.parametrize("ranks", [4, 8])

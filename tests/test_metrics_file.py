@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SCRIPTS, mpi_implementation, run_mpi
-from mpipar.metrics_file import MetricsFile, MetricsWriteError
+from mpipar.report.metrics_file import MetricsFile, MetricsWriteError
 
 LIMIT = 2000  # bytes: a few step events, the last of them cut off in the middle
 
@@ -38,7 +38,7 @@ def one_sentence(stderr: str, *parts: str) -> str:
 
 def test_a_short_write_is_cut_back_to_the_last_whole_line(tmp_path):
     path = tmp_path / "m.jsonl"
-    writer = (f"from mpipar.metrics_file import MetricsFile\nfile = MetricsFile({str(path)!r})\n"
+    writer = (f"from mpipar.report.metrics_file import MetricsFile\nfile = MetricsFile({str(path)!r})\n"
               "for step in range(1000):\n    file.write('step', {'step': step, 'padding': 'x' * 70})\n")
     result = subprocess.run([sys.executable, "-c", writer], capture_output=True, text=True, timeout=60,
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT)))

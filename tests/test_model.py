@@ -6,8 +6,8 @@ import pytest
 from mpipar.backend import make_backend
 from mpipar.errors import ConfigError
 from mpipar.layers import Linear, ReLU
-from mpipar.model import Sequential, build_stages, partition
-from mpipar.models import build_model
+from mpipar.models.builtin import build_model
+from mpipar.models.sequential import Sequential, build_stages, partition
 
 F64 = make_backend("cpu", "float64")
 

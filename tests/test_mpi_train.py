@@ -10,7 +10,7 @@ import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.data import write_idx
-from mpipar.trainer import Trainer
+from mpipar.train.trainer import Trainer
 from mpipar.units import format_bytes
 
 CASES = {

@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from mpipar import optim
 from mpipar.errors import ConfigError
-from mpipar.optim import make_optimizer, make_schedule, state_kinds
+from mpipar.optim import optimizers as optim
+from mpipar.optim.optimizers import make_optimizer, make_schedule, state_kinds
 
 rng = np.random.default_rng(0)
 START = rng.standard_normal(20)
@@ -185,7 +185,7 @@ def test_a_torch_model_on_the_cpu_updates_by_torch_s_kernels_and_mpipar_s_own_by
 
     from conftest import small_config
     from mpipar.adapters.torch_updates import TorchUpdates
-    from mpipar.trainer import Trainer
+    from mpipar.train.trainer import Trainer
 
     examples = Path(__file__).resolve().parents[1] / "examples"
     for model, expected in ((f"{examples}/torch_mlp.py:build", TorchUpdates), ("mlp", type(None))):

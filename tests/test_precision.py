@@ -23,10 +23,10 @@ from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.layers import GELU, Embedding, LayerNorm, Linear, SoftmaxCrossEntropy
 from mpipar.layers.activations import reference_gelu, reference_gelu_grad
 from mpipar.layers.norm import reference_layer_norm, reference_layer_norm_grad
-from mpipar.model import FlatParams, Sequential, mark_written
-from mpipar.optim import make_optimizer
-from mpipar.precision import HALF_ON_CPU, LossScaler
-from mpipar.trainer import Trainer
+from mpipar.models.sequential import FlatParams, Sequential, mark_written
+from mpipar.optim.optimizers import make_optimizer
+from mpipar.optim.precision import HALF_ON_CPU, LossScaler
+from mpipar.train.trainer import Trainer
 
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 

@@ -4,7 +4,6 @@ from dataclasses import replace
 
 import pytest
 
-from mpipar.config import TrainConfig
 from mpipar.errors import ConfigError
 from mpipar.schedule.instructions import (
     Backward,
@@ -19,7 +18,8 @@ from mpipar.schedule.instructions import (
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import UnsoundSchedule, replay, transfers
 from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, depth_first, get_strategy, register
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 SHAPES = {"ddp": [Shape(2, 3, 2), Shape(4, 4, 4)], "fsdp-stage": [Shape(2, 3, 2), Shape(4, 4, 4), Shape(3, 5, 3)],
           "gpipe": [Shape(2, 2, 1), Shape(4, 4, 8)], "1f1b": [Shape(2, 2, 5), Shape(4, 4, 8), Shape(4, 4, 2)],

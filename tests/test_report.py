@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpipar import report as report_module
 from mpipar.errors import ConfigError
-from mpipar.report import Report, progress_mode
+from mpipar.report import progress as report_module
+from mpipar.report.progress import Report, progress_mode
 
 
 class Terminal(io.StringIO):

@@ -3,7 +3,7 @@
 import pytest
 
 from mpipar.errors import ConfigError
-from mpipar.schedule.sharding import SCHEMES, Sharding, bytes_per_rank, parse_sharding
+from mpipar.schedule.sharding import NAMED_SHARDINGS, Sharding, bytes_per_rank, parse_sharding
 
 PSI, N, M, K = 7e9, 64, 8, 12  # seed 004's Fig. 5 setting, Adam in mixed precision
 
@@ -23,12 +23,12 @@ TABLE_1 = {
 
 @pytest.mark.parametrize("scheme", sorted(TABLE_1))
 def test_memory_per_rank_is_table_1(scheme):
-    memory = bytes_per_rank(SCHEMES[scheme], PSI, N, M, state_bytes=K)
+    memory = bytes_per_rank(NAMED_SHARDINGS[scheme], PSI, N, M, state_bytes=K)
     assert (memory.parameters, memory.gradients, memory.optimizer_state) == pytest.approx(TABLE_1[scheme])
 
 
 def test_a_secondary_copy_is_only_for_parameters_sharded_over_all_ranks():
-    assert str(SCHEMES["zeropp"]) == "zeropp (G,G,G + P in the group)" and SCHEMES["zeropp"] != SCHEMES["zero3"]
+    assert str(NAMED_SHARDINGS["zeropp"]) == "zeropp (G,G,G + P in the group)" and NAMED_SHARDINGS["zeropp"] != NAMED_SHARDINGS["zero3"]
     with pytest.raises(ConfigError, match="for parameters sharded over all ranks"):
         Sharding("I", "G", "G", secondary=True)
 
@@ -52,4 +52,4 @@ def test_invalid_schemes_are_refused_with_the_reason(text, message):
 
 def test_group_size_must_divide_the_world():
     with pytest.raises(ConfigError, match="does not divide"):
-        bytes_per_rank(SCHEMES["mics"], PSI, 64, 6)
+        bytes_per_rank(NAMED_SHARDINGS["mics"], PSI, 64, 6)

@@ -19,14 +19,14 @@ from mpipar.schedule.instructions import (
 from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.plans import PipelinePlan, data_parallel_plan
 from mpipar.schedule.program import compile_programs
-from mpipar.schedule.sharding import SCHEMES, parse_sharding
+from mpipar.schedule.sharding import NAMED_SHARDINGS, parse_sharding
 from mpipar.schedule.strategies import BACKWARD, Shape, get_strategy
 
 UNITS, MICRO_BATCHES = 4, 3
 
 
 def program(scheme: str, prefetch: int = 1) -> tuple:
-    plan = data_parallel_plan(0, 4, 100, sharding=SCHEMES[scheme], units=UNITS, micro_batches=MICRO_BATCHES,
+    plan = data_parallel_plan(0, 4, 100, sharding=NAMED_SHARDINGS[scheme], units=UNITS, micro_batches=MICRO_BATCHES,
                               prefetch=prefetch)
     return plan.run.program
 
@@ -35,12 +35,12 @@ def program(scheme: str, prefetch: int = 1) -> tuple:
 LANDS_ON_OS = {"zero2", "zero3", "paro-igg", "zeropp"}
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", list(NAMED_SHARDINGS))
 def test_each_unit_reduction_is_posted_right_after_its_backward_before_the_next_compute(scheme):
     """G sharded: every micro-batch reduces each unit as soon as its backward is done; G = N:
     only the step's last micro-batch, whose reductions sum the gradient over the replicas.
     Nothing else is reduced anywhere: a reduction placed later would overlap nothing."""
-    sharding, instructions = SCHEMES[scheme], program(scheme)
+    sharding, instructions = NAMED_SHARDINGS[scheme], program(scheme)
     computes = [position for position, i in enumerate(instructions) if isinstance(i, Compute)]
     backward_units = []
     for position, following in zip(computes, computes[1:] + [len(instructions)]):
@@ -74,9 +74,9 @@ def test_a_sharded_p_holds_the_unit_in_use_and_prefetch_more_and_frees_each_afte
     assert most == min(prefetch + 1, UNITS), f"{most} units gathered at once with --prefetch {prefetch}"
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", list(NAMED_SHARDINGS))
 def test_the_update_steps_the_shard_and_publishes_p_only_where_p_is_wider_than_os(scheme):
-    sharding = SCHEMES[scheme]
+    sharding = NAMED_SHARDINGS[scheme]
     plan = data_parallel_plan(0, 4, 100, sharding=sharding, units=UNITS)
     update = plan.run.program[plan.run.updates_from:]
     published = [i.unit for i in update if isinstance(i, PublishUnit)]
@@ -92,7 +92,7 @@ def test_zeropp_keeps_a_secondary_copy_in_the_first_forward_and_every_backward_g
     the unit; no other forward does (the parameters do not change within a step); every
     backward gather reads the secondary copy, and only backward gathers do."""
     compiled = compile_programs(get_strategy(strategy), Shape(1, 1, MICRO_BATCHES))
-    plan = PipelinePlan(compiled, Mesh(1, 4), 0, [100], sharding=SCHEMES["zeropp"], units=[UNITS])
+    plan = PipelinePlan(compiled, Mesh(1, 4), 0, [100], sharding=NAMED_SHARDINGS["zeropp"], units=[UNITS])
     instructions, kept = plan.run.program, []
     for position, instruction in enumerate(instructions):
         if isinstance(instruction, KeepSecondary):
@@ -110,7 +110,7 @@ def test_zeropp_keeps_a_secondary_copy_in_the_first_forward_and_every_backward_g
 def test_a_composed_pipeline_runs_the_flow_for_each_stage_it_holds_and_none_for_the_others():
     compiled = compile_programs(get_strategy("1f1b"), Shape(2, 2, 4, 1))
     for rank in range(4):
-        plan = PipelinePlan(compiled, Mesh(2, 2), rank, [10, 10], sharding=SCHEMES["zero3"], units=[3, 2])
+        plan = PipelinePlan(compiled, Mesh(2, 2), rank, [10, 10], sharding=NAMED_SHARDINGS["zero3"], units=[3, 2])
         stage = plan.worker
         units = {i.unit for i in plan.run.program if isinstance(i, ReduceUnit)}
         assert {i.job.stage for i in plan.run.program if isinstance(i, Compute)} == {stage}

@@ -108,7 +108,7 @@ def test_a_rank_waiting_inside_mpi_still_names_the_signal(tmp_path):
 
 
 def test_without_a_launcher_sigterm_is_named_and_ctrl_c_stays_a_keyboard_interrupt():
-    code = ("import sys, time; from mpipar.signals import install_signal_report; install_signal_report(); "
+    code = ("import sys, time; from mpipar.system.signals import install_signal_report; install_signal_report(); "
             "print('ready', flush=True); time.sleep(60)")
     for number, expected_status in ((signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)):
         # Ctrl-C reaches a program in a terminal's foreground with SIGINT at its default; a job a

@@ -1,12 +1,12 @@
-"""The step split (mpipar/step_split.py) puts each instruction's time in its own part of the step."""
+"""The step split (mpipar/report/step_split.py) puts each instruction's time in its own part of the step."""
 
 import time
 
 from conftest import small_config
+from mpipar.report.step_split import PARTS, StepSplit
 from mpipar.runtime.executor import Executor
 from mpipar.schedule.instructions import Update
-from mpipar.step_split import PARTS, StepSplit
-from mpipar.trainer import Trainer
+from mpipar.train.trainer import Trainer
 
 PAUSE = 0.2
 

@@ -161,7 +161,7 @@ def prepared(small_text: Path, tmp_path: Path, characters: int) -> Path:
 def test_an_absurd_eval_batches_is_capped_at_the_split_s_window_starts_within_the_predicted_peak(small_text, tmp_path):
     directory = prepared(small_text, tmp_path, 20_000)  # 2,000 validation tokens: 1,984 starts of 16
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from conftest import small_config; "
-            f"from mpipar.trainer import Trainer; t = Trainer(small_config(model='transformer', dataset='tokens', "
+            f"from mpipar.train.trainer import Trainer; t = Trainer(small_config(model='transformer', dataset='tokens', "
             f"data_dir={str(directory)!r}, seq_len=16, width=16, heads=2, blocks=1, batch_size=8, dtype='float32', "
             f"memory_profile=True, max_steps=1, eval_batches=100_000_000)); t.train_step(0, 0, 0); "
             f"t.memory.reset_peak(); t.evaluate(0, 1); t.evaluate(0, 1); print(t.memory.peak_bytes(), "

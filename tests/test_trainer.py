@@ -5,7 +5,7 @@ import pytest
 
 from conftest import needs_dataset, small_config
 from mpipar.errors import NonFiniteLossError
-from mpipar.trainer import Trainer
+from mpipar.train.trainer import Trainer
 
 SPLIT_CASES = {
     "mlp-sgd-dropout": dict(model="mlp", optimizer="sgd", momentum=0.9, dropout=0.2, weight_decay=1e-3),

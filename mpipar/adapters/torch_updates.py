@@ -1,6 +1,6 @@
 """The optimizers' updates by torch's in-place kernels, for a run of torch stages on the CPU.
 
-mpipar's own CPU update (mpipar/optim.py) is a NumPy loop over chunks, on one thread.
+mpipar's own CPU update (mpipar/optim/optimizers.py) is a NumPy loop over chunks, on one thread.
 In a run whose stages are torch modules, torch's intra-op threads are already there and
 awake after the backward's matrix products, and torch's element-wise kernels use them:
 the same update over the same NumPy buffers (torch.from_numpy shares their memory) took

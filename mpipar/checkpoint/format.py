@@ -35,7 +35,7 @@ import numpy as np
 import safetensors.numpy
 
 from mpipar.errors import CheckpointError
-from mpipar.files import write_atomically
+from mpipar.system.files import write_atomically
 
 FORMAT = "mpipar-checkpoint/1"
 MANIFEST = "manifest.json"

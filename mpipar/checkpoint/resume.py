@@ -38,8 +38,8 @@ from mpipar.data.identity import DataIdentity, identity_of
 from mpipar.data.token_scan import partial_identity
 from mpipar.data.tokens import IDENTITY_VERSION
 from mpipar.errors import CheckpointError, StoppedToRequeue
-from mpipar.optim import state_kinds
-from mpipar.signals import checkpoint_on_signals, stop_requested
+from mpipar.optim.optimizers import state_kinds
+from mpipar.system.signals import checkpoint_on_signals, stop_requested
 
 FLAGS = 2  # what each rank adds to the step's sum: [a signal asks to stop, rank 0's clock says save]
 KEPT_THE_SAME = ("dataset", "batch_size", "seed")  # what fixes the data order and the random streams

@@ -43,7 +43,7 @@ from mpipar.checkpoint.format import Piece, read_manifest, read_shard, write_man
 from mpipar.checkpoint.layout import assign_writers, sources
 from mpipar.comms.world import agree_on_setup
 from mpipar.errors import CheckpointError
-from mpipar.files import sync_directory, write_atomically
+from mpipar.system.files import sync_directory, write_atomically
 from mpipar.units import format_bytes
 
 LATEST = "latest"

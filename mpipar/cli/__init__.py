@@ -29,8 +29,8 @@ from mpipar.cli.schedule import schedule
 from mpipar.cli.simulate import simulate
 from mpipar.cli.train import train
 from mpipar.errors import MpiparError, StoppedToRequeue
-from mpipar.launch import rank_from_environment
-from mpipar.signals import install_signal_report
+from mpipar.system.launch import rank_from_environment
+from mpipar.system.signals import install_signal_report
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -64,7 +64,7 @@ def _world() -> tuple[int, int]:
 
 def main() -> None:
     """Console-script entry point."""
-    install_signal_report()  # a signal that ends the run names itself (mpipar/signals.py)
+    install_signal_report()  # a signal that ends the run names itself (mpipar/system/signals.py)
     try:
         cli(prog_name="mpipar", standalone_mode=False)
     except click.exceptions.Exit as done:  # --help, --version

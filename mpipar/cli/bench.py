@@ -4,7 +4,7 @@
         --sizes 4KB,256KB,4MB,64MB --reps 10 --json comms.json
 
 Rank 0 prints one table row per (operation, size, algorithm) as soon as it is measured
-and, with --json, writes the list of results (mpipar/comms/bench.py says what each
+and, with --json, writes the list of results (mpipar/comms/timing.py says what each
 field means). A bad option stops every rank with the same sentence. `--collective`
 names the algorithms as `mpipar train --collective` does (`--algorithm` is its older
 name).
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import click
 
-from mpipar.comms.bench import DTYPES, OPERATIONS, parse_size
 from mpipar.comms.collectives import ALGORITHMS
+from mpipar.comms.timing import DTYPES, OPERATIONS, parse_size
 from mpipar.options import NameListType, QuantityListType, RenamedOption
 
 DEFAULT_SIZES = "4KB,256KB,4MB,64MB"
@@ -59,10 +59,10 @@ def comms(ops: tuple[list[str], ...], algorithms: tuple[list[str], ...], sizes: 
     from mpi4py import MPI
 
     from mpipar.comms import agree_on_setup
-    from mpipar.comms.bench import TABLE_HEADER, TABLE_LEGEND, check_plan, run_benchmarks, table_row
+    from mpipar.comms.timing import TABLE_HEADER, TABLE_LEGEND, check_plan, run_benchmarks, table_row
     from mpipar.comms.topology import make_world
     from mpipar.errors import ConfigError
-    from mpipar.files import write_atomically
+    from mpipar.system.files import write_atomically
 
     mpi = MPI.COMM_WORLD
 

@@ -21,13 +21,13 @@ import io
 
 import click
 
-from mpipar.cdp import activation_timeline
 from mpipar.errors import ConfigError
-from mpipar.files import write_atomically
 from mpipar.options import RenamedOption
 from mpipar.schedule.cyclic import LAYOUTS, job_time
 from mpipar.schedule.cyclic_compiler import compile_cyclic
 from mpipar.schedule.instructions import Compute
+from mpipar.system.files import write_atomically
+from mpipar.train.cdp_reference import activation_timeline
 
 POSITIVE = click.IntRange(min=1)
 

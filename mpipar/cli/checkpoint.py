@@ -66,7 +66,7 @@ def export(path: str, out: str) -> None:
     import safetensors.numpy
 
     from mpipar.checkpoint.format import named_parameters
-    from mpipar.files import write_atomically
+    from mpipar.system.files import write_atomically
 
     directory = checkpoint_directory(path)
     tensors = named_parameters(directory)

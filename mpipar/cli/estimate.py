@@ -36,8 +36,8 @@ import click
 
 from mpipar.data import DATASETS
 from mpipar.errors import ConfigError
-from mpipar.models import MODELS
-from mpipar.optim import OPTIMIZERS, state_kinds
+from mpipar.models.builtin import MODELS
+from mpipar.optim.optimizers import OPTIMIZERS, state_kinds
 from mpipar.options import FloatRange, IntListType, ModelType, RecomputeType, RenamedOption
 from mpipar.predict.estimate import PHASES, make_layout, predicted_peaks, scheme_rows
 from mpipar.schedule.sharding import DDP_MODES
@@ -51,9 +51,9 @@ POSITIVE = click.IntRange(min=1)
 def built_model(model: str, dataset: str, hidden: tuple[int, ...]):
     """(the training set, the evaluation batch `mpipar train` uses by default, the model's layers,
     its loss): built-in or a builder's, as `mpipar train --model` builds it."""
-    from mpipar.adapters import configured_model
-    from mpipar.config import TrainConfig
     from mpipar.data import load_dataset
+    from mpipar.train.config import TrainConfig
+    from mpipar.train.model_assembly import configured_model
 
     config = TrainConfig(model=model, dataset=dataset, hidden=hidden)
     train_set, test_set = load_dataset(config.dataset, data_dir=config.data_dir)

@@ -2,7 +2,7 @@
 its arrays reach MPI), allocator.
 
 Rank 0 prints everything; when the ranks on a node outnumber its cores it ends with
-a warning (see mpipar/launch.py).
+a warning (see mpipar/system/launch.py).
 
 Exercised by: mpipar info;  mpiexec -n 4 mpipar info;  python -m pytest tests/test_launch.py
 """
@@ -26,10 +26,10 @@ def info(device: str) -> None:
     from mpi4py import MPI
 
     import mpipar
-    from mpipar.allocator import keep_freed_memory
     from mpipar.backend import make_backend
     from mpipar.comms.device import device_wire
-    from mpipar.launch import describe_launch, oversubscription_warning
+    from mpipar.system.launch import describe_launch, oversubscription_warning
+    from mpipar.system.malloc import keep_freed_memory
 
     comm = MPI.COMM_WORLD
     backend = make_backend(device)

@@ -1,4 +1,4 @@
-"""`mpipar sample`: text from a transformer checkpoint, on one process (mpipar/generate.py).
+"""`mpipar sample`: text from a transformer checkpoint, on one process (mpipar/models/generate.py).
 
     mpipar sample --checkpoint-dir runs/a [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]
 
@@ -29,7 +29,7 @@ from mpipar.options import FloatRange, IntRange
 def sample(path: str, prompt: str, count: int, temperature: float, top_k: int, seed: int, kv_cache: bool) -> None:
     """Generate text from a trained transformer's checkpoint (any scheme, any number of ranks)."""
     from mpipar.cli.checkpoint import checkpoint_directory
-    from mpipar.generate import generate, load_language_model
+    from mpipar.models.generate import generate, load_language_model
 
     model = load_language_model(checkpoint_directory(path))
     started = time.perf_counter()

@@ -1,6 +1,6 @@
 """`mpipar train`: one option per TrainConfig field, plus --config FILE.
 
-Options are generated from the field declarations in mpipar/config.py, each with its
+Options are generated from the field declarations in mpipar/train/config.py, each with its
 type (choices, ranges, sizes) and help section, so the command line and a TOML file
 accept the same names and values; an option given on the command line overrides the
 file. Yes/no fields are flags (`--quiet` / `--no-quiet`).
@@ -15,8 +15,8 @@ import dataclasses
 import click
 import numpy as np
 
-from mpipar.config import TrainConfig, load_config
 from mpipar.options import GroupedCommand, GroupedOption
+from mpipar.train.config import TrainConfig, load_config
 
 
 def _config_options(command):
@@ -45,9 +45,9 @@ def _config_options(command):
 def train(config_path: str | None, **options) -> None:
     """Train a model; under mpiexec or srun, every rank takes a slice of each global batch."""
     from mpipar.comms import agree_on_setup, world
-    from mpipar.launch import oversubscription_warning
-    from mpipar.report import Report
-    from mpipar.trainer import Trainer
+    from mpipar.report.progress import Report
+    from mpipar.system.launch import oversubscription_warning
+    from mpipar.train.trainer import Trainer
 
     comm = world()
 

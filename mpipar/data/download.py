@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from mpipar.errors import DataError, unknown_name
-from mpipar.files import atomic_output
+from mpipar.system.files import atomic_output
 
 TIMEOUT_S = 60
 CHUNK_BYTES = 1 << 20
@@ -100,7 +100,7 @@ def _stream(url: str, out: BinaryIO) -> str:
 def _fetch(url: str, target: Path, expected: str) -> None:
     """Download `url` to `target`, which appears only complete and with the expected hash.
 
-    The file is created readable by others as the umask allows (mpipar/files.py).
+    The file is created readable by others as the umask allows (mpipar/system/files.py).
     """
     try:
         with atomic_output(target) as out:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from mpipar.errors import DataError
-from mpipar.files import write_atomically
+from mpipar.system.files import write_atomically
 
 # The dtype code byte -> the on-disk dtype. Multi-byte types are big-endian on disk.
 IDX_DTYPES: dict[int, np.dtype] = {

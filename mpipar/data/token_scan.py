@@ -38,7 +38,7 @@ import numpy as np
 
 from mpipar.data.token_meta import TokenMeta, read_meta
 from mpipar.errors import DataError
-from mpipar.files import write_atomically
+from mpipar.system.files import write_atomically
 
 CHUNK = 8 << 20  # bytes per read: large enough for the disk's speed, small beside a rank's memory
 FINGERPRINTS = "mpipar-fingerprints.json"

@@ -44,7 +44,7 @@ import numpy as np
 from mpipar.data.token_meta import parse_meta, read_meta, token_dtype
 from mpipar.data.token_scan import checked_sha256
 from mpipar.errors import ConfigError, DataError
-from mpipar.files import write_atomically
+from mpipar.system.files import write_atomically
 
 TRAIN_FRACTION = 0.9  # as nanoGPT's prepare.py: the first 90% trains, the last 10% validates
 SAMPLE_BLOCK = 1024  # window starts drawn at once by a WindowSample: 8 KiB of int64, beside a batch

@@ -13,7 +13,7 @@ helpers `grad_matmul` and `grad_sum` pick the right one. When it must add (a sec
 micro-batch, CDP's partial sum arriving from another rank), `grad_matmul` adds block
 by block of rows, so the temporary is at most ACCUMULATE_BLOCK_BYTES, not a whole
 weight gradient beside the gradient it adds into. Parameters
-are declared as ParamSpecs; a FlatParams (mpipar/model.py) allocates them as views
+are declared as ParamSpecs; a FlatParams (mpipar/models/sequential.py) allocates them as views
 of one contiguous buffer and binds `self.params` / `self.grads`.
 
 Shapes are per sample (no batch axis) in `output_shape` and `flops`; the model
@@ -53,7 +53,7 @@ class ParamSpec:
     init: Init
     decay: bool
     # A copy of another layer's first parameter (a tied output layer's copy of the token
-    # embedding): drawn from that parameter's stream, so the two start equal (mpipar/tying.py).
+    # embedding): drawn from that parameter's stream, so the two start equal (mpipar/optim/tying.py).
     copy_of: "Layer | None" = None
 
 

@@ -3,7 +3,7 @@
     Embedding          y[n, t] = E[ids[n, t]]           dE[ids[n, t]] += dy[n, t]   (no dx: ids are integers)
     PositionEmbedding  y[n, t] = x[n, t] + P[t]         dP[t] += sum_n dy[n, t]     dx = dy
     TiedOutput         y = x C^T, C a copy of E         dC += dy^T x                dx = dy C
-                       (C and E are kept equal: their gradients are summed each step, mpipar/tying.py)
+                       (C and E are kept equal: their gradients are summed each step, mpipar/optim/tying.py)
 
 Exercised by: python -m pytest tests/test_layers.py -k Embedding
 """
@@ -79,7 +79,7 @@ class PositionEmbedding(Layer):
 class TiedOutput(Layer):
     """The output layer tied to a token embedding: logits = x C^T, with C a copy of the embedding's
     matrix E that starts equal to it and stays equal, because every step the two gradients are
-    summed and both copies take the sum (mpipar/tying.py), as Megatron keeps its embedding group.
+    summed and both copies take the sum (mpipar/optim/tying.py), as Megatron keeps its embedding group.
     A copy, not a view: the two may sit on different stages, units or shards."""
 
     def __init__(self, embedding: Embedding) -> None:

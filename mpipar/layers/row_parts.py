@@ -3,7 +3,7 @@
 NumPy runs a ufunc on one thread, but lets go of the GIL while it runs on a large array.
 So a layer's elementwise formula, applied to the rows of its arrays in parts on a small
 pool of threads, uses the cores that BLAS uses for the products between them. The thread
-count is BLAS's (mpipar/threads.py: cores // ranks on the node, or the user's
+count is BLAS's (mpipar/system/threads.py: cores // ranks on the node, or the user's
 OMP_NUM_THREADS / OPENBLAS_NUM_THREADS): with one rank per core it is one, and everything
 runs on the calling thread as before, so nothing oversubscribes.
 
@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from mpipar.threads import threads_per_rank
+from mpipar.system.threads import threads_per_rank
 
 # Below this many elements (float32: 2 MiB), one thread does the whole array
 PARALLEL_ELEMENTS = 1 << 19

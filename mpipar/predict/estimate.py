@@ -40,7 +40,7 @@ from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.plans import replica_shared_stages
 from mpipar.schedule.program import Compiled, compile_programs
 from mpipar.schedule.sharding import (
-    SCHEMES,
+    NAMED_SHARDINGS,
     Scope,
     Sharding,
     StateBytes,
@@ -136,8 +136,8 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
     ranks: data parallelism without --stages, else S stages on a mesh of workers x replicas;
     its activations those of `recompute` (--recompute's value), and of a split backward where the
     schedule splits it."""
-    from mpipar.config import TrainConfig
-    from mpipar.model import build_stages
+    from mpipar.models.sequential import build_stages
+    from mpipar.train.config import TrainConfig
 
     config = TrainConfig(stages=stages, scheme=scheme if stages else None, replicas=replicas,
                          micro_batches=micro_batches or 0, loops=loops, batch_size=batch_size,
@@ -180,7 +180,7 @@ def scheme_rows(layout: Layout, micro_batches: int, element: int, k: int) -> lis
     the worker's program says)."""
     mesh, compiled = layout.mesh, layout.compiled
     rows = []
-    for name, sharding in SCHEMES.items():
+    for name, sharding in NAMED_SHARDINGS.items():
         memory, traffic = None, {phase: Volume() for phase in PHASES}
         for worker in range(mesh.workers):
             held = layout.held(worker)
@@ -205,7 +205,7 @@ def predicted_peaks(layouts: dict[str, Layout], prefetch: int, itemsize: int, ki
     units (sharding.default_units) among several. `master_itemsize`: mpipar train --precision
     fp16's master weights (0: none)."""
     peaks = {}
-    for name, sharding in SCHEMES.items():
+    for name, sharding in NAMED_SHARDINGS.items():
         layout = next(iter(layouts.values())) if len(layouts) == 1 else layouts[default_units(sharding)]
         peaks[name] = max((mesh_peak(rank, layout.compiled, layout.mesh, sharding, layout.stage_sizes,
                                      layout.largest_units, layout.groups[layout.mesh.worker(rank)], itemsize=itemsize,

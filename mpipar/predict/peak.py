@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpipar.cache import ActivationCache
-from mpipar.model import Stage
-from mpipar.optim import CHUNK
+from mpipar.models.sequential import Stage
+from mpipar.optim.optimizers import CHUNK
 from mpipar.schedule.cyclic import item_homes, persistent_items
 from mpipar.schedule.instructions import (
     Backward,

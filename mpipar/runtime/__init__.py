@@ -8,15 +8,15 @@
                              parameters, checkpoint pieces
     sharded_stage.py         ShardedStage: a stage shared by its replica group, one method per
                              instruction of the sharding flow
-    sharded_state.py         ShardedState: this rank's blocks of such a stage's P, G and OS
+    stage_blocks.py          StageBlocks: this rank's blocks of such a stage's P, G and OS
     gathered_activations.py  a weight gradient summed by all-gathering its rows (seed 002)
-    ledger.py                bytes of model state a rank holds, by kind and phase
-    memory.py                what the array allocator really holds: live and peak bytes, RSS
+    ledger.py                measured: bytes of model state a rank holds, by kind and phase
+    memory_probe.py          measured: what the array allocator really holds: live and peak bytes, RSS
 
 The executor is composed of these parts, each handed what it reads at construction or at
 the start of a run; none reads an attribute another defines (tests/test_runtime_parts.py).
 The compiler that makes the programs lives in `mpipar/schedule/`; the predictions of what a
-run will hold, in `mpipar/predict/`.
+run will hold, in `mpipar/predict/` (what is measured lives here, what is predicted there).
 
 Exercised by: mpiexec -n 4 mpipar train --scheme 1f1b --stages 2 --shard zero3
 """

@@ -33,7 +33,7 @@ Exercised by: mpiexec -n 4 mpipar train --scheme 1f1b --stages 2 --shard zero3
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -42,9 +42,8 @@ from mpipar.comms.collectives import iall_reduce, ireduce
 from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.outbox import Outbox
 from mpipar.comms.tags import MAX_MICRO_BATCHES, Kind, p2p_tag
-from mpipar.model import LayerHook, Stage
-from mpipar.optim import state_kinds
-from mpipar.predict.peak import ActivationBytes, Peak, plan_peak
+from mpipar.models.sequential import LayerHook, Stage
+from mpipar.optim.optimizers import state_kinds
 from mpipar.runtime.item_store import ItemStore
 from mpipar.runtime.jobs import JobRunner, Load
 from mpipar.runtime.ledger import MemoryLedger
@@ -69,7 +68,6 @@ from mpipar.schedule.instructions import (
 from mpipar.schedule.plans import Plan, Run
 from mpipar.schedule.sharding import make_units
 from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
-from mpipar.step_split import StepSplit
 
 TAG_KIND = {ItemKind.INPUT: Kind.ACTIVATION, ItemKind.OUTPUT_GRADIENT: Kind.GRADIENT, ItemKind.WEIGHTS: Kind.WEIGHTS,
             ItemKind.FETCHED: Kind.WEIGHTS, ItemKind.GRADIENT_SUM: Kind.GRADIENT_SUM,
@@ -81,6 +79,14 @@ GATHER_PHASE = {FORWARD: "forward-gather", BACKWARD: "backward-gather"}
 
 # (step, this rank's [loss sum, correct, predictions] of it, micro-batches whose loss it computed)
 StepDone = Callable[[int, np.ndarray, int], None]
+
+
+class StepTimer(Protocol):
+    """What times each part of the steps (report/step_split.py's StepSplit), handed in from above."""
+
+    def add(self, part: str, seconds: float) -> None: ...
+
+    def execute(self, instructions: list, run: Callable[[object], None]) -> None: ...
 
 
 class Executor:
@@ -123,21 +129,21 @@ class Executor:
         self.timeline, self.record_timeline = [], False
         self.job_times: list[tuple[Job, float, float]] = []  # (job, start, end) of a step by perf_counter
         self.observe: LayerHook | None = None  # called after every layer, once polled (timelines, tests)
-        self.split: StepSplit | None = None  # set to time each part of the steps (step_split.py)
+        self.split: StepTimer | None = None  # set to time each part of the steps (report/step_split.py)
         self.run: Run | None = None
         self.first_step, self.lr_at = 0, None
         self.totals, self.losses_computed = np.zeros((0, 3)), np.zeros(0, dtype=int)
 
-    def predicted_peak(self, training: ActivationBytes, evaluation: ActivationBytes | None = None, *,
-                       rank: int | None = None, steps: int = 1) -> Peak:
-        """The most `rank` (this one by default) should hold at once over a run of `steps` (peak.py)."""
+    def peak_facts(self, rank: int | None = None) -> dict[str, int | list[int]]:
+        """What predicting `rank`'s peak (this one's by default) needs beyond the plan: the keyword
+        arguments of predict/peak.py's plan_peak. The prediction is the caller's to make: the
+        runtime measures, it does not import what predicts it."""
         rank = self.comm.rank if rank is None else rank
         group = len(self.comm.subset_layout(self.mesh.replica_group(self.mesh.worker(rank)))[0])
         units = [max((last - first for _, _, first, last in make_units(stage, self.unit_bytes)), default=0)
                  for stage in self.stages]
-        return plan_peak(self.plan, rank, training, evaluation, steps, largest_units=units, group=group,
-                         itemsize=self.dtype.itemsize, state_kinds=self.state_kinds,
-                         master_itemsize=self.master_itemsize)
+        return dict(largest_units=units, group=group, itemsize=self.dtype.itemsize, state_kinds=self.state_kinds,
+                    master_itemsize=self.master_itemsize)
 
     # -- runs of steps ---------------------------------------------------------------------
     def run_steps(self, first_step: int, steps: int, load: Load, *, seed: int, batch_size: int,

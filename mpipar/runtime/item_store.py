@@ -32,8 +32,8 @@ from mpi4py import MPI
 
 from mpipar.comms.handle import wait_requests
 from mpipar.comms.outbox import Outbox
-from mpipar.model import Stage
-from mpipar.optim import CHUNK, make_optimizer
+from mpipar.models.sequential import Stage
+from mpipar.optim.optimizers import CHUNK, make_optimizer
 from mpipar.runtime.ledger import MemoryLedger
 from mpipar.schedule.instructions import Item, ItemKind
 from mpipar.schedule.plans import Plan, Run

@@ -22,7 +22,7 @@ import numpy as np
 
 from mpipar.cache import ActivationCache, Context
 from mpipar.errors import NonFiniteLossError
-from mpipar.model import Stage
+from mpipar.models.sequential import Stage
 from mpipar.runtime.item_store import ItemStore
 from mpipar.runtime.ledger import MemoryLedger
 from mpipar.runtime.sharded_stage import ShardedStage

@@ -42,10 +42,10 @@ from mpipar.comms.collectives import iall_gather, iall_reduce, ireduce_scatter
 from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.routes import block_offsets
 from mpipar.comms.world import sum_across_ranks
-from mpipar.model import Stage, leaf_layers
+from mpipar.models.sequential import Stage, leaf_layers
 from mpipar.runtime.gathered_activations import RowGatherer
 from mpipar.runtime.ledger import MemoryLedger
-from mpipar.runtime.sharded_state import ShardedState
+from mpipar.runtime.stage_blocks import StageBlocks
 from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Layout, Scope, Sharding, Unit, unit_spans
 
 
@@ -68,7 +68,7 @@ class ShardedStage:
                         self.inter.size if self.inter else 1)
         # A pipeline stage shared by a replica group books into its pipeline's ledger (mesh.py)
         self.ledger = ledger if ledger is not None else MemoryLedger()
-        self.state = ShardedState(stage, sharding, layout, self.ledger, unit_bytes=unit_bytes, optimizer=optimizer,
+        self.state = StageBlocks(stage, sharding, layout, self.ledger, unit_bytes=unit_bytes, optimizer=optimizer,
                                   optimizer_options=optimizer_options)
         self.units, self.state_kinds = self.state.units, self.state.state_kinds
         self.queue, self.pool = ChainQueue(), ScratchPool()

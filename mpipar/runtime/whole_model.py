@@ -18,14 +18,14 @@ from mpipar.cache import Context
 from mpipar.checkpoint.format import Piece
 from mpipar.comms.collectives import broadcast
 from mpipar.comms.comm import Comm, ScratchPool
-from mpipar.model import Stage
+from mpipar.models.sequential import Stage
 from mpipar.runtime.item_store import ItemStore
 from mpipar.runtime.ledger import MemoryLedger
 from mpipar.runtime.sharded_stage import ShardedStage
+from mpipar.schedule.flow import job_flow
 from mpipar.schedule.instructions import Compute, CyclicJob, GatherUnit, Item, ItemKind, ReleaseUnit
 from mpipar.schedule.plans import Plan
 from mpipar.schedule.sharding import Scope
-from mpipar.schedule.sharding_flow import job_flow
 from mpipar.schedule.strategies import FORWARD
 
 

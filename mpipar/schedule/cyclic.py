@@ -43,7 +43,7 @@ RULES = ("dp", "cdp-v1", "cdp-v2")
 
 
 # The rules' formula lives here, in the schedule, because the timetable and the compiler
-# need it; mpipar/cdp.py (the reference loop, a layer above) imports it from here.
+# need it; mpipar/train/cdp_reference.py (the reference loop, a layer above) imports it from here.
 def fresh_stages(rule: str, micro_batch: int, count: int) -> list[bool]:
     """For micro-batch `micro_batch` (0-based) of `count`, which of the `count` stages
     (0-based) it computes with this step's parameters; the others are a step old."""

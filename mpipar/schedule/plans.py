@@ -31,6 +31,7 @@ from typing import Protocol
 from mpipar.errors import ConfigError
 from mpipar.schedule.cyclic import item_homes, persistent_items, step_period
 from mpipar.schedule.cyclic_compiler import compile_cyclic, weight_buffers
+from mpipar.schedule.flow import job_flow, update_flow
 from mpipar.schedule.instructions import (
     Backward,
     BackwardWeights,
@@ -55,8 +56,7 @@ from mpipar.schedule.instructions import (
 )
 from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.program import Compiled, compile_programs
-from mpipar.schedule.sharding import SCHEMES, Sharding
-from mpipar.schedule.sharding_flow import job_flow, update_flow
+from mpipar.schedule.sharding import NAMED_SHARDINGS, Sharding
 from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Shape, get_strategy
 
 
@@ -118,7 +118,7 @@ def job_number(batch: int, direction: str) -> int:
     return 3 * batch + (FORWARD, BACKWARD, WEIGHTS).index(direction)
 
 
-def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Sharding = SCHEMES["ddp"],
+def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Sharding = NAMED_SHARDINGS["ddp"],
           prefetch: int = 1) -> tuple[tuple, int]:
     """A pipeline worker's program as item instructions (of step 0), and where its update part
     starts. `shared` maps each stage its replica group shares to its number of units: its jobs
@@ -200,7 +200,8 @@ class PipelinePlan:
     longest_run = 1  # a step at a time: the trainer checks the summed loss before each update
 
     def __init__(self, compiled: Compiled, mesh: Mesh, rank: int, stage_sizes: list[int], *,
-                 sharding: Sharding = SCHEMES["ddp"], units: list[int] | None = None, prefetch: int = 1) -> None:
+                 sharding: Sharding = NAMED_SHARDINGS["ddp"], units: list[int] | None = None,
+                 prefetch: int = 1) -> None:
         """`units`: per stage, how many units a replica group shares it in (default one each)."""
         self.compiled, self.mesh, self.rank, self.stage_sizes = compiled, mesh, rank, stage_sizes
         self.sharding, self.prefetch = sharding, prefetch  # training and evaluation both follow them
@@ -261,7 +262,7 @@ KEPT_PROGRAMS = 2  # compiled runs a CdpPlan keeps for reuse
 class CdpPlan:
     """Cyclic Data Parallelism's programs (schedule/cyclic.py) for runs of steps on this rank."""
 
-    sharding, prefetch = SCHEMES["ddp"], 0  # no stage is shared by a replica group
+    sharding, prefetch = NAMED_SHARDINGS["ddp"], 0  # no stage is shared by a replica group
     splits_backward = False
     settles_each_step = False  # steps overlap: a rank stops at the first non-finite loss it computes
     keeps_gradients = False  # a step's gradient sum travels around the ring and is freed after its update

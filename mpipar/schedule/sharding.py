@@ -44,7 +44,7 @@ from enum import Enum
 
 from mpipar.comms.routes import block_offsets
 from mpipar.errors import ConfigError, unknown_name
-from mpipar.model import Stage
+from mpipar.models.sequential import Stage
 
 
 class Scope(str, Enum):
@@ -107,12 +107,12 @@ class Sharding:
         return not self.gradients == self.optimizer_state == Scope.GLOBAL
 
     def __str__(self) -> str:
-        name = next((name for name, scheme in SCHEMES.items() if scheme == self), None)
+        name = next((name for name, scheme in NAMED_SHARDINGS.items() if scheme == self), None)
         letters = ",".join(self.triple) + (" + P in the group" if self.secondary else "")
         return f"{name} ({letters})" if name else letters
 
 
-SCHEMES = {
+NAMED_SHARDINGS = {
     "ddp": Sharding("N", "N", "N"),
     "zero1": Sharding("N", "N", "G"),
     "zero2": Sharding("N", "G", "G"),
@@ -127,10 +127,10 @@ SCHEMES = {
 
 def parse_sharding(text: str) -> Sharding:
     """A scheme name ('zero3') or a triple ('I,G,G')."""
-    if text.lower() in SCHEMES:
-        return SCHEMES[text.lower()]
+    if text.lower() in NAMED_SHARDINGS:
+        return NAMED_SHARDINGS[text.lower()]
     if "," not in text:
-        raise unknown_name("scheme", text, SCHEMES)
+        raise unknown_name("scheme", text, NAMED_SHARDINGS)
     parts = [part.strip().upper() for part in text.split(",")]
     if len(parts) != 3:
         raise ConfigError(f"--shard takes three letters P,G,OS such as I,G,G; got {text!r}")

@@ -21,12 +21,12 @@ import numpy as np
 from mpi4py import MPI
 
 import deadline
-from mpipar.cdp import reference_training
-from mpipar.config import TrainConfig
 from mpipar.schedule.cyclic import LAYOUTS, ranks_for
 from mpipar.schedule.cyclic_compiler import compile_cyclic
 from mpipar.schedule.instructions import Send
-from mpipar.trainer import Trainer
+from mpipar.train.cdp_reference import reference_training
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(300)
 world = MPI.COMM_WORLD

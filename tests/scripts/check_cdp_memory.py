@@ -14,10 +14,10 @@ import numpy as np
 from mpi4py import MPI
 
 import deadline
-from mpipar.config import TrainConfig
 from mpipar.runtime.executor import Executor
 from mpipar.schedule.instructions import EndTimeStep
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(300)
 world = MPI.COMM_WORLD

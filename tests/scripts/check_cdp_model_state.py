@@ -21,8 +21,8 @@ import gc
 from mpi4py import MPI
 
 import deadline
-from mpipar.config import TrainConfig
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(300)
 world = MPI.COMM_WORLD

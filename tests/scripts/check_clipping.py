@@ -21,9 +21,9 @@ from mpi4py import MPI
 from reference import one_process
 
 import deadline
-from mpipar.config import TrainConfig
-from mpipar.trainer import Trainer
-from mpipar.tying import tied_copies
+from mpipar.optim.tying import tied_copies
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(300)
 world = MPI.COMM_WORLD

@@ -24,9 +24,10 @@ from mpi4py import MPI
 
 import deadline
 from mpipar.cli.estimate import built_model
-from mpipar.config import TrainConfig
 from mpipar.predict.estimate import make_layout, predicted_peaks, scheme_rows
-from mpipar.trainer import Trainer
+from mpipar.predict.peak import plan_peak
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(240)
 world = MPI.COMM_WORLD
@@ -50,7 +51,8 @@ for shard in ("zero3", "ddp"):
     live[shard], peak = trainer.memory.live_bytes(), trainer.memory.peak_bytes()
     trainer.evaluate(0, 0)
     peak_with_evaluation = trainer.memory.peak_bytes()
-    predicted = trainer.engine.predicted_peak(trainer.activations[0])  # training only: no evaluation here
+    predicted = plan_peak(trainer.engine.plan, trainer.rank, trainer.activations[0], None, 1,
+                          **trainer.engine.peak_facts())  # training only: no evaluation here
     parts = ", ".join(f"{name} {nbytes / MB:.2f}" for name, nbytes in {**predicted.steady, **predicted.transients}.items())
     label = f"rank {world.rank} 1f1b 2 stages x 2 replicas --shard {shard}"
     print(f"{label}: live after a step {live[shard] / MB:.2f} MB (estimate's state "

@@ -21,10 +21,10 @@ from mpi4py import MPI
 from reference import one_process
 
 import deadline
-from mpipar.config import TrainConfig
 from mpipar.predict.estimate import PHASES, Volume, traffic_per_step
 from mpipar.schedule.instructions import RecvActivation, RecvGradient
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(600)
 world = MPI.COMM_WORLD

@@ -22,10 +22,10 @@ from mpi4py import MPI
 
 import deadline
 from mpipar.adapters import load_builder
-from mpipar.cdp import reference_training
-from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, load_dataset
-from mpipar.trainer import Trainer
+from mpipar.train.cdp_reference import reference_training
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(400)
 world = MPI.COMM_WORLD
@@ -36,7 +36,7 @@ MODELS = {"torch": {"mlp": f"{EXAMPLES}/torch_mlp.py:build", "cnn": f"{EXAMPLES}
           "jax": {"mlp": f"{EXAMPLES}/jax_mlp.py:build"}}[framework]
 OPTIMIZERS = {"sgd": dict(optimizer="sgd", momentum=0.9, weight_decay=1e-3), "adam": dict(optimizer="adam")}
 COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=48, lr=0.05, log_every=1000, seed=3)
-SCHEMES = {"ddp": dict(scheme="ddp"), "zero3": dict(scheme="zero3", micro_batches=2),
+NAMED_SHARDINGS = {"ddp": dict(scheme="ddp"), "zero3": dict(scheme="zero3", micro_batches=2),
            "paro-iig": dict(scheme="paro-iig", group_size=2),
            "gpipe": dict(scheme="gpipe", stages=2, micro_batches=4),  # 4 ranks: 2 stages x 2 replicas
            "1f1b": dict(scheme="1f1b", stages=world.size, micro_batches=4),  # 4 ranks: 4 stages
@@ -113,7 +113,7 @@ alone = torch_alone if framework == "torch" else jax_alone
 failures, cases = [], 0
 for (model, spec), (optimizer, options) in [(m, o) for m in MODELS.items() for o in OPTIMIZERS.items()]:
     reference = alone(spec, options)
-    for scheme, layout in SCHEMES.items():
+    for scheme, layout in NAMED_SHARDINGS.items():
         label = f"{framework} {model} {scheme} {optimizer} on {world.size} ranks"
         config = TrainConfig(**{**COMMON, **options, **layout}, model=spec)
         trainer = Trainer(config)

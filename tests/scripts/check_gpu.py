@@ -52,10 +52,10 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar.backend import to_host
-from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, load_dataset
 from mpipar.errors import ConfigError
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 world = MPI.COMM_WORLD
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -94,7 +94,7 @@ def optimizers_on_gpu_equal_cpu_bit_for_bit() -> str:
     NumPy (in chunks); parameters and state must be the same bits."""
     import cupy
 
-    from mpipar.optim import make_optimizer
+    from mpipar.optim.optimizers import make_optimizer
 
     rng = np.random.default_rng(0)
     different = []

@@ -1,4 +1,4 @@
-"""Rank 0 prints, as one JSON list, what mpipar.launch says about this launch on every rank.
+"""Rank 0 prints, as one JSON list, what mpipar.system.launch says about this launch on every rank.
 
 Run by tests/test_launch.py as `mpiexec -n N python check_launch.py [CORES | bind]`;
 CORES pretends each node has that many cores; `bind` first binds each rank to one
@@ -12,7 +12,7 @@ import sys
 from mpi4py import MPI
 
 import deadline
-from mpipar.launch import describe_launch, oversubscription_warning
+from mpipar.system.launch import describe_launch, oversubscription_warning
 
 deadline.arm(60)
 comm = MPI.COMM_WORLD

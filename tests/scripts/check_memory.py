@@ -27,10 +27,10 @@ from mpi4py import MPI
 
 import deadline
 from mpipar.backend import make_backend
-from mpipar.config import TrainConfig
-from mpipar.model import build_stages
-from mpipar.schedule.sharding import SCHEMES, bytes_per_rank
-from mpipar.trainer import Trainer
+from mpipar.models.sequential import build_stages
+from mpipar.schedule.sharding import NAMED_SHARDINGS, bytes_per_rank
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(400)
 world = MPI.COMM_WORLD
@@ -46,14 +46,14 @@ def config(scheme: str, prefetch: int = 1) -> TrainConfig:
 
 def one_process_parameters(trainer) -> np.ndarray:
     """The parameters one process builds from the same seed (its own model object)."""
-    from mpipar.models import build_model
+    from mpipar.models.builtin import build_model
 
     cfg = trainer.config
     model = build_model(cfg.model, input_shape=trainer.train_set.input_shape, num_classes=10, hidden=cfg.hidden)
     return build_stages(model, 1, make_backend("cpu", cfg.dtype), cfg.seed)[0].flat.data
 
 
-for scheme, sharding in SCHEMES.items():
+for scheme, sharding in NAMED_SHARDINGS.items():
     trainer = Trainer(config(scheme))
     memory, engine = trainer.memory, trainer.engine
     size = trainer.parameter_count

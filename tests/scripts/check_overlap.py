@@ -17,7 +17,7 @@ from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.comms.topology import make_world
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
-from mpipar.model import Sequential, build_stages
+from mpipar.models.sequential import Sequential, build_stages
 from mpipar.runtime.executor import Executor
 from mpipar.schedule.plans import data_parallel_plan
 from mpipar.schedule.sharding import make_units, parse_sharding, unit_bytes_for

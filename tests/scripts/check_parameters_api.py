@@ -15,9 +15,9 @@ import numpy as np
 from mpi4py import MPI
 
 import deadline
-from mpipar.cdp import reference_training
-from mpipar.config import TrainConfig
-from mpipar.trainer import Trainer
+from mpipar.train.cdp_reference import reference_training
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(300)
 world = MPI.COMM_WORLD

@@ -20,10 +20,10 @@ from mpi4py import MPI
 from reference import one_process
 
 import deadline
-from mpipar.config import TrainConfig
 from mpipar.schedule.instructions import FetchWeights, RecvActivation, RecvGradient
 from mpipar.schedule.replay import replay
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(300)
 world = MPI.COMM_WORLD

@@ -18,8 +18,9 @@ import gc
 from mpi4py import MPI
 
 import deadline
-from mpipar.config import TrainConfig
-from mpipar.trainer import Trainer
+from mpipar.predict.peak import plan_peak
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(240)
 world = MPI.COMM_WORLD
@@ -37,7 +38,8 @@ def measure(scheme: str, micro_batches: int) -> None:
     for step in range(3):
         trainer.train_step(step, 0, step)
     live, peak = trainer.memory.live_bytes(), trainer.memory.peak_bytes()
-    predicted = trainer.engine.predicted_peak(trainer.activations[0])  # training only: these steps evaluate nothing
+    predicted = plan_peak(trainer.engine.plan, trainer.rank, trainer.activations[0], None, 1,
+                          **trainer.engine.peak_facts())  # training only: these steps evaluate nothing
     label = f"rank {world.rank} {scheme} B={micro_batches}"
     if peak > 1.1 * predicted.total:
         failures.append(f"{label}: peak {peak / MB:.2f} MB, predicted {predicted.total / MB:.2f} MB (+10% allowed): "

@@ -19,10 +19,10 @@ import numpy as np
 from mpi4py import MPI
 
 import deadline
-from mpipar.config import TrainConfig
-from mpipar.precision import HALF_ON_CPU
+from mpipar.optim.precision import HALF_ON_CPU
 from mpipar.predict.seed_tables import SCHEMES_004, seed_table_1
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 os.environ[HALF_ON_CPU] = "1"
 deadline.arm(300)

@@ -16,18 +16,18 @@ import sys
 import time
 
 import deadline
-from mpipar.config import TrainConfig
-from mpipar.report import Report
-from mpipar.trainer import Trainer
+from mpipar.report.progress import Report
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(90)
 scheme, log_every = sys.argv[1], int(sys.argv[2])
-SCHEMES = {"ddp": dict(scheme="ddp"), "1f1b": dict(scheme="1f1b", stages=2, micro_batches=4),
+NAMED_SHARDINGS = {"ddp": dict(scheme="ddp"), "1f1b": dict(scheme="1f1b", stages=2, micro_batches=4),
            "cdp-v2": dict(scheme="cdp-v2", micro_batches=2)}
 # 1497 digits / 32 = 46 steps in the epoch; wider layers than the default make a step a few
 # milliseconds, so a window of a few steps is long enough to time
 config = TrainConfig(epochs=1, batch_size=32, hidden=(256, 256), log_every=log_every, log_seconds=0.0,
-                     **SCHEMES[scheme])
+                     **NAMED_SHARDINGS[scheme])
 
 
 class StampedStream:

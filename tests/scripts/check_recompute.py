@@ -20,9 +20,9 @@ from mpi4py import MPI
 from reference import one_process
 
 import deadline
-from mpipar.config import TrainConfig
 from mpipar.schedule.instructions import Backward
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(300)
 world = MPI.COMM_WORLD

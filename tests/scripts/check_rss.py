@@ -31,7 +31,7 @@ import os  # loaded with the interpreter already: importing it costs nothing
 
 import mpipar  # noqa: F401  (first: it sizes the BLAS pool before NumPy loads)
 
-with open("/proc/self/statm") as statm:  # what mpipar.runtime.memory.rss_bytes() reads; that module imports NumPy
+with open("/proc/self/statm") as statm:  # what mpipar.runtime.memory_probe.rss_bytes() reads; that module imports NumPy
     BARE = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 import gc  # noqa: E402
@@ -40,9 +40,9 @@ import sys  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import deadline  # noqa: E402
-from mpipar.config import TrainConfig  # noqa: E402
-from mpipar.runtime.memory import peak_rss_bytes, rss_bytes  # noqa: E402
-from mpipar.trainer import Trainer  # noqa: E402
+from mpipar.runtime.memory_probe import peak_rss_bytes, rss_bytes  # noqa: E402
+from mpipar.train.config import TrainConfig  # noqa: E402
+from mpipar.train.trainer import Trainer  # noqa: E402
 
 AFTER_IMPORT = rss_bytes()
 

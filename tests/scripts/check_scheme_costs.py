@@ -20,20 +20,20 @@ Rank 0 prints each mismatch, or a summary; exit status 1 on any mismatch.
 from mpi4py import MPI
 
 import deadline
-from mpipar.config import TrainConfig
 from mpipar.predict.estimate import PHASES, traffic_per_step
-from mpipar.schedule.sharding import SCHEMES, bytes_per_rank, parse_sharding
-from mpipar.trainer import Trainer
+from mpipar.schedule.sharding import NAMED_SHARDINGS, bytes_per_rank, parse_sharding
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(300)
 world = MPI.COMM_WORLD
 N, M, S, ITEM = world.size, 4, 2, 8
 failures = []
 gradient_bytes = {}
-TRIPLES = [*SCHEMES, "N,N,I", "N,I,I"]  # the named schemes and two more valid triples
+TRIPLES = [*NAMED_SHARDINGS, "N,N,I", "N,I,I"]  # the named schemes and two more valid triples
 for name in TRIPLES:
     sharding = parse_sharding(name)
-    shape = dict(scheme=name) if name in SCHEMES else dict(shard=name)
+    shape = dict(scheme=name) if name in NAMED_SHARDINGS else dict(shard=name)
     trainer = Trainer(TrainConfig(**shape, group_size=M, micro_batches=S, collective="ring", ddp="naive",
                                   hidden=(32, 34), dtype="float64", optimizer="adam", batch_size=16 * N,
                                   max_steps=1, epochs=1))

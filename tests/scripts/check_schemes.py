@@ -18,13 +18,13 @@ from mpi4py import MPI
 from reference import one_process
 
 import deadline
-from mpipar.config import TrainConfig
-from mpipar.schedule.sharding import SCHEMES
-from mpipar.trainer import Trainer
+from mpipar.schedule.sharding import NAMED_SHARDINGS
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(400)
 world = MPI.COMM_WORLD
-TRIPLES = [*SCHEMES, "N,N,I", "N,I,I"]
+TRIPLES = [*NAMED_SHARDINGS, "N,N,I", "N,I,I"]
 OPTIMIZERS = {"sgd": dict(optimizer="sgd", momentum=0.9, weight_decay=1e-3), "adam": dict(optimizer="adam")}
 COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=24 * world.size, hidden=(32, 32), dropout=0.1,
               lr=0.05, log_every=1000)
@@ -38,7 +38,7 @@ for index, (triple, group_size, micro_batches, optimizer) in enumerate(
     collective = ("ring", "mpi", "hring", "horing")[index % 4]
     mode = ("overlap", "naive", "bucketed")[index % 3]
     prefetch = (1, 0, 3)[(index + index // 3) % 3]  # units gathered ahead: every depth with every unit size
-    shape = dict(scheme=triple) if triple in SCHEMES else dict(shard=triple)
+    shape = dict(scheme=triple) if triple in NAMED_SHARDINGS else dict(shard=triple)
     trainer = Trainer(TrainConfig(**COMMON, **OPTIMIZERS[optimizer], **shape, group_size=group_size,
                                   micro_batches=micro_batches, collective=collective, ddp=mode, bucket_mb=0.002,
                                   prefetch=prefetch))

@@ -11,8 +11,8 @@ from mpi4py import MPI
 
 import deadline
 from mpipar.cli import main
-from mpipar.config import TrainConfig
-from mpipar.trainer import Trainer
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
 
 deadline.arm(50)  # a hang prints every rank's stack
 

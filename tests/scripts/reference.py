@@ -10,12 +10,12 @@ import numpy as np
 
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
-from mpipar.config import TrainConfig
 from mpipar.data import GlobalBatchSampler, load_dataset
 from mpipar.layers import SoftmaxCrossEntropy, TiedOutput
-from mpipar.model import build_stages
-from mpipar.models import build_model
-from mpipar.optim import make_optimizer
+from mpipar.models.builtin import build_model
+from mpipar.models.sequential import build_stages
+from mpipar.optim.optimizers import make_optimizer
+from mpipar.train.config import TrainConfig
 
 
 def one_process(config: TrainConfig, norms: list | None = None) -> np.ndarray:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from mpipar.signals import install_signal_report
+from mpipar.system.signals import install_signal_report
 
 install_signal_report()
 

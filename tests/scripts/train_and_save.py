@@ -8,8 +8,8 @@ import sys
 import numpy as np
 
 import deadline
-from mpipar.config import load_config
-from mpipar.trainer import Trainer
+from mpipar.train.config import load_config
+from mpipar.train.trainer import Trainer
 
 deadline.arm(100)  # a hang prints every rank's stack
 

@@ -23,14 +23,14 @@ from __future__ import annotations
 import numpy as np
 
 from mpipar.checkpoint.format import Piece
-from mpipar.model import Stage
-from mpipar.optim import make_optimizer, state_kinds
-from mpipar.precision import MasterWeights
+from mpipar.models.sequential import Stage
+from mpipar.optim.optimizers import make_optimizer, state_kinds
+from mpipar.optim.precision import MasterWeights
 from mpipar.runtime.ledger import MemoryLedger
 from mpipar.schedule.sharding import Layout, Scope, Sharding, Unit, make_units
 
 
-class ShardedState:
+class StageBlocks:
     """This rank's blocks of `stage` under `sharding` and `layout`, in units of about `unit_bytes`."""
 
     def __init__(self, stage: Stage, sharding: Sharding, layout: Layout, ledger: MemoryLedger, *,

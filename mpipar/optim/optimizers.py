@@ -40,7 +40,7 @@ import numpy as np
 
 from mpipar.backend import array_module
 from mpipar.errors import ConfigError, unknown_name
-from mpipar.precision import MasterWeights
+from mpipar.optim.precision import MasterWeights
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "step", "cosine")

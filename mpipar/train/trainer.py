@@ -33,16 +33,14 @@ from typing import Callable
 
 import numpy as np
 
-from mpipar.adapters import chain_torch_layers, configured_model, cpu_updates
+from mpipar.adapters import cpu_updates
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
 from mpipar.checkpoint.resume import FLAGS, Checkpoints
-from mpipar.clipping import GradientClipper
 from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
 from mpipar.comms.device import device_wire
 from mpipar.comms.handle import set_default_timeout
 from mpipar.comms.topology import make_world
-from mpipar.config import TrainConfig
 from mpipar.data import (
     GlobalBatchSampler,
     TokenStream,
@@ -53,20 +51,23 @@ from mpipar.data import (
     split_micro_batches,
 )
 from mpipar.data.tokens import WindowSample
-from mpipar.divergence import DivergenceWatch, non_finite_advice
 from mpipar.errors import ConfigError, NonFiniteLossError
-from mpipar.model import build_stages, leaf_layers, partition
-from mpipar.optim import make_schedule
+from mpipar.models.sequential import build_stages, leaf_layers, partition
+from mpipar.optim.clipping import GradientClipper
+from mpipar.optim.optimizers import make_schedule
+from mpipar.optim.precision import LossScaler, Precision, arithmetic_dtype
+from mpipar.optim.tying import TiedGradients, tied_copies
 from mpipar.options import recompute_segment
-from mpipar.precision import LossScaler, Precision, arithmetic_dtype
-from mpipar.predict.peak import ActivationBytes, Peak, dry_run
+from mpipar.predict.peak import ActivationBytes, Peak, dry_run, plan_peak
+from mpipar.report.divergence import DivergenceWatch, non_finite_advice
 from mpipar.runtime.executor import Executor
 from mpipar.runtime.gathered_activations import gathered_bytes
-from mpipar.runtime.memory import available_bytes, make_probe, peak_rss_bytes
+from mpipar.runtime.memory_probe import available_bytes, make_probe, peak_rss_bytes
 from mpipar.schedule.plans import replica_shared_stages
 from mpipar.schedule.sharding import compute_spans, unit_bytes_for
-from mpipar.schemes import scheme_for
-from mpipar.tying import TiedGradients, tied_copies
+from mpipar.train.config import TrainConfig
+from mpipar.train.model_assembly import chain_torch_layers, configured_model
+from mpipar.train.scheme import scheme_for
 from mpipar.units import format_bytes
 
 
@@ -181,7 +182,7 @@ class Trainer:
         rows --ddp allgather-activations gathers in backward."""
         cfg = self.config
         steps = min(self.sampler.steps_per_epoch, self.total_steps, self.engine.plan.longest_run)
-        peak = self.engine.predicted_peak(*self.activations, steps=steps)
+        peak = plan_peak(self.engine.plan, self.rank, *self.activations, steps, **self.engine.peak_facts())
         if not self.gathered_layers:
             return peak
         rows = gathered_bytes(self.gathered, cfg.batch_size // self.world_size // cfg.micro_batches, self.world_size,

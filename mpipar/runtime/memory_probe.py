@@ -109,7 +109,7 @@ class GpuMemoryProbe(MemoryProbe):
 
         class PeakHook(cupy.cuda.MemoryHook):
             # A free only lowers the used bytes, so the maximum is taken after allocations only.
-            name = "mpipar.runtime.memory"
+            name = "mpipar.runtime.memory_probe"
 
             def __init__(self) -> None:
                 self.peak = pool.used_bytes()

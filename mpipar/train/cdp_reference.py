@@ -13,7 +13,7 @@ With N micro-batches and the model cut into N stages, one training step is
 
 `fresh_stages`, the rules as a formula, lives in mpipar/schedule/cyclic.py: the timetable
 needs it, and a schedule module must not import this higher-level one. It is imported
-here (reference_training uses it), so `mpipar.cdp.fresh_stages` keeps working.
+here (reference_training uses it), so `mpipar.train.cdp_reference.fresh_stages` keeps working.
 
 `reference_training` runs these rules as a plain single-process loop — no MPI, no
 scheduler, every micro-batch's gradient taken at the parameters the rule names —
@@ -33,17 +33,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mpipar.adapters import configured_model
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.data import GlobalBatchSampler, load_dataset, split_micro_batches
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
-from mpipar.model import Sequential, build_stages
-from mpipar.optim import make_optimizer
+from mpipar.models.sequential import Sequential, build_stages
+from mpipar.optim.optimizers import make_optimizer
 from mpipar.schedule.cyclic import fresh_stages
+from mpipar.train.model_assembly import configured_model
 
 if TYPE_CHECKING:
-    from mpipar.config import TrainConfig
+    from mpipar.train.config import TrainConfig
 
 def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | None = None) -> list[np.ndarray]:
     """The parameters of each stage after `config.max_steps` steps of `rule`, with

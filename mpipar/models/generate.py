@@ -9,7 +9,7 @@ softmax, one draw from a generator seeded by `seed`.
 The key/value cache. Attention at a new position needs the keys and values of every earlier
 position of the context. Recomputing them is a forward pass over the whole context for every
 token. With the cache (the default), the blocks keep the keys and values they have computed
-(mpipar/decoder.py), and a new token's forward runs over that one position: its own query,
+(mpipar/models/decoder.py), and a new token's forward runs over that one position: its own query,
 key and value, attending to the cached ones.
 
 The context. The model has positions for `seq_len` tokens. When the text outgrows them, the
@@ -31,10 +31,10 @@ import numpy as np
 from mpipar.backend import make_backend
 from mpipar.cache import Context
 from mpipar.checkpoint.format import parameter_table, read_manifest, read_vectors
-from mpipar.decoder import Decoder
 from mpipar.errors import CheckpointError, ConfigError
-from mpipar.model import Stage, build_stages
-from mpipar.models import build_model
+from mpipar.models.builtin import build_model
+from mpipar.models.decoder import Decoder
+from mpipar.models.sequential import Stage, build_stages
 
 MODEL_FIELDS = ("model", "seq_len", "width", "heads", "blocks")  # of a manifest's config: what rebuilds the model
 

@@ -74,4 +74,4 @@ def _set_thresholds() -> str:
         return f"left as is (glibc {version} refused mallopt)"
     blocks = f"heap blocks up to {threshold >> 20} MiB" if threshold else "mmap threshold refused"
     return (f"glibc {version}: {blocks}, {'freed memory kept' if kept else 'trim threshold refused'} "
-            "(mpipar/allocator.py; MPIPAR_MALLOC=default turns this off)")
+            "(mpipar/system/malloc.py; MPIPAR_MALLOC=default turns this off)")

@@ -24,16 +24,16 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from mpipar.config import TrainConfig
-from mpipar.model import Sequential, Stage
-from mpipar.optim import state_kinds
-from mpipar.predict.peak import ActivationBytes, Peak, data_parallel_peak
+from mpipar.models.sequential import Sequential, Stage
+from mpipar.optim.optimizers import state_kinds
+from mpipar.predict.peak import ActivationBytes, Peak, data_parallel_peak, plan_peak
 from mpipar.runtime.gathered_activations import choose as choose_gathered
 from mpipar.runtime.gathered_activations import describe as describe_gathered
 from mpipar.schedule.plans import CdpPlan, PipelinePlan, Plan
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
-from mpipar.schedule.sharding import SCHEMES, bytes_per_rank, make_units, unit_bytes_for
+from mpipar.schedule.sharding import NAMED_SHARDINGS, bytes_per_rank, make_units, unit_bytes_for
+from mpipar.train.config import TrainConfig
 from mpipar.units import format_bytes
 
 
@@ -126,7 +126,8 @@ class Pipeline(Scheme):
 
     def over_limit(self, limit: int, engine, predicted: Peak, activations, comm) -> str | None:
         """Every rank predicts every rank's peak from the programs, so all reach one verdict."""
-        peaks = [engine.predicted_peak(*activations, rank=r).total for r in range(self.world_size)]
+        peaks = [plan_peak(engine.plan, r, *activations, 1, **engine.peak_facts(r)).total
+                 for r in range(self.world_size)]
         worst = max(range(self.world_size), key=peaks.__getitem__)
         if peaks[worst] <= limit:
             return None
@@ -158,7 +159,7 @@ class DataParallel(Pipeline):
         if predicted.total <= limit:
             return None
         stage, fits = engine.shared[0], []  # the stage's sharding flow, one stage on every rank
-        for name, sharding in SCHEMES.items():
+        for name, sharding in NAMED_SHARDINGS.items():
             peak = data_parallel_peak(sharding, stage.flat.size, max(unit.size for unit in stage.units),
                                       self.world_size, len(stage.world.group_layout()[0]),
                                       itemsize=stage.flat.dtype.itemsize, state_kinds=stage.state_kinds,

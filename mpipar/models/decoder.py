@@ -47,7 +47,7 @@ from mpipar.layers import (
 from mpipar.layers.activations import _gelu
 from mpipar.layers.attention import _future_mask
 from mpipar.layers.norm import _row_dot
-from mpipar.model import Stage
+from mpipar.models.sequential import Stage
 
 
 class Decoder:

@@ -28,13 +28,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Mapping, TextIO
 
-from mpipar.config import progress_setting
 from mpipar.data import TOKEN_DATASETS
-from mpipar.metrics_file import MetricsFile
-from mpipar.runtime.memory import peak_rss_bytes
+from mpipar.report.metrics_file import MetricsFile
+from mpipar.runtime.memory_probe import peak_rss_bytes
+from mpipar.train.config import progress_setting
 
 if TYPE_CHECKING:  # only for annotations: the trainer imports this module's users
-    from mpipar.trainer import EvalResult, StepResult, Trainer
+    from mpipar.train.trainer import EvalResult, StepResult, Trainer
 
 BAR_SECONDS = 0.1  # the bar is redrawn at most this often: drawing every 2 ms step would cost time
 

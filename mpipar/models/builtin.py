@@ -28,7 +28,7 @@ from mpipar.layers import (
     Residual,
     TiedOutput,
 )
-from mpipar.model import Sequential
+from mpipar.models.sequential import Sequential
 
 MODELS = ("mlp", "cnn", "transformer")
 

@@ -30,8 +30,9 @@ from mpipar.comms.handle import comm_timeout_seconds, environment_timeout
 from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
 from mpipar.data import DATASETS, TOKEN_DATASETS
 from mpipar.errors import ConfigError
-from mpipar.models import MODELS
-from mpipar.optim import OPTIMIZERS, SCHEDULES
+from mpipar.models.builtin import MODELS
+from mpipar.optim.optimizers import OPTIMIZERS, SCHEDULES
+from mpipar.optim.precision import HALF_ON_CPU, PRECISIONS, Precision, check_precision
 from mpipar.options import (
     FloatRange,
     IntListType,
@@ -42,13 +43,12 @@ from mpipar.options import (
     SizeType,
     check,
 )
-from mpipar.precision import HALF_ON_CPU, PRECISIONS, Precision, check_precision
 from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
 from mpipar.schedule.mesh import Mesh
-from mpipar.schedule.sharding import DDP_MODES, SCHEMES, Sharding, default_units, parse_sharding
+from mpipar.schedule.sharding import DDP_MODES, NAMED_SHARDINGS, Sharding, default_units, parse_sharding
 from mpipar.schedule.strategies import STRATEGIES, Shape, Strategy, get_strategy, stages_on_several_workers
 
-CDP_SCHEMES = ("cdp-v1", "cdp-v2")
+CDP_RULES = ("cdp-v1", "cdp-v2")
 
 try:
     import tomllib
@@ -127,8 +127,8 @@ class TrainConfig:
                                     "when its norm is larger (0: no clipping)", FloatRange(0.0), "optimizer")
     scheme: str | None = _option(None, "how the ranks share the work: a data-parallel scheme (default ddp); with "
                                        "--stages a pipeline schedule; cdp-v1/cdp-v2 for Cyclic Data Parallelism "
-                                       "(docs/glossary.md)", LiveChoice(lambda: (*SCHEMES, *STRATEGIES, *CDP_SCHEMES)),
-                                 "parallelism")
+                                       "(docs/glossary.md)",
+                                 LiveChoice(lambda: (*NAMED_SHARDINGS, *STRATEGIES, *CDP_RULES)), "parallelism")
     shard: str | None = _option(None, "where parameters, gradients and optimizer state live, e.g. I,G,G (each N "
                                       "replicated, I sharded in a group, G sharded over all; instead of --scheme)",
                                 click.STRING, "parallelism")
@@ -194,9 +194,10 @@ class TrainConfig:
 
     def sharding(self) -> Sharding:
         """The (P, G, OS) scopes this run uses (with --stages: of each stage among its replicas)."""
-        if self.stages and self.shard is not None and "," not in self.shard and self.shard.lower() not in SCHEMES:
+        named = self.shard is not None and "," not in self.shard
+        if self.stages and named and self.shard.lower() not in NAMED_SHARDINGS:
             raise ConfigError(f"--shard {self.shard} with --stages names how replicas share a stage: "
-                              f"a data-parallel scheme ({', '.join(SCHEMES)}) or three letters such as I,G,G")
+                              f"a data-parallel scheme ({', '.join(NAMED_SHARDINGS)}) or three letters such as I,G,G")
         if self.stages:
             return parse_sharding(self.shard or "ddp")
         if self.scheme is not None and self.shard is not None:
@@ -219,7 +220,7 @@ class TrainConfig:
     @property
     def cyclic(self) -> bool:
         """Is this a Cyclic Data Parallelism run (the cyclic engine)?"""
-        return self.scheme in CDP_SCHEMES
+        return self.scheme in CDP_RULES
 
     def mesh(self, world_size: int) -> Mesh:
         """The ranks as pipeline workers x replicas (--replicas, filled by for_world). Data
@@ -315,7 +316,8 @@ class TrainConfig:
         check_precision(self.precision, self.device)
         if self.precision != Precision.FP32:
             self._validate_half_precision()
-        if self.ddp == "allgather-activations" and (self.cyclic or self.stages or self.sharding() != SCHEMES["ddp"]
+        if self.ddp == "allgather-activations" and (self.cyclic or self.stages
+                                                     or self.sharding() != NAMED_SHARDINGS["ddp"]
                                                      or self.device == "gpu" or self.collective == "2d"):
             this = ("--device gpu" if self.device == "gpu" else "--collective 2d (an all-reduce only)"
                     if self.collective == "2d" else f"--stages {self.stages}" if self.stages and not self.cyclic
@@ -386,7 +388,7 @@ class TrainConfig:
                               "PyTorch or JAX model keeps its own precision (torch.autocast, jmp)")
 
     def _validate_data_parallel(self, world_size: int) -> None:
-        if self.scheme in STRATEGIES and self.scheme not in SCHEMES:
+        if self.scheme in STRATEGIES and self.scheme not in NAMED_SHARDINGS:
             raise ConfigError(f"--scheme {self.scheme} is a pipeline schedule: give the number of stages with "
                               "--stages S")
         if self.loops != 1:
@@ -396,11 +398,11 @@ class TrainConfig:
             raise ConfigError(f"--replicas {self.replicas} copies a pipeline: give --stages S and a schedule "
                               "--scheme (data parallelism already uses every rank)")
         sharding = self.sharding()
-        if self.device == "gpu" and (sharding != SCHEMES["ddp"] or self.ddp != "naive"):
+        if self.device == "gpu" and (sharding != NAMED_SHARDINGS["ddp"] or self.ddp != "naive"):
             raise ConfigError(f"--scheme {sharding} --ddp {self.ddp} communicates host buffers during forward and "
                               "backward; on a GPU use --scheme ddp --ddp naive (gradients are summed once after "
                               "backward, from device memory on a CUDA-aware MPI, else through pinned host buffers)")
-        if self.collective == "2d" and sharding != SCHEMES["ddp"]:
+        if self.collective == "2d" and sharding != NAMED_SHARDINGS["ddp"]:
             raise ConfigError(f"--collective 2d is an all-reduce only; --scheme {sharding} also needs "
                               "reduce-scatter and all-gather: choose mpi, ring, hring or horing")
         _check_divisible(self.batch_size, world_size * self.micro_batches,

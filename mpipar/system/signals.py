@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 
-from mpipar.launch import launcher, rank_from_environment
+from mpipar.system.launch import launcher, rank_from_environment
 
 _OPEN_MPI_LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun")
 EXIT_GRACE = 0.5  # seconds a rank stays after writing its line, before it exits

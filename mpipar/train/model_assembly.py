@@ -1,0 +1,59 @@
+"""A run's model, assembled from its configuration: built in, or a user's PyTorch, JAX or mpipar builder.
+
+`configured_model` is where the trainer, CDP's reference loop and `mpipar estimate` build
+their model and loss; `chain_torch_layers` lets a stage's torch layers share one autograd
+graph where nothing happens between two of them (mpipar/adapters/torch_stage.py).
+
+Exercised by: mpipar train --model examples/torch_cnn.py:build;  python -m pytest tests/test_adapters.py
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from mpipar.adapters import build_user_model
+from mpipar.layers import SoftmaxCrossEntropy
+from mpipar.models.builtin import MODELS, build_model
+from mpipar.models.sequential import Sequential
+from mpipar.schedule.sharding import Scope
+
+if TYPE_CHECKING:
+    from mpipar.data.datasets import ImageDataset
+    from mpipar.data.tokens import TokenStream
+    from mpipar.train.config import TrainConfig
+
+
+def chain_torch_layers(stages, loss_fn, cfg: TrainConfig, world_size: int) -> None:
+    """Let each stage's torch layers form one autograd graph per micro-batch (TorchChain)
+    where nothing happens between two layers of a step: one process, parameters not
+    sharded (no unit is released between its forward and backward), no recomputation, no
+    split backward, not CDP; on the CPU or a GPU (tests/scripts/check_gpu.py checks it on
+    CUDA). A torch loss joins the last stage's chain. Elsewhere each layer keeps a graph
+    of its own."""
+    if world_size != 1 or "mpipar.adapters.torch_stage" not in sys.modules:
+        return
+    if (cfg.cyclic or cfg.recompute != "none" or cfg.sharding().parameters != Scope.REPLICATED
+            or cfg.strategy().split_backward or cfg.ddp == "allgather-activations"):
+        return
+    from mpipar.adapters.torch_stage import TorchChain, TorchLayer, TorchLoss
+    for stage in stages:
+        chain = TorchChain()
+        for layer in stage.layers:
+            if isinstance(layer, TorchLayer):
+                layer.chain = chain
+    if isinstance(loss_fn, TorchLoss):
+        loss_fn.chain = chain
+
+
+def configured_model(cfg: TrainConfig, train_set: ImageDataset | TokenStream) -> tuple[Sequential, object]:
+    """The model `cfg.model` names, built-in or a user's builder (PyTorch, JAX or mpipar layers),
+    and its loss: the builder's, else softmax cross-entropy. The Trainer, CDP's reference and
+    `mpipar estimate` all build their model here."""
+    if cfg.model in MODELS:
+        model = build_model(cfg.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
+                            hidden=cfg.hidden, dropout=cfg.dropout, width=cfg.width, heads=cfg.heads,
+                            blocks=cfg.blocks, tie_embeddings=cfg.tie_embeddings)
+        return model, SoftmaxCrossEntropy()
+    model, loss = build_user_model(cfg.model, train_set.input_shape, train_set.num_classes, cfg.seed)
+    return model, loss or SoftmaxCrossEntropy()
