@@ -12,12 +12,12 @@ import re
 import select
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 from mpipar.errors import ConfigError
 from mpipar.report import progress as report_module
+from mpipar.report.events import RunFacts
 from mpipar.report.progress import Report, progress_mode
 
 
@@ -49,28 +49,31 @@ def test_a_bad_progress_override_is_one_sentence():
         progress_mode(io.StringIO(), False, {"MPIPAR_PROGRESS": "sometimes"})
 
 
-def fake_trainer(total_steps: int = 46) -> SimpleNamespace:
-    return SimpleNamespace(config=SimpleNamespace(batch_size=32, epochs=2, dataset="digits", seq_len=64, peak_flops=0.0),
-                           total_steps=total_steps, memory=None)
+def digits_run(total_steps: int = 46) -> RunFacts:
+    """A run as the report sees it: built here, without a trainer."""
+    return RunFacts(model="mlp", dataset="digits", train_samples=1437, test_samples=360, parameter_count=13002,
+                    world_size=1, scheme="ddp (N,N,N)", placement=(), device="cpu", arithmetic="float32",
+                    batch_size=32, micro_batches=1, micro_batches_per_rank=True, total_steps=total_steps, epochs=2,
+                    tokens_per_sample=0, flops_per_sample=1e5, peak_flops=0.0, memory=None)
 
 
 def step_lines(text: str) -> list[int]:
     return [int(found) for found in re.findall(r"^step (\d+)/", text, flags=re.M)]
 
 
-def run_steps(report: Report, trainer, seconds_per_step: float, monkeypatch, share=None) -> None:
+def run_steps(report: Report, run: RunFacts, seconds_per_step: float, monkeypatch, share=None) -> None:
     clock = [1000.0]
     monkeypatch.setattr(report_module.time, "perf_counter", lambda: clock[0])
-    report._restart_clocks()
-    for step in range(trainer.total_steps):
+    report.start(run)
+    for step in range(run.total_steps):
         clock[0] += seconds_per_step
-        report.progress(step, 0, trainer, loss=0.5, accuracy=0.75, lr=1e-3, share=share)
+        report.progress(step, 0, loss=0.5, accuracy=0.75, lr=1e-3, share=share)
 
 
 def test_lines_come_every_log_every_steps_and_at_the_last(monkeypatch):
     stream = io.StringIO()
     report = Report(None, 10, stream, log_seconds=0.0)
-    run_steps(report, fake_trainer(), 0.01, monkeypatch)
+    run_steps(report, digits_run(), 0.01, monkeypatch)
     assert step_lines(stream.getvalue()) == [10, 20, 30, 40, 46]
     assert "\r" not in stream.getvalue() and stream.getvalue().endswith("\n")
     # 10 steps of 32 samples in 0.1 s
@@ -80,25 +83,27 @@ def test_lines_come_every_log_every_steps_and_at_the_last(monkeypatch):
 def test_log_seconds_brings_a_line_sooner(monkeypatch):
     stream = io.StringIO()
     report = Report(None, 10, stream, log_seconds=1.0)
-    run_steps(report, fake_trainer(), 0.3, monkeypatch)  # 1 s passes every 4th step (0.3 * 4 = 1.2)
+    run_steps(report, digits_run(), 0.3, monkeypatch)  # 1 s passes every 4th step (0.3 * 4 = 1.2)
     assert step_lines(stream.getvalue()) == [4, 8, 10, 14, 18, 20, 24, 28, 30, 34, 38, 40, 44, 46]
 
 
 def test_quiet_prints_no_progress(monkeypatch):
     stream = io.StringIO()
     report = Report(None, 1, stream, quiet=True)
-    run_steps(report, fake_trainer(), 0.01, monkeypatch)
-    assert stream.getvalue() == ""
+    run_steps(report, digits_run(), 0.01, monkeypatch)
+    assert stream.getvalue().splitlines() == [
+        "mpipar: mlp on digits (1437 train / 360 test), 13,002 parameters, 1 rank(s), scheme ddp (N,N,N), cpu float32, "
+        "global batch 32 in 1 micro-batch(es) per rank, 46 steps"], "--quiet keeps the start line and no progress"
 
 
 def test_a_cdp_line_says_whose_loss_it_shows(monkeypatch):
     stream = io.StringIO()
     report = Report(None, 46, stream)
-    run_steps(report, fake_trainer(), 0.01, monkeypatch, share=(1, 4))  # loss 0.5 from 1 of 4 micro-batches
+    run_steps(report, digits_run(), 0.01, monkeypatch, share=(1, 4))  # loss 0.5 from 1 of 4 micro-batches
     assert "loss ~2.0000 accuracy ~75.0% (rank 0's 1 of 4 micro-batches)" in stream.getvalue()
     stream = io.StringIO()
     report = Report(None, 46, stream)
-    run_steps(report, fake_trainer(), 0.01, monkeypatch, share=(0, 4))
+    run_steps(report, digits_run(), 0.01, monkeypatch, share=(0, 4))
     assert "loss (rank 0 computes none: summed at the epoch's end)" in stream.getvalue()
 
 

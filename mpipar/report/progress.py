@@ -26,15 +26,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Mapping, TextIO
+from typing import Mapping, TextIO
 
-from mpipar.data import TOKEN_DATASETS
+from mpipar.errors import ConfigError
+from mpipar.report.events import EvalResult, RunFacts, StepResult
 from mpipar.report.metrics_file import MetricsFile
 from mpipar.runtime.memory_probe import peak_rss_bytes
-from mpipar.train.config import progress_setting
-
-if TYPE_CHECKING:  # only for annotations: the trainer imports this module's users
-    from mpipar.train.trainer import EvalResult, StepResult, Trainer
 
 BAR_SECONDS = 0.1  # the bar is redrawn at most this often: drawing every 2 ms step would cost time
 
@@ -60,6 +57,18 @@ def human_seconds(seconds: float) -> str:
 def loss_text(loss: float) -> str:
     """4 decimals for a usual loss, 4 significant digits for a huge one (a diverging run)."""
     return f"{loss:.4f}" if abs(loss) < 1e4 else f"{loss:.4g}"
+
+
+PROGRESS_MODES = ("bar", "lines", "off")
+
+
+def progress_setting(environ: Mapping[str, str] = os.environ) -> str:
+    """$MPIPAR_PROGRESS, one of PROGRESS_MODES, or "" where it is unset; a ConfigError for any other value."""
+    chosen = environ.get("MPIPAR_PROGRESS", "").strip().lower()
+    if chosen and chosen not in PROGRESS_MODES:
+        raise ConfigError(f"MPIPAR_PROGRESS={chosen!r} is not one of {', '.join(PROGRESS_MODES)}; "
+                          "set one of those or unset it to let mpipar choose")
+    return chosen
 
 
 def progress_mode(stream: TextIO, quiet: bool, environ: Mapping[str, str] = os.environ) -> str:
@@ -90,6 +99,7 @@ class Report:
         self.log_every, self.log_seconds = log_every, log_seconds
         self.metrics = MetricsFile(metrics_path, append=append) if metrics_path else None
         self.bar_drawn = False  # a bar is on screen: the next line must start on a new one
+        self.run: RunFacts | None = None  # given by start()
         self._restart_clocks()
 
     @classmethod
@@ -110,40 +120,38 @@ class Report:
         self.stream.write(text + "\n")
         self.stream.flush()
 
-    def start(self, trainer: Trainer) -> None:
-        cfg = trainer.config
-        arithmetic = cfg.dtype if cfg.precision == "fp32" else f"{cfg.precision} with {cfg.dtype} master weights"
-        self._print(f"mpipar: {cfg.model} on {cfg.dataset} ({len(trainer.train_set)} train / "
-                    f"{len(trainer.test_set)} test), {trainer.parameter_count:,} parameters, {trainer.world_size} "
-                    f"rank(s), scheme {trainer.scheme.name}, {cfg.device} {arithmetic}, global batch "
-                    f"{cfg.batch_size} in {cfg.micro_batches} micro-batch(es)"
-                    f"{'' if cfg.stages or cfg.cyclic else ' per rank'}, "
-                    f"{trainer.total_steps} steps")
-        for line in trainer.scheme.placement:  # a composed run: which ranks form each pipeline and replica group
+    def start(self, run: RunFacts) -> None:
+        """The run begins: its first line, and the facts every later line reads."""
+        self.run = run
+        self._print(f"mpipar: {run.model} on {run.dataset} ({run.train_samples} train / {run.test_samples} test), "
+                    f"{run.parameter_count:,} parameters, {run.world_size} rank(s), scheme {run.scheme}, "
+                    f"{run.device} {run.arithmetic}, global batch {run.batch_size} in {run.micro_batches} "
+                    f"micro-batch(es){' per rank' if run.micro_batches_per_rank else ''}, {run.total_steps} steps")
+        for line in run.placement:
             self._print(line)
         self._restart_clocks()
 
-    def step(self, result: StepResult, trainer: Trainer) -> None:
+    def step(self, result: StepResult) -> None:
         """A step whose loss is summed over all ranks: its metrics event, and progress when due."""
-        self.record(result, trainer)
-        self.progress(result.step, result.epoch, trainer, loss=result.loss, accuracy=result.accuracy, lr=result.lr)
+        self.record(result)
+        self.progress(result.step, result.epoch, loss=result.loss, accuracy=result.accuracy, lr=result.lr)
 
-    def record(self, result: StepResult, trainer: Trainer) -> None:
+    def record(self, result: StepResult) -> None:
         """The metrics event of a step (exact: its loss summed over all ranks)."""
         if not self.metrics:
             return
-        memory = trainer.memory
-        rate = trainer.config.batch_size / result.seconds if result.seconds else None
+        run, memory = self.run, self.run.memory
+        rate = run.batch_size / result.seconds if result.seconds else None
         self.metrics.write("step", {"step": result.step + 1, "epoch": result.epoch + 1, "loss": result.loss,
                                     "accuracy": result.accuracy, "lr": result.lr, "samples_per_s": rate,
-                                    **({"tokens_per_s": rate * trainer.config.seq_len}
-                                       if rate and trainer.config.dataset in TOKEN_DATASETS else {}),
-                                    **({"mfu": rate * trainer.training_flops_per_sample / trainer.config.peak_flops}
-                                       if rate and trainer.config.peak_flops else {}),
+                                    **({"tokens_per_s": rate * run.tokens_per_sample}
+                                       if rate and run.tokens_per_sample else {}),
+                                    **({"mfu": rate * run.flops_per_sample / run.peak_flops}
+                                       if rate and run.peak_flops else {}),
                                     **({"mem_live_bytes": memory.live_bytes(), "mem_peak_bytes": memory.peak_bytes()}
                                        if memory else {})})
 
-    def progress(self, step: int, epoch: int, trainer: Trainer, *, loss: float | None, accuracy: float | None,
+    def progress(self, step: int, epoch: int, *, loss: float | None, accuracy: float | None,
                  lr: float, share: tuple[int, int] | None = None) -> None:
         """Step `step` is done on rank 0: show it when a line (or a redraw) is due.
 
@@ -151,8 +159,8 @@ class Report:
         loss rank 0 computed (Cyclic Data Parallelism during an epoch); None: from all of them."""
         if self.mode == "off":
             return
-        self.window_samples += trainer.config.batch_size
-        done, total, now = step + 1, trainer.total_steps, time.perf_counter()
+        self.window_samples += self.run.batch_size
+        done, total, now = step + 1, self.run.total_steps, time.perf_counter()
         if self.mode == "bar":
             due = now - self.last_draw >= BAR_SECONDS
         else:
@@ -161,9 +169,9 @@ class Report:
             return
         rate = self.window_samples / (now - self.window_start) if now > self.window_start else 0.0
         eta = human_seconds((now - self.started) / done * (total - done))  # evaluations included, pro rata
-        fields = (f"step {done}/{total} epoch {epoch + 1}/{trainer.config.epochs} "
-                  f"{self._measured(loss, accuracy, share)} lr {lr:.3g} {self._throughput(rate, trainer)} "
-                  f"ETA {eta} {self._memory(trainer)}")
+        fields = (f"step {done}/{total} epoch {epoch + 1}/{self.run.epochs} "
+                  f"{self._measured(loss, accuracy, share)} lr {lr:.3g} {self._throughput(rate)} "
+                  f"ETA {eta} {self._memory()}")
         if self.mode == "bar":
             width = 24
             filled = width * done // total
@@ -186,20 +194,18 @@ class Report:
         return (f"loss ~{loss_text(loss * count / computed)} accuracy ~{accuracy:.1%} "
                 f"(rank 0's {computed} of {count} micro-batches)")
 
-    @staticmethod
-    def _throughput(samples_per_s: float, trainer: Trainer) -> str:
+    def _throughput(self, samples_per_s: float) -> str:
         """samples/s; for a language model tokens/s; with --peak-flops the model FLOPs utilisation."""
-        cfg = trainer.config
-        words = (f"{samples_per_s * cfg.seq_len:,.0f} tokens/s" if cfg.dataset in TOKEN_DATASETS
+        run = self.run
+        words = (f"{samples_per_s * run.tokens_per_sample:,.0f} tokens/s" if run.tokens_per_sample
                  else f"{samples_per_s:.0f} samples/s")
-        if cfg.peak_flops:
-            words += f" MFU {samples_per_s * trainer.training_flops_per_sample / cfg.peak_flops:.1%}"
+        if run.peak_flops:
+            words += f" MFU {samples_per_s * run.flops_per_sample / run.peak_flops:.1%}"
         return words
 
-    @staticmethod
-    def _memory(trainer: Trainer) -> str:
-        if trainer.memory:
-            return f"allocator peak {human_bytes(trainer.memory.peak_bytes())}"
+    def _memory(self) -> str:
+        if self.run.memory:
+            return f"allocator peak {human_bytes(self.run.memory.peak_bytes())}"
         return f"peak RSS {human_bytes(peak_rss_bytes())}"
 
     def warn(self, message: str) -> None:
@@ -211,7 +217,7 @@ class Report:
         sys.stderr.write(f"mpipar: warning: {message}\n")
         sys.stderr.flush()
 
-    def evaluation(self, result: EvalResult, trainer: Trainer) -> None:
+    def evaluation(self, result: EvalResult) -> None:
         """An evaluation, just done: samples/s restarts after it (evaluating is not training)."""
         if self.metrics:
             self.metrics.write("eval", {"step": result.step, "epoch": result.epoch + 1, "loss": result.loss,
@@ -220,7 +226,7 @@ class Report:
                     f"accuracy {result.accuracy:.2%}")
         self.window_start, self.window_samples = time.perf_counter(), 0
 
-    def done(self, summary: dict, trainer: Trainer) -> None:
+    def done(self, summary: dict) -> None:
         if self.metrics:
             self.metrics.write("done", summary)
             self.metrics.close()

@@ -43,6 +43,7 @@ from mpipar.options import (
     SizeType,
     check,
 )
+from mpipar.report.progress import progress_setting
 from mpipar.schedule.cyclic import LAYOUTS, check_layout, ranks_for
 from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.sharding import DDP_MODES, NAMED_SHARDINGS, Sharding, default_units, parse_sharding
@@ -474,18 +475,6 @@ def _check_divisible(batch_size: int, parts: int, what: str, micro_batches: int 
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-
-
-PROGRESS_MODES = ("bar", "lines", "off")  # $MPIPAR_PROGRESS: how rank 0 shows progress (report.py)
-
-
-def progress_setting(environ) -> str:
-    """$MPIPAR_PROGRESS, one of PROGRESS_MODES, or "" where it is unset; a ConfigError for any other value."""
-    chosen = environ.get("MPIPAR_PROGRESS", "").strip().lower()
-    if chosen and chosen not in PROGRESS_MODES:
-        raise ConfigError(f"MPIPAR_PROGRESS={chosen!r} is not one of {', '.join(PROGRESS_MODES)}; "
-                          "set one of those or unset it to let mpipar choose")
-    return chosen
 
 
 def check_environment(environ) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -60,6 +59,7 @@ from mpipar.optim.tying import TiedGradients, tied_copies
 from mpipar.options import recompute_segment
 from mpipar.predict.peak import ActivationBytes, Peak, dry_run, plan_peak
 from mpipar.report.divergence import DivergenceWatch, non_finite_advice
+from mpipar.report.events import EvalResult, RunFacts, StepResult
 from mpipar.runtime.executor import Executor
 from mpipar.runtime.gathered_activations import gathered_bytes
 from mpipar.runtime.memory_probe import available_bytes, make_probe, peak_rss_bytes
@@ -69,25 +69,6 @@ from mpipar.train.config import TrainConfig
 from mpipar.train.model_assembly import chain_torch_layers, configured_model
 from mpipar.train.scheme import scheme_for
 from mpipar.units import format_bytes
-
-
-@dataclass
-class StepResult:
-    step: int
-    epoch: int
-    loss: float
-    accuracy: float
-    lr: float
-    seconds: float
-
-
-@dataclass
-class EvalResult:
-    epoch: int
-    loss: float
-    accuracy: float
-    step: int  # steps done when it was taken
-
 
 DEFAULT_EVAL_BATCHES = 20  # a token stream's evaluation sample, in global batches (--eval-batches)
 EVAL_SAMPLE_STREAM = 104729  # keeps the evaluation sample's random stream apart from the data order's
@@ -342,7 +323,7 @@ class Trainer:
                 break
             result = self.train_step(step, epoch, step_in_epoch)
             if report:
-                report.step(result, self)
+                report.step(result)
             if watch:  # every rank: the loss is summed over all of them, so they all decide alike
                 watch.observe(result.step, result.loss, result.lr)
             step += 1
@@ -355,7 +336,7 @@ class Trainer:
         if self.config.eval_every and step % self.config.eval_every == 0 and step < self.total_steps:
             evaluation = self.evaluate(epoch, step)
             if report:
-                report.evaluation(evaluation, self)
+                report.evaluation(evaluation)
 
     def micro_batch_loader(self, epoch: int):
         """`load(step, micro_batch)`: the inputs and targets of one micro-batch of the global batch
@@ -394,7 +375,7 @@ class Trainer:
         cfg = self.config
 
         def progress(step: int, mine, computed: int) -> None:  # mine: this rank's [loss, correct, predictions]
-            report.progress(step, epoch, self, loss=float(mine[0]), accuracy=float(mine[1] / max(mine[2], 1)),
+            report.progress(step, epoch, loss=float(mine[0]), accuracy=float(mine[1] / max(mine[2], 1)),
                             lr=self.lr_at(step), share=(computed, cfg.micro_batches))
 
         start = time.perf_counter()
@@ -411,7 +392,7 @@ class Trainer:
             result = StepResult(first_step + offset, epoch, float(loss), float(correct / predictions),
                                 self.lr_at(first_step + offset), seconds)
             if report:
-                report.record(result, self)
+                report.record(result)
             if watch:
                 watch.observe(result.step, result.loss, result.lr)
         self.checkpoints.after_steps(first_step + steps, summed[-FLAGS:])
@@ -487,6 +468,20 @@ class Trainer:
                 "allocator_peak_bytes": figures[:, 1].astype(int).tolist() if self.memory else None,
                 "predicted_peak_bytes": figures[:, 2].astype(int).tolist()}
 
+    def run_facts(self) -> RunFacts:
+        """What the report says of this run (report/events.py)."""
+        cfg = self.config
+        return RunFacts(model=cfg.model, dataset=cfg.dataset, train_samples=len(self.train_set),
+                        test_samples=len(self.test_set), parameter_count=self.parameter_count,
+                        world_size=self.world_size, scheme=self.scheme.name, placement=tuple(self.scheme.placement),
+                        device=cfg.device, arithmetic=cfg.dtype if cfg.precision == "fp32" else
+                        f"{cfg.precision} with {cfg.dtype} master weights", batch_size=cfg.batch_size,
+                        micro_batches=cfg.micro_batches, micro_batches_per_rank=not (cfg.stages or cfg.cyclic),
+                        total_steps=self.total_steps, epochs=cfg.epochs,
+                        tokens_per_sample=cfg.seq_len if isinstance(self.train_set, TokenStream) else 0,
+                        flops_per_sample=self.training_flops_per_sample, peak_flops=cfg.peak_flops or 0.0,
+                        memory=self.memory)
+
     def run(self, report=None) -> dict:
         """Train for the configured epochs (or max steps), evaluating after each epoch.
 
@@ -496,7 +491,7 @@ class Trainer:
         """
         cfg = self.config
         if report:
-            report.start(self)
+            report.start(self.run_facts())
         started = time.perf_counter()
         step, evaluation = self.start_step, None
         watch = DivergenceWatch(lr=cfg.lr, stop=bool(cfg.stop_on_divergence), warn=report.warn if report else None)
@@ -508,7 +503,7 @@ class Trainer:
             if not cfg.eval_every or step >= self.total_steps:  # --eval-every K: every K steps, and at the end
                 evaluation = self.evaluate(epoch, step)
                 if report:
-                    report.evaluation(evaluation, self)
+                    report.evaluation(evaluation)
             if step >= self.total_steps:
                 break
         self.checkpoints.after_steps(step, np.zeros(FLAGS), final=True)
@@ -528,5 +523,5 @@ class Trainer:
                                           "library": counts.library_bytes, "received": counts.received_bytes}
                                   for phase, counts in self.counted.traffic.by_phase.items()}}
         if report:
-            report.done(summary, self)
+            report.done(summary)
         return summary
