@@ -184,8 +184,8 @@ def test_graph_sees_the_package():
     assert {"mpipar", "mpipar.train.cdp_reference", "mpipar.train.config", "mpipar.schedule.cyclic"} <= set(graph)
     assert "mpipar.errors" in graph["mpipar.schedule.cyclic"]
     assert "mpipar.cli.cdp" in graph["mpipar.cli"]  # a package importing its submodule is an edge
-    assert "mpipar.train.trainer" in graph["mpipar.report.progress"]  # under TYPE_CHECKING
-    assert "mpipar.train.trainer" not in import_graph(typing_only=False)["mpipar.report.progress"]
+    assert "mpipar.runtime.executor" in graph["mpipar.train.checkpoints"]  # under TYPE_CHECKING
+    assert "mpipar.runtime.executor" not in import_graph(typing_only=False)["mpipar.train.checkpoints"]
 
 
 def test_which_imports_are_edges(tmp_path):
@@ -219,17 +219,23 @@ def test_no_import_cycles():
                         + "\n".join("  " + describe(cycle, runtime) for cycle in cycles))
 
 
-# The folders' layering (docs/architecture.md): a folder may import from the ones it sits on,
-# never from one that sits on it. The layers and the pebble-graph cache know nothing of
-# schedules; the compiler knows nothing of the runtime or the predictions; the predictions
-# read plans, never the runtime that runs them.
-NEVER_IMPORTS = {
-    "mpipar.layers": ("mpipar.schedule", "mpipar.runtime", "mpipar.predict", "mpipar.comms"),
-    "mpipar.cache": ("mpipar.schedule", "mpipar.runtime", "mpipar.predict", "mpipar.layers"),
-    "mpipar.comms": ("mpipar.schedule", "mpipar.runtime", "mpipar.predict"),
-    "mpipar.schedule": ("mpipar.runtime", "mpipar.predict", "mpipar.train.trainer", "mpipar.train.config"),
-    "mpipar.predict": ("mpipar.runtime", "mpipar.train.trainer"),
-}
+# The parts' layering (docs/architecture.md), the path of a step from the bottom up: a part may
+# import the parts before it in LAYERS, never one after it. The layers and the pebble-graph
+# cache know nothing of schedules; the compiler knows nothing of the runtime or the predictions;
+# the predictions read plans, never the runtime that runs them, and the runtime is handed its
+# prediction and its step timer (SIBLINGS: neither imports the other).
+LAYERS = ("errors", "units", "backend", "system", "options", "cache", "layers", "data", "comms", "checkpoint",
+          "models", "optim", "schedule", "predict", "runtime", "adapters", "report", "train", "cli")
+SIBLINGS = {"runtime": ("predict",)}
+NEVER_IMPORTS = {f"mpipar.{part}": tuple(f"mpipar.{above}" for above in LAYERS[index + 1:] + SIBLINGS.get(part, ()))
+                 for index, part in enumerate(LAYERS)}
+
+
+def test_every_part_of_the_package_has_its_row():
+    parts = {path.stem for path in ROOT.iterdir()
+             if (path.suffix == ".py" or (path / "__init__.py").exists()) and not path.name.startswith("__")}
+    assert parts == set(LAYERS), f"parts without a row in LAYERS: {parts - set(LAYERS)}; rows of no part: " \
+                                 f"{set(LAYERS) - parts}"
 
 
 def _under(module: str, folder: str) -> bool:

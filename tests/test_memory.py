@@ -86,7 +86,7 @@ def test_a_probe_stops_only_the_tracing_it_started():
 
 def test_rss_grows_when_a_large_array_is_touched():
     before = rss_bytes()
-    # A fresh mapping, not the heap: mpipar keeps freed heap memory resident (allocator.py),
+    # A fresh mapping, not the heap: mpipar keeps freed heap memory resident (system/malloc.py),
     # so an array from the heap may land on pages that were resident already
     mapping = mmap.mmap(-1, 64 * MB)
     array = np.frombuffer(mapping, dtype=np.uint8)

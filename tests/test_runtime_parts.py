@@ -80,7 +80,7 @@ def test_runtime_files_stay_short():
 
 
 SCHEME_FAMILY = {"cyclic", "stages", "replicas", "scheme", "ddp", "cdp_layout", "shard", "split_backward"}
-TRAINER = RUNTIME.parent / "trainer.py"
+TRAINER = RUNTIME.parent / "train" / "trainer.py"
 
 
 def scheme_branches(source: str) -> tuple[list[str], list[str]]:
@@ -100,7 +100,7 @@ def scheme_branches(source: str) -> tuple[list[str], list[str]]:
 
 def test_the_trainer_asks_the_scheme_instead_of_branching_on_its_family():
     on_family, on_plan = scheme_branches(TRAINER.read_text())
-    assert not on_family, f"the Trainer branches on a scheme family's options: {on_family} (schemes.py answers)"
+    assert not on_family, f"the Trainer branches on a scheme family's options: {on_family} (train/scheme.py answers)"
     assert len(on_plan) <= 2, f"the Trainer branches on the plan's properties {len(on_plan)} times: {on_plan}"
 
 

@@ -3,5 +3,7 @@
     format.py   the files on disk: safetensors shards and the manifest
     layout.py   which rank writes which range; where a loading rank finds what it needs
     store.py    the atomic save, finding a checkpoint to resume, loading
-    resume.py   the trainer's side: what a checkpoint records of a run, and putting it back
+
+The trainer's side (when to save, what a checkpoint records of a run, resuming) is
+mpipar/train/checkpoints.py.
 """

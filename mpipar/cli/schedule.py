@@ -15,7 +15,7 @@ the same programs lowered to what the executor runs (plans.py: items made, sent,
 and a shared stage's sharding flow unit by unit: gathers, reductions, publishes). With
 `--replicas D` the ranks are D copies of a pipeline of W/D workers (mesh.py): the
 placement is printed, and each `--programs` line of a shared stage says what its replica
-group does there under `--shard` (schedule/sharding_flow.py writes it out in `--items`). The
+group does there under `--shard` (schedule/flow.py writes it out in `--items`). The
 options are `mpipar train`'s names for the same things; the short -W -S -B -G are the
 letters of docs/schedule.md and docs/glossary.md.
 
@@ -137,7 +137,7 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
 
 
 def replica_flow(instruction, sharding: Sharding, replicas: int, last: bool) -> str:
-    """What a shared stage's replica group does around `instruction` (schedule/sharding_flow.py):
+    """What a shared stage's replica group does around `instruction` (schedule/flow.py):
     P gathered for each job where it is sharded, each micro-batch's gradient taken to G's
     scope, after the stage's last backward to OS's, and after the update P published again."""
     P, G, OS = sharding.triple

@@ -22,7 +22,7 @@ another rank's write left out is computed again.
 
 `partial_identity` is identity version 1 of token data (the meta and the first and last
 MiB of each .bin), what checkpoints that record no identity version hold: it serves only
-to compare the data with such a checkpoint (checkpoint/resume.py).
+to compare the data with such a checkpoint (train/checkpoints.py).
 
 Exercised by: python -m pytest tests/test_token_errors.py tests/test_token_fingerprints.py
 """

@@ -1,6 +1,6 @@
 """The transformer's forward for generation: new positions against cached keys and values.
 
-Training runs the layers one by one (model.py), each saving what its backward needs. To
+Training runs the layers one by one (models/sequential.py), each saving what its backward needs. To
 generate, a new token needs only its own row through every block, attending to the keys
 and values that the earlier positions left in a cache. That is a different computation,
 and for one token the layers' generic machinery (shape checks, buffers sized for batches,
@@ -65,8 +65,8 @@ class Decoder:
             self.final_norm = _check(final_norm, LayerNorm)
             self.output = _check(output, (Linear, TiedOutput))
         except (ValueError, IndexError, TypeError, AttributeError) as error:
-            raise ConfigError(f"generation needs mpipar's transformer (models.py); this model does not have its "
-                              f"layers ({error})") from None
+            raise ConfigError(f"generation needs mpipar's transformer (models/builtin.py); this model does not have "
+                              f"its layers ({error})") from None
         self.capacity = positions.max_len
         self.position = 0  # positions already in the cache
 

@@ -1,7 +1,7 @@
 """What a scheme costs before you run it: bytes per rank (seed 004, Table 1) and bytes sent per step (Table 2).
 
 Memory is `sharding.bytes_per_rank`. Communication follows the flow of
-the sharding flow (schedule/sharding_flow.py) step by step, for one optimizer step of s micro-batches, summed
+the sharding flow (schedule/flow.py) step by step, for one optimizer step of s micro-batches, summed
 over all N ranks (as seed 004's Table 2) and split intra-group / inter-group. With
 Psi parameters of b bytes, g = N / M groups, and every collective a ring:
 

@@ -15,16 +15,13 @@ instructions of schedule/instructions.py, and it runs them, one handler each:
     EndTimeStep      complete the sends of the buffers dropped in this time step, let messages
                      progress; record live activation bytes (CDP's Fig. 4 timeline)
     GatherUnit, KeepSecondary, ReleaseUnit, ReduceUnit, PublishUnit
-                     the sharding flow of a shared stage (schedule/sharding_flow.py places them):
+                     the sharding flow of a shared stage (schedule/flow.py places them):
                      post a unit's all-gather, keep ZeRO++'s secondary copy of it, free it, post
                      its gradient's reduction, publish P
 
-Pipelines run one step at a time: `run_step` (every instruction before the updates),
-`finish_gradients`, then `step(lr)` once the trainer knows the summed loss is finite.
-CDP runs many steps at a time with `run_steps`, its steps overlapping. The executor is
-composed of parts, each handed what it reads: `items` (item_store.py), `jobs` (jobs.py),
-`shared` (sharded_stage.py) and `whole_model` (whole_model.py: evaluation, the full
-parameters, checkpoint pieces).
+Pipelines run a step at a time: `run_step` (all before the updates), `finish_gradients`,
+`step(lr)` once the summed loss is finite; CDP runs many overlapping steps with `run_steps`.
+Its parts are each handed what they read: `items`, `jobs`, `shared` and `whole_model`.
 
 Exercised by: mpiexec -n 4 mpipar train --scheme 1f1b --stages 2 --shard zero3
               mpiexec -n 4 mpipar train --scheme cdp-v2 --cdp-layout dp --micro-batches 4
@@ -81,11 +78,8 @@ GATHER_PHASE = {FORWARD: "forward-gather", BACKWARD: "backward-gather"}
 StepDone = Callable[[int, np.ndarray, int], None]
 
 
-class StepTimer(Protocol):
-    """What times each part of the steps (report/step_split.py's StepSplit), handed in from above."""
-
+class StepTimer(Protocol):  # times each part of the steps: report/step_split.py's StepSplit, handed in
     def add(self, part: str, seconds: float) -> None: ...
-
     def execute(self, instructions: list, run: Callable[[object], None]) -> None: ...
 
 
@@ -134,10 +128,13 @@ class Executor:
         self.first_step, self.lr_at = 0, None
         self.totals, self.losses_computed = np.zeros((0, 3)), np.zeros(0, dtype=int)
 
+    def start_at(self, step: int) -> None:
+        """Hold the weights as items of `step` (a resumed run's first): they are items of a step."""
+        self.items.start_at(step)
+
     def peak_facts(self, rank: int | None = None) -> dict[str, int | list[int]]:
-        """What predicting `rank`'s peak (this one's by default) needs beyond the plan: the keyword
-        arguments of predict/peak.py's plan_peak. The prediction is the caller's to make: the
-        runtime measures, it does not import what predicts it."""
+        """What predicting `rank`'s peak (default: this one's) needs beyond the plan, as keyword arguments
+        of predict/peak.py's plan_peak: the caller predicts; the runtime does not import what predicts it."""
         rank = self.comm.rank if rank is None else rank
         group = len(self.comm.subset_layout(self.mesh.replica_group(self.mesh.worker(rank)))[0])
         units = [max((last - first for _, _, first, last in make_units(stage, self.unit_bytes)), default=0)

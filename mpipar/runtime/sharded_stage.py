@@ -3,8 +3,8 @@
 Every scheme — DDP, ZeRO-1/2/3, MiCS, PaRO-NIG/IIG/IGG or any valid triple (see
 sharding.py) — is one flow, run per unit (a run of consecutive layers, see
 sharding.make_units). The *order* of the flow is instructions, written in one place
-(schedule/sharding_flow.py) and run by the executor; this file holds one method per
-instruction, acting on this rank's blocks of P, G and OS (its `state`, sharded_state.py):
+(schedule/flow.py) and run by the executor; this file holds one method per
+instruction, acting on this rank's blocks of P, G and OS (its `state`, stage_blocks.py):
 
     GatherUnit   gather     P not N: all-gather a unit's P from its scope into a full buffer
     Compute      enter      wait for that gather and point the layers at it
@@ -140,7 +140,7 @@ class ShardedStage:
         """Post the all-gather of `unit`'s parameters into a full buffer (once per use), from
         P's scope or from ZeRO++'s secondary copy inside the group."""
         if unit in self.gathered:
-            raise RuntimeError(f"unit {unit} is gathered twice without a release between (sharding_flow.py)")
+            raise RuntimeError(f"unit {unit} is gathered twice without a release between (schedule/flow.py)")
         full = self._allocate("parameters", self.units[unit].size)
         if from_secondary:
             comm, mine = self.intra, self.state.secondary_store[self.state.secondary(self.units[unit])]
@@ -249,7 +249,7 @@ class ShardedStage:
 
     # -- parameters: published from OS's scope back to P's -------------------------------
     def _publish(self, unit: Unit) -> Chain:
-        """`unit`'s parameters from OS's scope to P's, where P's is wider (sharding_flow.py asks)."""
+        """`unit`'s parameters from OS's scope to P's, where P's is wider (schedule/flow.py asks)."""
         P, OS = self.sharding.parameters, self.sharding.optimizer_state
         mine = self.state.parameters
         if not self.sharding.nested:  # ZeRO-1/2: one global all-gather, in place

@@ -6,7 +6,7 @@
     sharding.py        the (P, G, OS) triples of the sharding schemes, their layouts and units
     instructions.py    every instruction a program is made of, each with its docstring
     program.py         lowering a strategy and a shape to one Program per rank
-    sharding_flow.py   where a shared stage's gathers, releases, reductions and publishes go
+    flow.py            where a shared stage's gathers, releases, reductions and publishes go
     cyclic.py          Cyclic Data Parallelism's timetable and homes of its items
     cyclic_compiler.py walking that timetable into one program per rank
     plans.py           what the executor runs: a rank's program for a run of steps, and where

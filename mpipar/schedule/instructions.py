@@ -16,7 +16,7 @@ dataclasses. There are two levels, and one executor (executor.py):
                     (cyclic_compiler.py) writes them directly, updates interleaved per stage
 
 A stage shared by its replica group runs as units of layers, and the sharding flow of its
-triple is instructions too (schedule/sharding_flow.py writes them): GatherUnit before a
+triple is instructions too (schedule/flow.py writes them): GatherUnit before a
 unit's Compute, ReleaseUnit after it, ReduceUnit as a backward unit finishes, Update on the
 rank's OS blocks, PublishUnit after it. sharded_stage.py holds the state they act on.
 
@@ -261,7 +261,7 @@ class EndTimeStep:
     time: int
 
 
-# -- the sharding flow of a stage shared by its replica group (schedule/sharding_flow.py) --------
+# -- the sharding flow of a stage shared by its replica group (schedule/flow.py) --------
 
 @dataclass(frozen=True, slots=True)
 class GatherUnit:

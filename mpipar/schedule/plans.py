@@ -17,7 +17,7 @@ that consumes it or once sent; a stage's held weights are w(stage, step), a copy
 for one job is f(stage, job); a job's gradient adds into g(stage, step); the optimizer step
 is one Update per held stage, after which the old gradient and weights are dropped. A
 stage shared by its replica group lowers instead to the sharding flow of its triple, unit
-by unit (schedule/sharding_flow.py): gathers, computes, releases and reductions per job, and
+by unit (schedule/flow.py): gathers, computes, releases and reductions per job, and
 its Update followed by the publishing of P.
 
 Exercised by: python -m pytest tests/test_plans.py
@@ -122,7 +122,7 @@ def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Shardin
           prefetch: int = 1) -> tuple[tuple, int]:
     """A pipeline worker's program as item instructions (of step 0), and where its update part
     starts. `shared` maps each stage its replica group shares to its number of units: its jobs
-    and update become the sharding flow of `sharding` (schedule/sharding_flow.py), and its
+    and update become the sharding flow of `sharding` (schedule/flow.py), and its
     weights and gradients are that flow's, not items."""
     jobs = [(i.stage, isinstance(i, Backward)) for i in program if isinstance(i, (Forward, Backward))]
     first = {job: jobs.index(job) for job in set(jobs)}  # a shared stage's first and last job of a direction

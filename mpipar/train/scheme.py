@@ -47,6 +47,7 @@ class Scheme:
     """What every family answers; the subclasses below say how."""
 
     splits_backward = False
+    micro_batches_per_rank = False  # each rank cuts its share of the batch (data parallelism), not the whole batch
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
@@ -138,6 +139,8 @@ class Pipeline(Scheme):
 class DataParallel(Pipeline):
     """One stage on one worker, replicated on every rank and shared by a sharding triple."""
 
+    micro_batches_per_rank = True
+
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
         super().__init__(config, rank, world_size)
         self.name = str(config.sharding())
@@ -158,13 +161,12 @@ class DataParallel(Pipeline):
         """Over the limit: name the data-parallel schemes that would fit."""
         if predicted.total <= limit:
             return None
-        stage, fits = engine.shared[0], []  # the stage's sharding flow, one stage on every rank
+        facts, fits = engine.peak_facts(), []  # one stage, shared by every rank
         for name, sharding in NAMED_SHARDINGS.items():
-            peak = data_parallel_peak(sharding, stage.flat.size, max(unit.size for unit in stage.units),
-                                      self.world_size, len(stage.world.group_layout()[0]),
-                                      itemsize=stage.flat.dtype.itemsize, state_kinds=stage.state_kinds,
-                                      training=activations[0], evaluation=activations[1],
-                                      prefetch=engine.plan.prefetch)
+            peak = data_parallel_peak(sharding, engine.plan.stage_sizes[0], facts["largest_units"][0],
+                                      self.world_size, facts["group"], itemsize=facts["itemsize"],
+                                      state_kinds=facts["state_kinds"], training=activations[0],
+                                      evaluation=activations[1], prefetch=engine.plan.prefetch)
             if peak.total <= limit:
                 fits.append(f"{name} ({format_bytes(peak.total)})")
         advice = (f"; {' or '.join(fits)} fit" if fits else

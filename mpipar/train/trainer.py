@@ -15,10 +15,10 @@ order of floating-point additions). The micro-batches run as the rank's program 
 one executor (executor.py, plans.py): data parallelism is the program of one stage on one
 worker, replicated on every rank; a pipeline's is its strategy's. How gradients are summed
 and where parameters, gradients and optimizer state live is the sharding flow's business
-(schedule/sharding_flow.py, runtime/sharded_stage.py): the same loop runs DDP, ZeRO-3,
+(schedule/flow.py, runtime/sharded_stage.py): the same loop runs DDP, ZeRO-3,
 PaRO-IIG or 1F1B x ZeRO-3. Cyclic Data Parallelism runs on the same executor in runs of up
 to 40 steps (plan.longest_run), as its steps overlap. What differs between the families
-(stages, plan, name, memory verdicts) the Trainer asks of its scheme (schemes.py).
+(stages, plan, name, memory verdicts) the Trainer asks of its scheme (train/scheme.py).
 
 Exercised by: mpipar train   (and python -m pytest tests/test_trainer.py)
 """
@@ -35,7 +35,6 @@ import numpy as np
 from mpipar.adapters import cpu_updates
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache, Context
-from mpipar.checkpoint.resume import FLAGS, Checkpoints
 from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
 from mpipar.comms.device import device_wire
 from mpipar.comms.handle import set_default_timeout
@@ -65,6 +64,7 @@ from mpipar.runtime.gathered_activations import gathered_bytes
 from mpipar.runtime.memory_probe import available_bytes, make_probe, peak_rss_bytes
 from mpipar.schedule.plans import replica_shared_stages
 from mpipar.schedule.sharding import compute_spans, unit_bytes_for
+from mpipar.train.checkpoints import FLAGS, CheckpointedRun, Checkpoints
 from mpipar.train.config import TrainConfig
 from mpipar.train.model_assembly import chain_torch_layers, configured_model
 from mpipar.train.scheme import scheme_for
@@ -99,7 +99,11 @@ class Trainer:
         self.predicted = self._predicted_peak()
         if config.memory_limit is not None:
             self._check_memory_limit(config.memory_limit)
-        self.checkpoints = Checkpoints(self)
+        self.checkpoints = Checkpoints(CheckpointedRun(
+            config=self.config, comm=self.comm, engine=self.engine, stages=self.stages,
+            dtype_name=self.backend.dtype.name, parameter_count=self.parameter_count,
+            steps_per_epoch=self.sampler.steps_per_epoch, lr_at=self.lr_at, scheme_name=self.scheme.name,
+            train_set=self.train_set, test_set=self.test_set))
         self.start_step = self.checkpoints.resume()  # collective: 0, or the step a checkpoint was saved at
 
     def _setup(self) -> None:
@@ -134,7 +138,7 @@ class Trainer:
         self.cache = ActivationCache()
         self.activations = self._activation_bytes()
         # [loss sum, correct predictions, predictions] of a step and each rank's checkpoint votes
-        # (checkpoint/resume.py), summed over ranks in one message
+        # (train/checkpoints.py), summed over ranks in one message
         # and, with --grad-clip or --precision fp16, this rank's part of the gradient's squared norm
         # (clipping.py), which also tells every rank whether a float16 gradient overflowed
         self.step_totals = np.zeros(3 + FLAGS + 1, dtype=np.float64)
@@ -193,7 +197,7 @@ class Trainer:
 
     def _check_memory_limit(self, limit: int) -> None:
         """Stop on every rank before the first step if the prediction does not fit; name what would
-        (the scheme says it, schemes.py). Every rank reaches the same verdict."""
+        (the scheme says it, train/scheme.py). Every rank reaches the same verdict."""
         message = self.scheme.over_limit(limit, self.engine, self.predicted, self.activations, self.comm)
         if message is None:
             return
@@ -476,7 +480,7 @@ class Trainer:
                         world_size=self.world_size, scheme=self.scheme.name, placement=tuple(self.scheme.placement),
                         device=cfg.device, arithmetic=cfg.dtype if cfg.precision == "fp32" else
                         f"{cfg.precision} with {cfg.dtype} master weights", batch_size=cfg.batch_size,
-                        micro_batches=cfg.micro_batches, micro_batches_per_rank=not (cfg.stages or cfg.cyclic),
+                        micro_batches=cfg.micro_batches, micro_batches_per_rank=self.scheme.micro_batches_per_rank,
                         total_steps=self.total_steps, epochs=cfg.epochs,
                         tokens_per_sample=cfg.seq_len if isinstance(self.train_set, TokenStream) else 0,
                         flops_per_sample=self.training_flops_per_sample, peak_flops=cfg.peak_flops or 0.0,

@@ -18,6 +18,9 @@ end of training; and when a rank received SIGTERM or SIGUSR1 (then the job exits
 status 75 to be requeued). The ranks learn of a signal or of the clock in the same sum
 that adds up the step's loss, so they all decide alike and no extra message is sent.
 
+The trainer hands over what the checkpoints read of its run, a `CheckpointedRun`, not
+itself: so they can be built and tested without one (tests/test_runtime_parts.py).
+
 Exercised by: python -m pytest tests/test_checkpoint.py
 """
 
@@ -27,7 +30,9 @@ import dataclasses
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -41,15 +46,39 @@ from mpipar.errors import CheckpointError, StoppedToRequeue
 from mpipar.optim.optimizers import state_kinds
 from mpipar.system.signals import checkpoint_on_signals, stop_requested
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from mpipar.models.sequential import Stage
+    from mpipar.runtime.executor import Executor
+    from mpipar.train.config import TrainConfig
+
 FLAGS = 2  # what each rank adds to the step's sum: [a signal asks to stop, rank 0's clock says save]
 KEPT_THE_SAME = ("dataset", "batch_size", "seed")  # what fixes the data order and the random streams
 
 
-class Checkpoints:
-    """When `trainer` saves, what it writes, and where it resumes."""
+@dataclass(frozen=True)
+class CheckpointedRun:
+    """What the checkpoints read of a run: handed over by the trainer."""
 
-    def __init__(self, trainer) -> None:
-        self.trainer, self.config = trainer, trainer.config
+    config: TrainConfig
+    comm: MPI.Intracomm
+    engine: Executor  # its whole model's state pieces; start_at, on resume
+    stages: list[Stage]  # their parameter table, which a resumed checkpoint must match
+    dtype_name: str  # of the parameters
+    parameter_count: int
+    steps_per_epoch: int
+    lr_at: Callable[[int], float]
+    scheme_name: str
+    train_set: Any  # the data, as the ranks agreed on it: its identity is recorded and compared
+    test_set: Any
+
+
+class Checkpoints:
+    """When a run saves, what it writes, and where it resumes."""
+
+    def __init__(self, run: CheckpointedRun) -> None:
+        self.run, self.config = run, run.config
         self.enabled = bool(self.config.checkpoint_dir)
         self.last_saved_step, self.last_save_time = -1, time.monotonic()
         self.save_seconds: list[float] = []  # per save: the training time it cost
@@ -59,9 +88,9 @@ class Checkpoints:
         if self.enabled:
             kinds = state_kinds(self.config.optimizer, self.config.momentum)
             vectors = {**dict.fromkeys(["params", *(f"optimizer.{kind}" for kind in range(kinds))],
-                                       trainer.backend.dtype.name), **self.vector_dtypes()}
-            checkpoint_bytes = trainer.parameter_count * sum(np.dtype(name).itemsize for name in vectors.values())
-            store.check_directory(trainer.comm, Path(self.config.checkpoint_dir), checkpoint_bytes)
+                                       run.dtype_name), **self.vector_dtypes()}
+            checkpoint_bytes = run.parameter_count * sum(np.dtype(name).itemsize for name in vectors.values())
+            store.check_directory(run.comm, Path(self.config.checkpoint_dir), checkpoint_bytes)
             checkpoint_on_signals(StoppedToRequeue.exit_status)
 
     def vector_dtypes(self) -> dict[str, str]:
@@ -75,7 +104,7 @@ class Checkpoints:
     def flags(self) -> np.ndarray:
         """This rank's votes, summed over ranks with the step's loss."""
         minutes = self.config.save_every_minutes
-        due = minutes and self.trainer.rank == 0 and time.monotonic() - self.last_save_time >= 60 * minutes
+        due = minutes and self.run.comm.rank == 0 and time.monotonic() - self.last_save_time >= 60 * minutes
         return np.array([float(stop_requested()), float(bool(due))])
 
     def after_steps(self, steps_done: int, votes: np.ndarray, final: bool = False) -> None:
@@ -103,8 +132,8 @@ class Checkpoints:
         if steps_done == self.last_saved_step:
             return
         started = time.perf_counter()
-        pieces, _ = self.trainer.engine.whole_model.state_pieces()
-        pending = store.begin(self.trainer.comm, Path(self.config.checkpoint_dir), steps_done, pieces,
+        pieces, _ = self.run.engine.whole_model.state_pieces()
+        pending = store.begin(self.run.comm, Path(self.config.checkpoint_dir), steps_done, pieces,
                               copy=in_background)
         self.last_saved_step, self.last_save_time = steps_done, time.monotonic()
         if in_background:
@@ -114,7 +143,7 @@ class Checkpoints:
             self.save_seconds.append(time.perf_counter() - started)
             return
         store.write(pending)
-        store.finish(self.trainer.comm, pending, self.manifest(steps_done), self.config.keep)
+        store.finish(self.run.comm, pending, self.manifest(steps_done), self.config.keep)
         self.save_seconds.append(time.perf_counter() - started)
         self.write_seconds.append(pending.write_seconds)
 
@@ -126,30 +155,30 @@ class Checkpoints:
         pending, writer, manifest, _ = self.pending
         self.pending = None
         writer.join()
-        store.finish(self.trainer.comm, pending, manifest, self.config.keep)
+        store.finish(self.run.comm, pending, manifest, self.config.keep)
         self.save_seconds[-1] += time.perf_counter() - started
         self.write_seconds.append(pending.write_seconds)
 
     def manifest(self, steps_done: int) -> dict:
         """Everything but the files: the model's table, the training state, the configuration."""
-        trainer, cfg = self.trainer, self.config
-        per_epoch = trainer.sampler.steps_per_epoch
+        run, cfg = self.run, self.config
+        per_epoch = run.steps_per_epoch
         epoch, in_epoch = divmod(steps_done, per_epoch)
         return {"format": FORMAT, "mpipar_version": mpipar.__version__,
-                "dtype": trainer.backend.dtype.name, "vector_dtypes": self.vector_dtypes(),
-                "size": trainer.parameter_count,
-                "parameters": parameter_table(trainer.stages),
+                "dtype": run.dtype_name, "vector_dtypes": self.vector_dtypes(),
+                "size": run.parameter_count,
+                "parameters": parameter_table(run.stages),
                 "training": {"step": steps_done, "epoch": epoch, "step_in_epoch": in_epoch,
                              "steps_per_epoch": per_epoch, "first_sample": in_epoch * cfg.batch_size,
                              "optimizer": cfg.optimizer, "optimizer_steps": steps_done,
-                             "next_lr": trainer.lr_at(steps_done), "seed": cfg.seed,
+                             "next_lr": run.lr_at(steps_done), "seed": cfg.seed,
                              "random_streams": "counter-based: data order from (seed, epoch), dropout from "
                                                "(seed, step, stage, sample); no generator state"},
-                "world": {"ranks": trainer.world_size, "scheme": trainer.scheme.name},
-                "data": {**dataclasses.asdict(identity_of(trainer.train_set, trainer.test_set)),
+                "world": {"ranks": run.comm.size, "scheme": run.scheme_name},
+                "data": {**dataclasses.asdict(identity_of(run.train_set, run.test_set)),
                          "identity_version": IDENTITY_VERSION,
-                         "file_sha256": getattr(trainer.train_set, "file_sha256", {})},
-                "vocab": list(getattr(trainer.train_set, "vocab", [])),  # what mpipar sample prints tokens as
+                         "file_sha256": getattr(run.train_set, "file_sha256", {})},
+                "vocab": list(getattr(run.train_set, "vocab", [])),  # what mpipar sample prints tokens as
                 "config": {key: list(value) if isinstance(value, tuple) else value
                            for key, value in dataclasses.asdict(cfg).items()}}
 
@@ -162,12 +191,12 @@ class Checkpoints:
         recorded = {key: value for key, value in manifest["data"].items()
                     if key not in ("identity_version", "file_sha256")}
         saved = DataIdentity(**{**recorded, "sample_shape": tuple(recorded["sample_shape"])})
-        loaded = identity_of(self.trainer.train_set, self.trainer.test_set)
+        loaded = identity_of(self.run.train_set, self.run.test_set)
         if _partially_identified(manifest) and loaded.name == "tokens":
             loaded = dataclasses.replace(loaded, fingerprint=partial_identity(Path(loaded.source)))
         if saved.compared() == loaded.compared():
             return
-        files, here = manifest["data"].get("file_sha256", {}), getattr(self.trainer.train_set, "file_sha256", {})
+        files, here = manifest["data"].get("file_sha256", {}), getattr(self.run.train_set, "file_sha256", {})
         changed = [name for name in files if name in here and here[name] != files[name]]
         if changed:
             now, then = (", ".join(sums[name][:12] for name in changed) for sums in (here, files))
@@ -183,10 +212,10 @@ class Checkpoints:
         """Load the checkpoint --resume names, if any (collective); returns the step to start at."""
         if not self.config.resume:
             return 0
-        engine = self.trainer.engine
+        engine = self.run.engine
 
         def check(manifest: dict, path: Path) -> None:
-            check_compatible(manifest, parameter_table(self.trainer.stages), self.trainer.backend.dtype,
+            check_compatible(manifest, parameter_table(self.run.stages), np.dtype(self.run.dtype_name),
                              self.config.optimizer, path)
             saved = manifest.get("config", {})
             for key in KEPT_THE_SAME if not self.config.resume_other_data else ("batch_size", "seed"):
@@ -198,10 +227,10 @@ class Checkpoints:
             self._check_same_data(manifest, path)
 
         def pieces(manifest: dict):
-            engine.items.start_at(manifest["training"]["step"])  # weights are items of a step: hold step N's
+            engine.start_at(manifest["training"]["step"])
             return engine.whole_model.state_pieces()[0]
 
-        loaded = store.load(self.trainer.comm, self.config.resume, self.config.checkpoint_dir, pieces, check,
+        loaded = store.load(self.run.comm, self.config.resume, self.config.checkpoint_dir, pieces, check,
                             note=lambda line: print(line, file=sys.stderr, flush=True))
         if loaded is None:
             return 0
@@ -209,7 +238,7 @@ class Checkpoints:
         step = manifest["training"]["step"]
         if self.resumed_from.parent.resolve() == Path(self.config.checkpoint_dir or ".").resolve():
             self.last_saved_step = step  # already there; resumed into another directory, the end saves anew
-        if self.trainer.rank == 0:
+        if self.run.comm.rank == 0:
             print(f"mpipar: resuming from {self.resumed_from} after step {step} (saved by "
                   f"{manifest['world']['ranks']} rank(s), {manifest['world']['scheme']})", flush=True)
             if _partially_identified(manifest) and not self.config.resume_other_data:
