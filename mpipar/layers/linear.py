@@ -33,7 +33,7 @@ class Linear(Layer):
         # a matmul as large as the weight gradient's.
         self.needs_input_grad = True
         # (x rows, dy rows) -> None: who adds dW and db; this layer from its own rows unless set
-        self.weight_gradients = self._weight_gradients
+        self.weight_gradients = self.own_weight_gradients
 
     def param_specs(self) -> list[ParamSpec]:
         bound = 1.0 / math.sqrt(self.in_features)
@@ -80,7 +80,8 @@ class Linear(Layer):
         dx_rows = dy.reshape(-1, self.out_features) @ self.params["weight"].T
         return dx_rows.reshape(*dy.shape[:-1], self.in_features)
 
-    def _weight_gradients(self, x: Array, dy: Array) -> None:
+    def own_weight_gradients(self, x: Array, dy: Array) -> None:
+        """dW and db from this rank's rows alone (what `weight_gradients` is unless a gatherer replaces it)."""
         x_rows = x.reshape(-1, self.in_features)
         dy_rows = dy.reshape(-1, self.out_features)
         self.grad_matmul(self.grads["weight"], x_rows.T, dy_rows)

@@ -7,8 +7,8 @@ sequence of next-token targets, every output for MSE). A micro-batch contributes
 
 so the micro-batch losses — and their gradients — summed over all micro-batches
 and all ranks are exactly the mean loss (and its gradient) over the global batch.
-Every parallel scheme in mpipar is proven against that identity. `loss_scale` multiplies
-the gradient alone (not the loss): float16 training's loss scaling (precision.py), applied in
+Every parallel scheme in mpipar is proven against that identity. `set_gradient_scale` multiplies
+the gradient alone (not the loss): float16 training's loss scaling (optim/precision.py), applied in
 the same multiplication as the batch's share, so that no gradient underflows before it.
 The loss is summed in float32 at least: a float16 sum of a batch's losses overflows from
 65504 on (64 sequences of 256 tokens at a loss of 4 already do).
@@ -28,11 +28,20 @@ from mpipar.cache import Context
 from mpipar.errors import ShapeError
 
 
-class SoftmaxCrossEntropy:
+class Loss:
+    """What every loss shares: the factor its backward multiplies the gradient by."""
+
+    gradient_scale = 1.0
+
+    def set_gradient_scale(self, scale: float) -> None:
+        """Multiply the gradient of every later backward by `scale` (the loss scaling of float16)."""
+        self.gradient_scale = scale
+
+
+class SoftmaxCrossEntropy(Loss):
     """Fused softmax + cross-entropy on logits (..., C) against integer targets (...)."""
 
     name = "SoftmaxCrossEntropy"
-    loss_scale = 1.0
 
     def forward(self, logits: Array, targets: Array, ctx: Context, global_batch: int) -> Array:
         if logits.shape[:-1] != targets.shape:
@@ -55,15 +64,14 @@ class SoftmaxCrossEntropy:
         xp = array_module(log_probs)
         grad = xp.exp(log_probs)
         grad[xp.arange(grad.shape[0]), flat_targets] -= 1.0
-        grad *= scale * self.loss_scale
+        grad *= scale * self.gradient_scale
         return grad.reshape(shape)
 
 
-class MSE:
+class MSE(Loss):
     """Mean squared error between predictions and targets of the same shape."""
 
     name = "MSE"
-    loss_scale = 1.0
 
     def forward(self, predictions: Array, targets: Array, ctx: Context, global_batch: int) -> Array:
         if predictions.shape != targets.shape:
@@ -77,4 +85,4 @@ class MSE:
 
     def backward(self, ctx: Context) -> Array:
         diff, scale = ctx.pop(self)
-        return diff * (2.0 * scale * self.loss_scale)
+        return diff * (2.0 * scale * self.gradient_scale)

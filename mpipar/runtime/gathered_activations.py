@@ -92,7 +92,7 @@ class RowGatherer:
 
     def __init__(self, layer: Linear, comm: Comm, collective: str, ledger: MemoryLedger) -> None:
         self.layer, self.comm, self.collective, self.ledger = layer, comm, collective, ledger
-        self.own = layer._weight_gradients  # the layer's own arithmetic (never another gatherer), on all rows
+        self.own = layer.own_weight_gradients  # the layer's own arithmetic (never another gatherer), on all rows
 
     def __call__(self, x, dy) -> None:
         rows = [np.ascontiguousarray(part.reshape(-1, part.shape[-1])) for part in (x, dy)]

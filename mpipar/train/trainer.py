@@ -288,7 +288,7 @@ class Trainer:
                                             cfg.micro_batches)
         data = self.train_set.for_epoch(epoch, cfg.seed)  # a token stream's windows are cut anew each epoch
         if self.loss_scaler:
-            self.loss_fn.loss_scale = self.loss_scaler.scale
+            self.loss_fn.set_gradient_scale(self.loss_scaler.scale)
         with self._advice_on_non_finite_loss():
             self.step_totals[:3] = self.engine.run_step(step, cfg.seed, lambda _step, b: self._to_device(
                 *data.batch(micro_batches[b])), cfg.batch_size)
