@@ -3,7 +3,7 @@
     python docs/architecture_diagram.py      (its output is pasted into docs/architecture.md)
 
 A part is a folder of mpipar/ (layers, schedule, runtime, ...) or a module at the top level
-(trainer.py, cache.py, ...). Its imports are read from the source with `ast`: those at
+(cache.py, backend.py, ...). Its imports are read from the source with `ast`: those at
 module level (those under `if TYPE_CHECKING:` too, which a type checker follows), not the
 lazy ones inside functions. A part's level is one more than the
 highest level among the parts it imports, so level 0 imports nothing of mpipar.

@@ -11,7 +11,7 @@
     liveness.py     the side channel a timed-out wait asks which ranks still answer
     chain.py        chains of collectives run in the background, started in the same order everywhere
     cost.py         the alpha-beta cost model, run on the same schedules
-    bench.py        timing every collective algorithm (mpipar bench comms)
+    timing.py       timing every collective algorithm (mpipar bench comms)
 """
 
 from mpipar.comms.world import abort_job, abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
