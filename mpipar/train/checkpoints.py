@@ -180,7 +180,7 @@ class Checkpoints:
                          "file_sha256": getattr(run.train_set, "file_sha256", {})},
                 "vocab": list(getattr(run.train_set, "vocab", [])),  # what mpipar sample prints tokens as
                 "config": {key: list(value) if isinstance(value, tuple) else value
-                           for key, value in dataclasses.asdict(cfg).items()}}
+                           for key, value in cfg.flat().items()}}
 
     def _check_same_data(self, manifest: dict, path: Path) -> None:
         """Refuse a resume on other data than the checkpoint's run trained on, unless asked for. Token

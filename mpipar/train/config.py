@@ -193,6 +193,10 @@ class TrainConfig:
     stop_on_divergence: bool = _option(False, "stop with an error, instead of a warning, when the loss stays well "
                                               "above its first logged value", click.BOOL, "output")
 
+    def flat(self) -> dict:
+        """Every option by its name, as the command line and a TOML file give it (checkpoint manifests)."""
+        return dataclasses.asdict(self)
+
     def sharding(self) -> Sharding:
         """The (P, G, OS) scopes this run uses (with --stages: of each stage among its replicas)."""
         named = self.shard is not None and "," not in self.shard
