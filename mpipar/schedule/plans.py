@@ -213,7 +213,8 @@ class PipelinePlan:
         self.units = units = units or [1] * len(stage_sizes)
         if self.splits_backward and self.shared:
             raise ConfigError(f"{compiled.strategy.name}'s W jobs cannot run on stage {self.shared[0]}, which a "
-                              "replica group shares unit by unit (config.py refuses this layout)")
+                              "replica group shares unit by unit (the configuration's parallelism group refuses this "
+                              "layout)")
         program, updates_from = lower(compiled.programs[self.worker], len(stage_sizes),
                                       {s: units[s] for s in self.shared}, sharding, prefetch)
         self.run = _run(program, updates_from, ((len(program), 0),))
@@ -251,7 +252,7 @@ def data_parallel_plan(rank: int, world_size: int, stage: int, *, sharding: Shar
                        micro_batches: int = 1, prefetch: int = 1) -> PipelinePlan:
     """The plan of plain data parallelism: one stage of `stage` parameters on one worker,
     shared by all `world_size` ranks under `sharding` in `units` units."""
-    compiled = compile_programs(get_strategy("1f1b"), Shape(1, 1, micro_batches))  # as config.strategy()
+    compiled = compile_programs(get_strategy("1f1b"), Shape(1, 1, micro_batches))  # as config.parallel.strategy()
     return PipelinePlan(compiled, Mesh(1, world_size), rank, [stage], sharding=sharding, units=[units],
                         prefetch=prefetch)
 
