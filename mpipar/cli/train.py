@@ -1,7 +1,7 @@
 """`mpipar train`: one option per field of TrainConfig's groups, plus --config FILE.
 
-Options are generated from the field declarations in mpipar/train/config/ (one module per group), each with its
-type (choices, ranges, sizes) and help section, so the command line and a TOML file
+Options are generated from the field declarations in mpipar/train/config/ (a module per
+group), each with its type (choices, ranges, sizes) and help section, so the command line and a TOML file
 accept the same names and values; an option given on the command line overrides the
 file. Yes/no fields are flags (`--quiet` / `--no-quiet`).
 

@@ -146,7 +146,8 @@ def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Shardin
                 items.append(Drop(Item(ItemKind.INPUT, s, b)))
             elif d == BACKWARD and s < stages - 1:
                 items.append(Drop(Item(ItemKind.OUTPUT_GRADIENT, s, b)))
-        elif isinstance(instruction, BackwardWeights):  # never of a shared stage (config.py), and reads no weights
+        # a W job: never of a shared stage (train/config/parallelism.py), and it reads no weights
+        elif isinstance(instruction, BackwardWeights):
             items.append(Compute(CyclicJob(0, instruction.batch, instruction.stage, WEIGHTS), 0))
         elif isinstance(instruction, (SendActivation, SendGradient)):
             item = (Item(ItemKind.INPUT, instruction.stage + 1, instruction.batch)

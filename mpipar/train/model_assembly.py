@@ -57,5 +57,5 @@ def configured_model(cfg: TrainConfig, train_set: ImageDataset | TokenStream) ->
                             hidden=options.hidden, dropout=options.dropout, width=options.width, heads=options.heads,
                             blocks=options.blocks, tie_embeddings=options.tie_embeddings)
         return model, SoftmaxCrossEntropy()
-    model, loss = build_user_model(cfg.model.model, train_set.input_shape, train_set.num_classes, cfg.training.seed)
+    model, loss = build_user_model(options.model, train_set.input_shape, train_set.num_classes, cfg.training.seed)
     return model, loss or SoftmaxCrossEntropy()

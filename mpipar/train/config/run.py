@@ -56,8 +56,7 @@ class TrainConfig:
 
     def flat(self) -> dict:
         """Every option by its name, as the command line and a TOML file give it (checkpoint manifests)."""
-        return {name: value for spec in dataclasses.fields(self)
-                for name, value in dataclasses.asdict(getattr(self, spec.name)).items()}
+        return {name: value for group in self.groups() for name, value in dataclasses.asdict(group).items()}
 
     def groups(self) -> tuple:
         """The option groups, in the order of --help."""
