@@ -52,12 +52,12 @@ CONTENDERS = {"ddp": dict(scheme="ddp"), "cdp-v1": dict(scheme="cdp-v1", cdp_lay
 def timed_round(trainer: Trainer, first: int) -> float:
     world.Barrier()
     start = time.perf_counter()
-    if trainer.config.cyclic:
+    if trainer.config.parallel.cyclic:
         def load(step: int, i: int):
             indices = trainer.sampler.global_batch_indices(0, step % trainer.sampler.steps_per_epoch)
             return trainer._to_device(*trainer.train_set.batch(split_micro_batches(indices, W)[i]))
 
-        trainer.engine.run_steps(first, args.steps, load, seed=0, batch_size=trainer.config.batch_size,
+        trainer.engine.run_steps(first, args.steps, load, seed=0, batch_size=trainer.config.training.batch_size,
                                  lr_at=trainer.lr_at)
     else:
         for step in range(first, first + args.steps):
@@ -68,7 +68,7 @@ def timed_round(trainer: Trainer, first: int) -> float:
 
 results = {}
 for name, options in CONTENDERS.items():
-    trainer = Trainer(TrainConfig(**common, **options))
+    trainer = Trainer(TrainConfig.of(**common, **options))
     trainer.engine.record_timeline = True  # live activation bytes per time step (CDP only)
     seconds = [timed_round(trainer, args.steps * r) for r in range(args.rounds + 1)][1:]
     messages = sum(c.intra_messages + c.inter_messages + c.library_calls
@@ -76,7 +76,7 @@ for name, options in CONTENDERS.items():
     ledger = trainer.engine.ledger.report()["peak"]
     model_state = max(peaks["total"] for peaks in ledger.values())
     # CDP records live activation bytes per time step: their sum over ranks, time step by time step
-    timeline = [live for _, live, _ in trainer.engine.timeline] if trainer.config.cyclic else []
+    timeline = [live for _, live, _ in trainer.engine.timeline] if trainer.config.parallel.cyclic else []
     gathered = world.gather((trainer.cache.peak_bytes, model_state, messages, timeline), root=0)
     if world.rank == 0:
         together = [sum(step) for step in zip(*(g[3] for g in gathered))]

@@ -24,9 +24,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=1000)
 args = parser.parse_args()
 start = time.perf_counter()
-trainer = Trainer(TrainConfig(model="mlp", hidden=(256, 256), dataset="synthetic", scheme="cdp-v2", cdp_layout="zero",
-                              micro_batches=2, batch_size=4, max_steps=args.steps, epochs=1, memory_profile=True,
-                              log_every=10**6))
+trainer = Trainer(TrainConfig.of(model="mlp", hidden=(256, 256), dataset="synthetic", scheme="cdp-v2",
+                                 cdp_layout="zero", micro_batches=2, batch_size=4, max_steps=args.steps, epochs=1,
+                                 memory_profile=True, log_every=10**6))
 built = time.perf_counter() - start
 summary = trainer.run()
 peaks = MPI.COMM_WORLD.gather(trainer.memory.peak_bytes())

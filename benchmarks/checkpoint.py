@@ -45,7 +45,7 @@ def worker(args) -> None:
 
     comm = world()
     width = width_for(args.size)
-    config = TrainConfig(hidden=(width, width), scheme="zero3", checkpoint_dir=args.dir, keep=1, quiet=True)
+    config = TrainConfig.of(hidden=(width, width), scheme="zero3", checkpoint_dir=args.dir, keep=1, quiet=True)
     trainer = Trainer(config, comm)
     results = {"sync": [], "dd": [], "x_dd": [], "async_lost": [], "async_total": [], "load": []}
     for repeat in range(args.repeats):

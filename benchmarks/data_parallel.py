@@ -46,11 +46,11 @@ args = parser.parse_args()
 world = MPI.COMM_WORLD
 common = dict(model="mlp", hidden=(512, 512), dataset="synthetic", optimizer="sgd", momentum=0.9, lr=0.01,
               dtype="float32", epochs=100, collective=args.collective, bucket_mb=args.bucket_mb)
-contenders = {"no-sync": Trainer(TrainConfig(batch_size=256 // world.size, **common), comm=MPI.COMM_SELF),
-              "ddp-naive": Trainer(TrainConfig(batch_size=256, ddp="naive", **common))}
+contenders = {"no-sync": Trainer(TrainConfig.of(batch_size=256 // world.size, **common), comm=MPI.COMM_SELF),
+              "ddp-naive": Trainer(TrainConfig.of(batch_size=256, ddp="naive", **common))}
 for name in NAMED_SHARDINGS:
-    contenders[name] = Trainer(TrainConfig(batch_size=256, scheme=name, group_size=args.group_size, **common))
-contenders["ddp-allgather"] = Trainer(TrainConfig(batch_size=256, ddp="allgather-activations", **common))
+    contenders[name] = Trainer(TrainConfig.of(batch_size=256, scheme=name, group_size=args.group_size, **common))
+contenders["ddp-allgather"] = Trainer(TrainConfig.of(batch_size=256, ddp="allgather-activations", **common))
 steps_done = dict.fromkeys(contenders, 0)
 
 

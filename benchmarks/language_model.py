@@ -70,7 +70,7 @@ RECIPE = dict(model="transformer", dataset="text", seq_len=64, width=128, heads=
 
 
 def mpipar_side(text: Path) -> tuple[Callable[[int], None], Trainer]:
-    trainer = Trainer(TrainConfig(**RECIPE, text_file=str(text), scheme="ddp"))
+    trainer = Trainer(TrainConfig.of(**RECIPE, text_file=str(text), scheme="ddp"))
     per_epoch, step = trainer.sampler.steps_per_epoch, [0]
 
     def run(count: int) -> None:

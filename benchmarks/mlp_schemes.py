@@ -54,9 +54,9 @@ MPIPAR_SCHEME = {"compute": {}, "ddp": {"scheme": "ddp"}, "zero3": {"scheme": "z
 
 
 def mpipar_side(scheme: str, batch: int) -> tuple[Callable[[int], None], Trainer]:
-    trainer = Trainer(TrainConfig(model="mlp", hidden=(512, 512), dataset="synthetic", batch_size=batch, lr=LR,
-                                  optimizer="sgd", momentum=MOMENTUM, seed=SEED, log_every=10**6,
-                                  **MPIPAR_SCHEME[scheme]))
+    trainer = Trainer(TrainConfig.of(model="mlp", hidden=(512, 512), dataset="synthetic", batch_size=batch, lr=LR,
+                                     optimizer="sgd", momentum=MOMENTUM, seed=SEED, log_every=10**6,
+                                     **MPIPAR_SCHEME[scheme]))
     per_epoch, step = trainer.sampler.steps_per_epoch, [0]
 
     def run(count: int) -> None:

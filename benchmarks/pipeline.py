@@ -65,7 +65,7 @@ results = {}
 for name, options in CONTENDERS.items():
     if args.only and name not in args.only or (args.recompute != "none" and name == "zb1"):
         continue
-    trainer = Trainer(TrainConfig(**common, **options))
+    trainer = Trainer(TrainConfig.of(**common, **options))
     for step in range(args.warmup):
         one_step(trainer, step)
     walls, spans, idle, costs = [], [], [], {}
@@ -82,7 +82,7 @@ for name, options in CONTENDERS.items():
     for part in everyone:
         for key, values in part.items():
             merged.setdefault(key, []).extend(values)
-    stages = trainer.config.stages
+    stages = trainer.config.parallel.stages
     forward = [statistics.median(merged[(s, FORWARD)]) for s in range(stages)]
     backward = [statistics.median(merged[(s, "B")]) + (statistics.median(merged[(s, "W")]) if (s, "W") in merged
                                                         else 0.0) for s in range(stages)]

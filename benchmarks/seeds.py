@@ -49,9 +49,9 @@ def measure_004() -> dict:
     """Per scheme: the ledger's P, G, OS elements per rank (rank 0) and the counters per phase over ranks."""
     results = {}
     for name in SCHEMES_004:
-        trainer = Trainer(TrainConfig(scheme=name, group_size=M, micro_batches=S, collective="ring", ddp="naive",
-                                      hidden=(32, 34), dtype="float64", optimizer="adam", batch_size=16 * N,
-                                      max_steps=1, epochs=1, log_every=1000))
+        trainer = Trainer(TrainConfig.of(scheme=name, group_size=M, micro_batches=S, collective="ring", ddp="naive",
+                                         hidden=(32, 34), dtype="float64", optimizer="adam", batch_size=16 * N,
+                                         max_steps=1, epochs=1, log_every=1000))
         trainer.counted.traffic.reset()
         trainer.train_step(0, 0, 0)
         counts = [trainer.counted.traffic.read(phase) for phase in PHASES]
@@ -71,11 +71,11 @@ def measure_000_state() -> dict:
     group = MPI.COMM_WORLD.Split(MPI.COMM_WORLD.rank // CDP_N)
     results = {}
     for name, options in STATE_CONTENDERS.items():
-        trainer = Trainer(TrainConfig(model="mlp", hidden=(512,) * 3, dataset="synthetic", optimizer="sgd",
-                                      momentum=0.9, dtype="float32", batch_size=256, log_every=1000, **options),
+        trainer = Trainer(TrainConfig.of(model="mlp", hidden=(512,) * 3, dataset="synthetic", optimizer="sgd",
+                                         momentum=0.9, dtype="float32", batch_size=256, log_every=1000, **options),
                           comm=group)
         for first in (0, 4):  # two runs of 4 steps: CDP drains and restarts between them, as between epochs
-            if trainer.config.cyclic:
+            if trainer.config.parallel.cyclic:
                 trainer.engine.run_steps(first, 4, trainer.micro_batch_loader(0), seed=0, batch_size=256,
                                          lr_at=trainer.lr_at)
             else:
@@ -95,7 +95,7 @@ def number(x: float) -> str:
 def section_004(results: dict) -> list[str]:
     psi, k = results["zero3"]["psi"], results["zero3"]["kinds"]
     lines = ["## Seed 004: Table 1, state per rank", "",
-             f"Measured by the memory ledger on rank 0 between steps (`TrainConfig(scheme=..., group_size={M}, "
+             f"Measured by the memory ledger on rank 0 between steps (`TrainConfig.of(scheme=..., group_size={M}, "
              f"micro_batches={S})`, MLP 64-32-34-10: Psi = {psi:,} parameters, Adam: K = {k} state elements a "
              f"parameter), in elements; N = {N}, M = {M}. The seed's 2 bytes of a fp16 parameter are one element "
              "here, and its K bytes of optimizer state K elements.", "",

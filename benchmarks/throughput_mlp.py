@@ -5,7 +5,7 @@ What it measures
     softmax cross-entropy, SGD with momentum 0.9, lr 0.01) on mpipar's synthetic
     data set, in one process, two ways:
 
-    mpipar  the path a user gets: `mpipar.train.trainer.Trainer(TrainConfig(...))` and
+    mpipar  the path a user gets: `mpipar.train.trainer.Trainer(TrainConfig.of(...))` and
             `trainer.train_step(step, epoch, step_in_epoch)`, exactly what
             `mpipar train` calls once per step (without the progress report).
     floor   a minimal hand-written NumPy loop of the same math: Linear-ReLU-
@@ -198,9 +198,9 @@ class MpiparRunner:
 
 def make_trainer(total_steps: int) -> Trainer:
     steps_per_epoch = 8192 // BATCH  # the synthetic training split has 8192 samples
-    config = TrainConfig(model="mlp", hidden=HIDDEN, dataset="synthetic", batch_size=BATCH,
-                         optimizer="sgd", momentum=MOMENTUM, lr=LR, dtype="float32", seed=SEED,
-                         epochs=total_steps // steps_per_epoch + 2)
+    config = TrainConfig.of(model="mlp", hidden=HIDDEN, dataset="synthetic", batch_size=BATCH,
+                            optimizer="sgd", momentum=MOMENTUM, lr=LR, dtype="float32", seed=SEED,
+                            epochs=total_steps // steps_per_epoch + 2)
     return Trainer(config)
 
 

@@ -53,9 +53,9 @@ def torch_allocator_peak(profiler) -> int:
 
 def measure(model: str, args: argparse.Namespace) -> tuple[int, int]:
     """(NumPy's peak, torch's peak) over --steps steps of `model` each, after --warmup steps."""
-    trainer = Trainer(TrainConfig(model=model, hidden=(512, 512), dataset="synthetic",
-                                  batch_size=args.batch, optimizer="sgd", momentum=0.9, lr=0.01, seed=0,
-                                  log_every=10**6, scheme=args.scheme, dtype="float32", memory_profile=True))
+    trainer = Trainer(TrainConfig.of(model=model, hidden=(512, 512), dataset="synthetic",
+                                     batch_size=args.batch, optimizer="sgd", momentum=0.9, lr=0.01, seed=0,
+                                     log_every=10**6, scheme=args.scheme, dtype="float32", memory_profile=True))
     per_epoch = trainer.sampler.steps_per_epoch
 
     def run(first: int, count: int) -> None:

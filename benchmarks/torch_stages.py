@@ -50,8 +50,8 @@ BATCH, LR, MOMENTUM, SEED = 256, 0.01, 0.9, 0
 
 
 def make_trainer() -> Trainer:
-    return Trainer(TrainConfig(model=f"{BUILDER}:build_wide", dataset="synthetic", batch_size=BATCH, lr=LR,
-                               optimizer="sgd", momentum=MOMENTUM, seed=SEED, log_every=10**6, scheme="ddp"))
+    return Trainer(TrainConfig.of(model=f"{BUILDER}:build_wide", dataset="synthetic", batch_size=BATCH, lr=LR,
+                                  optimizer="sgd", momentum=MOMENTUM, seed=SEED, log_every=10**6, scheme="ddp"))
 
 
 def mpipar_side() -> Callable[[int], None]:

@@ -15,7 +15,7 @@ ROWS = 8
 
 
 def measured_timeline(micro_batches: int) -> list[int]:
-    trainer = Trainer(TrainConfig(micro_batches=micro_batches, max_steps=1, batch_size=64))
+    trainer = Trainer(TrainConfig.of(micro_batches=micro_batches, max_steps=1, batch_size=64))
     trainer.cache.keep_timeline = True
     trainer.train_step(0, 0, 0)
     return [live for _, live in trainer.cache.timeline]

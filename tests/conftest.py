@@ -27,7 +27,7 @@ def small_config(**overrides) -> TrainConfig:
     """A float64 run of a few steps on the bundled digits, quiet and quick."""
     values = dict(dtype="float64", max_steps=3, epochs=1, batch_size=32, log_every=1000)
     values.update(overrides)
-    return TrainConfig(**values)
+    return TrainConfig.of(**values)
 
 
 def needs_dataset(name: str, data_dir: str | None = None) -> Path:

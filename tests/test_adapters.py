@@ -207,7 +207,7 @@ def test_one_process_takes_a_stage_s_torch_gradients_in_one_autograd_call_and_eq
 
     common = dict(dtype="float64", max_steps=3, epochs=1, batch_size=48, lr=0.05, log_every=1000, seed=3,
                   optimizer="sgd", momentum=0.9, weight_decay=1e-3)
-    trainer = Trainer(TrainConfig(**common, model=f"{EXAMPLES}/{model}", scheme="ddp", micro_batches=2))
+    trainer = Trainer(TrainConfig.of(**common, model=f"{EXAMPLES}/{model}", scheme="ddp", micro_batches=2))
     grad, calls = torch.autograd.grad, []
     monkeypatch.setattr(torch.autograd, "grad", lambda *args, **kwargs: calls.append(1) or grad(*args, **kwargs))
     trainer.run()
@@ -303,7 +303,7 @@ PEAK_PROBE = """
 import sys
 from mpipar.train.config import TrainConfig
 from mpipar.train.trainer import Trainer
-trainer = Trainer(TrainConfig(model=sys.argv[1], hidden=(512, 512), dataset="synthetic", batch_size=64,
+trainer = Trainer(TrainConfig.of(model=sys.argv[1], hidden=(512, 512), dataset="synthetic", batch_size=64,
                               dtype="float32", log_every=1000, memory_profile=True))
 for step in range(3):
     trainer.train_step(step, 0, step)

@@ -27,7 +27,7 @@ import resource
 from mpipar.train.config import TrainConfig
 from mpipar.train.trainer import Trainer
 
-trainer = Trainer(TrainConfig(model="transformer", dataset="text", text_file={str(TEXT)!r}, seq_len=64,
+trainer = Trainer(TrainConfig.of(model="transformer", dataset="text", text_file={str(TEXT)!r}, seq_len=64,
                               width=128, heads=4, blocks=2, batch_size=12, optimizer="adamw", grad_clip=1.0,
                               tie_embeddings=True, max_steps=10, seed=0, log_every=10**6))
 for step in range(3):

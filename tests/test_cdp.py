@@ -48,17 +48,17 @@ def test_one_micro_batch_makes_cdp_v2_plain_training_and_v1_a_delayed_gradient()
 
 def batch_gradient(config, params: np.ndarray, step: int) -> np.ndarray:
     """The gradient of step `step`'s whole global batch at `params`, computed directly."""
-    backend = make_backend("cpu", config.dtype)
-    train_set, _ = load_dataset(config.dataset)
-    model = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
-                        hidden=config.hidden, dropout=config.dropout)
-    (stage,) = build_stages(model, 1, backend, config.seed)
+    backend = make_backend("cpu", config.model.dtype)
+    train_set, _ = load_dataset(config.data.dataset)
+    model = build_model(config.model.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
+                        hidden=config.model.hidden, dropout=config.model.dropout)
+    (stage,) = build_stages(model, 1, backend, config.training.seed)
     stage.flat.data[:] = params
-    inputs, targets = train_set.batch(GlobalBatchSampler(len(train_set), config.batch_size, config.seed)
+    inputs, targets = train_set.batch(GlobalBatchSampler(len(train_set), config.training.batch_size, config.training.seed)
                                       .global_batch_indices(0, step))
     loss_fn, cache = SoftmaxCrossEntropy(), ActivationCache()
-    ctx = cache.context(0, 0, step=step, sample_ids=np.arange(config.batch_size))
-    loss_fn.forward(stage.forward(inputs, ctx), targets, ctx, config.batch_size)
+    ctx = cache.context(0, 0, step=step, sample_ids=np.arange(config.training.batch_size))
+    loss_fn.forward(stage.forward(inputs, ctx), targets, ctx, config.training.batch_size)
     stage.flat.zero_grad()
     stage.backward(loss_fn.backward(ctx), ctx)
     return stage.flat.settle_grads().copy()

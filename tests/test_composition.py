@@ -40,9 +40,9 @@ def test_the_cli_prints_which_ranks_form_each_pipeline_and_replica_group():
     (dict(scheme="lpp", stages=2), 4, 2),  # R = W must divide S: 2 workers x 2 replicas
 ])
 def test_replicas_are_chosen_from_what_the_schedule_accepts(settings, world, replicas):
-    config = TrainConfig(**settings).for_world(world)
-    assert config.replicas == replicas
-    assert config.micro_batches == world // replicas  # one per worker of a pipeline by default
+    config = TrainConfig.of(**settings).for_world(world)
+    assert config.parallel.replicas == replicas
+    assert config.training.micro_batches == world // replicas  # one per worker of a pipeline by default
     config.validate(world)
 
 
@@ -60,7 +60,7 @@ def test_replicas_are_chosen_from_what_the_schedule_accepts(settings, world, rep
 def test_a_composition_that_cannot_work_is_refused_in_one_sentence(settings, world, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
                        .replace("[", r"\[").replace("+", r"\+")):
-        TrainConfig(**settings).validate(world)
+        TrainConfig.of(**settings).validate(world)
 
 
 def test_the_named_parameters_read_and_load_alike_in_every_layout():

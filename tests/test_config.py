@@ -13,10 +13,10 @@ def test_file_then_command_line_override(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('model = "cnn"\nmicro-batches = 2\nlr = 0.01\nhidden = [32, 16]\n')
     config = load_config(str(path), {"lr": "0.5", "model": None})
-    assert config.model == "cnn" and config.micro_batches == 2 and config.hidden == (32, 16)
-    assert config.lr == 0.5  # the command line wins
-    assert load_config(None, {"hidden": "512,512"}).hidden == (512, 512)
-    assert load_config(None, {}) == TrainConfig()
+    assert config.model.model == "cnn" and config.training.micro_batches == 2 and config.model.hidden == (32, 16)
+    assert config.optim.lr == 0.5  # the command line wins
+    assert load_config(None, {"hidden": "512,512"}).model.hidden == (512, 512)
+    assert load_config(None, {}) == TrainConfig.of()
 
 
 @pytest.mark.parametrize("text,message", [
@@ -61,6 +61,7 @@ def test_missing_file():
     (dict(shard="zero3"), "--shard takes three letters P,G,OS"),
     (dict(scheme="zero3", shard="G,G,G"), "give --scheme or --shard, not both"),
     (dict(scheme="zero3", collective="2d"), "--collective 2d is an all-reduce only"),
+    (dict(group_size=3), "--group-size 3 does not divide the world size 1: choose one of 1"),
     (dict(scheme="cdp-v2", recompute="stage"), "--recompute stage is for pipelines and data parallelism"),
     (dict(recompute="every-0"), "--recompute: takes none, stage or every-K with K a number of layers >= 1"),
     (dict(scheme="zb1", stages=1), r"zb1 splits each backward into B and W jobs, which a stage shared by every rank "
@@ -71,30 +72,30 @@ def test_missing_file():
 ])
 def test_validation_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(**overrides).validate(world_size=1)
+        TrainConfig.of(**overrides).validate(world_size=1)
 
 
 @pytest.mark.parametrize("overrides", [dict(scheme="zero2", ddp="naive"), dict(stages=2, scheme="1f1b")])
 def test_gpu_refuses_schemes_that_send_host_buffers(monkeypatch, overrides):
     monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))  # CuPy "installed"
     with pytest.raises(ConfigError, match="on a GPU use --scheme ddp --ddp naive"):
-        TrainConfig(device="gpu", **overrides).validate(world_size=2)
-    TrainConfig(device="gpu").validate(world_size=2)  # ddp defaults to naive on a GPU
+        TrainConfig.of(device="gpu", **overrides).validate(world_size=2)
+    TrainConfig.of(device="gpu").validate(world_size=2)  # ddp defaults to naive on a GPU
 
 
 def test_gpu_without_cupy_says_so_before_anything_else(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
     with pytest.raises(ConfigError, match=r"--device gpu needs CuPy, which is not installed here: pip install"):
-        TrainConfig(device="gpu", scheme="zero2").validate(world_size=1)
+        TrainConfig.of(device="gpu", scheme="zero2").validate(world_size=1)
 
 
 def test_automatic_micro_batches_fit_the_launch():
-    assert TrainConfig().for_world(4).micro_batches == 1
-    assert TrainConfig(scheme="1f1b", stages=4).for_world(4).micro_batches == 4
-    assert TrainConfig(scheme="cdp-v2", cdp_layout="zero").for_world(3).micro_batches == 3
-    assert TrainConfig(scheme="cdp-v2", cdp_layout="mp").for_world(6).micro_batches == 3
-    TrainConfig(scheme="cdp-v2", cdp_layout="pp").validate(world_size=4)  # no --micro-batches needed
-    assert TrainConfig(micro_batches=2).for_world(4).micro_batches == 2  # a given value is kept
+    assert TrainConfig.of().for_world(4).training.micro_batches == 1
+    assert TrainConfig.of(scheme="1f1b", stages=4).for_world(4).training.micro_batches == 4
+    assert TrainConfig.of(scheme="cdp-v2", cdp_layout="zero").for_world(3).training.micro_batches == 3
+    assert TrainConfig.of(scheme="cdp-v2", cdp_layout="mp").for_world(6).training.micro_batches == 3
+    TrainConfig.of(scheme="cdp-v2", cdp_layout="pp").validate(world_size=4)  # no --micro-batches needed
+    assert TrainConfig.of(micro_batches=2).for_world(4).training.micro_batches == 2  # a given value is kept
 
 
 @pytest.mark.parametrize("options, units", [
@@ -109,28 +110,28 @@ def test_automatic_micro_batches_fit_the_launch():
     (dict(device="gpu"), "naive"),
 ])
 def test_automatic_units_keep_a_sharded_scheme_s_transient_to_one_layer(options, units):
-    assert TrainConfig(**options).for_world(4).ddp == units
+    assert TrainConfig.of(**options).for_world(4).parallel.ddp == units
 
 
 def test_batch_must_split_over_ranks():
-    TrainConfig(batch_size=64).validate(world_size=4)
+    TrainConfig.of(batch_size=64).validate(world_size=4)
     with pytest.raises(ConfigError, match="not divisible by 3 ranks x 1 micro-batches = 3; use --batch-size 63 or 66"):
-        TrainConfig(batch_size=64).validate(world_size=3)
+        TrainConfig.of(batch_size=64).validate(world_size=3)
 
 
 def test_scheme_and_shard_name_the_scopes():
-    assert TrainConfig().sharding().triple == ("N", "N", "N")
-    assert TrainConfig(scheme="paro-iig").sharding().triple == ("I", "I", "G")
-    assert TrainConfig(shard="n,i,g").sharding().triple == ("N", "I", "G")
+    assert TrainConfig.of().parallel.sharding().triple == ("N", "N", "N")
+    assert TrainConfig.of(scheme="paro-iig").parallel.sharding().triple == ("I", "I", "G")
+    assert TrainConfig.of(shard="n,i,g").parallel.sharding().triple == ("N", "I", "G")
 
 
 def test_zb1_with_recomputation_is_refused_in_one_sentence():
     with pytest.raises(ConfigError, match="zb1 keeps a stage's activations from its B to its W, and --recompute "
                                           "every-2 would rebuild them in B only"):
-        TrainConfig(scheme="zb1", stages=2, micro_batches=2, recompute="every-2").validate(world_size=2)
+        TrainConfig.of(scheme="zb1", stages=2, micro_batches=2, recompute="every-2").validate(world_size=2)
 
 
 def test_zb1_with_replicas_is_refused_in_one_sentence():
     with pytest.raises(ConfigError, match="zb1 splits each backward into B and W jobs, which a stage shared by "
                                           "--replicas 2 cannot yet run"):
-        TrainConfig(scheme="zb1", stages=1, replicas=2, micro_batches=2).validate(world_size=2)
+        TrainConfig.of(scheme="zb1", stages=1, replicas=2, micro_batches=2).validate(world_size=2)

@@ -133,7 +133,7 @@ def test_a_broken_custom_strategy_is_refused_before_anything_runs():
         compile_programs(split, Shape(2, 2, 2))
     register(Strategy("no-room", lambda j, sh: (j.stage, j.stage), depth_first, in_flight=lambda w, sh: 0))
     with pytest.raises(ConfigError, match="no-room: no job can start"):
-        Trainer(TrainConfig(scheme="no-room", stages=1, micro_batches=2, batch_size=32, max_steps=1))
+        Trainer(TrainConfig.of(scheme="no-room", stages=1, micro_batches=2, batch_size=32, max_steps=1))
     del STRATEGIES["split-directions"], STRATEGIES["no-room"]
 
 
@@ -152,7 +152,7 @@ def test_a_broken_custom_strategy_is_refused_before_anything_runs():
 ])
 def test_train_refuses_schedules_outside_their_constraints(options, message):
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(**options).validate(world_size=1)
+        TrainConfig.of(**options).validate(world_size=1)
 
 
 COMPOSED = [(dict(scheme="1f1b", stages=2, shard="zero3"), 4), (dict(scheme="gpipe", stages=4, shard="I,G,G", group_size=2), 8),
@@ -165,10 +165,10 @@ def test_composed_programs_are_sound_and_a_broken_one_is_refused_at_its_instruct
     workers (the replica groups share stages inside Forward, Backward and the update), so
     the replay of those programs is the check of the composed run: it accepts them, and
     refuses a missing receive and a send moved behind a wait that needs it."""
-    config = TrainConfig(**options).for_world(world)
+    config = TrainConfig.of(**options).for_world(world)
     config.validate(world)
-    compiled = compile_programs(config.strategy(), config.schedule_shape(world))
-    assert config.mesh(world).replicas > 1
+    compiled = compile_programs(config.parallel.strategy(), config.schedule_shape(world))
+    assert config.parallel.mesh(world).replicas > 1
     replay(compiled.programs, compiled.shape, compiled.holders)
     missing = [list(program) for program in compiled.programs]
     receiver = next(w for w, program in enumerate(missing) if any(isinstance(i, RecvActivation) for i in program))

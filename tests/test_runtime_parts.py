@@ -105,5 +105,5 @@ def test_the_trainer_asks_the_scheme_instead_of_branching_on_its_family():
 
 
 def test_a_branch_on_the_family_is_seen():
-    source = "def f(cfg, plan):\n    if cfg.cyclic:\n        pass\n    x = 1 if plan.settles_each_step else 2\n"
-    assert scheme_branches(source) == (["cfg.cyclic"], ["plan.settles_each_step"])
+    source = "def f(cfg, plan):\n    if cfg.parallel.cyclic:\n        pass\n    x = 1 if plan.settles_each_step else 2\n"
+    assert scheme_branches(source) == (["cfg.parallel.cyclic"], ["plan.settles_each_step"])

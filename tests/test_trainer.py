@@ -102,7 +102,7 @@ def test_a_later_step_uses_only_its_own_gradient(tmp_path, model):
     reference.stages[0].flat.materialize(params=True, grads=True)  # a trainer builds them at its first step
     reference.stages[0].flat.data[:] = parameters_before_step_1
     assert not reference.stages[0].flat.grad.any()
-    inputs, targets = reference.train_set.for_epoch(0, reference.config.seed).batch(reference.sampler.global_batch_indices(0, 1))
+    inputs, targets = reference.train_set.for_epoch(0, reference.config.training.seed).batch(reference.sampler.global_batch_indices(0, 1))
     ctx = reference.cache.context(0, 0, step=1, seed=0, sample_ids=np.arange(len(targets)))
     logits = reference.stages[0].forward(inputs, ctx)
     reference.loss_fn.forward(logits, targets, ctx, len(targets))

@@ -55,10 +55,10 @@ def built_model(model: str, dataset: str, hidden: tuple[int, ...]):
     from mpipar.train.config import TrainConfig
     from mpipar.train.model_assembly import configured_model
 
-    config = TrainConfig(model=model, dataset=dataset, hidden=hidden)
-    train_set, test_set = load_dataset(config.dataset, data_dir=config.data_dir)
+    config = TrainConfig.of(model=model, dataset=dataset, hidden=hidden)
+    train_set, test_set = load_dataset(config.data.dataset, data_dir=config.data.data_dir)
     built, loss = configured_model(config, train_set)
-    return train_set, min(config.eval_batch, len(test_set)), built, loss  # 0: a training micro-batch
+    return train_set, min(config.training.eval_batch, len(test_set)), built, loss  # 0: a training micro-batch
 
 
 def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -> tuple[int, int]:

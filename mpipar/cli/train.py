@@ -1,7 +1,7 @@
-"""`mpipar train`: one option per TrainConfig field, plus --config FILE.
+"""`mpipar train`: one option per field of TrainConfig's groups, plus --config FILE.
 
-Options are generated from the field declarations in mpipar/train/config.py, each with its
-type (choices, ranges, sizes) and help section, so the command line and a TOML file
+Options are generated from the field declarations in mpipar/train/config/ (a module per
+group), each with its type (choices, ranges, sizes) and help section, so the command line and a TOML file
 accept the same names and values; an option given on the command line overrides the
 file. Yes/no fields are flags (`--quiet` / `--no-quiet`).
 
@@ -10,17 +10,15 @@ Exercised by: mpipar train --help;  mpiexec -n 2 mpipar train --epochs 2
 
 from __future__ import annotations
 
-import dataclasses
-
 import click
 import numpy as np
 
 from mpipar.options import GroupedCommand, GroupedOption
-from mpipar.train.config import TrainConfig, load_config
+from mpipar.train.config import FIELDS, load_config
 
 
 def _config_options(command):
-    for spec in reversed(dataclasses.fields(TrainConfig)):
+    for _, spec in reversed(FIELDS.values()):
         flag = f"--{spec.name.replace('_', '-')}"
         default = spec.default
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default

@@ -21,14 +21,20 @@ from mpipar.comms.comm import Comm
 from mpipar.errors import ConfigError
 
 
+def check_group_size(group_size: int, size: int) -> None:
+    """Refuse groups of `group_size` ranks that do not tile a world of `size` (also checked by the
+    training configuration, before any communicator is built)."""
+    if group_size < 1 or size % group_size:
+        raise ConfigError(f"--group-size {group_size} does not divide the world size {size}: "
+                          f"choose one of {', '.join(str(m) for m in range(1, size + 1) if size % m == 0)}")
+
+
 def world_groups(group_size: int | None = None, mpi_comm: MPI.Intracomm | None = None) -> tuple[int, ...]:
     """The group of every rank of `mpi_comm` (default COMM_WORLD)."""
     mpi_comm = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
     size = mpi_comm.size
     if group_size is not None:
-        if group_size < 1 or size % group_size:
-            raise ConfigError(f"--group-size {group_size} does not divide the world size {size}: "
-                              f"choose one of {', '.join(str(m) for m in range(1, size + 1) if size % m == 0)}")
+        check_group_size(group_size, size)
         return tuple(rank // group_size for rank in range(size))
     node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.rank)
     leaders = mpi_comm.allgather(node.allreduce(mpi_comm.rank, op=MPI.MIN))

@@ -28,7 +28,6 @@ Exercised by: mpipar estimate --params 7e9 --world-size 64 --group-size 8 --micr
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -139,15 +138,15 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
     from mpipar.models.sequential import build_stages
     from mpipar.train.config import TrainConfig
 
-    config = TrainConfig(stages=stages, scheme=scheme if stages else None, replicas=replicas,
-                         micro_batches=micro_batches or 0, loops=loops, batch_size=batch_size,
-                         group_size=group_size, ddp=ddp, recompute=recompute).for_world(world_size)
-    mesh = config.mesh(world_size)
+    config = TrainConfig.of(stages=stages, scheme=scheme if stages else None, replicas=replicas,
+                            micro_batches=micro_batches or 0, loops=loops, batch_size=batch_size,
+                            group_size=group_size, ddp=ddp, recompute=recompute).for_world(world_size)
+    mesh = config.parallel.mesh(world_size)
     if built is None:  # no activations to size: any batch the layout divides will do
-        config = dataclasses.replace(config, batch_size=mesh.replicas * config.micro_batches)
+        config = config.replace(batch_size=mesh.replicas * config.training.micro_batches)
     config.validate(world_size)
-    compiled = compile_programs(config.strategy(), config.schedule_shape(world_size))
-    micro_batch = max(1, batch_size // mesh.replicas // config.micro_batches)
+    compiled = compile_programs(config.parallel.strategy(), config.schedule_shape(world_size))
+    micro_batch = max(1, batch_size // mesh.replicas // config.training.micro_batches)
     if built is None:  # parameters split evenly, units of --bucket-mb, no activations
         total = math.ceil(count)
         sizes = [total // config.schedule_shape(world_size).stages + (s < total % (stages or 1))
@@ -166,7 +165,7 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
                  compute_spans(laid_out, replica_shared_stages(mesh, sizes), unit_bytes_for(ddp, bucket_mb), segment))
         training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch or micro_batch, seed=0,
                                        to_device=lambda inputs, targets: (backend.inputs(inputs), targets),
-                                       recompute_spans=spans, split=config.strategy().split_backward)
+                                       recompute_spans=spans, split=config.parallel.strategy().split_backward)
     groups = []
     for worker in range(mesh.workers):  # ranks are grouped by --group-size consecutive ranks
         ranks = mesh.replica_group(worker)

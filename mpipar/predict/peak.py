@@ -343,7 +343,7 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
                 loss_fn.forward(x, targets, ctx, len(inputs))
             stash = cache.peak_bytes
             rebuilds.append((kept.live_bytes - before, cache.peak_bytes - popped))
-            if split:  # (never with recomputation: config.py)
+            if split:  # (never with recomputation: train/config/parallelism.py)
                 dy = loss_fn.backward(ctx) if last else stage.flat.backend.xp.zeros_like(x)
                 cache.peak_bytes = cache.live_bytes
                 _backward_input_zeros(stage, dy, ctx)

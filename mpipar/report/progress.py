@@ -105,8 +105,9 @@ class Report:
     @classmethod
     def for_config(cls, config) -> Report:
         """The report a training configuration asks for (a resumed run adds to its metrics file)."""
-        return cls(config.metrics, config.log_every, log_seconds=config.log_seconds, quiet=config.quiet,
-                   append=bool(config.resume))
+        output = config.output
+        return cls(output.metrics, output.log_every, log_seconds=output.log_seconds, quiet=output.quiet,
+                   append=bool(config.checkpoint.resume))
 
     def _restart_clocks(self) -> None:
         now = time.perf_counter()

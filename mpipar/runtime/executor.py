@@ -254,7 +254,7 @@ class Executor:
         self.items.drop(self.items.shifted(instruction.item))
 
     def _reduce(self, instruction: ReduceGradients) -> None:
-        s, step = instruction.stage, self.first_step  # a stage several workers compute is never shared (config.py)
+        s, step = instruction.stage, self.first_step  # a stage several workers compute is never shared (config/run.py)
         gradient = Item(ItemKind.GRADIENT_SUM, s, step)
         if gradient not in self.items.held():  # a holder that computes nothing of s adds zeros
             self.items.keep(gradient, self.items.zeros(ItemKind.GRADIENT_SUM, s))

@@ -73,7 +73,7 @@ class ShardedStage:
         self.units, self.state_kinds = self.state.units, self.state.state_kinds
         self.queue, self.pool = ChainQueue(), ScratchPool()
         self.traffic = comm.traffic
-        self.host = flat.backend.xp is np  # False on a GPU: DDP naive only (config.py)
+        self.host = flat.backend.xp is np  # False on a GPU: DDP naive only (train/config/run.py)
         self.spans = unit_spans(stage, unit_bytes)  # the layers each unit's Compute runs
         self.unit_leaves = [leaf_layers(stage.layers[unit.first:unit.last + 1]) for unit in self.units]
         self.gathered: dict[int, tuple] = {}  # unit index -> (full parameters, gather in flight)

@@ -146,7 +146,8 @@ def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Shardin
                 items.append(Drop(Item(ItemKind.INPUT, s, b)))
             elif d == BACKWARD and s < stages - 1:
                 items.append(Drop(Item(ItemKind.OUTPUT_GRADIENT, s, b)))
-        elif isinstance(instruction, BackwardWeights):  # never of a shared stage (config.py), and reads no weights
+        # a W job: never of a shared stage (train/config/parallelism.py), and it reads no weights
+        elif isinstance(instruction, BackwardWeights):
             items.append(Compute(CyclicJob(0, instruction.batch, instruction.stage, WEIGHTS), 0))
         elif isinstance(instruction, (SendActivation, SendGradient)):
             item = (Item(ItemKind.INPUT, instruction.stage + 1, instruction.batch)
@@ -213,7 +214,8 @@ class PipelinePlan:
         self.units = units = units or [1] * len(stage_sizes)
         if self.splits_backward and self.shared:
             raise ConfigError(f"{compiled.strategy.name}'s W jobs cannot run on stage {self.shared[0]}, which a "
-                              "replica group shares unit by unit (config.py refuses this layout)")
+                              "replica group shares unit by unit (the configuration's parallelism group refuses this "
+                              "layout)")
         program, updates_from = lower(compiled.programs[self.worker], len(stage_sizes),
                                       {s: units[s] for s in self.shared}, sharding, prefetch)
         self.run = _run(program, updates_from, ((len(program), 0),))
@@ -251,7 +253,7 @@ def data_parallel_plan(rank: int, world_size: int, stage: int, *, sharding: Shar
                        micro_batches: int = 1, prefetch: int = 1) -> PipelinePlan:
     """The plan of plain data parallelism: one stage of `stage` parameters on one worker,
     shared by all `world_size` ranks under `sharding` in `units` units."""
-    compiled = compile_programs(get_strategy("1f1b"), Shape(1, 1, micro_batches))  # as config.strategy()
+    compiled = compile_programs(get_strategy("1f1b"), Shape(1, 1, micro_batches))  # as config.parallel.strategy()
     return PipelinePlan(compiled, Mesh(1, world_size), rank, [stage], sharding=sharding, units=[units],
                         prefetch=prefetch)
 

@@ -1,6 +1,7 @@
 """Training: the configuration, the scheme it names as set up, and the loop.
 
-    config.py         TrainConfig: one validated configuration, from defaults, TOML and the command line
+    config/           TrainConfig: the configuration in validated groups (one module each), from defaults,
+                      TOML and the command line
     scheme.py         the scheme a run trains with, as the trainer sets it up: one class per family
     trainer.py        the training loop around the executor: data, steps, evaluation, checkpoints
     cdp_reference.py  Cyclic Data Parallelism's update rules as a plain single-process loop: the

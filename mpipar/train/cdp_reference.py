@@ -46,29 +46,30 @@ if TYPE_CHECKING:
     from mpipar.train.config import TrainConfig
 
 def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | None = None) -> list[np.ndarray]:
-    """The parameters of each stage after `config.max_steps` steps of `rule`, with
-    N = config.micro_batches micro-batches and stages, in one process; from `initial`
+    """The parameters of each stage after `config.training.max_steps` steps of `rule`, with
+    N = config.training.micro_batches micro-batches and stages, in one process; from `initial`
     (the whole model's parameters, flat) instead of the seed's where given."""
-    count = config.micro_batches
-    backend = make_backend("cpu", config.dtype)
-    train_set, _ = load_dataset(config.dataset, data_dir=config.data_dir, text_file=config.text_file,
-                                seq_len=config.seq_len)
+    count = config.training.micro_batches
+    backend = make_backend("cpu", config.model.dtype)
+    train_set, _ = load_dataset(config.data.dataset, data_dir=config.data.data_dir, text_file=config.data.text_file,
+                                seq_len=config.data.seq_len)
     model, loss_fn = configured_model(config, train_set)
-    stages = build_stages(model, count, backend, config.seed)
+    stages = build_stages(model, count, backend, config.training.seed)
     flats = [stage.flat for stage in stages]
     if initial is not None:
         offsets = np.cumsum([0] + [f.size for f in flats])
         for flat, start, stop in zip(flats, offsets[:-1], offsets[1:]):
             flat.data[:] = initial[start:stop]
-    optimizer = make_optimizer(config.optimizer, [f.data for f in flats], [f.grad for f in flats],
-                               [f.decay_spans(0, f.size) for f in flats], momentum=config.momentum,
-                               weight_decay=config.weight_decay, betas=(config.beta1, config.beta2), eps=config.eps)
+    optim = config.optim
+    optimizer = make_optimizer(optim.optimizer, [f.data for f in flats], [f.grad for f in flats],
+                               [f.decay_spans(0, f.size) for f in flats], momentum=optim.momentum,
+                               weight_decay=optim.weight_decay, betas=(optim.beta1, optim.beta2), eps=optim.eps)
     cache = ActivationCache()
-    sampler = GlobalBatchSampler(len(train_set), config.batch_size, config.seed)
-    size = config.batch_size // count
+    sampler = GlobalBatchSampler(len(train_set), config.training.batch_size, config.training.seed)
+    size = config.training.batch_size // count
     current = [f.data.copy() for f in flats]
     previous = [f.data.copy() for f in flats]  # theta_{-1} = theta_0
-    for step in range(config.max_steps):
+    for step in range(config.training.max_steps):
         epoch, position = divmod(step, sampler.steps_per_epoch)
         for flat in flats:
             flat.grad[:] = 0.0
@@ -76,14 +77,14 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
         for i, indices in enumerate(split_micro_batches(sampler.global_batch_indices(epoch, position), count)):
             for flat, fresh, new, old in zip(flats, fresh_stages(rule, i, count), current, previous):
                 flat.data[:] = new if fresh else old
-            inputs, targets = train_set.for_epoch(epoch, config.seed).batch(indices)
+            inputs, targets = train_set.for_epoch(epoch, config.training.seed).batch(indices)
             inputs = backend.inputs(inputs)  # as the Trainer feeds them: a torch stage refuses mixed dtypes
-            contexts = [cache.context(s, i, step=step, seed=config.seed, sample_ids=np.arange(i * size, (i + 1) * size))
-                        for s in range(count)]
+            contexts = [cache.context(s, i, step=step, seed=config.training.seed,
+                                      sample_ids=np.arange(i * size, (i + 1) * size)) for s in range(count)]
             x = inputs
             for stage, ctx in zip(stages, contexts):
                 x = stage.forward(x, ctx)
-            loss_fn.forward(x, targets, contexts[-1], config.batch_size)
+            loss_fn.forward(x, targets, contexts[-1], config.training.batch_size)
             dy = loss_fn.backward(contexts[-1])
             for stage, ctx in zip(reversed(stages), reversed(contexts)):
                 dy = stage.backward(dy, ctx)
@@ -92,7 +93,7 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
         for flat, new in zip(flats, current):
             flat.settle_grads()
             flat.data[:] = new
-        optimizer.step(config.lr)
+        optimizer.step(config.optim.lr)
         previous, current = current, [f.data.copy() for f in flats]
     return current
 

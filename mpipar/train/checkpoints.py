@@ -79,31 +79,32 @@ class Checkpoints:
 
     def __init__(self, run: CheckpointedRun) -> None:
         self.run, self.config = run, run.config
-        self.enabled = bool(self.config.checkpoint_dir)
+        self.enabled = bool(self.config.checkpoint.checkpoint_dir)
         self.last_saved_step, self.last_save_time = -1, time.monotonic()
         self.save_seconds: list[float] = []  # per save: the training time it cost
         self.write_seconds: list[float] = []  # per save: how long this rank took to write its file
         self.pending = None  # a save being written in the background: (PendingSave, thread, manifest, start)
         self.resumed_from: Path | None = None
         if self.enabled:
-            kinds = state_kinds(self.config.optimizer, self.config.momentum)
+            kinds = state_kinds(self.config.optim.optimizer, self.config.optim.momentum)
             vectors = {**dict.fromkeys(["params", *(f"optimizer.{kind}" for kind in range(kinds))],
                                        run.dtype_name), **self.vector_dtypes()}
             checkpoint_bytes = run.parameter_count * sum(np.dtype(name).itemsize for name in vectors.values())
-            store.check_directory(run.comm, Path(self.config.checkpoint_dir), checkpoint_bytes)
+            store.check_directory(run.comm, Path(self.config.checkpoint.checkpoint_dir), checkpoint_bytes)
             checkpoint_on_signals(StoppedToRequeue.exit_status)
 
     def vector_dtypes(self) -> dict[str, str]:
         """The vectors not of the parameters' dtype (format.py): under --precision fp16 the master
         copy and the optimizer state, in --dtype."""
-        if self.config.precision == "fp32":
+        if self.config.model.precision == "fp32":
             return {}
-        kinds = [f"optimizer.{kind}" for kind in range(state_kinds(self.config.optimizer, self.config.momentum))]
-        return dict.fromkeys(["params.master", *kinds], self.config.dtype)
+        optim = self.config.optim
+        kinds = [f"optimizer.{kind}" for kind in range(state_kinds(optim.optimizer, optim.momentum))]
+        return dict.fromkeys(["params.master", *kinds], self.config.model.dtype)
 
     def flags(self) -> np.ndarray:
         """This rank's votes, summed over ranks with the step's loss."""
-        minutes = self.config.save_every_minutes
+        minutes = self.config.checkpoint.save_every_minutes
         due = minutes and self.run.comm.rank == 0 and time.monotonic() - self.last_save_time >= 60 * minutes
         return np.array([float(stop_requested()), float(bool(due))])
 
@@ -112,16 +113,17 @@ class Checkpoints:
         job if a signal asked for it. `final`: training has ended."""
         if not self.enabled:
             return
-        every = self.config.save_every
+        every = self.config.checkpoint.save_every
         stop = votes[0] > 0
         crossed = every and steps_done // every > max(self.last_saved_step, 0) // every  # a multiple of it
         self.finish_pending()
         if stop or votes[1] > 0 or final or crossed:
-            self.save(steps_done, in_background=self.config.async_save and not (stop or final))
+            self.save(steps_done, in_background=self.config.checkpoint.async_save and not (stop or final))
         if stop:
             stopped = StoppedToRequeue(f"stopped by a signal after step {steps_done}; checkpoint "
-                                       f"{store.step_directory(self.config.checkpoint_dir, steps_done)} saved; resume "
-                                       f"with --resume auto (exit status {StoppedToRequeue.exit_status}: requeue)")
+                                       f"{store.step_directory(self.config.checkpoint.checkpoint_dir, steps_done)} "
+                                       f"saved; resume with --resume auto (exit status "
+                                       f"{StoppedToRequeue.exit_status}: requeue)")
             stopped.on_every_rank = True  # the vote was summed over all ranks: they all stop here
             raise stopped
 
@@ -133,7 +135,7 @@ class Checkpoints:
             return
         started = time.perf_counter()
         pieces, _ = self.run.engine.whole_model.state_pieces()
-        pending = store.begin(self.run.comm, Path(self.config.checkpoint_dir), steps_done, pieces,
+        pending = store.begin(self.run.comm, Path(self.config.checkpoint.checkpoint_dir), steps_done, pieces,
                               copy=in_background)
         self.last_saved_step, self.last_save_time = steps_done, time.monotonic()
         if in_background:
@@ -143,7 +145,7 @@ class Checkpoints:
             self.save_seconds.append(time.perf_counter() - started)
             return
         store.write(pending)
-        store.finish(self.run.comm, pending, self.manifest(steps_done), self.config.keep)
+        store.finish(self.run.comm, pending, self.manifest(steps_done), self.config.checkpoint.keep)
         self.save_seconds.append(time.perf_counter() - started)
         self.write_seconds.append(pending.write_seconds)
 
@@ -155,7 +157,7 @@ class Checkpoints:
         pending, writer, manifest, _ = self.pending
         self.pending = None
         writer.join()
-        store.finish(self.run.comm, pending, manifest, self.config.keep)
+        store.finish(self.run.comm, pending, manifest, self.config.checkpoint.keep)
         self.save_seconds[-1] += time.perf_counter() - started
         self.write_seconds.append(pending.write_seconds)
 
@@ -169,9 +171,9 @@ class Checkpoints:
                 "size": run.parameter_count,
                 "parameters": parameter_table(run.stages),
                 "training": {"step": steps_done, "epoch": epoch, "step_in_epoch": in_epoch,
-                             "steps_per_epoch": per_epoch, "first_sample": in_epoch * cfg.batch_size,
-                             "optimizer": cfg.optimizer, "optimizer_steps": steps_done,
-                             "next_lr": run.lr_at(steps_done), "seed": cfg.seed,
+                             "steps_per_epoch": per_epoch, "first_sample": in_epoch * cfg.training.batch_size,
+                             "optimizer": cfg.optim.optimizer, "optimizer_steps": steps_done,
+                             "next_lr": run.lr_at(steps_done), "seed": cfg.training.seed,
                              "random_streams": "counter-based: data order from (seed, epoch), dropout from "
                                                "(seed, step, stage, sample); no generator state"},
                 "world": {"ranks": run.comm.size, "scheme": run.scheme_name},
@@ -180,13 +182,13 @@ class Checkpoints:
                          "file_sha256": getattr(run.train_set, "file_sha256", {})},
                 "vocab": list(getattr(run.train_set, "vocab", [])),  # what mpipar sample prints tokens as
                 "config": {key: list(value) if isinstance(value, tuple) else value
-                           for key, value in dataclasses.asdict(cfg).items()}}
+                           for key, value in cfg.flat().items()}}
 
     def _check_same_data(self, manifest: dict, path: Path) -> None:
         """Refuse a resume on other data than the checkpoint's run trained on, unless asked for. Token
         data recorded by identity version 1 is compared as that version saw it: by the first and last
         MiB of each .bin (`resume` says so once)."""
-        if "data" not in manifest or self.config.resume_other_data:
+        if "data" not in manifest or self.config.checkpoint.resume_other_data:
             return  # a checkpoint from before the data was recorded cannot be checked
         recorded = {key: value for key, value in manifest["data"].items()
                     if key not in ("identity_version", "file_sha256")}
@@ -210,19 +212,19 @@ class Checkpoints:
 
     def resume(self) -> int:
         """Load the checkpoint --resume names, if any (collective); returns the step to start at."""
-        if not self.config.resume:
+        if not self.config.checkpoint.resume:
             return 0
         engine = self.run.engine
 
         def check(manifest: dict, path: Path) -> None:
             check_compatible(manifest, parameter_table(self.run.stages), np.dtype(self.run.dtype_name),
-                             self.config.optimizer, path)
-            saved = manifest.get("config", {})
-            for key in KEPT_THE_SAME if not self.config.resume_other_data else ("batch_size", "seed"):
-                if saved.get(key) != getattr(self.config, key):
+                             self.config.optim.optimizer, path)
+            saved, options = manifest.get("config", {}), self.config.flat()
+            for key in KEPT_THE_SAME if not self.config.checkpoint.resume_other_data else ("batch_size", "seed"):
+                if saved.get(key) != options[key]:
                     flag = f"--{key.replace('_', '-')}"
                     raise CheckpointError(f"checkpoint {path} was saved by a run with {flag} {saved.get(key)}; "
-                                          f"this run has {flag} {getattr(self.config, key)}, which would change "
+                                          f"this run has {flag} {options[key]}, which would change "
                                           "the data order and random streams it continues")
             self._check_same_data(manifest, path)
 
@@ -230,18 +232,19 @@ class Checkpoints:
             engine.start_at(manifest["training"]["step"])
             return engine.whole_model.state_pieces()[0]
 
-        loaded = store.load(self.run.comm, self.config.resume, self.config.checkpoint_dir, pieces, check,
+        options = self.config.checkpoint
+        loaded = store.load(self.run.comm, options.resume, options.checkpoint_dir, pieces, check,
                             note=lambda line: print(line, file=sys.stderr, flush=True))
         if loaded is None:
             return 0
         self.resumed_from, manifest = loaded
         step = manifest["training"]["step"]
-        if self.resumed_from.parent.resolve() == Path(self.config.checkpoint_dir or ".").resolve():
+        if self.resumed_from.parent.resolve() == Path(self.config.checkpoint.checkpoint_dir or ".").resolve():
             self.last_saved_step = step  # already there; resumed into another directory, the end saves anew
         if self.run.comm.rank == 0:
             print(f"mpipar: resuming from {self.resumed_from} after step {step} (saved by "
                   f"{manifest['world']['ranks']} rank(s), {manifest['world']['scheme']})", flush=True)
-            if _partially_identified(manifest) and not self.config.resume_other_data:
+            if _partially_identified(manifest) and not self.config.checkpoint.resume_other_data:
                 print(f"mpipar: {self.resumed_from} records its token data by the first and last MiB of each .bin "
                       "(identity version 1), so only those were compared with this run's data", flush=True)
         for optimizer in engine.whole_model.state_pieces()[1]:

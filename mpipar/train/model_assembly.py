@@ -33,8 +33,9 @@ def chain_torch_layers(stages, loss_fn, cfg: TrainConfig, world_size: int) -> No
     of its own."""
     if world_size != 1 or "mpipar.adapters.torch_stage" not in sys.modules:
         return
-    if (cfg.cyclic or cfg.recompute != "none" or cfg.sharding().parameters != Scope.REPLICATED
-            or cfg.strategy().split_backward or cfg.ddp == "allgather-activations"):
+    parallel = cfg.parallel
+    if (parallel.cyclic or parallel.recompute != "none" or parallel.sharding().parameters != Scope.REPLICATED
+            or parallel.strategy().split_backward or parallel.ddp == "allgather-activations"):
         return
     from mpipar.adapters.torch_stage import TorchChain, TorchLayer, TorchLoss
     for stage in stages:
@@ -47,13 +48,14 @@ def chain_torch_layers(stages, loss_fn, cfg: TrainConfig, world_size: int) -> No
 
 
 def configured_model(cfg: TrainConfig, train_set: ImageDataset | TokenStream) -> tuple[Sequential, object]:
-    """The model `cfg.model` names, built-in or a user's builder (PyTorch, JAX or mpipar layers),
+    """The model `cfg.model.model` names, built-in or a user's builder (PyTorch, JAX or mpipar layers),
     and its loss: the builder's, else softmax cross-entropy. The Trainer, CDP's reference and
     `mpipar estimate` all build their model here."""
-    if cfg.model in MODELS:
-        model = build_model(cfg.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
-                            hidden=cfg.hidden, dropout=cfg.dropout, width=cfg.width, heads=cfg.heads,
-                            blocks=cfg.blocks, tie_embeddings=cfg.tie_embeddings)
+    options = cfg.model
+    if options.model in MODELS:
+        model = build_model(options.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
+                            hidden=options.hidden, dropout=options.dropout, width=options.width, heads=options.heads,
+                            blocks=options.blocks, tie_embeddings=options.tie_embeddings)
         return model, SoftmaxCrossEntropy()
-    model, loss = build_user_model(cfg.model, train_set.input_shape, train_set.num_classes, cfg.seed)
+    model, loss = build_user_model(options.model, train_set.input_shape, train_set.num_classes, cfg.training.seed)
     return model, loss or SoftmaxCrossEntropy()

@@ -39,7 +39,7 @@ from mpipar.units import format_bytes
 
 def scheme_for(config: TrainConfig, rank: int, world_size: int) -> Scheme:
     """The scheme `config` names, set up for `rank` of `world_size` (validated config)."""
-    family = Cyclic if config.cyclic else Pipeline if config.stages else DataParallel
+    family = Cyclic if config.parallel.cyclic else Pipeline if config.parallel.stages else DataParallel
     return family(config, rank, world_size)
 
 
@@ -59,7 +59,7 @@ class Scheme:
 
     def per_parameter(self, itemsize: int) -> int:
         """Bytes of a parameter, its gradient and its optimizer state."""
-        return (2 + state_kinds(self.config.optimizer, self.config.momentum)) * itemsize
+        return (2 + state_kinds(self.config.optim.optimizer, self.config.optim.momentum)) * itemsize
 
     def describe_placement(self, group_of: tuple[int, ...]) -> None:
         """Name where the ranks play their parts (`group_of`: each rank's node), if it says more
@@ -71,14 +71,16 @@ class Cyclic(Scheme):
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
         super().__init__(config, rank, world_size)
-        self.stage_count, self.replicas = config.micro_batches, 1
-        self.name = f"{config.scheme}, {config.cdp_layout} layout, over {config.micro_batches} stages and micro-batches"
+        self.stage_count, self.replicas = config.training.micro_batches, 1
+        self.name = (f"{config.parallel.scheme}, {config.parallel.cdp_layout} layout, "
+                     f"over {config.training.micro_batches} stages and micro-batches")
 
     def plan(self, stages: list[Stage], itemsize: int) -> Plan:
         cfg = self.config
-        return CdpPlan(cfg.cdp_layout, cfg.scheme, cfg.micro_batches, self.rank, self.world_size,
+        return CdpPlan(cfg.parallel.cdp_layout, cfg.parallel.scheme, cfg.training.micro_batches, self.rank,
+                       self.world_size,
                        [stage.flat.size for stage in stages], itemsize=itemsize,
-                       state_kinds=state_kinds(cfg.optimizer, cfg.momentum))
+                       state_kinds=state_kinds(cfg.optim.optimizer, cfg.optim.momentum))
 
     def least_state_bytes(self, sizes: list[int], itemsize: int, counted) -> int:
         return max(sizes) * self.per_parameter(itemsize)  # a rank holds at least one stage's state
@@ -97,14 +99,15 @@ class Pipeline(Scheme):
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
         super().__init__(config, rank, world_size)
-        self.mesh = config.mesh(world_size)
-        self.compiled = compile_programs(config.strategy(), config.schedule_shape(world_size))
+        self.mesh = config.parallel.mesh(world_size)
+        self.compiled = compile_programs(config.parallel.strategy(), config.schedule_shape(world_size))
         replay(self.compiled.programs, self.compiled.shape, self.compiled.holders)  # sound, or refused here
-        self.stage_count, self.replicas = config.stages or 1, self.mesh.replicas
-        self.splits_backward = config.strategy().split_backward
-        self.name = (f"{config.scheme} over {config.stages} stages, {config.micro_batches} micro-batches"
-                     + (f", {config.loops} loops" if config.loops > 1 else "")
-                     + (f", x {self.mesh.replicas} replicas sharing each stage as {config.sharding()}"
+        self.stage_count, self.replicas = config.parallel.stages or 1, self.mesh.replicas
+        self.splits_backward = config.parallel.strategy().split_backward
+        self.name = (f"{config.parallel.scheme} over {config.parallel.stages} stages, "
+                     f"{config.training.micro_batches} micro-batches"
+                     + (f", {config.parallel.loops} loops" if config.parallel.loops > 1 else "")
+                     + (f", x {self.mesh.replicas} replicas sharing each stage as {config.parallel.sharding()}"
                         if self.mesh.replicas > 1 else ""))
 
     def describe_placement(self, group_of: tuple[int, ...]) -> None:
@@ -113,15 +116,15 @@ class Pipeline(Scheme):
 
     def plan(self, stages: list[Stage], itemsize: int) -> Plan:
         cfg = self.config
-        units = [len(make_units(stage, unit_bytes_for(cfg.ddp, cfg.bucket_mb))) for stage in stages]
+        units = [len(make_units(stage, unit_bytes_for(cfg.parallel.ddp, cfg.parallel.bucket_mb))) for stage in stages]
         return PipelinePlan(self.compiled, self.mesh, self.rank, [stage.flat.size for stage in stages],
-                            sharding=cfg.sharding(), units=units, prefetch=cfg.prefetch)
+                            sharding=cfg.parallel.sharding(), units=units, prefetch=cfg.parallel.prefetch)
 
     def least_state_bytes(self, sizes: list[int], itemsize: int, counted) -> int:
         """Its share of its largest stage among the stage's replicas."""
         group = len(counted.subset_layout(self.mesh.replica_group(self.mesh.worker(self.rank)))[0])
         per_parameter = self.per_parameter(itemsize)
-        return bytes_per_rank(self.config.sharding(), max(sizes), self.mesh.replicas, group,
+        return bytes_per_rank(self.config.parallel.sharding(), max(sizes), self.mesh.replicas, group,
                               parameter_bytes=itemsize, gradient_bytes=itemsize,
                               state_bytes=per_parameter - 2 * itemsize).total
 
@@ -143,16 +146,17 @@ class DataParallel(Pipeline):
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
         super().__init__(config, rank, world_size)
-        self.name = str(config.sharding())
+        self.name = str(config.parallel.sharding())
 
     def describe_placement(self, group_of: tuple[int, ...]) -> None:
         """Every rank plays the same part: the name says it all."""
 
     def gathered(self, model: Sequential, itemsize: int) -> list:
         cfg = self.config
-        if cfg.ddp != "allgather-activations":
+        if cfg.parallel.ddp != "allgather-activations":
             return []
-        choices = choose_gathered(model.layers, model.shapes, cfg.batch_size, self.world_size)  # seed 002's rule
+        # seed 002's rule
+        choices = choose_gathered(model.layers, model.shapes, cfg.training.batch_size, self.world_size)
         self.name += "; " + describe_gathered(choices, itemsize)
         return choices
 

@@ -84,12 +84,12 @@ class Trainer:
         abort_on_uncaught_exception(self.comm)
         # With --memory-profile the allocator is watched from here; the data set is
         # left out of the figures (the baseline is set once it is loaded, in _setup).
-        self.memory = make_probe(config.device) if config.memory_profile else None
+        self.memory = make_probe(config.model.device) if config.output.memory_profile else None
         if self.memory:
             self.memory.start()
         # The counted communicator every training message goes through; made before
         # validation, which could otherwise stop some ranks before this collective call.
-        self.counted = agree_on_setup(self.comm, lambda: make_world(config.group_size or None, self.comm))
+        self.counted = agree_on_setup(self.comm, lambda: make_world(config.parallel.group_size or None, self.comm))
         agree_on_setup(self.comm, self._setup)
         agree_on_data(self.comm, self.train_set, self.test_set)  # a rank with other data stops them all
         self.engine = self._make_engine()  # collective (sub-communicators): only once every rank is set up
@@ -97,8 +97,8 @@ class Trainer:
             leaf.release_initial()
         chain_torch_layers(self.stages, self.loss_fn, config, self.world_size)
         self.predicted = self._predicted_peak()
-        if config.memory_limit is not None:
-            self._check_memory_limit(config.memory_limit)
+        if config.output.memory_limit is not None:
+            self._check_memory_limit(config.output.memory_limit)
         self.checkpoints = Checkpoints(CheckpointedRun(
             config=self.config, comm=self.comm, engine=self.engine, stages=self.stages,
             dtype_name=self.backend.dtype.name, parameter_count=self.parameter_count,
@@ -109,18 +109,19 @@ class Trainer:
     def _setup(self) -> None:
         self.config = cfg = self.config.for_world(self.world_size)
         cfg.validate(self.world_size)
-        set_default_timeout(cfg.comm_timeout)
-        self.backend = make_backend(cfg.device, arithmetic_dtype(cfg.precision, cfg.dtype))
-        if cfg.device == "gpu" and self.world_size > 1:
+        set_default_timeout(cfg.parallel.comm_timeout)
+        self.backend = make_backend(cfg.model.device, arithmetic_dtype(cfg.model.precision, cfg.model.dtype))
+        if cfg.model.device == "gpu" and self.world_size > 1:
             device_wire()  # decided here, on every rank: a bad MPIPAR_CUDA_AWARE is one sentence, not a crash
-        self.train_set, self.test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
-                                                     text_file=cfg.text_file, seq_len=cfg.seq_len)
+        self.train_set, self.test_set = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir,
+                                                     text_file=cfg.data.text_file, seq_len=cfg.data.seq_len)
         self.model, self.loss_fn = configured_model(cfg, self.train_set)
         if self.memory:  # after the builder: a framework's imports are not the run's memory
             self.memory.set_baseline()
         # Stages are laid out here and built by the engine, which allocates only what this rank keeps.
         self.scheme = scheme_for(cfg, self.rank, self.world_size)
-        self.stages = build_stages(self.model, self.scheme.stage_count, self.backend, cfg.seed, materialize=False)
+        self.stages = build_stages(self.model, self.scheme.stage_count, self.backend, cfg.training.seed,
+                                   materialize=False)
         self.gathered = self.scheme.gathered(self.model, self.backend.dtype.itemsize)
         self.scheme.describe_placement(self.counted.group_of)
         self.parameter_count = sum(stage.flat.size for stage in self.stages)
@@ -129,12 +130,13 @@ class Trainer:
         self.training_flops_per_sample = 6 * sum(layer.flops(shape)
                                                  for layer, shape in zip(self.model.layers, self.model.shapes))
         self._check_model_fits()
-        self.sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, cfg.seed)
-        self.total_steps = self.sampler.steps_per_epoch * cfg.epochs
-        if cfg.max_steps:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.lr_at = make_schedule(cfg.schedule, cfg.lr, self.total_steps, warmup_steps=cfg.warmup_steps,
-                                   step_size=cfg.step_size, gamma=cfg.gamma, min_lr=cfg.min_lr)
+        self.sampler = GlobalBatchSampler(len(self.train_set), cfg.training.batch_size, cfg.training.seed)
+        self.total_steps = self.sampler.steps_per_epoch * cfg.training.epochs
+        if cfg.training.max_steps:
+            self.total_steps = min(self.total_steps, cfg.training.max_steps)
+        optim = cfg.optim
+        self.lr_at = make_schedule(optim.schedule, optim.lr, self.total_steps, warmup_steps=optim.warmup_steps,
+                                   step_size=optim.step_size, gamma=optim.gamma, min_lr=optim.min_lr)
         self.cache = ActivationCache()
         self.activations = self._activation_bytes()
         # [loss sum, correct predictions, predictions] of a step and each rank's checkpoint votes
@@ -146,32 +148,33 @@ class Trainer:
         self.said_evaluation_cap = False  # rank 0 says once that --eval-batches asks for more than the split has
         pairs = tied_copies(self.stages)
         self.tied = TiedGradients(pairs, self.counted, self.comm) if pairs else None
-        self.loss_scaler = LossScaler() if cfg.precision == Precision.FP16 else None
-        self.clipper = (GradientClipper(cfg.grad_clip or math.inf, self.comm, self.tied.copies() if self.tied else [])
-                        if cfg.grad_clip or self.loss_scaler else None)
+        self.loss_scaler = LossScaler() if cfg.model.precision == Precision.FP16 else None
+        self.clipper = (GradientClipper(optim.grad_clip or math.inf, self.comm, self.tied.copies() if self.tied else [])
+                        if optim.grad_clip or self.loss_scaler else None)
 
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
-        cfg = self.config
+        cfg, parallel, training = self.config, self.config.parallel, self.config.training
         per_rank = self.scheme.replicas
-        spans, segment = None, recompute_segment(cfg.recompute)
+        spans, segment = None, recompute_segment(parallel.recompute)
         if segment is not None:  # (refused for CDP)
-            shared = replica_shared_stages(cfg.mesh(self.world_size), [stage.flat.size for stage in self.stages])
-            spans = compute_spans(self.stages, shared, unit_bytes_for(cfg.ddp, cfg.bucket_mb), segment)
-        return dry_run(self.stages, self.train_set, self.loss_fn, cfg.batch_size // per_rank // cfg.micro_batches,
-                       min(cfg.evaluation_batch(self.world_size), len(self.test_set)), cfg.seed, self._to_device, spans,
-                       split=self.scheme.splits_backward)
+            shared = replica_shared_stages(parallel.mesh(self.world_size), [stage.flat.size for stage in self.stages])
+            spans = compute_spans(self.stages, shared, unit_bytes_for(parallel.ddp, parallel.bucket_mb), segment)
+        return dry_run(self.stages, self.train_set, self.loss_fn,
+                       training.batch_size // per_rank // training.micro_batches,
+                       min(cfg.evaluation_batch(self.world_size), len(self.test_set)), training.seed, self._to_device,
+                       spans, split=self.scheme.splits_backward)
 
     def _predicted_peak(self) -> Peak:
         """The engine's prediction of this rank's peak (for CDP: over its first run's program), and the
         rows --ddp allgather-activations gathers in backward."""
-        cfg = self.config
+        training = self.config.training
         steps = min(self.sampler.steps_per_epoch, self.total_steps, self.engine.plan.longest_run)
         peak = plan_peak(self.engine.plan, self.rank, *self.activations, steps, **self.engine.peak_facts())
         if not self.gathered_layers:
             return peak
-        rows = gathered_bytes(self.gathered, cfg.batch_size // self.world_size // cfg.micro_batches, self.world_size,
-                              self.backend.dtype.itemsize)
+        rows = gathered_bytes(self.gathered, training.batch_size // self.world_size // training.micro_batches,
+                              self.world_size, self.backend.dtype.itemsize)
         return Peak(peak.steady, {**peak.transients, "gathered rows": rows})
 
     @property
@@ -183,10 +186,10 @@ class Trainer:
         """Refuse in one sentence, before anything is allocated, a model whose parameters,
         gradients and optimizer state alone exceed the memory this node has available.
         It is a lower bound (no activations, no transients): --memory-limit checks the full peak."""
-        cfg = self.config
         need = self.scheme.least_state_bytes([stage.flat.size for stage in self.stages], self.backend.dtype.itemsize,
                                              self.counted)
-        ranks_here = len(self.counted.group_layout()[0]) if not cfg.group_size else 1  # groups are nodes by default
+        # groups are nodes by default
+        ranks_here = len(self.counted.group_layout()[0]) if not self.config.parallel.group_size else 1
         available = available_bytes()
         if need * ranks_here > available:
             raise ConfigError(f"the model has {self.parameter_count:,} parameters: {self.scheme.name} keeps at least "
@@ -207,19 +210,18 @@ class Trainer:
 
     def _make_engine(self) -> Executor:
         """The executor of this rank's plan: CDP's programs, or the pipeline strategy's (data parallelism: S = 1)."""
-        cfg = self.config
+        cfg, optim, parallel = self.config, self.config.optim, self.config.parallel
         plan = self.scheme.plan(self.stages, self.backend.dtype.itemsize)
         first_layers = [layers.start for layers in partition(self.model, len(self.stages))]
         return Executor(self.counted, self.stages, plan, self.cache, self.loss_fn,
                         input_shapes=[self.model.shapes[first] for first in first_layers],
-                        optimizer=cfg.optimizer, optimizer_options=dict(momentum=cfg.momentum,
-                                                                        weight_decay=cfg.weight_decay,
-                                                                        betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                                                        updates=cpu_updates(self.model, cfg.device),
-                                                                        master_dtype=cfg.dtype,
-                                                                        loss_scaler=self.loss_scaler),
-                        collective=cfg.collective, unit_bytes=unit_bytes_for(cfg.ddp, cfg.bucket_mb),
-                        recompute=recompute_segment(cfg.recompute), gathered_layers=self.gathered_layers)
+                        optimizer=optim.optimizer,
+                        optimizer_options=dict(momentum=optim.momentum, weight_decay=optim.weight_decay,
+                                               betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                                               updates=cpu_updates(self.model, cfg.model.device),
+                                               master_dtype=cfg.model.dtype, loss_scaler=self.loss_scaler),
+                        collective=parallel.collective, unit_bytes=unit_bytes_for(parallel.ddp, parallel.bucket_mb),
+                        recompute=recompute_segment(parallel.recompute), gathered_layers=self.gathered_layers)
 
     # -- the model, read and written the same way for every scheme -------------------------
     def full_parameters(self, root: int | None = None) -> dict[str, np.ndarray] | None:
@@ -265,8 +267,8 @@ class Trainer:
         return self.backend.inputs(inputs), self.backend.xp.asarray(targets)
 
     def _non_finite_advice(self) -> str:
-        cfg = self.config
-        return non_finite_advice(lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, optimizer=cfg.optimizer,
+        optim = self.config.optim
+        return non_finite_advice(lr=optim.lr, weight_decay=optim.weight_decay, eps=optim.eps, optimizer=optim.optimizer,
                                  dtype=self.backend.dtype.name)
 
     @contextlib.contextmanager
@@ -283,15 +285,15 @@ class Trainer:
         start = time.perf_counter()
         cfg = self.config
         indices = self.sampler.global_batch_indices(epoch, step_in_epoch)
-        mesh = cfg.mesh(self.world_size)  # each pipeline (replica) takes its slice of the global batch
+        mesh = cfg.parallel.mesh(self.world_size)  # each pipeline (replica) takes its slice of the global batch
         micro_batches = split_micro_batches(rank_slice(indices, mesh.replica(self.rank), mesh.replicas),
-                                            cfg.micro_batches)
-        data = self.train_set.for_epoch(epoch, cfg.seed)  # a token stream's windows are cut anew each epoch
+                                            cfg.training.micro_batches)
+        data = self.train_set.for_epoch(epoch, cfg.training.seed)  # a token stream's windows are cut anew each epoch
         if self.loss_scaler:
             self.loss_fn.set_gradient_scale(self.loss_scaler.scale)
         with self._advice_on_non_finite_loss():
-            self.step_totals[:3] = self.engine.run_step(step, cfg.seed, lambda _step, b: self._to_device(
-                *data.batch(micro_batches[b])), cfg.batch_size)
+            self.step_totals[:3] = self.engine.run_step(step, cfg.training.seed, lambda _step, b: self._to_device(
+                *data.batch(micro_batches[b])), cfg.training.batch_size)
         self.step_totals[3:3 + FLAGS] = self.checkpoints.flags()
         self.engine.finish_gradients()
         gradients = []  # views, until the update
@@ -337,7 +339,7 @@ class Trainer:
 
     def _evaluate_if_due(self, epoch: int, step: int, report) -> None:
         """With --eval-every K: evaluate after every K-th step (the last is evaluated by `run`)."""
-        if self.config.eval_every and step % self.config.eval_every == 0 and step < self.total_steps:
+        if self.config.training.eval_every and step % self.config.training.eval_every == 0 and step < self.total_steps:
             evaluation = self.evaluate(epoch, step)
             if report:
                 report.evaluation(evaluation)
@@ -347,12 +349,12 @@ class Trainer:
         of step `step` (counted from the start of training) in epoch `epoch`, on this run's
         device: what a plan that runs many steps at once (CDP's `run_steps`) reads its data with."""
         epoch_start = epoch * self.sampler.steps_per_epoch
-        data = self.train_set.for_epoch(epoch, self.config.seed)
+        data = self.train_set.for_epoch(epoch, self.config.training.seed)
 
         def load(step: int, micro_batch: int):
             indices = self.sampler.global_batch_indices(epoch, step - epoch_start)
             return self._to_device(*data.batch(
-                split_micro_batches(indices, self.config.micro_batches)[micro_batch]))
+                split_micro_batches(indices, self.config.training.micro_batches)[micro_batch]))
         return load
 
     def _epoch_in_runs(self, epoch: int, step: int, report, watch: DivergenceWatch | None = None) -> int:
@@ -364,7 +366,7 @@ class Trainer:
         end = min((epoch + 1) * self.sampler.steps_per_epoch, self.total_steps)
         while step < end:
             steps = min(self.engine.plan.longest_run, end - step)
-            for every in (cfg.eval_every, cfg.save_every):  # a run ends where they fall
+            for every in (cfg.training.eval_every, cfg.checkpoint.save_every):  # a run ends where they fall
                 if every:
                     steps = min(steps, every - step % every)
             step = self._overlapping_run(epoch, step, steps, report, watch)
@@ -380,12 +382,12 @@ class Trainer:
 
         def progress(step: int, mine, computed: int) -> None:  # mine: this rank's [loss, correct, predictions]
             report.progress(step, epoch, loss=float(mine[0]), accuracy=float(mine[1] / max(mine[2], 1)),
-                            lr=self.lr_at(step), share=(computed, cfg.micro_batches))
+                            lr=self.lr_at(step), share=(computed, cfg.training.micro_batches))
 
         start = time.perf_counter()
         with self._advice_on_non_finite_loss():
-            totals = self.engine.run_steps(first_step, steps, self.micro_batch_loader(epoch), seed=cfg.seed,
-                                           batch_size=cfg.batch_size,
+            totals = self.engine.run_steps(first_step, steps, self.micro_batch_loader(epoch), seed=cfg.training.seed,
+                                           batch_size=cfg.training.batch_size,
                                            lr_at=self.lr_at, on_step=progress if report else None)
         seconds = (time.perf_counter() - start) / steps
         summed = np.concatenate([totals.reshape(-1), self.checkpoints.flags()])
@@ -411,11 +413,11 @@ class Trainer:
         for more); its whole split is its non-overlapping windows. Either sample is read by
         contiguous slices."""
         cfg, test = self.config, self.test_set
-        count = cfg.eval_batches if cfg.eval_batches is not None else \
+        count = cfg.training.eval_batches if cfg.training.eval_batches is not None else \
             (DEFAULT_EVAL_BATCHES if isinstance(test, TokenStream) else 0)
         if not count:
             return np.arange(len(test)), test.batch
-        samples = count * cfg.batch_size
+        samples = count * cfg.training.batch_size
         if isinstance(test, TokenStream):
             starts = len(test.tokens) - test.seq_len
             if samples > starts and not self.said_evaluation_cap:
@@ -424,9 +426,9 @@ class Trainer:
                     print(f"mpipar: --eval-batches {count} asks for {samples:,} validation windows, more than the "
                           f"{starts:,} places a window can start in the split: each evaluation takes {starts:,} "
                           "windows", flush=True)
-            return test.sample_starts(min(samples, starts), cfg.seed), test.windows
-        chosen = np.random.default_rng([cfg.seed, EVAL_SAMPLE_STREAM]).choice(len(test), min(samples, len(test)),
-                                                                              replace=False)
+            return test.sample_starts(min(samples, starts), cfg.training.seed), test.windows
+        chosen = np.random.default_rng([cfg.training.seed, EVAL_SAMPLE_STREAM]).choice(
+            len(test), min(samples, len(test)), replace=False)
         return np.sort(chosen), test.batch
 
     def evaluate(self, epoch: int, step: int) -> EvalResult:
@@ -474,16 +476,16 @@ class Trainer:
 
     def run_facts(self) -> RunFacts:
         """What the report says of this run (report/events.py)."""
-        cfg = self.config
-        return RunFacts(model=cfg.model, dataset=cfg.dataset, train_samples=len(self.train_set),
+        cfg, model, training = self.config, self.config.model, self.config.training
+        return RunFacts(model=model.model, dataset=cfg.data.dataset, train_samples=len(self.train_set),
                         test_samples=len(self.test_set), parameter_count=self.parameter_count,
                         world_size=self.world_size, scheme=self.scheme.name, placement=tuple(self.scheme.placement),
-                        device=cfg.device, arithmetic=cfg.dtype if cfg.precision == "fp32" else
-                        f"{cfg.precision} with {cfg.dtype} master weights", batch_size=cfg.batch_size,
-                        micro_batches=cfg.micro_batches, micro_batches_per_rank=self.scheme.micro_batches_per_rank,
-                        total_steps=self.total_steps, epochs=cfg.epochs,
-                        tokens_per_sample=cfg.seq_len if isinstance(self.train_set, TokenStream) else 0,
-                        flops_per_sample=self.training_flops_per_sample, peak_flops=cfg.peak_flops or 0.0,
+                        device=model.device, arithmetic=model.dtype if model.precision == "fp32" else
+                        f"{model.precision} with {model.dtype} master weights", batch_size=training.batch_size,
+                        micro_batches=training.micro_batches, micro_batches_per_rank=self.scheme.micro_batches_per_rank,
+                        total_steps=self.total_steps, epochs=training.epochs,
+                        tokens_per_sample=cfg.data.seq_len if isinstance(self.train_set, TokenStream) else 0,
+                        flops_per_sample=self.training_flops_per_sample, peak_flops=cfg.output.peak_flops or 0.0,
                         memory=self.memory)
 
     def run(self, report=None) -> dict:
@@ -498,13 +500,14 @@ class Trainer:
             report.start(self.run_facts())
         started = time.perf_counter()
         step, evaluation = self.start_step, None
-        watch = DivergenceWatch(lr=cfg.lr, stop=bool(cfg.stop_on_divergence), warn=report.warn if report else None)
-        for epoch in range(min(step // self.sampler.steps_per_epoch, cfg.epochs - 1), cfg.epochs):
+        watch = DivergenceWatch(lr=cfg.optim.lr, stop=bool(cfg.output.stop_on_divergence),
+                                warn=report.warn if report else None)
+        for epoch in range(min(step // self.sampler.steps_per_epoch, cfg.training.epochs - 1), cfg.training.epochs):
             # a plan that settles each step runs step by step, the loss checked before each update;
             # one whose steps overlap (CDP) runs the epoch as runs of several steps
             epoch_of = self._epoch if self.engine.plan.settles_each_step else self._epoch_in_runs
             step = epoch_of(epoch, step, report, watch)
-            if not cfg.eval_every or step >= self.total_steps:  # --eval-every K: every K steps, and at the end
+            if not cfg.training.eval_every or step >= self.total_steps:  # --eval-every K: every K steps, and at the end
                 evaluation = self.evaluate(epoch, step)
                 if report:
                     report.evaluation(evaluation)
@@ -514,7 +517,7 @@ class Trainer:
         seconds = time.perf_counter() - started
         summary = {"memory_per_rank": self._memory_per_rank(),
                    "steps": step, "seconds": seconds,
-                   "samples_per_s": (step - self.start_step) * cfg.batch_size / seconds if seconds else 0.0,
+                   "samples_per_s": (step - self.start_step) * cfg.training.batch_size / seconds if seconds else 0.0,
                    "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy,
                    "evaluation_seconds": self.evaluation_seconds,
                    "peak_activation_bytes": self.cache.peak_bytes,

@@ -97,8 +97,8 @@ failures, cases = [], 0
 for layout, count in CASES:
     for rule in ("cdp-v1", "cdp-v2"):
         for optimizer, options in OPTIMIZERS.items():
-            config = TrainConfig(**COMMON, **options, hidden=(32,) * count, scheme=rule, cdp_layout=layout,
-                                 micro_batches=count)
+            config = TrainConfig.of(**COMMON, **options, hidden=(32,) * count, scheme=rule, cdp_layout=layout,
+                                    micro_batches=count)
             label = f"rank {world.rank}: {layout} N={count} {rule} {optimizer}"
             trainer = Trainer(config)
             trainer.engine.record_timeline = True

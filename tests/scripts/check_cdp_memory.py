@@ -22,9 +22,9 @@ from mpipar.train.trainer import Trainer
 deadline.arm(300)
 world = MPI.COMM_WORLD
 N, STEPS = 2, 300
-trainer = Trainer(TrainConfig(model="mlp", hidden=(256, 256), dataset="synthetic", scheme="cdp-v2",
-                              cdp_layout="zero", micro_batches=N, batch_size=16, max_steps=STEPS, epochs=1,
-                              memory_profile=True, log_every=1000))
+trainer = Trainer(TrainConfig.of(model="mlp", hidden=(256, 256), dataset="synthetic", scheme="cdp-v2",
+                                 cdp_layout="zero", micro_batches=N, batch_size=16, max_steps=STEPS, epochs=1,
+                                 memory_profile=True, log_every=1000))
 runs = []  # per run: (live bytes, sends in flight) at the end of each of its time steps
 failures = []
 end_time_step = Executor._end_time_step

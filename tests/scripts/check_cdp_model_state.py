@@ -39,7 +39,7 @@ MiB = 2 ** 20
 def train(trainer: Trainer) -> None:
     for run in range(RUNS):
         first = run * STEPS
-        if trainer.config.cyclic:
+        if trainer.config.parallel.cyclic:
             trainer.engine.run_steps(first, STEPS, trainer.micro_batch_loader(0), seed=0,
                                      batch_size=COMMON["batch_size"], lr_at=trainer.lr_at)
         else:
@@ -50,7 +50,7 @@ def train(trainer: Trainer) -> None:
 state = {}  # contender -> (allocator peak less activations, allocator peak, activation peak, ledger peak) per rank
 for name, options in CONTENDERS.items():
     gc.collect()
-    trainer = Trainer(TrainConfig(**COMMON, **options))
+    trainer = Trainer(TrainConfig.of(**COMMON, **options))
     trainer.memory.reset_peak()
     train(trainer)
     peak, activations = trainer.memory.peak_bytes(), trainer.cache.peak_bytes

@@ -38,13 +38,13 @@ CASES = {2: [dict(scheme="ddp"), dict(scheme="zero2"), dict(scheme="zero3"),
 failures, cases = [], 0
 for model, common in (("mlp", MLP), ("transformer, tied", GPT)):
     norms: list[float] = []
-    unclipped = one_process(TrainConfig(**common), norms)
+    unclipped = one_process(TrainConfig.of(**common), norms)
     clip = 0.5 * min(norms)  # below every step's norm: every step clips
-    reference = one_process(TrainConfig(**common, grad_clip=clip))
+    reference = one_process(TrainConfig.of(**common, grad_clip=clip))
     if np.allclose(unclipped, reference, rtol=1e-6, atol=0):
         failures.append(f"{model}: the clip norm {clip:g} changed nothing: the cases would not test clipping")
     for options in CASES[world.size]:
-        trainer = Trainer(TrainConfig(**common, **options, grad_clip=clip))
+        trainer = Trainer(TrainConfig.of(**common, **options, grad_clip=clip))
         trainer.run()
         got = trainer.engine.whole_model.full_parameters()
         cases += 1

@@ -41,10 +41,10 @@ layout = layouts["bucketed"]
 estimated_peak = predicted_peaks(layouts, prefetch=1, itemsize=4, kinds=2)
 estimated_state = {row.name: row.memory.total for row in scheme_rows(layout, 4, element=4, k=8)}
 for shard in ("zero3", "ddp"):
-    trainer = Trainer(TrainConfig(model="mlp", hidden=hidden, dataset="synthetic", optimizer="adam",
-                                  dtype="float32", scheme="1f1b", stages=2, replicas=2, shard=shard,
-                                  micro_batches=4, batch_size=2 * 4 * 64, eval_batch=64, max_steps=3,
-                                  memory_profile=True, log_every=1000))
+    trainer = Trainer(TrainConfig.of(model="mlp", hidden=hidden, dataset="synthetic", optimizer="adam",
+                                     dtype="float32", scheme="1f1b", stages=2, replicas=2, shard=shard,
+                                     micro_batches=4, batch_size=2 * 4 * 64, eval_batch=64, max_steps=3,
+                                     memory_profile=True, log_every=1000))
     trainer.memory.reset_peak()
     for step in range(3):
         trainer.train_step(step, 0, step)

@@ -63,11 +63,11 @@ def sharding_problems(trainer: Trainer, label: str) -> list[str]:
     if world.rank != 0:
         return []
     problems = []
-    group_size = trainer.config.group_size or W
+    group_size = trainer.config.parallel.group_size or W
     for worker in range(mesh.workers):
         held = [s for s, holders in enumerate(trainer.scheme.compiled.holders) if worker in holders]
-        tables = [traffic_per_step(trainer.config.sharding(), trainer.stages[s].flat.size, mesh.replicas,
-                                   min(group_size, mesh.replicas), trainer.config.micro_batches, element_bytes=8)
+        tables = [traffic_per_step(trainer.config.parallel.sharding(), trainer.stages[s].flat.size, mesh.replicas,
+                                   min(group_size, mesh.replicas), trainer.config.training.micro_batches, element_bytes=8)
                   for s in held if trainer.stages[s].flat.size]
         table = {phase: sum((t[phase] for t in tables), start=Volume()) for phase in PHASES}
         for index, phase in enumerate(PHASES):
@@ -80,14 +80,14 @@ def sharding_problems(trainer: Trainer, label: str) -> list[str]:
     return problems
 
 
-references = {name: one_process(TrainConfig(**COMMON, **options)) for name, options in OPTIMIZERS.items()}
+references = {name: one_process(TrainConfig.of(**COMMON, **options)) for name, options in OPTIMIZERS.items()}
 failures, cases = [], 0
 for scheme, stages, replicas, micro_batches, loops, shard in CASES:
     for optimizer, options in OPTIMIZERS.items():
         label = f"rank {world.rank}: {scheme} S={stages} x D={replicas} B={micro_batches} --shard {shard} {optimizer}"
-        config = TrainConfig(**COMMON, **options, scheme=scheme, stages=stages, replicas=replicas,
-                             micro_batches=micro_batches, loops=loops, shard=shard,
-                             group_size=2 if "I" in shard else 0)
+        config = TrainConfig.of(**COMMON, **options, scheme=scheme, stages=stages, replicas=replicas,
+                                micro_batches=micro_batches, loops=loops, shard=shard,
+                                group_size=2 if "I" in shard else 0)
         trainer = Trainer(config)
         trainer.counted.traffic.reset()
         for step in range(STEPS):

@@ -115,7 +115,7 @@ for (model, spec), (optimizer, options) in [(m, o) for m in MODELS.items() for o
     reference = alone(spec, options)
     for scheme, layout in NAMED_SHARDINGS.items():
         label = f"{framework} {model} {scheme} {optimizer} on {world.size} ranks"
-        config = TrainConfig(**{**COMMON, **options, **layout}, model=spec)
+        config = TrainConfig.of(**{**COMMON, **options, **layout}, model=spec)
         trainer = Trainer(config)
         trainer.run()
         got = np.concatenate([v.reshape(-1) for v in trainer.full_parameters().values()])

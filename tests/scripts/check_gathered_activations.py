@@ -32,12 +32,12 @@ COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=24, hidden=(64,
 EXPECTED = ["layer 1 Linear(64->64)", "layer 4 Linear(64->64)"]
 failures, figures = [], []
 for name, options in OPTIMIZERS.items():
-    reference = one_process(TrainConfig(**COMMON, **options))
+    reference = one_process(TrainConfig.of(**COMMON, **options))
     for micro_batches in (1, 3):
         label = f"rank {world.rank}: {name}, {micro_batches} micro-batch(es)"
         runs = {}
         for ddp in ("allgather-activations", "overlap"):
-            trainer = Trainer(TrainConfig(**COMMON, **options, ddp=ddp, micro_batches=micro_batches))
+            trainer = Trainer(TrainConfig.of(**COMMON, **options, ddp=ddp, micro_batches=micro_batches))
             trainer.run()
             runs[ddp] = trainer
         gathered = runs["allgather-activations"]

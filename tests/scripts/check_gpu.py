@@ -68,7 +68,7 @@ def parameters(trainer: Trainer) -> np.ndarray:
 
 
 def trained(**options) -> Trainer:
-    trainer = Trainer(TrainConfig(**{**COMMON, **options}))
+    trainer = Trainer(TrainConfig.of(**{**COMMON, **options}))
     trainer.run()
     return trainer
 
@@ -195,9 +195,9 @@ def torch_speed_on_cuda() -> str:
     import torch
 
     batch, steps, rounds = 256, 50, 5
-    trainer = Trainer(TrainConfig(model=f"{EXAMPLES}/torch_mlp.py:build_wide", dataset="synthetic", batch_size=batch,
-                                  lr=0.01, optimizer="sgd", momentum=0.9, seed=0, log_every=10**6, scheme="ddp",
-                                  device="gpu"))
+    trainer = Trainer(TrainConfig.of(model=f"{EXAMPLES}/torch_mlp.py:build_wide", dataset="synthetic", batch_size=batch,
+                                     lr=0.01, optimizer="sgd", momentum=0.9, seed=0, log_every=10**6, scheme="ddp",
+                                     device="gpu"))
     from torch_mlp import build_wide
     train_set, _ = load_dataset("synthetic")
     module, loss_fn = build_wide(train_set.input_shape, train_set.num_classes)
@@ -324,10 +324,10 @@ def transformer_speed_on_cuda(precision: str = "fp32") -> str:
     from language_model import GPT
 
     shapes = dict(seq_len=256, width=384, heads=6, blocks=6, batch_size=64)
-    trainer = Trainer(TrainConfig(**{**TRANSFORMER, **shapes, "grad_clip": 1.0, "lr": 1e-3, "beta2": 0.99,
-                                     "weight_decay": 0.1, "dtype": "float32", "device": "gpu", "seed": 0,
-                                     "log_every": 10**6, "max_steps": 10**6, "precision": precision},
-                                  text_file=text_file()))
+    trainer = Trainer(TrainConfig.of(**{**TRANSFORMER, **shapes, "grad_clip": 1.0, "lr": 1e-3, "beta2": 0.99,
+                                        "weight_decay": 0.1, "dtype": "float32", "device": "gpu", "seed": 0,
+                                        "log_every": 10**6, "max_steps": 10**6, "precision": precision},
+                                     text_file=text_file()))
     train_set = trainer.train_set
     model = GPT(train_set.num_classes, shapes["seq_len"], shapes["width"], shapes["heads"], shapes["blocks"]).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
@@ -369,8 +369,8 @@ def fp16_follows_float32() -> str:
     """200 steps of the transformer in fp16 and in float32 on the GPU: evaluation losses within 2%."""
     losses = {}
     for precision in ("fp32", "fp16"):
-        trainer = Trainer(TrainConfig(**{**COMMON, **HALF, "precision": precision, "device": "gpu"},
-                                      text_file=text_file()))
+        trainer = Trainer(TrainConfig.of(**{**COMMON, **HALF, "precision": precision, "device": "gpu"},
+                                         text_file=text_file()))
         losses[precision] = trainer.run()["test_loss"]
     gap = abs(losses["fp16"] - losses["fp32"]) / losses["fp32"]
     return (f"{'ok' if gap < 0.02 else 'FAILED'}: evaluation loss fp16 {losses['fp16']:.5f}, float32 "
@@ -381,8 +381,8 @@ def fp16_overflow_skipped_by_every_rank() -> str:
     """A loss scale of 2^28: the first steps overflow; every rank skips the same ones."""
     import cupy
 
-    trainer = Trainer(TrainConfig(**{**COMMON, **HALF, "precision": "fp16", "device": "gpu", "max_steps": 20},
-                                  text_file=text_file()))
+    trainer = Trainer(TrainConfig.of(**{**COMMON, **HALF, "precision": "fp16", "device": "gpu", "max_steps": 20},
+                                     text_file=text_file()))
     trainer.loss_scaler.scale = 2.0**28
     first_update, last = None, None
     for step in range(20):

@@ -39,9 +39,9 @@ failures, peaks = [], {}
 
 
 def config(scheme: str, prefetch: int = 1) -> TrainConfig:
-    return TrainConfig(model="mlp", hidden=(1024,) * 8, dataset="synthetic", optimizer="adam", group_size=2,
-                       batch_size=64, dtype="float32", max_steps=3, scheme=scheme,
-                       collective="ring", memory_profile=True, log_every=1000, prefetch=prefetch)
+    return TrainConfig.of(model="mlp", hidden=(1024,) * 8, dataset="synthetic", optimizer="adam", group_size=2,
+                          batch_size=64, dtype="float32", max_steps=3, scheme=scheme,
+                          collective="ring", memory_profile=True, log_every=1000, prefetch=prefetch)
 
 
 def one_process_parameters(trainer) -> np.ndarray:
@@ -49,8 +49,8 @@ def one_process_parameters(trainer) -> np.ndarray:
     from mpipar.models.builtin import build_model
 
     cfg = trainer.config
-    model = build_model(cfg.model, input_shape=trainer.train_set.input_shape, num_classes=10, hidden=cfg.hidden)
-    return build_stages(model, 1, make_backend("cpu", cfg.dtype), cfg.seed)[0].flat.data
+    model = build_model(cfg.model.model, input_shape=trainer.train_set.input_shape, num_classes=10, hidden=cfg.model.hidden)
+    return build_stages(model, 1, make_backend("cpu", cfg.model.dtype), cfg.training.seed)[0].flat.data
 
 
 for scheme, sharding in NAMED_SHARDINGS.items():

@@ -24,7 +24,7 @@ world = MPI.COMM_WORLD
 COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=48, hidden=(32, 34), optimizer="sgd", momentum=0.0,
               lr=0.05, log_every=1000)
 failures = []
-source = Trainer(TrainConfig(**COMMON, scheme="zero3"))
+source = Trainer(TrainConfig.of(**COMMON, scheme="zero3"))
 for step in range(2):
     source.train_step(step, 0, step)
 saved = source.full_parameters()
@@ -39,7 +39,7 @@ LAYOUTS = {"ddp": dict(scheme="ddp"), "paro-iig": dict(scheme="paro-iig", group_
            "1f1b 2 stages x 2 replicas zero3": dict(scheme="1f1b", stages=2, shard="zero3"),
            "fslpp 4 stages": dict(scheme="fslpp", stages=4, micro_batches=4)}
 for label, settings in LAYOUTS.items():
-    trainer = Trainer(TrainConfig(**COMMON, **settings))
+    trainer = Trainer(TrainConfig.of(**COMMON, **settings))
     trainer.load_parameters(saved)
     got = trainer.full_parameters()
     if got.keys() != saved.keys() or any(not np.array_equal(got[name], saved[name]) for name in saved):
@@ -50,7 +50,7 @@ for label, settings in LAYOUTS.items():
     if not all(np.allclose(got[name], after[name], rtol=1e-10, atol=0) for name in after):
         failures.append(f"rank {world.rank} {label}: a step after loading differs from zero3's by up to {worst:.3g}")
 
-cdp = TrainConfig(**COMMON, scheme="cdp-v2", cdp_layout="dp", micro_batches=4)
+cdp = TrainConfig.of(**COMMON, scheme="cdp-v2", cdp_layout="dp", micro_batches=4)
 trainer = Trainer(cdp)
 trainer.load_parameters(saved)
 got = trainer.full_parameters()

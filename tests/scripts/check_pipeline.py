@@ -52,7 +52,7 @@ def check_costs(trainer: Trainer, label: str) -> list[str]:
     fetches = timeline.weight_fetches()[rank]
     if sum(isinstance(i, (RecvActivation, RecvGradient)) for i in program) != receives:
         problems.append(f"{label}: the program's activation receives differ from the simulator's {receives}")
-    steps = trainer.config.max_steps
+    steps = trainer.config.training.max_steps
     for phase, kind in KINDS.items():
         expected = sum(isinstance(i, kind) for i in program) * steps
         counts = trainer.counted.traffic.read(phase)
@@ -60,8 +60,8 @@ def check_costs(trainer: Trainer, label: str) -> list[str]:
             problems.append(f"{label}: {counts.received_messages} {phase} messages received, programs say {expected}")
     if trainer.counted.traffic.read("weights").received_messages != fetches * steps:
         problems.append(f"{label}: weight fetches differ from the simulator's {fetches} per step")
-    size = trainer.config.batch_size // trainer.config.micro_batches
-    itemsize = np.dtype(trainer.config.dtype).itemsize
+    size = trainer.config.training.batch_size // trainer.config.training.micro_batches
+    itemsize = np.dtype(trainer.config.model.dtype).itemsize
     boundary = [size * int(np.prod(shape)) * itemsize for shape in trainer.engine.input_shapes]
     expected_bytes = steps * sum(boundary[i.stage] if isinstance(i, RecvActivation) else boundary[i.stage + 1]
                                  for i in program if isinstance(i, (RecvActivation, RecvGradient)))
@@ -72,14 +72,14 @@ def check_costs(trainer: Trainer, label: str) -> list[str]:
     return problems
 
 
-references = {name: one_process(TrainConfig(**COMMON, **options)) for name, options in OPTIMIZERS.items()}
+references = {name: one_process(TrainConfig.of(**COMMON, **options)) for name, options in OPTIMIZERS.items()}
 failures, cases = [], 0
 for index, (scheme, stages, micro_batches, loops) in enumerate(CASES):
     for optimizer, options in OPTIMIZERS.items():
         collective = ("ring", "mpi")[(index + len(optimizer)) % 2]
         label = f"rank {world.rank}: {scheme} S={stages} B={micro_batches} G={loops} {optimizer} {collective}"
-        trainer = Trainer(TrainConfig(**COMMON, **options, scheme=scheme, stages=stages, micro_batches=micro_batches,
-                                      loops=loops, collective=collective))
+        trainer = Trainer(TrainConfig.of(**COMMON, **options, scheme=scheme, stages=stages, micro_batches=micro_batches,
+                                         loops=loops, collective=collective))
         trainer.run()
         got = trainer.engine.whole_model.full_parameters()
         cases += 1

@@ -30,10 +30,10 @@ failures, peaks, stashes = [], {}, {}
 
 
 def measure(scheme: str, micro_batches: int) -> None:
-    trainer = Trainer(TrainConfig(model="mlp", hidden=(256,) * 4, dataset="synthetic", optimizer="adam",
-                                  dtype="float32", scheme=scheme, stages=2, micro_batches=micro_batches,
-                                  batch_size=MICRO_BATCH * micro_batches, eval_batch=MICRO_BATCH, max_steps=3, memory_profile=True,
-                                  log_every=1000))
+    trainer = Trainer(TrainConfig.of(model="mlp", hidden=(256,) * 4, dataset="synthetic", optimizer="adam",
+                                     dtype="float32", scheme=scheme, stages=2, micro_batches=micro_batches,
+                                     batch_size=MICRO_BATCH * micro_batches, eval_batch=MICRO_BATCH, max_steps=3, memory_profile=True,
+                                     log_every=1000))
     trainer.memory.reset_peak()
     for step in range(3):
         trainer.train_step(step, 0, step)

@@ -33,7 +33,7 @@ COMMON = dict(precision="fp16", dtype="float32", optimizer="adam", hidden=(32, 3
 failures, cases = [], 0
 
 for scheme in SCHEMES_004:
-    trainer = Trainer(TrainConfig(**COMMON, scheme=scheme, group_size=GROUP, ddp="naive"))  # one unit: even blocks
+    trainer = Trainer(TrainConfig.of(**COMMON, scheme=scheme, group_size=GROUP, ddp="naive"))  # one unit: even blocks
     for step in range(2):
         trainer.train_step(step, 0, step)
     held = trainer.engine.ledger.steady()
@@ -46,7 +46,7 @@ for scheme in SCHEMES_004:
             failures.append(f"rank {world.rank}: {scheme}: the ledger holds {held[kind]:,} B of {kind}; "
                             f"Table 1 with 2-byte elements and K = {K} says {want:,.0f} B")
 
-trainer = Trainer(TrainConfig(**COMMON, scheme="zero3"))
+trainer = Trainer(TrainConfig.of(**COMMON, scheme="zero3"))
 optimizer = trainer.engine.shared[0].state.make_optimizer
 finish = trainer.engine.finish_gradients
 

@@ -26,8 +26,8 @@ NAMED_SHARDINGS = {"ddp": dict(scheme="ddp"), "1f1b": dict(scheme="1f1b", stages
            "cdp-v2": dict(scheme="cdp-v2", micro_batches=2)}
 # 1497 digits / 32 = 46 steps in the epoch; wider layers than the default make a step a few
 # milliseconds, so a window of a few steps is long enough to time
-config = TrainConfig(epochs=1, batch_size=32, hidden=(256, 256), log_every=log_every, log_seconds=0.0,
-                     **NAMED_SHARDINGS[scheme])
+config = TrainConfig.of(epochs=1, batch_size=32, hidden=(256, 256), log_every=log_every, log_seconds=0.0,
+                        **NAMED_SHARDINGS[scheme])
 
 
 class StampedStream:
@@ -69,4 +69,4 @@ summary = trainer.run(report)
 deadline.disarm()
 if stream:
     print(json.dumps({"writes": stream.writes, "epoch_start": epoch_clock["start"], "epoch_end": epoch_clock["end"],
-                      "steps": summary["steps"], "batch_size": config.batch_size}), flush=True)
+                      "steps": summary["steps"], "batch_size": config.training.batch_size}), flush=True)

@@ -31,13 +31,13 @@ COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=48, hidden=(64,
               log_every=1000)
 CASES = [dict(scheme="gpipe", stages=2, micro_batches=4), dict(scheme="1f1b", stages=2, micro_batches=6),
          dict(scheme="zero3", micro_batches=3, ddp="overlap")]
-references = {name: one_process(TrainConfig(**COMMON, **options)) for name, options in OPTIMIZERS.items()}
+references = {name: one_process(TrainConfig.of(**COMMON, **options)) for name, options in OPTIMIZERS.items()}
 failures, figures = [], []
 for case, (optimizer, options), kept in product(CASES, OPTIMIZERS.items(), ("stage", "every-2")):
     label = f"rank {world.rank}: {case['scheme']} {optimizer} --recompute {kept}"
     runs = {}
     for recompute in ("none", kept):
-        trainer = Trainer(TrainConfig(**COMMON, **options, **case, recompute=recompute))
+        trainer = Trainer(TrainConfig.of(**COMMON, **options, **case, recompute=recompute))
         trainer.run()
         runs[recompute] = trainer
     trainer = runs[kept]

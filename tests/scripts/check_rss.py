@@ -52,9 +52,9 @@ MB, STEPS, CURRENT_BOUND, PEAK_BOUND = 1e6, 5, 1.5, 2.0
 DEFAULTS = ["zero3", "bucketed", "1"]  # scheme, --ddp, --prefetch: what an argument left out means
 scheme, ddp, prefetch = sys.argv[1:] + DEFAULTS[len(sys.argv) - 1:]
 
-trainer = Trainer(TrainConfig(model="mlp", hidden=(2048,) * 8, dataset="synthetic", scheme=scheme, ddp=ddp,
-                              prefetch=int(prefetch), optimizer="adam", dtype="float32", batch_size=16,
-                              max_steps=STEPS, memory_profile=False, log_every=1000))
+trainer = Trainer(TrainConfig.of(model="mlp", hidden=(2048,) * 8, dataset="synthetic", scheme=scheme, ddp=ddp,
+                                 prefetch=int(prefetch), optimizer="adam", dtype="float32", batch_size=16,
+                                 max_steps=STEPS, memory_profile=False, log_every=1000))
 data = sum(array.nbytes for split in (trainer.train_set, trainer.test_set) for array in (split.images, split.labels))
 model = trainer.parameter_count * 4
 for step in range(STEPS):

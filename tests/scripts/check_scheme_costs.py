@@ -34,9 +34,9 @@ TRIPLES = [*NAMED_SHARDINGS, "N,N,I", "N,I,I"]  # the named schemes and two more
 for name in TRIPLES:
     sharding = parse_sharding(name)
     shape = dict(scheme=name) if name in NAMED_SHARDINGS else dict(shard=name)
-    trainer = Trainer(TrainConfig(**shape, group_size=M, micro_batches=S, collective="ring", ddp="naive",
-                                  hidden=(32, 34), dtype="float64", optimizer="adam", batch_size=16 * N,
-                                  max_steps=1, epochs=1))
+    trainer = Trainer(TrainConfig.of(**shape, group_size=M, micro_batches=S, collective="ring", ddp="naive",
+                                     hidden=(32, 34), dtype="float64", optimizer="adam", batch_size=16 * N,
+                                     max_steps=1, epochs=1))
     psi = trainer.stages[0].flat.size
     assert psi == 3552 and psi % N == 0, psi
     expected = bytes_per_rank(sharding, psi, N, M, parameter_bytes=ITEM, gradient_bytes=ITEM, state_bytes=2 * ITEM)

@@ -30,7 +30,7 @@ COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=24 * world.size
               lr=0.05, log_every=1000)
 
 
-references = {name: one_process(TrainConfig(**COMMON, **options)) for name, options in OPTIMIZERS.items()}
+references = {name: one_process(TrainConfig.of(**COMMON, **options)) for name, options in OPTIMIZERS.items()}
 failures, cases = [], 0
 group_sizes = [m for m in (1, 2, 4) if world.size % m == 0]
 for index, (triple, group_size, micro_batches, optimizer) in enumerate(
@@ -39,9 +39,9 @@ for index, (triple, group_size, micro_batches, optimizer) in enumerate(
     mode = ("overlap", "naive", "bucketed")[index % 3]
     prefetch = (1, 0, 3)[(index + index // 3) % 3]  # units gathered ahead: every depth with every unit size
     shape = dict(scheme=triple) if triple in NAMED_SHARDINGS else dict(shard=triple)
-    trainer = Trainer(TrainConfig(**COMMON, **OPTIMIZERS[optimizer], **shape, group_size=group_size,
-                                  micro_batches=micro_batches, collective=collective, ddp=mode, bucket_mb=0.002,
-                                  prefetch=prefetch))
+    trainer = Trainer(TrainConfig.of(**COMMON, **OPTIMIZERS[optimizer], **shape, group_size=group_size,
+                                     micro_batches=micro_batches, collective=collective, ddp=mode, bucket_mb=0.002,
+                                     prefetch=prefetch))
     trainer.run()
     got = trainer.engine.whole_model.full_parameters()
     cases += 1

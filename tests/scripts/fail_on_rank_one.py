@@ -30,4 +30,4 @@ if sys.argv[1] == "cli":
     sys.argv = ["mpipar", "train", "--max-steps", "50"]
     main()
 else:
-    Trainer(TrainConfig(max_steps=50)).run()
+    Trainer(TrainConfig.of(max_steps=50)).run()

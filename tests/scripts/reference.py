@@ -1,6 +1,6 @@
 """Plain one-process training, written out without any engine: what every scheme must equal.
 
-`one_process(config)` runs `config.max_steps` steps of forward, backward and update on
+`one_process(config)` runs `config.training.max_steps` steps of forward, backward and update on
 the whole global batch in one piece and returns the final parameters. It shares the
 layers, data and optimizer with mpipar, but none of the data-parallel or pipeline
 engines' code, so a mistake there cannot hide in the reference too.
@@ -19,24 +19,24 @@ from mpipar.train.config import TrainConfig
 
 
 def one_process(config: TrainConfig, norms: list | None = None) -> np.ndarray:
-    """The parameters after `config.max_steps` plain steps on the whole global batch; with
-    `config.grad_clip`, the gradient scaled to that norm where larger (torch's rule), and each
+    """The parameters after `config.training.max_steps` plain steps on the whole global batch; with
+    `config.optim.grad_clip`, the gradient scaled to that norm where larger (torch's rule), and each
     step's norm before clipping appended to `norms`. A tied output layer's matrix and the token
     embedding's are one parameter: each takes the sum of both gradients, counted once in the norm."""
-    backend = make_backend("cpu", config.dtype)
-    train_set, _ = load_dataset(config.dataset, text_file=config.text_file, seq_len=config.seq_len)
-    model = build_model(config.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
-                        hidden=config.hidden, dropout=config.dropout, width=config.width, heads=config.heads,
-                        blocks=config.blocks, tie_embeddings=config.tie_embeddings)
-    (stage,) = build_stages(model, 1, backend, config.seed)
+    backend = make_backend("cpu", config.model.dtype)
+    train_set, _ = load_dataset(config.data.dataset, text_file=config.data.text_file, seq_len=config.data.seq_len)
+    model = build_model(config.model.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
+                        hidden=config.model.hidden, dropout=config.model.dropout, width=config.model.width, heads=config.model.heads,
+                        blocks=config.model.blocks, tie_embeddings=config.model.tie_embeddings)
+    (stage,) = build_stages(model, 1, backend, config.training.seed)
     flat, loss_fn, cache = stage.flat, SoftmaxCrossEntropy(), ActivationCache()
-    optimizer = make_optimizer(config.optimizer, [flat.data], [flat.grad], [flat.decay_spans(0, flat.size)],
-                               momentum=config.momentum, weight_decay=config.weight_decay)
-    sampler = GlobalBatchSampler(len(train_set), config.batch_size, config.seed)
-    for step in range(config.max_steps):
-        inputs, targets = train_set.for_epoch(0, config.seed).batch(sampler.global_batch_indices(0, step))
-        ctx = cache.context(0, 0, step=step, seed=config.seed, sample_ids=np.arange(config.batch_size))
-        loss_fn.forward(stage.forward(inputs, ctx), targets, ctx, config.batch_size)
+    optimizer = make_optimizer(config.optim.optimizer, [flat.data], [flat.grad], [flat.decay_spans(0, flat.size)],
+                               momentum=config.optim.momentum, weight_decay=config.optim.weight_decay)
+    sampler = GlobalBatchSampler(len(train_set), config.training.batch_size, config.training.seed)
+    for step in range(config.training.max_steps):
+        inputs, targets = train_set.for_epoch(0, config.training.seed).batch(sampler.global_batch_indices(0, step))
+        ctx = cache.context(0, 0, step=step, seed=config.training.seed, sample_ids=np.arange(config.training.batch_size))
+        loss_fn.forward(stage.forward(inputs, ctx), targets, ctx, config.training.batch_size)
         flat.grad[:] = 0.0
         flat.zero_grad()
         stage.backward(loss_fn.backward(ctx), ctx)
@@ -53,7 +53,7 @@ def one_process(config: TrainConfig, norms: list | None = None) -> np.ndarray:
         norm = float(np.sqrt(np.sum(flat.grad[distinct] ** 2)))
         if norms is not None:
             norms.append(norm)
-        if config.grad_clip and norm > config.grad_clip:
-            flat.grad *= config.grad_clip / (norm + 1e-6)
-        optimizer.step(config.lr)
+        if config.optim.grad_clip and norm > config.optim.grad_clip:
+            flat.grad *= config.optim.grad_clip / (norm + 1e-6)
+        optimizer.step(config.optim.lr)
     return flat.data.copy()

@@ -1,0 +1,271 @@
+"""TrainConfig: the groups of a run's options together, the values chosen for the launch
+(`for_world`), and the refusals that span groups; see __init__.py for the layout.
+
+Exercised by: python -m pytest tests/test_config.py tests/test_composition.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
+from mpipar.data import TOKEN_DATASETS
+from mpipar.errors import ConfigError
+from mpipar.models.builtin import MODELS
+from mpipar.optim.precision import Precision
+from mpipar.schedule.cyclic import check_layout, ranks_for
+from mpipar.schedule.sharding import NAMED_SHARDINGS, default_units
+from mpipar.schedule.strategies import Shape, stages_on_several_workers
+from mpipar.train.config.checkpoint import CheckpointOptions
+from mpipar.train.config.data import DataOptions
+from mpipar.train.config.environment import check_environment
+from mpipar.train.config.model import ModelOptions
+from mpipar.train.config.optimizer import OptimizerOptions
+from mpipar.train.config.output import OutputOptions
+from mpipar.train.config.parallelism import ParallelismOptions
+from mpipar.train.config.training import TrainingOptions
+
+
+@dataclass
+class TrainConfig:
+    model: ModelOptions = field(default_factory=ModelOptions)
+    data: DataOptions = field(default_factory=DataOptions)
+    training: TrainingOptions = field(default_factory=TrainingOptions)
+    optim: OptimizerOptions = field(default_factory=OptimizerOptions)
+    parallel: ParallelismOptions = field(default_factory=ParallelismOptions)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    output: OutputOptions = field(default_factory=OutputOptions)
+
+    @classmethod
+    def of(cls, **options) -> TrainConfig:
+        """The configuration with these flat options (`micro_batches=2`), defaults elsewhere."""
+        return cls().replace(**options)
+
+    def replace(self, **options) -> TrainConfig:
+        """A copy with these flat options changed, each in its group."""
+        unknown = sorted(set(options) - set(FIELDS))
+        if unknown:
+            raise TypeError(f"TrainConfig has no option {', '.join(unknown)}")
+        groups = {}
+        for spec in dataclasses.fields(self):
+            changes = {name: value for name, value in options.items() if FIELDS[name][0] == spec.name}
+            groups[spec.name] = dataclasses.replace(getattr(self, spec.name), **changes)
+        return TrainConfig(**groups)
+
+    def flat(self) -> dict:
+        """Every option by its name, as the command line and a TOML file give it (checkpoint manifests)."""
+        return {name: value for group in self.groups() for name, value in dataclasses.asdict(group).items()}
+
+    def groups(self) -> tuple:
+        """The option groups, in the order of --help."""
+        return tuple(getattr(self, spec.name) for spec in dataclasses.fields(self))
+
+    def schedule_shape(self, world_size: int) -> Shape:
+        """One pipeline's W workers (the ranks over the replicas), S stages (1 in data
+        parallelism), B micro-batches of a pipeline's step, G loops."""
+        return Shape(self.parallel.mesh(world_size).workers, self.parallel.stages or 1,
+                     self.training.micro_batches, self.parallel.loops)
+
+    def evaluation_batch(self, world_size: int) -> int:
+        """Samples per evaluation forward on a rank: --eval-batch, else a training micro-batch's."""
+        per_rank = 1 if self.parallel.cyclic else self.parallel.mesh(world_size).replicas
+        return self.training.eval_batch or max(1, self.training.batch_size // per_rank
+                                               // max(1, self.training.micro_batches))
+
+    def automatic_units(self) -> str:
+        """--ddp when it is not given: naive on a GPU (one sum after backward: comms/device.py),
+        else the scheme's default (sharding.default_units: one layer where P is sharded)."""
+        if self.model.device == "gpu":
+            return "naive"
+        if self.parallel.cyclic:
+            return "bucketed"
+        try:
+            return default_units(self.parallel.sharding())
+        except ConfigError:  # a scheme or --shard that validate() refuses, with its reason
+            return "bucketed"
+
+    def for_world(self, world_size: int) -> TrainConfig:
+        """This configuration with the automatic values filled in for `world_size` ranks:
+        --ddp as `automatic_units` says; --replicas the fewest whose pipeline the schedule accepts;
+        --micro-batches is 1 in data parallelism, the number of ranks with --stages (every
+        built-in schedule can run B = W), and for CDP the N that --cdp-layout needs."""
+        config = self if self.parallel.ddp else self.replace(ddp=self.automatic_units())
+        parallel = config.parallel
+        if parallel.stages and not parallel.cyclic and not parallel.replicas:
+            config = config.replace(replicas=config._automatic_replicas(world_size))
+        if config.training.micro_batches:
+            return config
+        if parallel.cyclic:
+            if parallel.cdp_layout == "single":
+                count = 4
+            else:
+                count = next((n for n in range(1, MAX_STAGES + 1) if ranks_for(parallel.cdp_layout, n) >= world_size),
+                             world_size)
+        else:
+            count = config.parallel.mesh(world_size).workers if parallel.stages else 1
+        return config.replace(micro_batches=count)
+
+    def _automatic_replicas(self, world_size: int) -> int:
+        """The fewest replicas D (dividing the ranks) whose pipeline of W/D workers the schedule
+        accepts: 1 where it runs on every rank (lpp), W/S for gpipe and 1f1b (W = S)."""
+        strategy, parallel = self.parallel.strategy(), self.parallel
+        for replicas in (d for d in range(1, world_size + 1) if world_size % d == 0):
+            workers = world_size // replicas
+            if not strategy.check(Shape(workers, parallel.stages, self.training.micro_batches or workers,
+                                        parallel.loops)):
+                return replicas
+        raise ConfigError(self._no_pipeline_fits(world_size))
+
+    def _no_pipeline_fits(self, world_size: int) -> str:
+        """The sentence for --stages S that no D replicas of a pipeline of W/D ranks can run."""
+        parallel, strategy, micro_batches = self.parallel, self.parallel.strategy(), self.training.micro_batches
+        whole = Shape(world_size, parallel.stages, micro_batches or world_size, parallel.loops)
+        needs = (strategy.check(whole) or "").partition(", got")[0]
+        if not needs:  # not the pipeline's width: validate names what else is wrong (loops, sizes)
+            strategy.validate(whole)
+        fitting = [stages for stages in range(2, world_size + 1) if any(
+            not strategy.check(Shape(world_size // d, stages, micro_batches or world_size // d, parallel.loops))
+            for d in range(1, world_size + 1) if world_size % d == 0)]
+        listed = " or ".join(filter(None, (", ".join(map(str, fitting[:-1])), str(fitting[-1])))) if fitting else ""
+        others = f"; on {world_size} ranks --stages {listed} can run" if fitting else ""
+        ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
+        return (f"--scheme {parallel.scheme} --stages {parallel.stages} cannot run on {ranks}: they would form "
+                f"D copies of a pipeline of {world_size}/D ranks, and for no D dividing {world_size} does "
+                f"{parallel.scheme} accept that pipeline ({needs}){others}")
+
+    def validate(self, world_size: int) -> None:
+        """Raise ConfigError with one sentence if this run (with its automatic values filled in
+        by `for_world`) cannot work on `world_size` ranks: each group's refusals, then those
+        that span groups."""
+        for group in self.groups():
+            group.check_types()
+        check_environment(os.environ)
+        parallel = self.parallel
+        if not self.training.micro_batches or parallel.ddp is None or (
+                parallel.stages and not parallel.cyclic and not parallel.replicas):
+            return self.for_world(world_size).validate(world_size)
+        self.model.validate()
+        self.data.validate()
+        self.optim.validate()
+        self.parallel.validate(world_size)
+        self.checkpoint.validate()
+        self._refuse_half_precision_outside_data_parallelism()
+        self._refuse_gathered_activations_outside_plain_data_parallelism()
+        self._refuse_a_model_for_other_data()
+        if parallel.cyclic:
+            self._refuse_what_cyclic_updates_cannot_do(world_size)
+        elif parallel.stages:
+            self._refuse_what_the_schedule_cannot_run(world_size)
+        else:
+            self._refuse_what_data_parallelism_cannot_run(world_size)
+
+    def _refuse_half_precision_outside_data_parallelism(self) -> None:
+        """What --precision fp16 covers: the built-in models under the data-parallel schemes."""
+        model, parallel = self.model, self.parallel
+        if model.precision == Precision.FP32:
+            return
+        if parallel.cyclic or parallel.stages:
+            raise ConfigError(f"--precision {model.precision} runs the data-parallel schemes (--scheme or --shard "
+                              f"without --stages); {'Cyclic Data Parallelism' if parallel.cyclic else 'pipelines'} "
+                              "train in --precision fp32")
+        if model.model not in MODELS:
+            raise ConfigError(f"--precision {model.precision} trains the built-in models ({', '.join(MODELS)}); a "
+                              "PyTorch or JAX model keeps its own precision (torch.autocast, jmp)")
+
+    def _refuse_gathered_activations_outside_plain_data_parallelism(self) -> None:
+        parallel, device = self.parallel, self.model.device
+        if parallel.ddp != "allgather-activations" or not (
+                parallel.cyclic or parallel.stages or parallel.sharding() != NAMED_SHARDINGS["ddp"]
+                or device == "gpu" or parallel.collective == "2d"):
+            return
+        this = ("--device gpu" if device == "gpu" else "--collective 2d (an all-reduce only)"
+                if parallel.collective == "2d" else f"--stages {parallel.stages}"
+                if parallel.stages and not parallel.cyclic else f"--scheme {parallel.scheme or parallel.sharding()}")
+        raise ConfigError("--ddp allgather-activations replaces the all-reduce of plain data parallelism "
+                          f"(--scheme ddp, on the CPU, with a routed or the library's collective); with {this} "
+                          "choose --ddp bucketed, overlap or naive")
+
+    def _refuse_a_model_for_other_data(self) -> None:
+        model, dataset = self.model.model, self.data.dataset
+        if model in MODELS and (model == "transformer") != (dataset in TOKEN_DATASETS):
+            raise ConfigError(f"--model {model} cannot train on --dataset {dataset}: the transformer "
+                              "trains on --dataset text or tokens, the mlp and cnn on image data sets")
+
+    def _refuse_what_cyclic_updates_cannot_do(self, world_size: int) -> None:
+        scheme, count, stages = self.parallel.scheme, self.training.micro_batches, self.parallel.stages
+        if self.model.tie_embeddings:
+            raise ConfigError(f"--tie-embeddings sums two layers' gradients at one moment of each step, and --scheme "
+                              f"{scheme} updates each stage while the others still compute: drop "
+                              "--tie-embeddings, or train with a scheme that settles each step")
+        if self.optim.grad_clip:
+            raise ConfigError(f"--grad-clip needs the whole model's gradient at one moment, and --scheme "
+                              f"{scheme} updates each stage while the others still compute: drop --grad-clip, "
+                              "or train with a scheme that settles each step")
+        if stages not in (0, count):
+            raise ConfigError(f"--scheme {scheme} cuts the model into N = --micro-batches = {count} stages; "
+                              f"drop --stages {stages}")
+        if count > MAX_STAGES:
+            raise ConfigError(f"--scheme {scheme} has as many stages as micro-batches: at most {MAX_STAGES}, "
+                              f"got --micro-batches {count}")
+        if self.model.device == "gpu":
+            raise ConfigError(f"--scheme {scheme} sends host buffers between ranks; on a GPU use "
+                              "--scheme ddp --ddp naive")
+        check_layout(self.parallel.cdp_layout, scheme, count, world_size)
+        _check_divisible(self.training.batch_size, count, f"the {count} micro-batches (N)", count)
+
+    def _refuse_what_data_parallelism_cannot_run(self, world_size: int) -> None:
+        parallel, micro_batches = self.parallel, self.training.micro_batches
+        sharding = parallel.sharding()
+        if self.model.device == "gpu" and (sharding != NAMED_SHARDINGS["ddp"] or parallel.ddp != "naive"):
+            raise ConfigError(f"--scheme {sharding} --ddp {parallel.ddp} communicates host buffers during forward "
+                              "and backward; on a GPU use --scheme ddp --ddp naive (gradients are summed once after "
+                              "backward, from device memory on a CUDA-aware MPI, else through pinned host buffers)")
+        _check_divisible(self.training.batch_size, world_size * micro_batches,
+                         f"{world_size} ranks x {micro_batches} micro-batches", micro_batches)
+
+    def _refuse_what_the_schedule_cannot_run(self, world_size: int) -> None:
+        parallel, micro_batches, replicas = self.parallel, self.training.micro_batches, self.parallel.replicas
+        if micro_batches > MAX_MICRO_BATCHES:
+            raise ConfigError(f"--micro-batches must be at most {MAX_MICRO_BATCHES} with --stages, "
+                              f"got {micro_batches}")
+        if self.model.device == "gpu":
+            raise ConfigError(f"--scheme {parallel.scheme} --stages {parallel.stages} sends host buffers between "
+                              "ranks; on a GPU use --scheme ddp --ddp naive")
+        shape = self.schedule_shape(world_size)
+        parallel.strategy().validate(shape)
+        shared = stages_on_several_workers(parallel.strategy(), shape)
+        if replicas > 1 and shared:
+            raise ConfigError(f"{parallel.scheme} computes stage {shared[0]} on several workers of a pipeline, which "
+                              f"cannot yet be combined with --replicas {replicas}; use gpipe, 1f1b, or lpp/fslpp "
+                              "with one loop and at least as many stages as workers")
+        what = (f"the schedule's {micro_batches} micro-batches" if replicas == 1
+                else f"{replicas} replicas x {micro_batches} micro-batches")
+        _check_divisible(self.training.batch_size, replicas * micro_batches, what, micro_batches)
+
+
+def _check_divisible(batch_size: int, parts: int, what: str, micro_batches: int | None = None) -> None:
+    """The global batch must split evenly into `parts` (`micro_batches` of them per rank or
+    replica, where that count is the user's to change); suggest sizes that do. A batch
+    smaller than `parts` is met by fewer micro-batches, not a larger batch, which the data
+    set may not hold."""
+    if batch_size % parts == 0:
+        return
+    below, above = batch_size // parts * parts, (batch_size // parts + 1) * parts
+    if below == 0 and micro_batches:
+        ways = parts // micro_batches
+        fewer = max(count for count in range(1, micro_batches + 1) if batch_size % (ways * count) == 0) \
+            if batch_size % ways == 0 else None
+        fix = (f"--micro-batches {fewer}" if fewer else
+               f"a --batch-size divisible by {ways}, such as {max(ways, batch_size // ways * ways)}, and fewer "
+               "micro-batches")
+        raise ConfigError(f"--batch-size {batch_size} is smaller than {what} = {parts}, so some micro-batch would "
+                          f"be empty; use {fix}")
+    fixes = f"{below} or {above}" if below else f"{above}"
+    raise ConfigError(f"--batch-size {batch_size} is not divisible by {what} = {parts}; use --batch-size {fixes}")
+
+
+# Every option by its flat name: the group (TrainConfig's field) it belongs to, and its declaration.
+FIELDS = {spec.name: (group.name, spec) for group in dataclasses.fields(TrainConfig)
+          for spec in dataclasses.fields(group.default_factory)}
