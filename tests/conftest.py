@@ -39,6 +39,15 @@ def needs_dataset(name: str, data_dir: str | None = None) -> Path:
     return located.directory
 
 
+def assert_one_sentence(result, sentence: str) -> None:
+    """A run refused in one sentence, printed once (however many ranks), exit 2, without a traceback."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output, output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error")]
+    assert errors == [f"mpipar: error: {sentence}"], output
+
+
 def mpiexec_path() -> str:
     """mpiexec next to this Python (the mpich wheel puts it there), else on PATH."""
     beside = Path(sys.executable).parent / "mpiexec"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, run_mpi
+from conftest import SCRIPTS, assert_one_sentence, run_mpi
 from mpipar.checkpoint import store
 
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -21,14 +21,6 @@ TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tiny
 
 def mpipar_on_two_ranks(*args: str):
     return run_mpi(2, sys.executable, "-m", "mpipar", "train", *args, timeout=120)
-
-
-def assert_one_sentence(result, sentence: str) -> None:
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output
-    assert "Traceback" not in output, output
-    errors = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error")]
-    assert errors == [f"mpipar: error: {sentence}"], output
 
 
 @pytest.mark.parametrize("source, sentence", [
