@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from mpipar.errors import ConfigError, unknown_name
+from mpipar.gpu import gpu_array_module, parts_for
 
 Array = Any  # a numpy.ndarray, or a cupy.ndarray on a GPU
 
@@ -28,11 +29,18 @@ DEVICES = ("cpu", "gpu")
 
 
 def array_module(array) -> ModuleType:
-    """numpy, or cupy when `array` lives on a GPU."""
-    if type(array).__module__.startswith("cupy"):
+    """numpy, or cupy when `array` lives on a GPU (the stand-in's module for a stand-in array)."""
+    if isinstance(array, np.ndarray):
+        return np
+    owner = type(array).__module__
+    if owner.startswith("cupy"):
         import cupy
 
         return cupy
+    if owner == "mpipar.gpu.standin":
+        from mpipar.gpu.standin import module
+
+        return module
     return np
 
 
@@ -63,18 +71,40 @@ def make_backend(device: str = "cpu", dtype: str = "float32") -> Backend:
     if device == "cpu":
         return Backend(np, np.dtype(ARITHMETIC_DTYPES[dtype]), device)
     try:
-        import cupy
+        xp = gpu_array_module()
     except ImportError as error:
         raise ConfigError(f"--device gpu needs CuPy, which is not importable ({error}); "
                           "install it with: pip install 'mpipar[gpu]'") from None
-    return Backend(cupy, np.dtype(ARITHMETIC_DTYPES[dtype]), device)
+    return Backend(xp, np.dtype(ARITHMETIC_DTYPES[dtype]), device)
 
 
 def to_host(array) -> np.ndarray:
-    """A NumPy view (CPU) or copy (GPU) of `array`."""
+    """A NumPy view (CPU) or copy (GPU) of `array`: the one way a device array reaches the host
+    (counted on the stand-in device)."""
     if isinstance(array, np.ndarray):
         return array
     return array.get()
+
+
+def read_values(array) -> np.ndarray:
+    """The values of a small array on the host, where the host must decide on them now (a step's
+    loss, its overflow flag, its gradient norm): on a GPU, a synchronisation with the device,
+    and the only one a step makes for each (counted on the stand-in device)."""
+    if isinstance(array, np.ndarray):
+        return array
+    return parts_for(array_module(array)).read_values(array)
+
+
+def data_pointer(array) -> int:
+    """The address of `array`'s first element, in host or device memory."""
+    if isinstance(array, np.ndarray):
+        return array.__array_interface__["data"][0]
+    return array.data.ptr
+
+
+def on_host(array) -> bool:
+    """Whether `array` is host memory (a NumPy array), which MPI reads directly."""
+    return isinstance(array, np.ndarray)
 
 
 def accumulation_dtype(array):
@@ -99,9 +129,4 @@ def scatter_add(target, indices, values) -> None:
         sums = np.add.reduceat(values[order], run_starts, axis=0, dtype=wide)
         target[ordered[run_starts]] += sums.astype(target.dtype, copy=False)
         return
-    import cupyx
-
-    summed = target if target.dtype == wide else target.astype(wide)
-    cupyx.scatter_add(summed, indices, values)
-    if summed is not target:
-        target[...] = summed
+    parts_for(xp).scatter_add(target, indices, values, wide)

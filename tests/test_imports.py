@@ -224,7 +224,7 @@ def test_no_import_cycles():
 # cache know nothing of schedules; the compiler knows nothing of the runtime or the predictions;
 # the predictions read plans, never the runtime that runs them, and the runtime is handed its
 # prediction and its step timer (SIBLINGS: neither imports the other).
-LAYERS = ("errors", "units", "backend", "system", "options", "cache", "layers", "data", "comms", "checkpoint",
+LAYERS = ("errors", "units", "gpu", "backend", "system", "options", "cache", "layers", "data", "comms", "checkpoint",
           "models", "optim", "schedule", "predict", "runtime", "adapters", "report", "train", "cli")
 SIBLINGS = {"runtime": ("predict",)}
 NEVER_IMPORTS = {f"mpipar.{part}": tuple(f"mpipar.{above}" for above in LAYERS[index + 1:] + SIBLINGS.get(part, ()))

@@ -6,7 +6,7 @@ inter-group in the shared Traffic. Sub-communicators made from it (`split`,
 `subset`, `intra`, `inter`) share that Traffic and map their ranks' groups.
 
 Point to point: `isend` / `irecv` post non-blocking messages and return the MPI
-request; mpi4py keeps the buffer referenced by the request until it completes,
+request; a device array goes on the wire directly or through pinned memory (wire.py); mpi4py keeps the buffer referenced by the request until it completes,
 and callers keep received buffers until they have read them.
 
 Exercised by: python -m pytest tests/test_comm.py
@@ -14,9 +14,13 @@ Exercised by: python -m pytest tests/test_comm.py
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 from mpi4py import MPI
 
+from mpipar.backend import array_module
+from mpipar.comms import wire
 from mpipar.comms.tags import LARGEST_TAG
 from mpipar.comms.traffic import Traffic
 from mpipar.errors import ConfigError
@@ -33,12 +37,13 @@ class ScratchPool:
     def __init__(self) -> None:
         self.spare: np.ndarray | None = None
 
-    def take(self, size: int, dtype) -> np.ndarray:
+    def take(self, size: int, dtype, xp: ModuleType = np):
+        """An array of `size` elements of `dtype`, made by the array module `xp` (host or device)."""
         spare = self.spare
-        if spare is not None and spare.size == size and spare.dtype == np.dtype(dtype):
+        if spare is not None and spare.size == size and spare.dtype == np.dtype(dtype) and array_module(spare) is xp:
             self.spare = None
             return spare
-        return np.empty(size, dtype=dtype)
+        return xp.empty(size, dtype=dtype)
 
     def give(self, array: np.ndarray) -> None:
         self.spare = array
@@ -90,12 +95,14 @@ class Comm:
     def isend(self, buf, dest: int, tag: int, phase: str | None = None) -> MPI.Request:
         """Post a send, counted under `phase` (default: the current one)."""
         self.traffic.record_send(buf.nbytes, self.is_inter(dest), phase)
-        return self.mpi.Isend(buf, dest=dest, tag=tag)
+        on_wire = wire.outgoing(buf, self.traffic, phase)
+        return wire.track(self.mpi.Isend(on_wire, dest=dest, tag=tag), buf, on_wire, self.traffic, lands=False)
 
     def irecv(self, buf, source: int, tag: int) -> MPI.Request:
         """Post a receive into `buf`, counted (as a whole buffer) under the current phase."""
         self.traffic.record_receive(buf.nbytes)
-        return self.mpi.Irecv(buf, source=source, tag=tag)
+        on_wire = wire.incoming(buf, self.traffic)
+        return wire.track(self.mpi.Irecv(on_wire, source=source, tag=tag), buf, on_wire, self.traffic, lands=True)
 
     def next_sequence(self) -> int:
         """Number the next collective; every rank calls collectives in the same order."""

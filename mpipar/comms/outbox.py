@@ -18,9 +18,10 @@ Exercised by: python -m pytest tests/test_waits.py -k outbox
 
 from __future__ import annotations
 
-import numpy as np
 from mpi4py import MPI
 
+from mpipar.backend import array_module
+from mpipar.comms import wire
 from mpipar.comms.handle import wait_requests
 
 
@@ -44,6 +45,7 @@ class Outbox:
     def progress(self) -> None:
         """Let sends progress without blocking; forget the completed ones and their buffers."""
         if self._requests and MPI.Request.Testsome(self._requests):
+            wire.land_arrivals()  # frees the pinned buffers of completed sends for reuse
             self._forget_completed()
 
     def wait_all(self, what: str) -> None:
@@ -67,7 +69,8 @@ class Outbox:
 
     def _readers(self, buffer) -> list[int]:
         """The sends that read `buffer` or memory it shares."""
-        return [i for i, sent in enumerate(self._buffers) if sent is buffer or np.shares_memory(sent, buffer)]
+        return [i for i, sent in enumerate(self._buffers)
+                if sent is buffer or array_module(sent).shares_memory(sent, buffer)]
 
     def _wait_for(self, sends: list[int], what: str) -> None:
         if sends:

@@ -5,7 +5,8 @@ counters describe everything this rank sent, whichever sub-communicator carried 
 Counting happens where messages are posted (`Comm.isend`, and `Comm.irecv` for what
 a rank receives): our own algorithms' bytes are exact. A call into the MPI library's own collective (algorithm `mpi`) is
 recorded separately as `library` bytes — the payload handed over, since how the
-library moves it is not ours to see.
+library moves it is not ours to see. On a GPU without a CUDA-aware MPI, the bytes copied
+between the device and pinned host memory for the wire are counted too (wire.py).
 
     traffic.reset()
     with traffic.phase("backward"):
@@ -35,6 +36,8 @@ class Counts:
     library_calls: int = 0
     received_bytes: int = 0  # by this rank's own receives (point to point and our algorithms)
     received_messages: int = 0
+    to_host_bytes: int = 0  # copied from the device to pinned host memory to be sent (staged wire)
+    to_device_bytes: int = 0  # received in pinned host memory and copied to the device
 
     def __add__(self, other: "Counts") -> "Counts":
         return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -77,6 +80,11 @@ class Traffic:
         counts = self.by_phase[self.current]
         counts.library_bytes += nbytes
         counts.library_calls += 1
+
+    def record_pcie(self, to_host: int = 0, to_device: int = 0, phase: str | None = None) -> None:
+        counts = self.by_phase[self.current if phase is None else phase]
+        counts.to_host_bytes += to_host
+        counts.to_device_bytes += to_device
 
     def read(self, phase: str | None = None) -> Counts:
         """Counts of one phase, or (phase=None) the total over all phases."""

@@ -23,13 +23,10 @@ import time
 import traceback
 from typing import Callable, TypeVar
 
-import numpy as np
 from mpi4py import MPI
 
-from mpipar.backend import array_module
 from mpipar.comms.collectives import all_reduce
 from mpipar.comms.comm import Comm
-from mpipar.comms.device import PinnedStaging, Wire, device_wire
 from mpipar.errors import MpiparError
 
 T = TypeVar("T")
@@ -40,26 +37,10 @@ def world() -> MPI.Intracomm:
 
 
 def sum_across_ranks(comm: Comm, array, algorithm: str = "mpi") -> None:
-    """array <- the sum of `array` over all ranks of `comm`, in place, counted.
-
-    A GPU array goes to a CUDA-aware library as it is (for the library's own all-reduce,
-    `algorithm` "mpi"), else through a reused pinned host buffer (comms/device.py).
-    """
-    if comm.size == 1:
-        return
-    if isinstance(array, np.ndarray):
+    """array <- the sum of `array` over all ranks of `comm`, in place, counted (a device array
+    goes on the wire as wire.py says)."""
+    if comm.size > 1:
         all_reduce(comm, array, algorithm)
-        return
-    if device_wire().wire is Wire.CUDA_AWARE and algorithm == "mpi":
-        array_module(array).cuda.get_current_stream().synchronize()  # the kernels writing it are done
-        all_reduce(comm, array, algorithm)
-        return
-    host = _STAGING.to_host(array)
-    all_reduce(comm, host, algorithm)
-    _STAGING.to_device(host, array)
-
-
-_STAGING = PinnedStaging()  # the process's pinned buffers for staged device arrays
 
 
 def agree_on_setup(comm: MPI.Intracomm, setup: Callable[[], T]) -> T:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from mpipar.backend import accumulation_dtype, array_module
 from mpipar.checkpoint.format import Piece
 from mpipar.checkpoint.layout import own_share, piece_holding
@@ -43,23 +45,25 @@ class GradientClipper:
         self.max_norm, self.comm, self.copies = max_norm, comm, list(copies)
         self.counted: list[tuple[int, int]] | None = None  # the ranges of "grads" this rank counts
 
-    def local_square_sum(self, pieces: list[Piece]) -> float:
-        """The sum of squares of the elements this rank counts (collective at the first call)."""
+    def local_square_sum(self, pieces: list[Piece]):
+        """The sum of squares of the elements this rank counts (collective at the first call), as
+        a 0-d array where the gradients live: the trainer reads it with the step's loss, in one
+        synchronisation."""
         if self.counted is None:
             self.counted = [part for start, stop in own_share(self.comm, pieces)
                             for part in _without(start, stop, self.copies)]
-        total = 0.0
+        total = array_module(pieces[0].array).zeros((), dtype=np.float64) if pieces else np.zeros(())
         for start, stop in self.counted:
             piece = piece_holding(pieces, start, stop)
             total += self._square_sum(piece.array[start - piece.start:stop - piece.start])
         return total
 
     @staticmethod
-    def _square_sum(part) -> float:
+    def _square_sum(part):
         xp, wide = array_module(part), accumulation_dtype(part)
         if part.dtype == wide:
-            return float(xp.vdot(part, part))
-        return float(xp.einsum("i,i->", part, part, dtype=wide))
+            return xp.vdot(part, part)
+        return xp.einsum("i,i->", part, part, dtype=wide)
 
     def clip(self, pieces: list[Piece], square_sum: float, unscale: float = 1.0) -> float:
         """Scale `pieces` (this rank's gradients, `1 / unscale` times the true ones) if the global

@@ -18,7 +18,7 @@ float32 (NumPy 2 would promote on a numpy.float64 scalar).
 chunks of CHUNK elements, so its only workspace is one chunk (`workspace_bytes`),
 whatever the model's size: a full-size scratch buffer would cost as much memory as the
 parameters of a ZeRO-3 rank. On a GPU (CuPy) each update of a piece is one fused kernel
-(`_fused`), with NumPy's operations in NumPy's order and no fused multiply-adds, so it
+(`_fused`, mpipar/gpu/cuda.py), with NumPy's operations in NumPy's order and no fused multiply-adds, so it
 rounds as the CPU does, bit for bit (tests/scripts/check_gpu.py checks it); only the
 decay terms still use the workspace there. In a run of torch stages on the CPU, torch's
 in-place kernels update each piece instead, on torch's threads and in torch.optim's order
@@ -40,6 +40,7 @@ import numpy as np
 
 from mpipar.backend import array_module
 from mpipar.errors import ConfigError, unknown_name
+from mpipar.gpu import parts_for
 from mpipar.optim.precision import MasterWeights
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -48,29 +49,10 @@ CHUNK = 1 << 16  # elements updated at a time: big enough that NumPy's call over
 
 Spans = list[tuple[int, int]]  # [start, stop) ranges of a piece
 
-# The GPU's updates, each the chunked NumPy update below it written as one kernel: CuPy
-# would launch a kernel per operation and chunk (44 a step for a 670k-parameter MLP with
-# momentum, 1.0 ms of a 2.7 ms step on an H200). "--fmad=false" keeps a * b + c two roundings.
-_KERNELS = {
-    "sgd": ("T g, T lr", "T p", "p = p - g * lr"),
-    "sgd_momentum": ("T g, T momentum, T lr", "T p, T v", "v = v * momentum; v = v + g; p = p - v * lr"),
-    "adam": ("T g, T beta1, T one_minus_beta1, T beta2, T one_minus_beta2, T inv_sqrt_bias2, T eps, T step_size",
-             "T p, T m1, T m2",
-             "m1 = m1 * beta1; m1 = m1 + g * one_minus_beta1; m2 = m2 * beta2; m2 = m2 + g * g * one_minus_beta2; "
-             "p = p - m1 / (sqrt(m2) * inv_sqrt_bias2 + eps) * step_size"),
-}
-_compiled: dict = {}
-
-
 def _fused(xp, name: str):
-    """The kernel `name` of _KERNELS for CuPy arrays; None for NumPy's, which update in chunks."""
-    if xp is np:
-        return None
-    if name not in _compiled:
-        in_params, out_params, operation = _KERNELS[name]
-        _compiled[name] = xp.ElementwiseKernel(in_params, out_params, operation, f"mpipar_{name}",
-                                               options=("--fmad=false",))
-    return _compiled[name]
+    """The update `name` as one kernel for GPU arrays (mpipar/gpu/cuda.py's KERNELS); None for
+    NumPy's, which update in chunks."""
+    return None if xp is np else parts_for(xp).fused(name)
 
 
 def _chunks(size: int):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpipar.backend import array_module, to_host
+from mpipar.backend import array_module
 from mpipar.checkpoint.format import Piece
 from mpipar.checkpoint.layout import own_share, piece_holding
 from mpipar.comms.world import sum_across_ranks
@@ -56,18 +56,18 @@ class TiedGradients:
         """After the step's gradient reductions, before clipping and the update (collective)."""
         if self.counted is None:
             self.counted = own_share(self.comm, pieces)
+        xp = array_module(pieces[0].array) if pieces else np
         for first, copy, size in self.pairs:
-            total = np.zeros(size, dtype=np.float64)
+            total = xp.zeros(size, dtype=np.float64)  # where the gradients live
             for base in (first, copy):
                 for start, stop in self.counted:
                     low, high = max(start, base), min(stop, base + size)
                     if low < high:
                         piece = piece_holding(pieces, low, high)
-                        total[low - base:high - base] += to_host(piece.array[low - piece.start:high - piece.start])
+                        total[low - base:high - base] += piece.array[low - piece.start:high - piece.start]
             sum_across_ranks(self.counted_comm, total)
             for piece in pieces:
                 for base in (first, copy):
                     low, high = max(piece.start, base), min(piece.stop, base + size)
                     if low < high:
-                        part = piece.array[low - piece.start:high - piece.start]
-                        part[...] = array_module(part).asarray(total[low - base:high - base], dtype=part.dtype)
+                        piece.array[low - piece.start:high - piece.start] = total[low - base:high - base]

@@ -34,11 +34,13 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from mpipar.backend import read_values
 from mpipar.cache import ActivationCache
 from mpipar.comms.collectives import iall_reduce, ireduce
 from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.outbox import Outbox
 from mpipar.comms.tags import MAX_MICRO_BATCHES, Kind, p2p_tag
+from mpipar.errors import NonFiniteLossError
 from mpipar.models.sequential import LayerHook, Stage
 from mpipar.optim.optimizers import state_kinds
 from mpipar.runtime.item_store import ItemStore
@@ -94,7 +96,7 @@ class Executor:
         self.input_shapes = input_shapes  # per stage; the last entry is the model's output
         self.collective, self.unit_bytes = collective, unit_bytes
         self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
-        self.dtype, self.mesh = stages[0].flat.dtype, plan.mesh
+        self.dtype, self.mesh, self.xp = stages[0].flat.dtype, plan.mesh, stages[0].flat.backend.xp
         master = optimizer_options.get("master_dtype")  # --precision fp16's master weights (precision.py)
         self.master_itemsize = np.dtype(master).itemsize if master and np.dtype(master) != self.dtype else 0
         self.ledger, self.pool, self.outbox = MemoryLedger(), ScratchPool(), Outbox()
@@ -126,7 +128,7 @@ class Executor:
         self.split: StepTimer | None = None  # set to time each part of the steps (report/step_split.py)
         self.run: Run | None = None
         self.first_step, self.lr_at = 0, None
-        self.totals, self.losses_computed = np.zeros((0, 3)), np.zeros(0, dtype=int)
+        self.totals, self.losses_computed = None, np.zeros(0, dtype=int)  # set by each run
 
     def start_at(self, step: int) -> None:
         """Hold the weights as items of `step` (a resumed run's first): they are items of a step."""
@@ -149,20 +151,24 @@ class Executor:
         [loss sum, correct, predictions] per step. `on_step` is called as soon as this rank has
         run its last job of a step (for progress while the run goes)."""
         run = self._start(first_step, steps, load, seed, batch_size, lr_at)
-        position = 0
-        for end, step in run.step_ends if on_step else ():
+        position, settles = 0, self.plan.settles_each_step
+        for end, step in run.step_ends if on_step or not settles else ():
             self._execute(run.program[position:end])
             position, index = end, step + run.shift - first_step
-            on_step(first_step + index, self.totals[index], int(self.losses_computed[index]))
+            mine = read_values(self.totals[index])  # one host synchronisation a step: its loss
+            if not settles and not np.isfinite(mine[0]):  # a settling scheme's trainer checks the summed loss
+                raise NonFiniteLossError(f"step {first_step + index}: the training loss is {mine[0]}")
+            if on_step:
+                on_step(first_step + index, mine, int(self.losses_computed[index]))
         self._execute(run.program[position:])
         self._end()
-        return self.totals
+        return read_values(self.totals)
 
     def run_step(self, step: int, seed: int, load: Load, batch_size: int) -> np.ndarray:
         """Every instruction of step `step` before its updates; returns this rank's [loss sum, correct, predictions]."""
         self._start(step, 1, load, seed, batch_size, None)
         self._execute(self.run.program[:self.run.updates_from])
-        return self.totals[0]
+        return self.totals[0]  # where the arrays live: the trainer reads it with the step's other figures
 
     def finish_gradients(self) -> None:
         """Complete every send and every stage reduction (in stage order on every rank)."""
@@ -190,7 +196,8 @@ class Executor:
         self.run = self.plan.program(first_step, steps)
         micro_size = batch_size // self.mesh.replicas // self.plan.micro_batches
         self.items.begin(self.run, micro_size, first_step)
-        self.first_step, self.lr_at, self.totals = first_step, lr_at, np.zeros((steps, 3))
+        self.first_step, self.lr_at = first_step, lr_at
+        self.totals = self.xp.zeros((steps, 3), dtype=np.float64)
         self.losses_computed = np.zeros(steps, dtype=int)  # per step: micro-batches whose loss is in totals
         self.time_offset, self.job_times = len(self.timeline), []
         self.jobs.begin(self.run, first_step, load, seed=seed, batch_size=batch_size, micro_size=micro_size,
@@ -235,14 +242,14 @@ class Executor:
 
     def _receive(self, instruction: Receive) -> None:
         item, source = self.items.shifted(instruction.item), self.plan.peer(instruction.source)
-        buffer = np.empty(self.items.size(item), dtype=self.dtype)  # fresh: it may become an activation
+        buffer = self.xp.empty(self.items.size(item), dtype=self.dtype)  # fresh: it may become an activation
         with self.comm.traffic.phase(PHASE_OF[item.kind]):
             self.items.expect(item, buffer, self.comm.irecv(buffer, source, self._tag(item)), source)
 
     def _send(self, instruction: Send) -> None:
         item, dest = self.items.shifted(instruction.item), self.plan.peer(instruction.dest)
-        buffer = np.ascontiguousarray(self.stages[item.stage].flat.data if item.stage in self.shared
-                                      else self.items.get(item))
+        buffer = self.xp.ascontiguousarray(self.stages[item.stage].flat.data if item.stage in self.shared
+                                           else self.items.get(item))
         tag = self._tag(self.items.shifted(instruction.arrives_as or instruction.item))
         self.outbox.post(self.comm.isend(buffer, dest, tag, PHASE_OF[item.kind]), buffer, dest)
         self.outbox.progress()

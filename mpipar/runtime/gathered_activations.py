@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpipar.backend import array_module
+
 from mpipar.comms.collectives import iall_gather
 from mpipar.comms.comm import Comm
 from mpipar.layers import Linear
@@ -95,9 +97,10 @@ class RowGatherer:
         self.own = layer.own_weight_gradients  # the layer's own arithmetic (never another gatherer), on all rows
 
     def __call__(self, x, dy) -> None:
-        rows = [np.ascontiguousarray(part.reshape(-1, part.shape[-1])) for part in (x, dy)]
+        xp = array_module(x)
+        rows = [xp.ascontiguousarray(part.reshape(-1, part.shape[-1])) for part in (x, dy)]
         # small by the rule's choice (fewer elements than the layer's gradient), so fresh each time
-        gathered = [np.empty((part.shape[0] * self.comm.size, part.shape[1]), part.dtype) for part in rows]
+        gathered = [xp.empty((part.shape[0] * self.comm.size, part.shape[1]), part.dtype) for part in rows]
         nbytes = sum(part.nbytes for part in gathered)
         self.ledger.hold("workspace", nbytes)
         with self.comm.traffic.phase(PHASE):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.comms.handle import wait_requests
+from mpipar.comms.handle import test_requests, wait_requests
 from mpipar.comms.outbox import Outbox
 from mpipar.models.sequential import Stage
 from mpipar.optim.optimizers import CHUNK, make_optimizer
@@ -62,7 +62,7 @@ class ItemStore:
         self.input_shapes = input_shapes  # per stage; the last entry is the model's output
         self.state_kinds, self.replica_shared, self.rank = state_kinds, replica_shared, rank
         self.optimizer_name, self.optimizer_options = optimizer, optimizer_options
-        self.dtype = stages[0].flat.dtype
+        self.dtype, self.xp = stages[0].flat.dtype, stages[0].flat.backend.xp  # every buffer where the arrays live
         self.decay = [stage.flat.decay_spans(0, stage.flat.size) for stage in stages]
         self.store: dict[Item, np.ndarray] = {}
         self.inbox: dict[Item, tuple[np.ndarray, MPI.Request, int]] = {}  # buffer, request, source
@@ -78,7 +78,7 @@ class ItemStore:
         for item in plan.persistent(0):  # the rest arrives laid out, not allocated: items are bound per job
             flat = stages[item.stage].flat
             self.keep(item, flat.initial(0, flat.size) if item.kind == ItemKind.WEIGHTS
-                      else np.zeros(self.size(item), self.dtype))
+                      else self.xp.zeros(self.size(item), self.dtype))
 
     def begin(self, run: Run, micro_size: int, first_step: int) -> None:
         """A run of `run`'s program from `first_step` on, `micro_size` samples a micro-batch. A plan
@@ -109,7 +109,7 @@ class ItemStore:
             self.let_go(item.stage, self.store.pop(item))
             self.ledger.free(LEDGER_KIND[item.kind], buffer.nbytes)
         for item in self.plan.persistent(step):
-            self.keep(item, np.empty(self.size(item), dtype=self.dtype))
+            self.keep(item, self.xp.empty(self.size(item), dtype=self.dtype))
         self.next_step = step
 
     def shifted(self, item: Item) -> Item:
@@ -155,7 +155,7 @@ class ItemStore:
         """A zeroed buffer of stage s's size: the spare of that kind, else a new one."""
         spare = self.spares.pop((kind, s), None)
         if spare is None:
-            return np.zeros(self.stages[s].flat.size, dtype=self.dtype)
+            return self.xp.zeros(self.stages[s].flat.size, dtype=self.dtype)
         self.ledger.free(LEDGER_KIND[kind], spare.nbytes)  # keep counts it again
         spare.fill(0)
         return spare
@@ -177,7 +177,7 @@ class ItemStore:
         for reduction in self.reductions.values():
             reduction.test()
         if self.inbox:
-            MPI.Request.Testall([request for _, request, _ in self.inbox.values()])
+            test_requests([request for _, request, _ in self.inbox.values()])
 
     # -- Drop and Update ---------------------------------------------------------------------
     def drop(self, item: Item) -> None:
@@ -249,7 +249,7 @@ class ItemStore:
         from now on, else the stage's spare, else a new one."""
         if done is None and (ItemKind.WEIGHTS, s) not in self.spares:
             self.ledger.hold("parameters", weights.nbytes)
-            return np.empty_like(weights)
+            return self.xp.empty_like(weights)
         if done is not None:
             done = self.shifted(done)
             self.taken_over.add(done)
@@ -263,7 +263,7 @@ class ItemStore:
             if self.workspace is None:
                 largest = max(self.stages[stage].flat.size for stage, _ in self.run.weight_plan
                               if stage not in self.replica_shared)
-                self.workspace = np.empty(min(CHUNK, largest), dtype=self.dtype)
+                self.workspace = self.xp.empty(min(CHUNK, largest), dtype=self.dtype)
                 self.ledger.hold("workspace", self.workspace.nbytes)
             self.optimizers[s] = make_optimizer(self.optimizer_name, [weights], [gradient], [self.decay[s]],
                                                 state=state, workspace=self.workspace, **self.optimizer_options)

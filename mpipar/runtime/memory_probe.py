@@ -30,9 +30,9 @@ than a default may cost, so the probe is for --memory-profile runs. tracemalloc 
 per process, and so is its peak: use one probe per process.
 
 GPU (CuPy): live bytes are the default memory pool's used bytes; the peak is their
-running maximum, kept by a cupy.cuda.MemoryHook after each allocation from the pool.
-CuPy registers hooks per thread: allocations on other threads are not seen. Untested
-on this machine, which has no GPU.
+running maximum, kept by a cupy.cuda.MemoryHook after each allocation from the pool
+(mpipar/gpu/cuda.py's PoolPeak). CuPy registers hooks per thread: allocations on other
+threads are not seen. On the stand-in device the twin's PoolPeak is tracemalloc's.
 
 Exercised by: python -m pytest tests/test_memory.py
 """
@@ -45,6 +45,7 @@ import sys
 import tracemalloc
 
 from mpipar.backend import DEVICES
+from mpipar.gpu import gpu_array_module, parts_for
 from mpipar.errors import unknown_name
 
 
@@ -99,47 +100,27 @@ class MemoryProbe:
 
 
 class GpuMemoryProbe(MemoryProbe):
-    """The same figures from CuPy's default memory pool (untested here: no GPU)."""
+    """The same figures from the GPU's memory pool (mpipar/gpu: CuPy's, or the stand-in's twin)."""
 
     def __init__(self) -> None:
         super().__init__()
-        import cupy  # only GPU runs need CuPy installed
-
-        pool = cupy.get_default_memory_pool()
-
-        class PeakHook(cupy.cuda.MemoryHook):
-            # A free only lowers the used bytes, so the maximum is taken after allocations only.
-            name = "mpipar.runtime.memory_probe"
-
-            def __init__(self) -> None:
-                self.peak = pool.used_bytes()
-
-            def malloc_postprocess(self, **kwargs) -> None:
-                self.peak = max(self.peak, pool.used_bytes())
-
-        self._pool = pool
-        self._hook = PeakHook()
-        self._registered = False
+        self._pool = parts_for(gpu_array_module()).PoolPeak()
 
     def start(self) -> None:
-        if not self._registered:
-            self._hook.__enter__()  # registers the hook for this thread, as a `with` block would
-            self._registered = True
+        self._pool.start()
         self.set_baseline()
 
     def stop(self) -> None:
-        if self._registered:
-            self._hook.__exit__(None, None, None)
-            self._registered = False
+        self._pool.stop()
 
     def _current(self) -> int:
-        return self._pool.used_bytes()
+        return self._pool.current()
 
     def _peak(self) -> int:
-        return self._hook.peak
+        return self._pool.peak()
 
     def _reset_peak(self) -> None:
-        self._hook.peak = self._pool.used_bytes()
+        self._pool.reset()
 
 
 def make_probe(device: str) -> MemoryProbe:

@@ -41,7 +41,6 @@ from mpipar.comms.chain import Chain, ChainQueue
 from mpipar.comms.collectives import iall_gather, iall_reduce, ireduce_scatter
 from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.routes import block_offsets
-from mpipar.comms.world import sum_across_ranks
 from mpipar.models.sequential import Stage, leaf_layers
 from mpipar.runtime.gathered_activations import RowGatherer
 from mpipar.runtime.ledger import MemoryLedger
@@ -73,7 +72,6 @@ class ShardedStage:
         self.units, self.state_kinds = self.state.units, self.state.state_kinds
         self.queue, self.pool = ChainQueue(), ScratchPool()
         self.traffic = comm.traffic
-        self.host = flat.backend.xp is np  # False on a GPU: DDP naive only (train/config/run.py)
         self.spans = unit_spans(stage, unit_bytes)  # the layers each unit's Compute runs
         self.unit_leaves = [leaf_layers(stage.layers[unit.first:unit.last + 1]) for unit in self.units]
         self.gathered: dict[int, tuple] = {}  # unit index -> (full parameters, gather in flight)
@@ -196,7 +194,7 @@ class ShardedStage:
             return operation(comm, *buffers, self.collective, **options)
 
     def _allocate(self, kind: str, size: int):
-        buffer = self.pool.take(size, self.flat.dtype)
+        buffer = self.pool.take(size, self.flat.dtype, self.flat.backend.xp)
         self.ledger.hold(kind, buffer.nbytes)
         return buffer
 
@@ -233,9 +231,6 @@ class ShardedStage:
         G, OS = self.sharding.gradients, self.sharding.optimizer_state
         held = self.state.gradient(unit, G)
         if G == OS:  # replicated over the world (N) or over the groups (I): all-reduce in place
-            if not self.host:  # a GPU's gradient: CUDA-aware or staged (comms/device.py; DDP naive only)
-                sum_across_ranks(self.world, held, self.collective)
-                return
             yield self._start("update-reduce", iall_reduce, self.world if G == Scope.REPLICATED else self.inter, held)
             return
         # G wider than OS: reduce-scatter (N->G over the world, N->I in the group, I->G across
@@ -261,12 +256,13 @@ class ShardedStage:
             yield self._start("update-gather", iall_gather, self.intra, mine(unit, "I"), mine(unit, "N"))
 
     def full_parameters(self) -> np.ndarray:
-        """The whole model's parameters, on every rank (collective: for checks and checkpoints)."""
+        """The whole model's parameters on the host, on every rank (collective: for checks and
+        checkpoints; gathered where the parameters live, then copied)."""
         if self.sharding.parameters == Scope.REPLICATED:
             return to_host(self.state.p_store).copy()
-        full = np.empty(self.units[-1].stop, dtype=self.flat.dtype)
+        full = self.flat.backend.xp.empty(self.units[-1].stop, dtype=self.flat.dtype)
         self.gather_parameters(full, "inspect")
-        return full
+        return to_host(full)
 
     def gather_parameters(self, full, phase: str) -> None:
         """Every unit's parameters gathered from P's scope into `full` (collective)."""

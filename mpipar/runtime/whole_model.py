@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpipar.backend import to_host
+
 from mpipar.cache import Context
 from mpipar.checkpoint.format import Piece
 from mpipar.comms.collectives import broadcast
@@ -51,7 +53,7 @@ class WholeModel:
             held = flat.data
         weights = held if held is not None and out is None else out
         if weights is None:
-            weights = self.pool.take(flat.size, self.dtype)
+            weights = self.pool.take(flat.size, self.dtype, flat.backend.xp)
             self.ledger.hold("parameters", weights.nbytes)
         elif held is not None and weights is not held:
             weights[:] = held
@@ -104,7 +106,8 @@ class WholeModel:
             if s in self.shared and self.plan.everywhere(s, self.items.next_step):
                 parts.append(self.shared[s].full_parameters())
             else:
-                parts.append(self._whole_stage(s, "inspect", np.empty(stage.flat.size, dtype=self.dtype))[0])
+                whole = stage.flat.backend.xp.empty(stage.flat.size, dtype=self.dtype)
+                parts.append(to_host(self._whole_stage(s, "inspect", whole)[0]))
         return np.concatenate(parts)
 
     def load_parameters(self, full: np.ndarray) -> None:

@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 
 from mpipar.adapters import cpu_updates
-from mpipar.backend import make_backend
+from mpipar.backend import make_backend, read_values
 from mpipar.cache import ActivationCache, Context
 from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
 from mpipar.comms.device import device_wire
@@ -143,7 +143,8 @@ class Trainer:
         # (train/checkpoints.py), summed over ranks in one message
         # and, with --grad-clip or --precision fp16, this rank's part of the gradient's squared norm
         # (clipping.py), which also tells every rank whether a float16 gradient overflowed
-        self.step_totals = np.zeros(3 + FLAGS + 1, dtype=np.float64)
+        self.step_totals = np.zeros(3 + FLAGS + 1, dtype=np.float64)  # summed over ranks on the host
+        self.device_figures = self.backend.xp.zeros(4, dtype=np.float64)  # loss, correct, predictions, square sum
         self.evaluation_seconds = 0.0  # of the whole run: what --eval-every and --eval-batches cost
         self.said_evaluation_cap = False  # rank 0 says once that --eval-batches asks for more than the split has
         pairs = tied_copies(self.stages)
@@ -292,9 +293,8 @@ class Trainer:
         if self.loss_scaler:
             self.loss_fn.set_gradient_scale(self.loss_scaler.scale)
         with self._advice_on_non_finite_loss():
-            self.step_totals[:3] = self.engine.run_step(step, cfg.training.seed, lambda _step, b: self._to_device(
+            self.device_figures[:3] = self.engine.run_step(step, cfg.training.seed, lambda _step, b: self._to_device(
                 *data.batch(micro_batches[b])), cfg.training.batch_size)
-        self.step_totals[3:3 + FLAGS] = self.checkpoints.flags()
         self.engine.finish_gradients()
         gradients = []  # views, until the update
         if self.tied or self.clipper:
@@ -302,7 +302,11 @@ class Trainer:
         if self.tied:  # the two copies of a tied matrix take the sum of their gradients
             self.tied.sum(gradients)
         if self.clipper:
-            self.step_totals[-1] = self.clipper.local_square_sum(gradients)
+            self.device_figures[3] = self.clipper.local_square_sum(gradients)
+        # the step's one host synchronisation: loss, accuracy and gradient norm (or overflow) together
+        figures = read_values(self.device_figures)
+        self.step_totals[:3], self.step_totals[-1] = figures[:3], figures[3]
+        self.step_totals[3:3 + FLAGS] = self.checkpoints.flags()
         with self.counted.traffic.phase("metrics"):
             sum_across_ranks(self.counted, self.step_totals)
         loss = float(self.step_totals[0])
@@ -443,7 +447,7 @@ class Trainer:
         part = eval_slice(len(samples), self.rank, self.world_size)
         batch = self.config.evaluation_batch(self.world_size)
         batches = math.ceil(math.ceil(len(samples) / self.world_size) / batch)
-        totals = np.zeros(3, dtype=np.float64)  # loss sum, correct, predictions
+        totals = self.backend.xp.zeros(3, dtype=np.float64)  # loss sum, correct, predictions: read at the end
         mine = part.stop - part.start
         for index in range(batches):  # np.array_split's pieces: the first mine % batches take one more
             first = part.start + index * (mine // batches) + min(index, mine % batches)
@@ -454,11 +458,12 @@ class Trainer:
             logits = self.engine.whole_model.forward(inputs, ctx, gather_phase="evaluate")
             if padding:
                 continue
-            totals[0] += float(self.loss_fn.forward(logits, targets, ctx, len(samples)))
-            totals[1] += float((logits.argmax(axis=-1) == targets).sum())
+            totals[0] += self.loss_fn.forward(logits, targets, ctx, len(samples))
+            totals[1] += (logits.argmax(axis=-1) == targets).sum()
             totals[2] += targets.size
+        totals = read_values(totals)  # summed on the host: three numbers
         with self.counted.traffic.phase("evaluate"):
-            sum_across_ranks(self.counted, totals.reshape(-1))  # a view: totals is summed in place
+            sum_across_ranks(self.counted, totals)
         self.evaluation_seconds += time.perf_counter() - started
         return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)), step)
 

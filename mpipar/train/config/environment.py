@@ -9,6 +9,8 @@ from mpipar.comms.device import ENVIRONMENT as CUDA_AWARE
 from mpipar.comms.device import check_cuda_aware_setting
 from mpipar.comms.handle import environment_timeout
 from mpipar.errors import ConfigError
+from mpipar.gpu import ENVIRONMENT as GPU_ENVIRONMENT
+from mpipar.gpu import check_gpu_setting
 from mpipar.optim.precision import HALF_ON_CPU
 from mpipar.report.progress import progress_setting
 
@@ -19,6 +21,7 @@ def check_environment(environ) -> None:
     environment_timeout(environ)
     progress_setting(environ)
     check_cuda_aware_setting(environ.get(CUDA_AWARE))
+    check_gpu_setting(environ.get(GPU_ENVIRONMENT))
     for name, meanings in ((HALF_ON_CPU, "1 (run --precision fp16 on the CPU, for tests) or 0"),
                            ("MPIPAR_MALLOC", "default (keep glibc's malloc settings)")):
         allowed = [word.split(" ")[0] for word in meanings.split(" or ")]

@@ -11,6 +11,7 @@ import click
 
 from mpipar.backend import DEVICES, DTYPES
 from mpipar.errors import ConfigError
+from mpipar.gpu import gpu_array_module
 from mpipar.models.builtin import MODELS
 from mpipar.optim.precision import PRECISIONS, check_precision
 from mpipar.options import FloatRange, IntListType, ModelType
@@ -44,7 +45,7 @@ class ModelOptions(OptionGroup):
         """Refuse in one sentence a model that cannot be built as asked."""
         if self.device == "gpu":
             try:
-                import cupy  # noqa: F401
+                gpu_array_module()
             except ImportError:
                 raise ConfigError("--device gpu needs CuPy, which is not installed here: pip install "
                                   "'mpipar[gpu]' (or the cupy-cudaXXx wheel matching your CUDA)") from None

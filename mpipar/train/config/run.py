@@ -75,10 +75,8 @@ class TrainConfig:
                                                // max(1, self.training.micro_batches))
 
     def automatic_units(self) -> str:
-        """--ddp when it is not given: naive on a GPU (one sum after backward: comms/device.py),
-        else the scheme's default (sharding.default_units: one layer where P is sharded)."""
-        if self.model.device == "gpu":
-            return "naive"
+        """--ddp when it is not given: the scheme's default (sharding.default_units: one layer
+        where P is sharded), the same on a GPU as on the CPU."""
         if self.parallel.cyclic:
             return "bucketed"
         try:
@@ -175,16 +173,16 @@ class TrainConfig:
                               "PyTorch or JAX model keeps its own precision (torch.autocast, jmp)")
 
     def _refuse_gathered_activations_outside_plain_data_parallelism(self) -> None:
-        parallel, device = self.parallel, self.model.device
+        parallel = self.parallel
         if parallel.ddp != "allgather-activations" or not (
                 parallel.cyclic or parallel.stages or parallel.sharding() != NAMED_SHARDINGS["ddp"]
-                or device == "gpu" or parallel.collective == "2d"):
+                or parallel.collective == "2d"):
             return
-        this = ("--device gpu" if device == "gpu" else "--collective 2d (an all-reduce only)"
+        this = ("--collective 2d (an all-reduce only)"
                 if parallel.collective == "2d" else f"--stages {parallel.stages}"
                 if parallel.stages and not parallel.cyclic else f"--scheme {parallel.scheme or parallel.sharding()}")
         raise ConfigError("--ddp allgather-activations replaces the all-reduce of plain data parallelism "
-                          f"(--scheme ddp, on the CPU, with a routed or the library's collective); with {this} "
+                          f"(--scheme ddp, with a routed or the library's collective); with {this} "
                           "choose --ddp bucketed, overlap or naive")
 
     def _refuse_a_model_for_other_data(self) -> None:
@@ -209,19 +207,11 @@ class TrainConfig:
         if count > MAX_STAGES:
             raise ConfigError(f"--scheme {scheme} has as many stages as micro-batches: at most {MAX_STAGES}, "
                               f"got --micro-batches {count}")
-        if self.model.device == "gpu":
-            raise ConfigError(f"--scheme {scheme} sends host buffers between ranks; on a GPU use "
-                              "--scheme ddp --ddp naive")
         check_layout(self.parallel.cdp_layout, scheme, count, world_size)
         _check_divisible(self.training.batch_size, count, f"the {count} micro-batches (N)", count)
 
     def _refuse_what_data_parallelism_cannot_run(self, world_size: int) -> None:
         parallel, micro_batches = self.parallel, self.training.micro_batches
-        sharding = parallel.sharding()
-        if self.model.device == "gpu" and (sharding != NAMED_SHARDINGS["ddp"] or parallel.ddp != "naive"):
-            raise ConfigError(f"--scheme {sharding} --ddp {parallel.ddp} communicates host buffers during forward "
-                              "and backward; on a GPU use --scheme ddp --ddp naive (gradients are summed once after "
-                              "backward, from device memory on a CUDA-aware MPI, else through pinned host buffers)")
         _check_divisible(self.training.batch_size, world_size * micro_batches,
                          f"{world_size} ranks x {micro_batches} micro-batches", micro_batches)
 
@@ -230,9 +220,6 @@ class TrainConfig:
         if micro_batches > MAX_MICRO_BATCHES:
             raise ConfigError(f"--micro-batches must be at most {MAX_MICRO_BATCHES} with --stages, "
                               f"got {micro_batches}")
-        if self.model.device == "gpu":
-            raise ConfigError(f"--scheme {parallel.scheme} --stages {parallel.stages} sends host buffers between "
-                              "ranks; on a GPU use --scheme ddp --ddp naive")
         shape = self.schedule_shape(world_size)
         parallel.strategy().validate(shape)
         shared = stages_on_several_workers(parallel.strategy(), shape)

@@ -1,0 +1,241 @@
+"""A stand-in GPU for tests on machines without one: NumPy arrays that behave like CuPy's
+at the host boundary, so that CI can prove the device path keeps its data on the device.
+
+A `StandInArray` holds a NumPy array ("device memory") and lets NumPy compute on it
+(`__array_ufunc__`, `__array_function__`: every result is a stand-in array again), but it
+refuses, as CuPy does or as a test of residency must, every way to the host that is not
+asked for by name:
+
+    np.asarray(a), the buffer protocol (MPI reading it), __array_interface__   TypeError
+    float(a), int(a), bool(a), a.item(), a.tolist()                          TypeError
+    a + host_array (a NumPy array of one or more elements)                   TypeError
+    a.get()                          a copy to the host, counted in CROSSINGS
+    a.set(host)                      a copy to the device, counted
+    read_scalars(a)                  the approved way to read values: counted as a host sync
+
+`__cuda_array_interface__` exists only in CUDA-aware mode ($MPIPAR_CUDA_AWARE=1): then
+mpi4py hands MPI the pointer, which here is host memory, so the CUDA-aware wire really runs.
+Otherwise MPI cannot read a stand-in array at all, and any message that was not staged
+through the wire (comms/wire.py) fails loudly.
+
+`module` is the stand-in's `xp`: every NumPy function, taking and giving stand-in arrays.
+`mpipar.gpu.twin` is the NumPy twin of the CuPy-only parts (kernels, streams, pinned memory).
+
+Select it with MPIPAR_GPU=standin and --device gpu. Exercised by: python -m pytest tests/test_standin.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+import weakref
+from dataclasses import dataclass, fields
+
+import numpy as np
+from numpy.lib.mixins import NDArrayOperatorsMixin
+
+
+@dataclass
+class Crossings:
+    """What crossed between the stand-in device and the host since the last `reset`."""
+
+    to_host_copies: int = 0
+    to_host_bytes: int = 0
+    to_device_copies: int = 0
+    to_device_bytes: int = 0
+    syncs: int = 0  # reads of values the host needs now (read_scalars): each one a synchronisation
+
+    def reset(self) -> None:
+        for field in fields(self):
+            setattr(self, field.name, 0)
+
+    def snapshot(self) -> "Crossings":
+        return Crossings(**{field.name: getattr(self, field.name) for field in fields(self)})
+
+
+CROSSINGS = Crossings()
+
+
+class HostConversion(TypeError):
+    """A stand-in device array was used where a host array was needed, without asking by name."""
+
+
+def _refuse(what: str):
+    def refuse(self, *args, **kwargs):
+        raise HostConversion(f"{what} of a device array: copy it with .get() or read it with read_scalars()")
+    return refuse
+
+
+def cuda_aware() -> bool:
+    return os.environ.get("MPIPAR_CUDA_AWARE") == "1"
+
+
+@dataclass(frozen=True)
+class _Pointer:
+    ptr: int
+
+
+class StandInArray(NDArrayOperatorsMixin):
+    """A device array of the stand-in GPU; see the module's docstring."""
+
+    __slots__ = ("_memory", "__weakref__")
+    __array_priority__ = 100
+
+    def __init__(self, memory: np.ndarray) -> None:
+        self._memory = memory
+
+    # -- the host boundary --------------------------------------------------------------
+    __array__ = _refuse("implicit conversion (np.asarray)")
+    __float__ = _refuse("float()")
+    __int__ = _refuse("int()")
+    __index__ = _refuse("operator.index()")
+    __bool__ = _refuse("bool()")
+    __complex__ = _refuse("complex()")
+    item = _refuse("item()")
+    tolist = _refuse("tolist()")
+    tobytes = _refuse("tobytes()")
+
+    def get(self, out: np.ndarray | None = None) -> np.ndarray:
+        """A host copy (into `out` if given), counted."""
+        CROSSINGS.to_host_copies += 1
+        CROSSINGS.to_host_bytes += self._memory.nbytes
+        if out is None:
+            return self._memory.copy()
+        out[...] = self._memory
+        return out
+
+    def set(self, host: np.ndarray) -> None:
+        """Copy `host` into this array, counted."""
+        if not isinstance(host, np.ndarray):
+            raise TypeError(f"set() takes a host (NumPy) array, got {type(host).__name__}")
+        CROSSINGS.to_device_copies += 1
+        CROSSINGS.to_device_bytes += host.nbytes
+        self._memory[...] = host
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        if not cuda_aware():
+            raise AttributeError("__cuda_array_interface__ (the stand-in exposes it only with MPIPAR_CUDA_AWARE=1)")
+        memory = self._memory
+        return {"shape": memory.shape, "typestr": memory.dtype.str, "descr": memory.dtype.descr,
+                "data": (memory.__array_interface__["data"][0], False), "strides": None if
+                memory.flags.c_contiguous else memory.strides, "version": 3, "stream": None}
+
+    @property
+    def data(self) -> "_Pointer":
+        """As CuPy's: an object whose `ptr` is the address of the first element (never the bytes)."""
+        return _Pointer(self._memory.__array_interface__["data"][0])
+
+    # -- NumPy computes on the device memory -----------------------------------------------
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if "out" in kwargs:
+            kwargs["out"] = tuple(_unwrap(out, ufunc.__name__) for out in kwargs["out"])
+        result = getattr(ufunc, method)(*(_unwrap(x, ufunc.__name__) for x in inputs), **kwargs)
+        return _wrap(result)
+
+    def __array_function__(self, func, types_, args, kwargs):
+        name = getattr(func, "__name__", str(func))
+        return _wrap(func(*_unwrap(args, name), **_unwrap(kwargs, name)))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # __array_interface__, __dlpack__, __array_struct__: ways to the host
+            raise AttributeError(name)
+        attribute = getattr(self._memory, name)
+        if callable(attribute):
+            def method(*args, **kwargs):
+                return _wrap(attribute(*_unwrap(args, name), **_unwrap(kwargs, name)))
+            return method
+        return _wrap(attribute)
+
+    def __getitem__(self, key):
+        return _wrap(self._memory[_unwrap(key, "indexing")])
+
+    def __setitem__(self, key, value) -> None:
+        self._memory[_unwrap(key, "indexing")] = _unwrap(value, "assignment")
+
+    def __len__(self) -> int:
+        return len(self._memory)
+
+    def __iter__(self):
+        return (_wrap(row) for row in self._memory)
+
+    def __repr__(self) -> str:
+        return f"StandInArray(shape={self._memory.shape}, dtype={self._memory.dtype})"
+
+    def __reduce__(self):
+        raise HostConversion("pickling a device array (it would copy it to the host unseen)")
+
+
+def _unwrap(value, where: str):
+    """Device memory for stand-in arrays, recursively; a host array of any size is refused (as
+    CuPy refuses a NumPy operand); Python and NumPy scalars pass."""
+    if isinstance(value, StandInArray):
+        return value._memory
+    if isinstance(value, np.ndarray):
+        if value.ndim == 0:
+            return value
+        raise HostConversion(f"{where}: a host (NumPy) array of shape {value.shape} given with device arrays; "
+                             "copy it to the device first")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unwrap(item, where) for item in value)
+    if isinstance(value, dict):
+        return {key: _unwrap(item, where) for key, item in value.items()}
+    if isinstance(value, slice):
+        return slice(_unwrap(value.start, where), _unwrap(value.stop, where), _unwrap(value.step, where))
+    return value
+
+
+_WRAPPERS: "weakref.WeakValueDictionary[int, StandInArray]" = weakref.WeakValueDictionary()
+
+
+def _wrap(value):
+    """Stand-in arrays for NumPy arrays and scalars (CuPy's reductions give 0-d device arrays).
+    One memory has one wrapper while that lives, so `a.base` is the same object each time, as
+    on CuPy (the activation cache counts buffers by identity)."""
+    if isinstance(value, np.ndarray):
+        wrapper = _WRAPPERS.get(id(value))
+        if wrapper is None:
+            wrapper = _WRAPPERS[id(value)] = StandInArray(value)
+        return wrapper
+    if isinstance(value, np.generic):
+        return StandInArray(np.asarray(value))
+    if isinstance(value, tuple):
+        return tuple(_wrap(item) for item in value)
+    if isinstance(value, list):
+        return [_wrap(item) for item in value]
+    return value
+
+
+def read_scalars(array: StandInArray) -> np.ndarray:
+    """The values of a small device array on the host: the one approved read, counted as a sync."""
+    CROSSINGS.syncs += 1
+    return array.get()
+
+
+class _Module(types.ModuleType):
+    """The stand-in's `xp`: NumPy's names, with arrays made and taken on the stand-in device."""
+
+    def __getattr__(self, name: str):
+        attribute = getattr(np, name)
+        if isinstance(attribute, (type, np.dtype)) or not callable(attribute):
+            return attribute  # dtypes (np.float32), constants (np.inf), submodules are the same as NumPy's
+        if name in ("asarray", "array", "ascontiguousarray"):
+            def from_anything(value, *args, **kwargs):
+                if isinstance(value, np.ndarray) and value.ndim:  # cupy.asarray(host): an explicit copy
+                    CROSSINGS.to_device_copies += 1
+                    CROSSINGS.to_device_bytes += value.nbytes
+                    return StandInArray(np.array(value, *args, **kwargs))
+                return _wrap(attribute(_unwrap(value, name), *args, **kwargs))
+            return from_anything
+
+        def function(*args, **kwargs):
+            return _wrap(attribute(*_unwrap(args, name), **_unwrap(kwargs, name)))
+        function.__name__ = name
+        return function
+
+
+module = _Module("mpipar.gpu.standin.xp", "The stand-in device's array module (NumPy on stand-in arrays).")
+module.ndarray = StandInArray
+module.get_array_module = lambda *arrays: module
+sys.modules.setdefault(module.__name__, module)

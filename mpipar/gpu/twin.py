@@ -1,0 +1,88 @@
+"""The NumPy twin of `cuda.py` for the stand-in device: the same names, the same results.
+
+The kernels are NumPy's operations in the kernel's order; the copies go through the
+stand-in arrays' counted `get` and `set`; the pool is tracemalloc's view of the NumPy
+allocations behind the stand-in arrays.
+
+Exercised by: python -m pytest tests/test_standin.py
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+
+from mpipar.gpu.standin import StandInArray, read_scalars
+
+
+def _sgd(g, lr, p):
+    p -= g * lr
+
+
+def _sgd_momentum(g, momentum, lr, p, v):
+    v *= momentum
+    v += g
+    p -= v * lr
+
+
+def _adam(g, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_sqrt_bias2, eps, step_size, p, m1, m2):
+    m1 *= beta1
+    m1 += g * one_minus_beta1
+    m2 *= beta2
+    m2 += g * g * one_minus_beta2
+    p -= m1 / (np.sqrt(m2) * inv_sqrt_bias2 + eps) * step_size
+
+
+_UPDATES = {"sgd": _sgd, "sgd_momentum": _sgd_momentum, "adam": _adam}
+
+
+def fused(name: str):
+    return _UPDATES[name]
+
+
+def scatter_add(target, indices, values, wide) -> None:
+    summed = target if target.dtype == wide else target.astype(wide)
+    np.add.at(summed, indices, values)
+    if summed is not target:
+        target[...] = summed
+
+
+def empty_pinned(size: int, dtype) -> np.ndarray:
+    return np.empty(size, dtype=dtype)
+
+
+def copy_to_host(array: StandInArray, host: np.ndarray) -> None:
+    array.get(out=host)
+
+
+def copy_to_device(host: np.ndarray, array: StandInArray) -> None:
+    array.set(host)
+
+
+def read_values(array) -> np.ndarray:
+    return read_scalars(array)
+
+
+def synchronize() -> None:
+    pass
+
+
+class PoolPeak:
+    """The bytes NumPy holds for this process (the stand-in device's memory), by tracemalloc."""
+
+    def start(self) -> None:
+        if not tracemalloc.is_tracing():
+            tracemalloc.start()
+
+    def stop(self) -> None:
+        pass
+
+    def current(self) -> int:
+        return tracemalloc.get_traced_memory()[0]
+
+    def peak(self) -> int:
+        return tracemalloc.get_traced_memory()[1]
+
+    def reset(self) -> None:
+        tracemalloc.reset_peak()
