@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from mpipar.backend import Array, scatter_add
+from mpipar.backend import Array, on_host, scatter_add
 from mpipar.cache import Context
 from mpipar.errors import DataError, ShapeError
 from mpipar.layers.base import Layer, ParamSpec, normal_init
@@ -36,7 +36,9 @@ class Embedding(Layer):
     def forward(self, ids: Array, ctx: Context) -> Array:
         if ids.dtype.kind not in "iu":
             raise ShapeError(f"{self.name}: expected integer token ids, got {ids.dtype} values")
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+        # On a GPU this check would stop the device twice a step; there the ids were checked on the
+        # host when the data was read (data/token_scan.py, the text vocabulary).
+        if on_host(ids) and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise DataError(f"{self.name}: token ids must be in [0, {self.vocab_size}), "
                             f"got ids from {int(ids.min())} to {int(ids.max())}")
         ctx.save(self, ids)
