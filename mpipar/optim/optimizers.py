@@ -151,6 +151,13 @@ class _PiecewiseOptimizer:
     def workspace_bytes(self) -> int:
         return 0 if self.workspace is None else self.workspace.nbytes
 
+    def state_buffers(self) -> list:
+        """The arrays of optimizer state this optimizer allocated (for the memory ledger)."""
+        return [self.state] if self.state_kinds and self.sizes else []
+
+    def workspace_buffers(self) -> list:
+        return [] if self.workspace is None else [self.workspace]
+
 
 class SGD(_PiecewiseOptimizer):
     def __init__(self, params, grads, decay, *, momentum: float = 0.0, weight_decay: float = 0.0,

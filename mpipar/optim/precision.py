@@ -157,6 +157,12 @@ class MasterWeights:
     def workspace_bytes(self) -> int:
         return self.master_grads.nbytes + self.inner.workspace_bytes
 
+    def state_buffers(self) -> list:
+        return [self.master, *self.inner.state_buffers()]
+
+    def workspace_buffers(self) -> list:
+        return [self.master_grads, *self.inner.workspace_buffers()]
+
     def step(self, lr: float) -> None:
         if self.scaler is not None and self.scaler.skipping:
             return

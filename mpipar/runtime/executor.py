@@ -99,7 +99,7 @@ class Executor:
         self.dtype, self.mesh, self.xp = stages[0].flat.dtype, plan.mesh, stages[0].flat.backend.xp
         master = optimizer_options.get("master_dtype")  # --precision fp16's master weights (precision.py)
         self.master_itemsize = np.dtype(master).itemsize if master and np.dtype(master) != self.dtype else 0
-        self.ledger, self.pool, self.outbox = MemoryLedger(), ScratchPool(), Outbox()
+        self.ledger, self.pool, self.outbox = MemoryLedger(self.xp), ScratchPool(), Outbox()
         # A stage shared by its replica group keeps its state in the sharding flow: one
         # communicator per stage (the world's own where the group is every rank)
         group = self.mesh.replica_group(self.mesh.worker(comm.rank))

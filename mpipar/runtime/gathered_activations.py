@@ -101,10 +101,9 @@ class RowGatherer:
         rows = [xp.ascontiguousarray(part.reshape(-1, part.shape[-1])) for part in (x, dy)]
         # small by the rule's choice (fewer elements than the layer's gradient), so fresh each time
         gathered = [xp.empty((part.shape[0] * self.comm.size, part.shape[1]), part.dtype) for part in rows]
-        nbytes = sum(part.nbytes for part in gathered)
-        self.ledger.hold("workspace", nbytes)
+        self.ledger.hold("workspace", *gathered)
         with self.comm.traffic.phase(PHASE):
             for mine, everyone in zip(rows, gathered):
                 iall_gather(self.comm, mine.ravel(), everyone.ravel(), self.collective).wait()
         self.own(*gathered)
-        self.ledger.free("workspace", nbytes)
+        self.ledger.free("workspace", *gathered)

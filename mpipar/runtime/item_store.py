@@ -107,7 +107,7 @@ class ItemStore:
         this run's (a checkpoint fills it: WholeModel.state_pieces); the next run starts at `step`."""
         for item, buffer in list(self.store.items()):
             self.let_go(item.stage, self.store.pop(item))
-            self.ledger.free(LEDGER_KIND[item.kind], buffer.nbytes)
+            self.ledger.free(LEDGER_KIND[item.kind], buffer)
         for item in self.plan.persistent(step):
             self.keep(item, self.xp.empty(self.size(item), dtype=self.dtype))
         self.next_step = step
@@ -133,12 +133,12 @@ class ItemStore:
     def keep(self, item: Item, buffer: np.ndarray) -> None:
         self.store[item] = buffer
         if item.kind in LEDGER_KIND:
-            self.ledger.hold(LEDGER_KIND[item.kind], buffer.nbytes)
+            self.ledger.hold(LEDGER_KIND[item.kind], buffer)
 
     def expect(self, item: Item, buffer: np.ndarray, request: MPI.Request, source: int) -> None:
         """`item` arrives in `buffer` by `request` from `source` (counted in the ledger from now)."""
         if item.kind in LEDGER_KIND:
-            self.ledger.hold(LEDGER_KIND[item.kind], buffer.nbytes)
+            self.ledger.hold(LEDGER_KIND[item.kind], buffer)
         self.inbox[item] = (buffer, request, source)
 
     def get(self, item: Item) -> np.ndarray:
@@ -156,7 +156,7 @@ class ItemStore:
         spare = self.spares.pop((kind, s), None)
         if spare is None:
             return self.xp.zeros(self.stages[s].flat.size, dtype=self.dtype)
-        self.ledger.free(LEDGER_KIND[kind], spare.nbytes)  # keep counts it again
+        self.ledger.free(LEDGER_KIND[kind], spare)  # keep counts it again
         spare.fill(0)
         return spare
 
@@ -199,7 +199,7 @@ class ItemStore:
                                          or (item.kind == ItemKind.GRADIENT_SUM and self.plan.keeps_gradients)):
             self.spares[spare] = buffer
         else:
-            self.ledger.free(LEDGER_KIND[item.kind], buffer.nbytes)
+            self.ledger.free(LEDGER_KIND[item.kind], buffer)
 
     def let_go(self, s: int, buffer: np.ndarray) -> None:
         """Neither stage s's layers nor its optimizer keep a dropped buffer alive."""
@@ -248,7 +248,7 @@ class ItemStore:
         """A buffer for stage s's old version: that of version `done`, which this rank only drops
         from now on, else the stage's spare, else a new one."""
         if done is None and (ItemKind.WEIGHTS, s) not in self.spares:
-            self.ledger.hold("parameters", weights.nbytes)
+            self.ledger.hold("parameters", weights)
             return self.xp.empty_like(weights)
         if done is not None:
             done = self.shifted(done)
@@ -264,7 +264,7 @@ class ItemStore:
                 largest = max(self.stages[stage].flat.size for stage, _ in self.run.weight_plan
                               if stage not in self.replica_shared)
                 self.workspace = self.xp.empty(min(CHUNK, largest), dtype=self.dtype)
-                self.ledger.hold("workspace", self.workspace.nbytes)
+                self.ledger.hold("workspace", self.workspace)
             self.optimizers[s] = make_optimizer(self.optimizer_name, [weights], [gradient], [self.decay[s]],
                                                 state=state, workspace=self.workspace, **self.optimizer_options)
         else:

@@ -7,7 +7,7 @@ ledger keeps the bytes held now per kind, and per phase of the step (forward,
 backward, update, and an evaluation's forward: evaluate) the most that was held at once. "Steady" is what stays between
 steps: seed 004's Table 1.
 
-    ledger.hold("parameters", nbytes)      ledger.free("parameters", nbytes)
+    ledger.hold("parameters", buffer)      ledger.free("parameters", buffer)   (any number of buffers)
     with ledger.phase("backward"): ...
     ledger.steady()      -> {"parameters": ..., "gradients": ..., "optimizer_state": ...}
     ledger.peaks         -> {"forward": {...}, "backward": {...}, "update": {...}}
@@ -18,26 +18,42 @@ Exercised by: python -m pytest tests/test_ledger.py
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import ModuleType
+
+import numpy as np
+
+from mpipar.backend import array_module
 
 KINDS = ("parameters", "gradients", "optimizer_state", "workspace")
 
 
 class MemoryLedger:
-    def __init__(self) -> None:
+    """`xp`: the array module of the run; every buffer held must be one of its arrays (on a GPU,
+    device memory: a host buffer in the ledger would be model state that left the device)."""
+
+    def __init__(self, xp: ModuleType = np) -> None:
+        self.xp = xp
         self.held = dict.fromkeys(KINDS, 0)
         self.current = "setup"
         self.peaks: dict[str, dict[str, int]] = {}
         self.peak_total: dict[str, int] = {}
         self._touch()
 
-    def hold(self, kind: str, nbytes: int) -> None:
-        self.held[kind] += int(nbytes)
+    def hold(self, kind: str, *buffers) -> None:
+        self.held[kind] += self._bytes(buffers)
         self._touch()
 
-    def free(self, kind: str, nbytes: int) -> None:
-        self.held[kind] -= int(nbytes)
+    def free(self, kind: str, *buffers) -> None:
+        self.held[kind] -= self._bytes(buffers)
         if self.held[kind] < 0:
             raise RuntimeError(f"memory ledger: more {kind} bytes freed than held ({self.held[kind]})")
+
+    def _bytes(self, buffers) -> int:
+        for buffer in buffers:
+            if array_module(buffer) is not self.xp:
+                raise TypeError(f"memory ledger: a {type(buffer).__name__} held in a run whose arrays are "
+                                f"{self.xp.__name__}'s")
+        return sum(buffer.nbytes for buffer in buffers)
 
     def _touch(self) -> None:
         peaks = self.peaks.setdefault(self.current, dict.fromkeys(KINDS, 0))

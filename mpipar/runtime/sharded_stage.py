@@ -66,7 +66,7 @@ class ShardedStage:
                         self.intra.size if self.intra else 1, self.inter.rank if self.inter else 0,
                         self.inter.size if self.inter else 1)
         # A pipeline stage shared by a replica group books into its pipeline's ledger (mesh.py)
-        self.ledger = ledger if ledger is not None else MemoryLedger()
+        self.ledger = ledger if ledger is not None else MemoryLedger(stage.flat.backend.xp)
         self.state = StageBlocks(stage, sharding, layout, self.ledger, unit_bytes=unit_bytes, optimizer=optimizer,
                                   optimizer_options=optimizer_options)
         self.units, self.state_kinds = self.state.units, self.state.state_kinds
@@ -195,11 +195,11 @@ class ShardedStage:
 
     def _allocate(self, kind: str, size: int):
         buffer = self.pool.take(size, self.flat.dtype, self.flat.backend.xp)
-        self.ledger.hold(kind, buffer.nbytes)
+        self.ledger.hold(kind, buffer)
         return buffer
 
     def _give(self, kind: str, buffer) -> None:
-        self.ledger.free(kind, buffer.nbytes)
+        self.ledger.free(kind, buffer)
         self.pool.give(buffer)
 
     def _reduce(self, unit: Unit, grad, first: bool, then_to_os: bool) -> Chain:

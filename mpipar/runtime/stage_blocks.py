@@ -54,7 +54,7 @@ class StageBlocks:
         self.optimizer_factory = lambda: make_optimizer(optimizer, *self._optimizer_pieces(), **optimizer_options)
         self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
         self.secondary_store = self.flat.backend.xp.empty(stored["secondary"], dtype=self.flat.dtype)
-        self.ledger.hold("parameters", self.p_store.nbytes + self.secondary_store.nbytes)
+        self.ledger.hold("parameters", self.p_store, self.secondary_store)
 
     def _initial_blocks(self, scope: str, total: int):
         """This rank's `scope` blocks of every unit of the initial parameters, concatenated."""
@@ -110,15 +110,15 @@ class StageBlocks:
                 self.g_store = self.flat.materialize(params=False, grads=True)
             else:
                 self.g_store = self.flat.backend.xp.zeros(self.gradient_elements, dtype=self.flat.dtype)
-            self.ledger.hold("gradients", self.g_store.nbytes)
+            self.ledger.hold("gradients", self.g_store)
 
     def make_optimizer(self):
         """The optimizer over this rank's OS blocks, made at the first update (or a checkpoint's load)."""
         if self.optimizer is None:
             self.make_gradients()
             self.optimizer = self.optimizer_factory()
-            self.ledger.hold("optimizer_state", self.optimizer.state_bytes)
-            self.ledger.hold("workspace", self.optimizer.workspace_bytes)
+            self.ledger.hold("optimizer_state", *self.optimizer.state_buffers())
+            self.ledger.hold("workspace", *self.optimizer.workspace_buffers())
         return self.optimizer
 
     def gradient_pieces(self, offset: int) -> list[Piece]:

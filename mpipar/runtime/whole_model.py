@@ -54,7 +54,7 @@ class WholeModel:
         weights = held if held is not None and out is None else out
         if weights is None:
             weights = self.pool.take(flat.size, self.dtype, flat.backend.xp)
-            self.ledger.hold("parameters", weights.nbytes)
+            self.ledger.hold("parameters", weights)
         elif held is not None and weights is not held:
             weights[:] = held
         if s in self.shared and held is None:
@@ -81,7 +81,7 @@ class WholeModel:
             x = stage.forward(x, ctx)
             if not owned:
                 self.items.let_go(s, weights)
-                self.ledger.free("parameters", weights.nbytes)
+                self.ledger.free("parameters", weights)
                 self.pool.give(weights)
         return x
 
