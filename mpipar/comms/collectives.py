@@ -73,7 +73,7 @@ def _layout(comm: Comm, algorithm: str, operation: str) -> list[list[int]]:
 def _post(comm: Comm, step: Step, send_blocks, recv_blocks, stamp: Stamp):
     requests, peers = [], []
     for transfer, buf in zip(step.recvs, recv_blocks):
-        requests.append(comm.irecv(buf, transfer.peer, stamp.tag))
+        requests.append(comm.irecv(buf, transfer.peer, stamp.tag, stamp.phase))
         peers.append(transfer.peer)
     for transfer in step.sends:
         requests.append(comm.isend(send_blocks[transfer.block], transfer.peer, stamp.tag, stamp.phase))
@@ -322,7 +322,7 @@ def _reduce_scatter_then_send(comm: Comm, reduce_scatter: Steps, mine: Array, re
         if not array_module(mine).shares_memory(blocks[root], mine):
             blocks[root][...] = mine
         others = [k for k in range(comm.size) if k != root]
-        yield [comm.irecv(blocks[k], k, stamp.tag) for k in others], others
+        yield [comm.irecv(blocks[k], k, stamp.tag, stamp.phase) for k in others], others
     else:
         yield [comm.isend(mine, root, stamp.tag, stamp.phase)], [root]
 
@@ -359,7 +359,7 @@ def _scatter_then_gather(comm: Comm, buf: Array, root: int, steps: list[Step], s
         others = [k for k in range(comm.size) if k != root]
         yield [comm.isend(blocks[k], k, stamp.tag, stamp.phase) for k in others], others
     else:
-        yield [comm.irecv(blocks[comm.rank], root, stamp.tag)], [root]
+        yield [comm.irecv(blocks[comm.rank], root, stamp.tag, stamp.phase)], [root]
     yield from _gather(comm, steps, blocks, stamp)
 
 

@@ -98,11 +98,12 @@ class Comm:
         on_wire = wire.outgoing(buf, self.traffic, phase)
         return wire.track(self.mpi.Isend(on_wire, dest=dest, tag=tag), buf, on_wire, self.traffic, lands=False)
 
-    def irecv(self, buf, source: int, tag: int) -> MPI.Request:
-        """Post a receive into `buf`, counted (as a whole buffer) under the current phase."""
-        self.traffic.record_receive(buf.nbytes)
+    def irecv(self, buf, source: int, tag: int, phase: str | None = None) -> MPI.Request:
+        """Post a receive into `buf`, counted (as a whole buffer) under `phase` (default: the current one)."""
+        self.traffic.record_receive(buf.nbytes, phase)
         on_wire = wire.incoming(buf, self.traffic)
-        return wire.track(self.mpi.Irecv(on_wire, source=source, tag=tag), buf, on_wire, self.traffic, lands=True)
+        return wire.track(self.mpi.Irecv(on_wire, source=source, tag=tag), buf, on_wire, self.traffic, lands=True,
+                          phase=phase)
 
     def next_sequence(self) -> int:
         """Number the next collective; every rank calls collectives in the same order."""

@@ -71,8 +71,8 @@ class Traffic:
             counts.intra_bytes += nbytes
             counts.intra_messages += 1
 
-    def record_receive(self, nbytes: int) -> None:
-        counts = self.by_phase[self.current]
+    def record_receive(self, nbytes: int, phase: str | None = None) -> None:
+        counts = self.by_phase[self.current if phase is None else phase]
         counts.received_bytes += nbytes
         counts.received_messages += 1
 

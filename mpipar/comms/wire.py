@@ -40,7 +40,8 @@ class _PinnedPool:
 
     def __init__(self) -> None:
         self.free: dict[tuple[int, np.dtype], list[np.ndarray]] = defaultdict(list)
-        self.in_flight: list[tuple[MPI.Request, np.ndarray, Array | None]] = []  # (request, pinned, lands in)
+        # (request, pinned buffer, the array it lands in or None, Traffic and phase to count the landing in)
+        self.in_flight: list[tuple[MPI.Request, np.ndarray, Array | None, Traffic, str]] = []
         self.allocated_bytes = 0
 
     def take(self, array: Array) -> np.ndarray:
@@ -91,11 +92,14 @@ def incoming(array: Array, traffic: Traffic, own_part: slice | None = None):
     return pinned
 
 
-def track(request: MPI.Request, array: Array | None, wire_buffer, traffic: Traffic, lands: bool) -> MPI.Request:
+def track(request: MPI.Request, array: Array | None, wire_buffer, traffic: Traffic, lands: bool,
+          phase: str | None = None) -> MPI.Request:
     """Remember a posted request's pinned buffer until it completes (and, where `lands`, copy it
-    into `array` then); a direct buffer needs nothing. Returns `request`."""
+    into `array` then, counted under `phase`: the message's, default the current one); a direct
+    buffer needs nothing. Returns `request`."""
     if wire_buffer is not array and not on_host(array):
-        _POOL.in_flight.append((request, wire_buffer, array if lands else None, traffic))
+        _POOL.in_flight.append((request, wire_buffer, array if lands else None, traffic,
+                                traffic.current if phase is None else phase))
     return request
 
 
@@ -105,13 +109,14 @@ def land_arrivals() -> None:
     if not _POOL.in_flight:
         return
     kept = []
-    for request, pinned, target, traffic in _POOL.in_flight:
+    for posted in _POOL.in_flight:
+        request, pinned, target, traffic, phase = posted
         if request:  # still in flight: MPI nulls a request object in place when it completes
-            kept.append((request, pinned, target, traffic))
+            kept.append(posted)
             continue
         if target is not None:
             parts_for(array_module(target)).copy_to_device(pinned, target)
-            traffic.record_pcie(to_device=target.nbytes)
+            traffic.record_pcie(to_device=target.nbytes, phase=phase)
         _POOL.give(pinned)
     _POOL.in_flight = kept
 

@@ -45,6 +45,9 @@ class Crossings:
     to_device_copies: int = 0
     to_device_bytes: int = 0
     syncs: int = 0  # reads of values the host needs now (read_scalars): each one a synchronisation
+    sync_bytes: int = 0
+    wire_to_host_bytes: int = 0  # of the above, the copies the wire made for MPI (twin.copy_to_host)
+    wire_to_device_bytes: int = 0  # (twin.copy_to_device)
 
     def reset(self) -> None:
         for field in fields(self):
@@ -52,6 +55,12 @@ class Crossings:
 
     def snapshot(self) -> "Crossings":
         return Crossings(**{field.name: getattr(self, field.name) for field in fields(self)})
+
+    def __sub__(self, other: "Crossings") -> "Crossings":
+        return Crossings(**{field.name: getattr(self, field.name) - getattr(other, field.name) for field in fields(self)})
+
+    def __add__(self, other: "Crossings") -> "Crossings":
+        return Crossings(**{field.name: getattr(self, field.name) + getattr(other, field.name) for field in fields(self)})
 
 
 CROSSINGS = Crossings()
@@ -210,6 +219,7 @@ def _wrap(value):
 def read_scalars(array: StandInArray) -> np.ndarray:
     """The values of a small device array on the host: the one approved read, counted as a sync."""
     CROSSINGS.syncs += 1
+    CROSSINGS.sync_bytes += array.nbytes
     return array.get()
 
 

@@ -13,7 +13,7 @@ import tracemalloc
 
 import numpy as np
 
-from mpipar.gpu.standin import StandInArray, read_scalars
+from mpipar.gpu.standin import CROSSINGS, StandInArray, read_scalars
 
 
 def _sgd(g, lr, p):
@@ -53,10 +53,12 @@ def empty_pinned(size: int, dtype) -> np.ndarray:
 
 
 def copy_to_host(array: StandInArray, host: np.ndarray) -> None:
+    CROSSINGS.wire_to_host_bytes += array.nbytes
     array.get(out=host)
 
 
 def copy_to_device(host: np.ndarray, array: StandInArray) -> None:
+    CROSSINGS.wire_to_device_bytes += host.nbytes
     array.set(host)
 
 

@@ -43,11 +43,15 @@ def _splitmix64(z):
 
 
 def uniform_hash(xp, seed: int, layer_index: int, step: int, sample_ids, per_sample: int):
-    """u[i, e] in [0, 1) for sample sample_ids[i] and element e < per_sample."""
+    """u[i, e] in [0, 1) for sample sample_ids[i] and element e < per_sample (`sample_ids`: an
+    array of positions in the global batch, or a range of them)."""
     stream = 0
     for word in (seed, layer_index, step):  # fold the three scalars into one stream key
         stream = _splitmix64((stream + int(_GOLDEN) + word) % 2**64)
-    samples = xp.asarray(sample_ids, dtype=xp.uint64)[:, None]
+    if isinstance(sample_ids, range):  # a micro-batch's positions: made where the arrays live, nothing copied
+        samples = xp.arange(sample_ids.start, sample_ids.stop, dtype=xp.uint64)[:, None]
+    else:
+        samples = xp.asarray(sample_ids, dtype=xp.uint64)[:, None]
     elements = xp.arange(per_sample, dtype=xp.uint64)[None, :]
     counters = samples * np.uint64(per_sample) + elements + np.uint64(stream)
     return (_splitmix64(counters) >> np.uint64(11)).astype(xp.float64) * (1.0 / 2**53)

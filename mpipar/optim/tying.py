@@ -44,8 +44,9 @@ def tied_copies(stages) -> list[tuple[int, int, int]]:
 class TiedGradients:
     """Sums the gradients of each tied pair across ranks and gives both copies the sum."""
 
-    def __init__(self, pairs: list[tuple[int, int, int]], counted_comm, comm) -> None:
-        self.pairs, self.counted_comm, self.comm = pairs, counted_comm, comm
+    def __init__(self, pairs: list[tuple[int, int, int]], counted_comm, comm, algorithm: str = "mpi") -> None:
+        """`algorithm`: the collective that sums (the run's --collective)."""
+        self.pairs, self.counted_comm, self.comm, self.algorithm = pairs, counted_comm, comm, algorithm
         self.counted: list[tuple[int, int]] | None = None
 
     def copies(self) -> list[tuple[int, int]]:
@@ -65,7 +66,7 @@ class TiedGradients:
                     if low < high:
                         piece = piece_holding(pieces, low, high)
                         total[low - base:high - base] += piece.array[low - piece.start:high - piece.start]
-            sum_across_ranks(self.counted_comm, total)
+            sum_across_ranks(self.counted_comm, total, self.algorithm)
             for piece in pieces:
                 for base in (first, copy):
                     low, high = max(piece.start, base), min(piece.stop, base + size)

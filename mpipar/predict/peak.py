@@ -334,7 +334,7 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
             if recompute_spans is not None:  # as the executor keeps it (the first and last stages load targets)
                 holder.save(("input", (first, stop)), x, targets if last or stage.index == 0 else None)
             cache = ActivationCache()  # what the span stashes (rebuilt, under recomputation)
-            ctx = cache.context(stage.index, 0, sample_ids=np.arange(len(inputs)), seed=seed)
+            ctx = cache.context(stage.index, 0, sample_ids=range(len(inputs)), seed=seed)
             # its backward pops the kept input before it reruns: the rebuild adds what lies beyond it
             popped = x.nbytes if recompute_spans is not None else 0
             x, output, temporary = _forward_zeros(stage, first, stop, x, ctx)

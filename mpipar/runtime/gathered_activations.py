@@ -27,8 +27,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from mpipar.backend import array_module
 
 from mpipar.comms.collectives import iall_gather

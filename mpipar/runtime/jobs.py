@@ -98,7 +98,7 @@ class JobRunner:
             x = inputs if s == 0 else self.items.get(Item(ItemKind.INPUT, s, g))
             first = self.replica * (self.batch_size // self.plan.mesh.replicas) + i * self.micro_size
             ctx = self.cache.context(s, g, step=step, seed=self.seed,
-                                     sample_ids=np.arange(first, first + self.micro_size))
+                                     sample_ids=range(first, first + self.micro_size))
         else:
             (x, targets), ctx, self.flowing = self.flowing, self.cache.contexts[(s, g)], (None, None)
         stash, y = ctx, x

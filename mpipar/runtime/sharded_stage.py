@@ -57,7 +57,7 @@ class ShardedStage:
         """`gathered_layers`: layers (Linear, each its own unit) whose gradient is summed by
         all-gathering its rows instead of reducing it (--ddp allgather-activations)."""
         self.world, self.sharding, self.collective = comm, sharding, collective
-        self.flat = flat = stage.flat
+        self.flat = stage.flat
         if sharding.nested or sharding.secondary:  # ZeRO++'s backward gathers in the group
             self.intra, self.inter = comm.hierarchy()
         else:  # one global ring: groups only say which messages count as inter-group

@@ -80,7 +80,7 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
             inputs, targets = train_set.for_epoch(epoch, config.training.seed).batch(indices)
             inputs = backend.inputs(inputs)  # as the Trainer feeds them: a torch stage refuses mixed dtypes
             contexts = [cache.context(s, i, step=step, seed=config.training.seed,
-                                      sample_ids=np.arange(i * size, (i + 1) * size)) for s in range(count)]
+                                      sample_ids=range(i * size, (i + 1) * size)) for s in range(count)]
             x = inputs
             for stage, ctx in zip(stages, contexts):
                 x = stage.forward(x, ctx)

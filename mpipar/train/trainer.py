@@ -148,7 +148,7 @@ class Trainer:
         self.evaluation_seconds = 0.0  # of the whole run: what --eval-every and --eval-batches cost
         self.said_evaluation_cap = False  # rank 0 says once that --eval-batches asks for more than the split has
         pairs = tied_copies(self.stages)
-        self.tied = TiedGradients(pairs, self.counted, self.comm) if pairs else None
+        self.tied = TiedGradients(pairs, self.counted, self.comm, cfg.parallel.collective) if pairs else None
         self.loss_scaler = LossScaler() if cfg.model.precision == Precision.FP16 else None
         self.clipper = (GradientClipper(optim.grad_clip or math.inf, self.comm, self.tied.copies() if self.tied else [])
                         if optim.grad_clip or self.loss_scaler else None)

@@ -53,7 +53,6 @@ from mpi4py import MPI
 
 from mpipar.backend import to_host
 from mpipar.data import GlobalBatchSampler, load_dataset
-from mpipar.errors import ConfigError
 from mpipar.train.config import TrainConfig
 from mpipar.train.trainer import Trainer
 
@@ -118,14 +117,61 @@ def optimizers_on_gpu_equal_cpu_bit_for_bit() -> str:
     return f"FAILED: differ in {different}" if different else "ok, 16 cases, every bit equal"
 
 
-def refused_on_gpu(options: dict):
-    def run() -> str:
-        try:
-            trained(**options, device="gpu")
-        except ConfigError as error:
-            return f"{'ok' if 'on a GPU' in str(error) else 'FAILED'}, refused: {error}"
-        return "FAILED: it ran"
-    return run
+def every_scheme_gpu_equals_cpu() -> str:
+    """device_cases.py's cases for this world size on the GPU against the CPU (float64, 3 steps):
+    parameters within rtol 1e-10, atol 1e-12; host synchronisations (mpipar.gpu.cuda.read_values)
+    at most 3 a step; on the staged wire, the bytes copied over PCIe for messages equal the bytes
+    the messages carried (routed collectives), and none on a CUDA-aware one."""
+    from device_cases import CASES, ROUTED, STEPS, step_traffic, trained
+
+    from mpipar.comms.device import Wire, device_wire
+    from mpipar.gpu import gpu_array_module, parts_for
+
+    gpu = parts_for(gpu_array_module())  # mpipar.gpu.cuda (or, with MPIPAR_GPU=standin, its twin)
+    staged = device_wire().wire is Wire.STAGED
+    reads, original = [0], gpu.read_values
+
+    def counted(array):
+        reads[0] += 1
+        return original(array)
+
+    gpu.read_values = counted
+    failures, worst = [], 0.0
+    try:
+        for name, options in CASES.get(world.size, []):
+            expected = trained(options, "cpu").engine.whole_model.full_parameters()
+            reads[0] = 0
+            trainer = trained(options, "gpu")
+            steps_reads = reads[0] - 1  # the evaluation's one read
+            got = trainer.engine.whole_model.full_parameters()
+            worst = max(worst, float(np.abs(got - expected).max()))
+            if not np.allclose(got, expected, rtol=1e-10, atol=1e-12):
+                failures.append(f"{name}: differs by {np.abs(got - expected).max():.2e}")
+            if steps_reads > 3 * STEPS:
+                failures.append(f"{name}: {steps_reads} host reads in {STEPS} steps")
+            sent, received, _, to_host, to_device = step_traffic(trainer)
+            if options["collective"] in ROUTED and (to_host, to_device) != ((sent, received) if staged else (0, 0)):
+                failures.append(f"{name}: {to_host} bytes to the host and {to_device} back over PCIe for "
+                                f"{sent} sent and {received} received")
+    finally:
+        gpu.read_values = original
+    cases = len(CASES.get(world.size, []))
+    return (f"FAILED: {failures}" if failures else
+            f"ok, {cases} cases, largest difference {worst:.2e}, wire {device_wire()}")
+
+
+def memory_pool_against_prediction() -> str:
+    """The transformer (width 256, 4 blocks, context 128) under zero3, float32, 3 steps with
+    --memory-profile: CuPy's pool peak against mpipar's predicted peak, within 10%."""
+    shapes = dict(seq_len=128, width=256, heads=4, blocks=4, batch_size=16 * world.size)
+    trainer = Trainer(TrainConfig.of(**{**COMMON, **TRANSFORMER, **shapes, "dtype": "float32", "device": "gpu",
+                                        "scheme": "zero3", "memory_profile": True, "collective": "ring"},
+                                     text_file=text_file()))
+    memory = trainer.run()["memory_per_rank"]
+    measured, predicted = memory["allocator_peak_bytes"][world.rank], memory["predicted_peak_bytes"][world.rank]
+    gap = measured / predicted - 1
+    return (f"{'ok' if abs(gap) <= 0.10 else 'FAILED'}: pool peak {measured / 2**20:.2f} MiB, predicted "
+            f"{predicted / 2**20:.2f} MiB ({gap:+.1%}, at most 10% either way)")
 
 
 def torch_on_cuda_equals_torch_alone(example: str) -> str:
@@ -254,38 +300,31 @@ def device_messages() -> str:
 
     from mpipar.backend import to_host
     from mpipar.comms.collectives import all_reduce
-    from mpipar.comms.device import PinnedStaging, library_cuda_support
+    from mpipar.comms.device import library_cuda_support
     from mpipar.comms.topology import make_world
+    from mpipar.gpu import cuda
 
     comm = make_world()
     size = 64 * 2**20 // 4
     values = (cupy.arange(size, dtype=cupy.float32) % 1024) * (world.rank + 1)
     expected = cupy.asnumpy((cupy.arange(size, dtype=cupy.float32) % 1024) * sum(range(1, world.size + 1)))
-    staging = PinnedStaging()
+    pinned_host = cuda.empty_pinned(size, np.float32)
 
     def copies(array) -> None:
         host = to_host(array)
         all_reduce(comm, host, "mpi")
         array[...] = cupy.asarray(host)
 
-    def pinned(array) -> None:
-        host = staging.to_host(array)
-        all_reduce(comm, host, "mpi")
-        staging.to_device(host, array)
+    def wire(algorithm: str):
+        return lambda array: all_reduce(comm, array, algorithm)  # the device array: the wire stages it
 
-    def device_memory(array) -> None:
-        cupy.cuda.get_current_stream().synchronize()
-        all_reduce(comm, array, "mpi")  # the device array itself, as sum_across_ranks gives it
-
-    paths = {"fresh copies": copies, "pinned staging": pinned}
+    paths = {"fresh copies": copies, "the wire, library all-reduce": wire("mpi"),
+             "the wire, mpipar's ring (adds on the device)": wire("ring")}
     aware = library_cuda_support()
-    if aware:
-        paths["device memory (CUDA-aware)"] = device_memory
     host = cupy.asnumpy(values)
-    pinned_host = staging.to_host(values)  # the pinned buffer itself, filled once
     pieces = {"copy out, pageable": lambda array: array.get(),
-              "copy out, pinned": staging.to_host,
-              "copy in, pinned": lambda array: staging.to_device(pinned_host, array),
+              "copy out, pinned": lambda array: cuda.copy_to_host(array, pinned_host),
+              "copy in, pinned": lambda array: cuda.copy_to_device(pinned_host, array),
               "host sum, mpipar mpi": lambda array: all_reduce(comm, host, "mpi"),
               "host sum, blocking Allreduce": lambda array: world.Allreduce(MPI.IN_PLACE, host),
               "host sum, Iallreduce + MPI Wait": lambda array: world.Iallreduce(MPI.IN_PLACE, host).Wait(),
@@ -329,36 +368,50 @@ def transformer_speed_on_cuda(precision: str = "fp32") -> str:
                                         "log_every": 10**6, "max_steps": 10**6, "precision": precision},
                                      text_file=text_file()))
     train_set = trainer.train_set
-    model = GPT(train_set.num_classes, shapes["seq_len"], shapes["width"], shapes["heads"], shapes["blocks"]).cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     sampler = GlobalBatchSampler(len(train_set), shapes["batch_size"], 0)
-    position = {"torch": 0}  # torch's steps so far (mpipar_steps counts its own)
     steps = 10
     half = precision == "fp16"
-    scaler = torch.amp.GradScaler("cuda", enabled=half)
 
-    def torch_steps() -> None:
-        for _ in range(steps):
-            epoch, within = divmod(position["torch"], sampler.steps_per_epoch)
-            inputs, targets = train_set.for_epoch(epoch, 0).batch(sampler.global_batch_indices(epoch, within))
-            with torch.autocast("cuda", dtype=torch.float16) if half else contextlib.nullcontext():
-                logits = model(torch.from_numpy(inputs).cuda())
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                       torch.from_numpy(targets).cuda().reshape(-1))
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            float(loss.detach())
-            position["torch"] += 1
-        torch.cuda.synchronize()
+    def torch_side(compiled: bool) -> Callable[[], None]:
+        torch.manual_seed(0)
+        model = GPT(train_set.num_classes, shapes["seq_len"], shapes["width"], shapes["heads"], shapes["blocks"]).cuda()
+        forward = torch.compile(model) if compiled else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+        scaler = torch.amp.GradScaler("cuda", enabled=half)
+        position = [0]
 
-    mpipar, torch_eager, ratio = side_by_side(mpipar_steps(trainer, steps), torch_steps,
-                                              steps * shapes["batch_size"] * shapes["seq_len"], 3)
+        def torch_steps() -> None:
+            for _ in range(steps):
+                epoch, within = divmod(position[0], sampler.steps_per_epoch)
+                inputs, targets = train_set.for_epoch(epoch, 0).batch(sampler.global_batch_indices(epoch, within))
+                with torch.autocast("cuda", dtype=torch.float16) if half else contextlib.nullcontext():
+                    logits = forward(torch.from_numpy(inputs).cuda())
+                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           torch.from_numpy(targets).cuda().reshape(-1))
+                optimizer.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(optimizer)
+                scaler.update()
+                float(loss.detach())
+                position[0] += 1
+            torch.cuda.synchronize()
+        return torch_steps
+
+    tokens = steps * shapes["batch_size"] * shapes["seq_len"]
+    mpipar, torch_eager, ratio = side_by_side(mpipar_steps(trainer, steps), torch_side(False), tokens, 3)
+    compiled = torch_side(True)
+    compiled()  # compiles
+    rates = []
+    for _ in range(3):
+        start = time.perf_counter()
+        compiled()
+        rates.append(tokens / (time.perf_counter() - start))
     return (f"{precision}: mpipar {mpipar:,.0f} tokens/s, torch eager{' autocast' if half else ''} "
-            f"{torch_eager:,.0f} tokens/s, mpipar / torch {ratio:.3f}")
+            f"{torch_eager:,.0f} tokens/s, mpipar / torch eager {ratio:.3f}; torch.compile "
+            f"{statistics.median(rates):,.0f} tokens/s (matmuls: torch allow_tf32="
+            f"{torch.backends.cuda.matmul.allow_tf32}, CuPy's cuBLAS default)")
 
 
 HALF = dict(TRANSFORMER, seq_len=64, width=64, heads=4, blocks=2, batch_size=32, lr=1e-3, grad_clip=1.0,
@@ -402,12 +455,14 @@ def fp16_overflow_skipped_by_every_rank() -> str:
 
 
 sys.path.insert(0, str(EXAMPLES))  # torch_mlp, the example's builders
+if sys.argv[1:] == ["schemes"]:  # the device cases alone (4 ranks: the composed and hierarchical ones)
+    case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu)
+    sys.exit(0)
 case("optimizer updates on the gpu = cpu", optimizers_on_gpu_equal_cpu_bit_for_bit)
 case("mlp ddp gpu = cpu", gpu_equals_cpu(dict(scheme="ddp")))
 case("mlp ddp sgd gpu = cpu", gpu_equals_cpu(dict(scheme="ddp", optimizer="sgd", momentum=0.9)))
-case("mlp zero3 on a gpu", refused_on_gpu(dict(scheme="zero3", micro_batches=2)))
-if world.size > 1:
-    case("mlp 1f1b on a gpu", refused_on_gpu(dict(scheme="1f1b", stages=world.size, micro_batches=4)))
+case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu)
+case("memory pool peak against the prediction", memory_pool_against_prediction)
 case("torch mlp ddp on cuda = torch alone on cuda", lambda: torch_on_cuda_equals_torch_alone("torch_mlp"))
 case("torch residual blocks ddp on cuda = torch alone on cuda",
      lambda: torch_on_cuda_equals_torch_alone("torch_residual"))

@@ -211,7 +211,7 @@ class TrainConfig:
         _check_divisible(self.training.batch_size, count, f"the {count} micro-batches (N)", count)
 
     def _refuse_what_data_parallelism_cannot_run(self, world_size: int) -> None:
-        parallel, micro_batches = self.parallel, self.training.micro_batches
+        micro_batches = self.training.micro_batches
         _check_divisible(self.training.batch_size, world_size * micro_batches,
                          f"{world_size} ranks x {micro_batches} micro-batches", micro_batches)
 

@@ -1,0 +1,132 @@
+"""The GPU path without a GPU: the stand-in device refuses the host, and every scheme runs on it.
+
+The stand-in (mpipar/gpu/standin.py) is what makes these tests of residency: its arrays
+refuse every implicit conversion to the host, MPI cannot read them unless the wire
+stages them (or the CUDA-aware mode shows MPI their memory), and every crossing is
+counted. tests/scripts/check_standin.py trains every scheme on it against the CPU.
+"""
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import SCRIPTS, run_mpi
+from mpipar.gpu import twin
+from mpipar.gpu.standin import CROSSINGS, HostConversion, StandInArray, module as xp, read_scalars
+from mpipar.optim.optimizers import SGD, Adam
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def staged(monkeypatch):
+    monkeypatch.delenv("MPIPAR_CUDA_AWARE", raising=False)
+    CROSSINGS.reset()
+
+
+@pytest.mark.parametrize("convert", [np.asarray, float, int, bool, lambda a: a.item(), lambda a: a.tolist(),
+                                     lambda a: memoryview(a), lambda a: a.__array_interface__])
+def test_every_implicit_way_to_the_host_is_refused(convert, staged):
+    device = xp.ones(1)
+    with pytest.raises((HostConversion, TypeError, AttributeError)):
+        convert(device)
+    assert CROSSINGS.to_host_bytes == 0
+
+
+def test_a_host_array_among_device_arrays_is_refused(staged):
+    with pytest.raises(HostConversion, match="host .NumPy. array of shape .3,. given with device arrays"):
+        xp.ones(3) + np.ones(3)
+    assert isinstance(xp.ones(3) + np.float64(2.0), StandInArray)  # scalars pass, as on CuPy
+
+
+def test_the_named_ways_are_counted(staged):
+    device = xp.asarray(np.arange(4.0))  # an explicit copy to the device
+    assert np.array_equal(device.get(), np.arange(4.0))
+    assert np.array_equal(read_scalars(device.sum()), 6.0)
+    assert (CROSSINGS.to_device_bytes, CROSSINGS.to_host_bytes, CROSSINGS.syncs) == (32, 32 + 8, 1)
+
+
+def test_arrays_compute_as_numpy_and_stay_on_the_device(staged):
+    a = xp.arange(6.0).reshape(2, 3)
+    for result in (a @ a.T, a.sum(axis=0), np.einsum("ij->j", a), a[1:], a.T.copy(), xp.exp(a), a.max()):
+        assert isinstance(result, StandInArray)
+    assert np.array_equal((a @ a.T).get(), np.arange(6.0).reshape(2, 3) @ np.arange(6.0).reshape(2, 3).T)
+    assert a[1:].base is a[:1].base  # one memory, one array: as CuPy's `base`
+
+
+def test_mpi_cannot_read_a_stand_in_array_unless_cuda_aware(monkeypatch):
+    monkeypatch.delenv("MPIPAR_CUDA_AWARE", raising=False)
+    sent, received = xp.arange(4.0), xp.zeros(4)
+    with pytest.raises((TypeError, BufferError)):
+        MPI.COMM_SELF.Sendrecv(sent, 0, 0, received, 0, 0)
+    monkeypatch.setenv("MPIPAR_CUDA_AWARE", "1")
+    MPI.COMM_SELF.Sendrecv(sent, 0, 0, received, 0, 0)  # the CUDA-aware mode: MPI reads the memory itself
+    assert np.array_equal(received.get(), np.arange(4.0))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_twins_updates_equal_the_cpus(momentum):
+    rng = np.random.default_rng(0)
+    p, g = rng.normal(size=70000), rng.normal(size=70000)  # more than one CPU chunk
+    for make in (lambda params, grads: SGD(params, grads, [[]], momentum=momentum),
+                 lambda params, grads: Adam(params, grads, [[(0, 70000)]], weight_decay=0.1, decoupled=True)):
+        cpu, gpu = make([p.copy()], [g.copy()]), make([xp.asarray(p)], [xp.asarray(g)])
+        for _ in range(3):
+            cpu.step(0.01)
+            gpu.step(0.01)
+        assert np.allclose(gpu.params[0].get(), cpu.params[0], rtol=1e-14, atol=0)
+
+
+def test_the_twin_has_every_name_of_the_cuda_module():
+    tree = ast.parse((ROOT / "mpipar" / "gpu" / "cuda.py").read_text())
+    public = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+              and not node.name.startswith("_")}
+    assert public - set(dir(twin)) == set()
+
+
+# The runtime and the wire take their buffers from the run's array module: a bare NumPy
+# allocation or a branch on NumPy there would send a device array down a host path.
+FORBIDDEN = re.compile(r"np\.(empty|zeros|ones|full|empty_like|zeros_like|ascontiguousarray|asarray|array)\("
+                       r"|xp is np|isinstance\([^)]*np\.ndarray")
+HOST_ONLY = {  # (file, text of the line): why it is host memory by design
+    ("runtime/executor.py", "self.totals, self.losses_computed = None, np.zeros(0, dtype=int)  # set by each run"):
+        "a count of micro-batches per step, read by the host",
+    ("runtime/executor.py", "self.losses_computed = np.zeros(steps, dtype=int)  # per step: micro-batches whose "
+                            "loss is in totals"): "the same count",
+    ("comms/liveness.py", "self._question = np.zeros(1, dtype=np.int64)"): "the side channel's own host messages",
+    ("comms/liveness.py", "number = np.array([self._asked], dtype=np.int64)"): "the same",
+    ("comms/liveness.py", "replies = {rank: np.zeros(1, dtype=np.int64) for rank in others}"): "the same",
+    ("comms/timing.py", "self.full = np.zeros(count, dtype=dtype)  # the buffer, or the full input / output"):
+        "mpipar bench comms times host buffers",
+    ("comms/timing.py", "self.part = np.zeros(self.mine.stop - self.mine.start, dtype=dtype)"): "the same",
+    ("comms/timing.py", "self.part = np.zeros(count, dtype=dtype)"): "the same",
+    ("comms/timing.py", "times = np.empty(reps)"): "the same: timings",
+}
+
+
+def test_the_runtime_allocates_through_the_array_module():
+    found = set()
+    for folder in ("runtime", "comms"):
+        for path in sorted((ROOT / "mpipar" / folder).glob("*.py")):
+            for line in path.read_text().splitlines():
+                if FORBIDDEN.search(line) and not line.strip().startswith(("#", '"')):
+                    found.add((f"{folder}/{path.name}", line.strip()))
+    unexplained = found - set(HOST_ONLY)
+    assert not unexplained, "host allocations or NumPy branches in the runtime:\n  " + "\n  ".join(
+        f"{file}: {line}" for file, line in sorted(unexplained))
+    assert not set(HOST_ONLY) - found, f"allow-list rows that no longer exist: {set(HOST_ONLY) - found}"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("wire", ["staged", "cuda-aware"])
+def test_every_scheme_runs_on_the_stand_in_device(ranks, wire):
+    environment = {"MPIPAR_GPU": "standin", "MPIPAR_CUDA_AWARE": "1" if wire == "cuda-aware" else "0"}
+    result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_standin.py"), *([wire] if wire != "staged" else []),
+                     timeout=600, env_extra=environment)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "stand-in device cases equal the CPU" in result.stdout
