@@ -455,8 +455,15 @@ def fp16_overflow_skipped_by_every_rank() -> str:
 
 
 sys.path.insert(0, str(EXAMPLES))  # torch_mlp, the example's builders
-if sys.argv[1:] == ["schemes"]:  # the device cases alone (4 ranks: the composed and hierarchical ones)
-    case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu)
+PARTS = {  # `check_gpu.py PART` runs one part alone (a device's minutes are few)
+    "schemes": lambda: case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu),
+    "memory": lambda: case("memory pool peak against the prediction", memory_pool_against_prediction),
+    "speed": lambda: (case("transformer at the gpu recipe's shapes, speed on cuda", transformer_speed_on_cuda),
+                      case("transformer at the gpu recipe's shapes in fp16, speed on cuda",
+                           lambda: transformer_speed_on_cuda("fp16"))),
+}
+if sys.argv[1:]:
+    PARTS[sys.argv[1]]()
     sys.exit(0)
 case("optimizer updates on the gpu = cpu", optimizers_on_gpu_equal_cpu_bit_for_bit)
 case("mlp ddp gpu = cpu", gpu_equals_cpu(dict(scheme="ddp")))
