@@ -18,3 +18,10 @@ def test_algorithms_agree_with_mpi(ranks):
     result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_collectives.py"), "240", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"all collectives agree on {ranks} rank(s)" in result.stdout
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_dtype_the_library_lacks_travels_as_bytes_and_sums_in_mpipar(ranks):
+    result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_untyped_dtype.py"), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"every collective right on {ranks} ranks" in result.stdout

@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from mpipar.backend import Array, array_module, data_pointer, on_host
 from mpipar.comms import wire
-from mpipar.comms.comm import Comm
+from mpipar.comms.comm import Comm, as_message, library_has_type
 from mpipar.comms.handle import LIBRARY, Handle, Steps
 from mpipar.comms.routes import Step, all_gather_steps, block_offsets, reduce_scatter_steps
 from mpipar.comms.tags import collective_tag
@@ -57,6 +57,12 @@ def _check_buffers(operation: str, *buffers) -> None:
 def _check_root(comm: Comm, root: int, operation: str) -> None:
     if not 0 <= root < comm.size:
         raise ValueError(f"{operation}: root {root} is not a rank of this communicator of {comm.size}")
+
+
+def _summing(algorithm: str, dtype) -> str:
+    """The algorithm that sums `dtype`: the one asked for, or mpipar's ring where the library's
+    collective was asked for and the library has no type for it (float16 on Open MPI 4)."""
+    return "ring" if algorithm == "mpi" and not library_has_type(dtype) else algorithm
 
 
 def _layout(comm: Comm, algorithm: str, operation: str) -> list[list[int]]:
@@ -134,6 +140,7 @@ def _all_reduce(comm: Comm, buf: Array, algorithm: str) -> Steps:
     # advance concurrent ones in different orders.
     _check_buffers("all-reduce", buf)
     layout = _layout(comm, algorithm, "all-reduce")
+    algorithm = _summing(algorithm, buf.dtype)
     if comm.size == 1:
         return iter(())
     if algorithm == "mpi":
@@ -188,6 +195,7 @@ def _reduce_scatter(comm: Comm, send: Array, recv: Array, algorithm: str,
                     send_is_scratch: bool = False) -> Steps:
     _check_buffers("reduce-scatter", send, recv)
     layout = _layout(comm, algorithm, "reduce-scatter")
+    algorithm = _summing(algorithm, send.dtype)
     offsets = block_offsets(send.size, comm.size)
     mine = slice(offsets[comm.rank], offsets[comm.rank + 1])
     if recv.size != mine.stop - mine.start:
@@ -257,13 +265,16 @@ def _all_gather(comm: Comm, send: Array, recv: Array, algorithm: str) -> Steps:
     if in_place and data_pointer(send) != data_pointer(blocks[comm.rank]):
         raise ValueError(f"all-gather: a send buffer inside the output must be rank {comm.rank}'s own block of it")
     if algorithm == "mpi" and comm.size > 1:
-        counts = np.diff(offsets).tolist()
-        displacements = offsets[:-1]
+        # counted in bytes where the library has no type for the elements (as_message)
+        unit = 1 if library_has_type(recv.dtype) else recv.dtype.itemsize
+        counts = (np.diff(offsets) * unit).tolist()
+        displacements = (np.asarray(offsets[:-1]) * unit).tolist()
+        datatype = () if unit == 1 else (MPI.BYTE,)
         if in_place:
-            return _library(comm, lambda r: comm.mpi.Iallgatherv(MPI.IN_PLACE, [r, (counts, displacements)]),
+            return _library(comm, lambda r: comm.mpi.Iallgatherv(MPI.IN_PLACE, [r, (counts, displacements), *datatype]),
                             send.nbytes, writes=[recv], own_part=slice(offsets[comm.rank], offsets[comm.rank + 1]))
-        return _library(comm, lambda s, r: comm.mpi.Iallgatherv(s, [r, (counts, displacements)]), send.nbytes,
-                        reads=[send], writes=[recv])
+        return _library(comm, lambda s, r: comm.mpi.Iallgatherv(as_message(s), [r, (counts, displacements), *datatype]),
+                        send.nbytes, reads=[send], writes=[recv])
     if not in_place:
         blocks[comm.rank][...] = send
     if comm.size == 1:
@@ -295,6 +306,7 @@ def _reduce_to_root(comm: Comm, send: Array, recv: Array | None, root: int, algo
         raise ValueError("reduce: the root may reduce into its input only when it is the very same buffer, "
                          "given as scratch (send_is_scratch=True)")
     _layout(comm, algorithm, "reduce")
+    algorithm = _summing(algorithm, send.dtype)
     if comm.size == 1:
         recv[...] = send
         return iter(())
@@ -348,7 +360,7 @@ def _broadcast(comm: Comm, buf: Array, root: int, algorithm: str) -> Steps:
     if comm.size == 1:
         return iter(())
     if algorithm == "mpi":
-        return _library(comm, lambda b: comm.mpi.Ibcast(b, root=root), buf.nbytes, writes=[buf],
+        return _library(comm, lambda b: comm.mpi.Ibcast(as_message(b), root=root), buf.nbytes, writes=[buf],
                         own_part=slice(0, buf.size) if comm.rank == root else None)
     return _scatter_then_gather(comm, buf, root, all_gather_steps(algorithm, layout, comm.rank), _tag(comm))
 

@@ -14,6 +14,7 @@ Exercised by: python -m pytest tests/test_comm.py
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import numpy as np
@@ -24,6 +25,26 @@ from mpipar.comms import wire
 from mpipar.comms.tags import LARGEST_TAG
 from mpipar.comms.traffic import Traffic
 from mpipar.errors import ConfigError
+
+
+@functools.cache
+def _library_has(code: str) -> bool:
+    try:
+        datatype = MPI.Datatype.fromcode(code)
+    except (KeyError, ValueError):
+        return False
+    return datatype != MPI.DATATYPE_NULL
+
+
+def library_has_type(dtype) -> bool:
+    """Whether the MPI library has a datatype for `dtype` (Open MPI 4 has none for float16:
+    its messages then travel as bytes, and its sums are mpipar's own, collectives.py)."""
+    return _library_has(np.dtype(dtype).char)
+
+
+def as_message(buf):
+    """`buf` as mpi4py should read it: itself, or its bytes where the library has no type for it."""
+    return buf if library_has_type(buf.dtype) else [buf, MPI.BYTE]
 
 
 class ScratchPool:
@@ -96,14 +117,15 @@ class Comm:
         """Post a send, counted under `phase` (default: the current one)."""
         self.traffic.record_send(buf.nbytes, self.is_inter(dest), phase)
         on_wire = wire.outgoing(buf, self.traffic, phase)
-        return wire.track(self.mpi.Isend(on_wire, dest=dest, tag=tag), buf, on_wire, self.traffic, lands=False)
+        return wire.track(self.mpi.Isend(as_message(on_wire), dest=dest, tag=tag), buf, on_wire, self.traffic,
+                          lands=False)
 
     def irecv(self, buf, source: int, tag: int, phase: str | None = None) -> MPI.Request:
         """Post a receive into `buf`, counted (as a whole buffer) under `phase` (default: the current one)."""
         self.traffic.record_receive(buf.nbytes, phase)
         on_wire = wire.incoming(buf, self.traffic)
-        return wire.track(self.mpi.Irecv(on_wire, source=source, tag=tag), buf, on_wire, self.traffic, lands=True,
-                          phase=phase)
+        return wire.track(self.mpi.Irecv(as_message(on_wire), source=source, tag=tag), buf, on_wire, self.traffic,
+                          lands=True, phase=phase)
 
     def next_sequence(self) -> int:
         """Number the next collective; every rank calls collectives in the same order."""
