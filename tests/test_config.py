@@ -75,12 +75,22 @@ def test_validation_errors(overrides, message):
         TrainConfig.of(**overrides).validate(world_size=1)
 
 
-@pytest.mark.parametrize("overrides", [dict(scheme="zero2", ddp="naive"), dict(stages=2, scheme="1f1b")])
-def test_gpu_refuses_schemes_that_send_host_buffers(monkeypatch, overrides):
-    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))  # CuPy "installed"
-    with pytest.raises(ConfigError, match="on a GPU use --scheme ddp --ddp naive"):
-        TrainConfig.of(device="gpu", **overrides).validate(world_size=2)
-    TrainConfig.of(device="gpu").validate(world_size=2)  # ddp defaults to naive on a GPU
+GPU_SCHEMES = [  # (world size, options): what the GPU issue asks every device to run
+    *[(2, dict(scheme=scheme)) for scheme in ("ddp", "zero1", "zero2", "zero3", "mics", "zeropp")],
+    *[(4, dict(scheme=scheme, group_size=2)) for scheme in ("paro-nig", "paro-iig", "paro-igg")],
+    (2, dict(scheme="ddp", ddp="overlap")), (2, dict(scheme="ddp", ddp="allgather-activations")),
+    *[(2, dict(scheme=scheme, stages=2, micro_batches=4)) for scheme in ("gpipe", "1f1b", "zb1")],
+    *[(2, dict(scheme=scheme, stages=4, micro_batches=4)) for scheme in ("lpp", "fslpp")],
+    (4, dict(scheme="1f1b", stages=2, shard="zero3", micro_batches=2)),
+    (2, dict(scheme="cdp-v1", micro_batches=2)), (2, dict(scheme="cdp-v2", micro_batches=2)),
+    (2, dict(scheme="zero3", recompute="every-2")), (2, dict(scheme="1f1b", stages=2, recompute="stage")),
+]
+
+
+@pytest.mark.parametrize("world_size, options", GPU_SCHEMES)
+def test_every_scheme_validates_on_a_gpu(monkeypatch, world_size, options):
+    monkeypatch.setenv("MPIPAR_GPU", "standin")  # the tests' device: no CuPy needed
+    TrainConfig.of(device="gpu", **options).validate(world_size=world_size)
 
 
 def test_gpu_without_cupy_says_so_before_anything_else(monkeypatch):
@@ -107,7 +117,8 @@ def test_automatic_micro_batches_fit_the_launch():
     (dict(scheme="zeropp"), "overlap"),
     (dict(scheme="1f1b", stages=2, shard="zero3"), "overlap"),
     (dict(scheme="zero3", ddp="bucketed"), "bucketed"),  # a given value is kept
-    (dict(device="gpu"), "naive"),
+    (dict(device="gpu"), "bucketed"),  # the same as on the CPU
+    (dict(device="gpu", scheme="zero3"), "overlap"),
 ])
 def test_automatic_units_keep_a_sharded_scheme_s_transient_to_one_layer(options, units):
     assert TrainConfig.of(**options).for_world(4).parallel.ddp == units

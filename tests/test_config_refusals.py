@@ -26,6 +26,7 @@ OUTSIDE_THE_CONFIG = {
     "comms/topology.py": "check_group_size, called by the parallelism group; and nodes of unequal sizes (the launch)",
     "comms/handle.py": "comm_timeout_seconds and $MPIPAR_COMM_TIMEOUT, called by the config",
     "comms/device.py": "$MPIPAR_CUDA_AWARE, checked by check_environment",
+    "gpu/__init__.py": "$MPIPAR_GPU, checked by check_environment",
     "report/progress.py": "$MPIPAR_PROGRESS, checked by check_environment",
     # Need the loaded model, its parameters or the data.
     "train/trainer.py": "the built model's state against the node's memory; --memory-limit against the predicted "

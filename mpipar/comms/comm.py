@@ -6,7 +6,8 @@ inter-group in the shared Traffic. Sub-communicators made from it (`split`,
 `subset`, `intra`, `inter`) share that Traffic and map their ranks' groups.
 
 Point to point: `isend` / `irecv` post non-blocking messages and return the MPI
-request; a device array goes on the wire directly or through pinned memory (wire.py); mpi4py keeps the buffer referenced by the request until it completes,
+request; a device array goes on the wire directly or through pinned memory (wire.py);
+mpi4py keeps the buffer referenced by the request until it completes,
 and callers keep received buffers until they have read them.
 
 Exercised by: python -m pytest tests/test_comm.py

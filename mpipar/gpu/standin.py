@@ -57,10 +57,10 @@ class Crossings:
         return Crossings(**{field.name: getattr(self, field.name) for field in fields(self)})
 
     def __sub__(self, other: "Crossings") -> "Crossings":
-        return Crossings(**{field.name: getattr(self, field.name) - getattr(other, field.name) for field in fields(self)})
+        return Crossings(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
     def __add__(self, other: "Crossings") -> "Crossings":
-        return Crossings(**{field.name: getattr(self, field.name) + getattr(other, field.name) for field in fields(self)})
+        return Crossings(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
 CROSSINGS = Crossings()

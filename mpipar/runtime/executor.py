@@ -19,8 +19,8 @@ instructions of schedule/instructions.py, and it runs them, one handler each:
                      post a unit's all-gather, keep ZeRO++'s secondary copy of it, free it, post
                      its gradient's reduction, publish P
 
-Pipelines run a step at a time: `run_step` (all before the updates), `finish_gradients`,
-`step(lr)` once the summed loss is finite; CDP runs many overlapping steps with `run_steps`.
+Pipelines run a step at a time: `run_step` (all before the updates), `finish_gradients`, `step(lr)`
+once the summed loss is finite; CDP runs overlapping steps with `run_steps`, reading each loss once.
 Its parts are each handed what they read: `items`, `jobs`, `shared` and `whole_model`.
 
 Exercised by: mpiexec -n 4 mpipar train --scheme 1f1b --stages 2 --shard zero3
@@ -100,8 +100,7 @@ class Executor:
         master = optimizer_options.get("master_dtype")  # --precision fp16's master weights (precision.py)
         self.master_itemsize = np.dtype(master).itemsize if master and np.dtype(master) != self.dtype else 0
         self.ledger, self.pool, self.outbox = MemoryLedger(self.xp), ScratchPool(), Outbox()
-        # A stage shared by its replica group keeps its state in the sharding flow: one
-        # communicator per stage (the world's own where the group is every rank)
+        # a stage shared by its replica group keeps its state in the sharding flow (the world's comm if all)
         group = self.mesh.replica_group(self.mesh.worker(comm.rank))
         self.shared = {s: ShardedStage(comm if len(group) == comm.size else comm.subset(group), stages[s],
                                        plan.sharding, optimizer=optimizer, optimizer_options=optimizer_options,
@@ -120,23 +119,21 @@ class Executor:
                                       collective=collective, state_kinds=self.state_kinds)
         # one communicator per stage's reduction group, made in stage order on every rank
         self.stage_comms = {s: comm.subset(ranks) for s, ranks in plan.reduction_groups().items()}
-        # (time step, live activation bytes, peak within it): CDP's Fig. 4, kept only when asked
-        # for (record_timeline), as a long run would grow it without bound
+        # (time step, live activation bytes, peak within it): CDP's Fig. 4, only when asked (it grows)
         self.timeline, self.record_timeline = [], False
         self.job_times: list[tuple[Job, float, float]] = []  # (job, start, end) of a step by perf_counter
         self.observe: LayerHook | None = None  # called after every layer, once polled (timelines, tests)
         self.split: StepTimer | None = None  # set to time each part of the steps (report/step_split.py)
-        self.run: Run | None = None
-        self.first_step, self.lr_at = 0, None
-        self.totals, self.losses_computed = None, np.zeros(0, dtype=int)  # set by each run
+        self.run, self.first_step, self.lr_at = None, 0, None  # set by each run, as are:
+        self.totals, self.losses_computed = None, np.zeros(0, dtype=int)
 
     def start_at(self, step: int) -> None:
         """Hold the weights as items of `step` (a resumed run's first): they are items of a step."""
         self.items.start_at(step)
 
     def peak_facts(self, rank: int | None = None) -> dict[str, int | list[int]]:
-        """What predicting `rank`'s peak (default: this one's) needs beyond the plan, as keyword arguments
-        of predict/peak.py's plan_peak: the caller predicts; the runtime does not import what predicts it."""
+        """What predicting `rank`'s peak (default: this one's) needs beyond the plan: predict/peak.py's
+        plan_peak's keyword arguments (the caller predicts; the runtime does not import what predicts it)."""
         rank = self.comm.rank if rank is None else rank
         group = len(self.comm.subset_layout(self.mesh.replica_group(self.mesh.worker(rank)))[0])
         units = [max((last - first for _, _, first, last in make_units(stage, self.unit_bytes)), default=0)
@@ -150,13 +147,12 @@ class Executor:
         """Train steps [first_step, first_step + steps), updates included; returns this rank's
         [loss sum, correct, predictions] per step. `on_step` is called as soon as this rank has
         run its last job of a step (for progress while the run goes)."""
-        run = self._start(first_step, steps, load, seed, batch_size, lr_at)
-        position, settles = 0, self.plan.settles_each_step
-        for end, step in run.step_ends if on_step or not settles else ():
+        run, position = self._start(first_step, steps, load, seed, batch_size, lr_at), 0
+        for end, step in run.step_ends:
             self._execute(run.program[position:end])
             position, index = end, step + run.shift - first_step
             mine = read_values(self.totals[index])  # one host synchronisation a step: its loss
-            if not settles and not np.isfinite(mine[0]):  # a settling scheme's trainer checks the summed loss
+            if not np.isfinite(mine[0]):
                 raise NonFiniteLossError(f"step {first_step + index}: the training loss is {mine[0]}")
             if on_step:
                 on_step(first_step + index, mine, int(self.losses_computed[index]))
@@ -196,8 +192,7 @@ class Executor:
         self.run = self.plan.program(first_step, steps)
         micro_size = batch_size // self.mesh.replicas // self.plan.micro_batches
         self.items.begin(self.run, micro_size, first_step)
-        self.first_step, self.lr_at = first_step, lr_at
-        self.totals = self.xp.zeros((steps, 3), dtype=np.float64)
+        self.first_step, self.lr_at, self.totals = first_step, lr_at, self.xp.zeros((steps, 3), dtype=np.float64)
         self.losses_computed = np.zeros(steps, dtype=int)  # per step: micro-batches whose loss is in totals
         self.time_offset, self.job_times = len(self.timeline), []
         self.jobs.begin(self.run, first_step, load, seed=seed, batch_size=batch_size, micro_size=micro_size,
@@ -284,18 +279,16 @@ class Executor:
             self.items.update(s, instruction.step, lr)
 
     def _end_time_step(self, instruction: EndTimeStep) -> None:
-        # A dropped buffer still being sent is memory the next time step does not need: its send
-        # completes here, not whenever the network gets to it. Its peer posted the receive in
-        # this time step, after its own drops, so no rank waits here on one that waits on it.
+        # A dropped buffer still being sent is memory the next time step does not need: its send completes
+        # here. Its peer posted the receive in this time step, after its own drops: no wait on a waiter.
         self.outbox.wait_released(f"the sends of the buffers dropped in time step {instruction.time}")
         if self.record_timeline:
             self.timeline.append((instruction.time + self.time_offset, self.cache.live_bytes, self.cache.window_peak))
             self.cache.window_peak = self.cache.live_bytes
         self.poll()
 
-    def _gather_unit(self, instruction: GatherUnit) -> None:
-        self.shared[instruction.stage].gather(instruction.unit, GATHER_PHASE[instruction.direction],
-                                              instruction.from_secondary)
+    def _gather_unit(self, job: GatherUnit) -> None:
+        self.shared[job.stage].gather(job.unit, GATHER_PHASE[job.direction], job.from_secondary)
 
     def _keep_secondary(self, instruction: KeepSecondary) -> None:
         self.shared[instruction.stage].keep_secondary(instruction.unit)

@@ -16,7 +16,8 @@ from mpipar.train.trainer import Trainer
 world = MPI.COMM_WORLD
 STEPS = 3
 # tiny Shakespeare, beside the repository (a device machine gets it through $MPIPAR_CHECK_TEXT)
-TEXT = os.environ.get("MPIPAR_CHECK_TEXT") or Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
+TEXT = (os.environ.get("MPIPAR_CHECK_TEXT")
+        or Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt")
 MLP = dict(hidden=(32, 32), dropout=0.1, batch_size=24 * world.size)
 TRANSFORMER = dict(model="transformer", dataset="text", text_file=str(TEXT),
                    seq_len=16, width=32, heads=2, blocks=2, tie_embeddings=True, grad_clip=1.0, optimizer="adamw",
