@@ -70,6 +70,12 @@ def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -
     return itemsize, itemsize * kinds
 
 
+def pcie_staged(sent: float) -> float:
+    """Bytes all ranks copy over PCIe for messages carrying `sent` bytes on the staged wire
+    (comms/wire.py): every byte sent leaves its GPU once and enters another once."""
+    return 2 * sent
+
+
 @click.command()
 @click.option("--params", type=FloatRange(min=0, min_open=True), default=None,
               help="the number of parameters of the model, e.g. 7e9 (or give --model)")
@@ -140,6 +146,7 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
                                "mesh": {"stages": stages, "workers": mesh.workers, "replicas": mesh.replicas},
                                "schemes": {row.name: {"memory": vars(row.memory),
                                                       "peak": peaks[row.name].total if peaks else None,
+                                                      "pcie_staged": pcie_staged(row.intra + row.inter),
                                                       "traffic": {phase: vars(row.traffic[phase])
                                                                   for phase in PHASES}} for row in rows}}))
         return
@@ -153,18 +160,22 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
                    f"each row shares every stage among its replica group of {mesh.replicas} rank(s) (--shard), "
                    "and gives the rank that holds the most")
     click.echo(f"{'scheme':<10}{'params':>10}{'grads':>10}{'opt state':>10}{'per rank':>11}{'peak':>10}"
-               f"{'sent inside':>13}{'sent across':>13}")
+               f"{'sent inside':>13}{'sent across':>13}{'over PCIe':>11}")
     for row in rows:
         memory = row.memory
         peak = format_bytes(peaks[row.name].total) if peaks else "-"
         click.echo(f"{row.name:<10}{format_bytes(memory.parameters):>10}{format_bytes(memory.gradients):>10}"
                    f"{format_bytes(memory.optimizer_state):>10}{format_bytes(memory.total):>11}{peak:>10}"
-                   f"{format_bytes(row.intra):>13}{format_bytes(row.inter):>13}")
+                   f"{format_bytes(row.intra):>13}{format_bytes(row.inter):>13}"
+                   f"{format_bytes(pcie_staged(row.intra + row.inter)):>11}")
     click.echo("params, grads, opt state: what one rank holds of the parameters, gradients and optimizer state "
                "(per rank: their sum)")
     click.echo("sent inside, sent across: bytes all ranks send in one step inside their groups and between groups "
                + ("to share the stages in their replica groups; activations along the pipelines are not counted "
                   if stages else "") + "(schemes: docs/sharding.md; words: docs/glossary.md)")
+    click.echo("over PCIe: on GPUs whose MPI is not CUDA-aware, what all ranks copy between device and pinned "
+               "host memory for those messages: each byte out of its sender's GPU and into its receiver's "
+               "(a CUDA-aware MPI: none; docs/cluster.md)")
     if not peaks:
         click.echo("peak: mpipar trains mixed precision (--precision fp16) without --stages only; give --dtype "
                    "float32 or float64")

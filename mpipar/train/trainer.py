@@ -532,7 +532,8 @@ class Trainer:
                    "skipped_steps": self.loss_scaler.skipped if self.loss_scaler else 0,
                    "checkpoint_write_seconds": self.checkpoints.write_seconds,
                    "sent_bytes": {phase: {"intra": counts.intra_bytes, "inter": counts.inter_bytes,
-                                          "library": counts.library_bytes, "received": counts.received_bytes}
+                                          "library": counts.library_bytes, "received": counts.received_bytes,
+                                          "to_host": counts.to_host_bytes, "to_device": counts.to_device_bytes}
                                   for phase, counts in self.counted.traffic.by_phase.items()}}
         if report:
             report.done(summary)

@@ -1,44 +1,43 @@
 """On a GPU: mpipar's CuPy path, and the PyTorch adapter on CUDA, against the CPU and torch alone.
 
-Not run by the test suite (CI has no GPU). On a machine with a GPU, CuPy and torch CUDA:
+Not run by the test suite (CI has no GPU; tests/test_standin.py runs the same schemes on the
+stand-in device). On a machine with a GPU, CuPy and torch CUDA, from this folder with the
+repository on PYTHONPATH:
 
-    python tests/scripts/check_gpu.py                # one process
-    mpiexec -n 2 python tests/scripts/check_gpu.py   # two ranks sharing the GPU
+    python check_gpu.py                     # one process: everything below that runs on one
+    mpiexec -n 2 python check_gpu.py        # two ranks sharing the GPU
+    mpiexec -n 4 python check_gpu.py schemes    # one part alone: schemes, memory or speed
 
 Each case prints one line on rank 0: ok or FAILED, with the largest difference or the
 error (rank 0's traceback goes to stderr). The cases:
   - every optimizer (SGD with and without momentum, Adam, AdamW, with weight decay),
-    three updates on random pieces, float32 and float64: CuPy's fused kernels give the
-    same bits as NumPy's chunked update;
+    three updates on random pieces, float32 and float64: the kernels of mpipar/gpu/cuda.py
+    give the same bits as NumPy's chunked update;
   - the built-in MLP (digits, float64, 3 steps) under ddp, with Adam and with SGD: the
-    parameters on the GPU equal the same run's on the CPU, rtol 1e-10; zero3 and, on 2
-    ranks, 1f1b are refused
-    on a GPU with one sentence (their messages would need a CUDA-aware MPI);
+    parameters on the GPU equal the same run's on the CPU, rtol 1e-10;
+  - every scheme of device_cases.py for this world size (2: the data-parallel, pipeline and
+    CDP schemes and the transformer; 4: MiCS, PaRO, ZeRO++ and 1F1B x ZeRO-3) on the GPU
+    against the CPU (float64, 3 steps, rtol 1e-10 atol 1e-12), with at most 3 host
+    synchronisations a step and, on the staged wire, PCIe bytes equal to the messages' bytes;
+  - the transformer under ZeRO-3 with --memory-profile: CuPy's pool peak within 10% of the
+    predicted peak;
   - the torch MLP of examples/torch_mlp.py (float64, SGD with momentum, 3 steps) through
     mpipar on the GPU equals torch alone on CUDA, rtol 1e-10, and its parameters live in
     mpipar's CuPy buffer; on one process its layers form one autograd graph (TorchChain),
-    on two each keeps its own; the same for the residual blocks of examples/torch_residual.py
-    (modules of one's own, each holding two Linears and a LayerNorm);
-  - one process only: samples/s of the torch MLP 784-512-512-10 (float32, batch 256, the
-    model of benchmarks/torch_stages.py) through mpipar on the GPU against a plain torch
-    CUDA loop, each the median of 5 rounds of 50 steps;
+    on two each keeps its own; the same for the residual blocks of examples/torch_residual.py;
   - the built-in transformer (float64, tied embeddings, clipping, AdamW, 3 steps) on the GPU
-    equals the same run on the CPU, rtol 1e-10 and atol 1e-12 (cuBLAS and OpenBLAS sum in
-    different orders; parameters near zero make a pure relative test fail on 1e-13);
-  - two ranks: a 64 MB float32 sum across ranks through each path a device array can take to
-    MPI (comms/device.py): fresh pageable copies (what mpipar did before), the reused pinned
-    buffers, and the device memory itself where the library is CUDA-aware; every path's
-    result is the exact sum, bit for bit; times are medians of 7;
-  - one process only: tokens/s of the transformer at nanoGPT's GPU recipe shapes (6 blocks of
-    width 384, 6 heads, context 256, batch 64, float32, AdamW, tied) against the same model
-    in torch eager (benchmarks/language_model.py's GPT), 3 alternating rounds of 10 steps;
-    and the same with --precision fp16 against torch eager under autocast(float16) with its
-    GradScaler;
-  - --precision fp16 (docs/precision.md): the transformer (width 64, 2 blocks, context 64)
-    trained 200 steps in fp16 and in float32 on the GPU: the evaluation loss within 2% of
-    float32's; and a loss scale started at 2^28, so that the first steps overflow: on every
-    rank the same steps are skipped, the parameters stay as they were until the first
-    applied step, and the run ends with a finite loss.
+    equals the same run on the CPU, rtol 1e-10 and atol 1e-12;
+  - two ranks: a 64 MB float32 sum across ranks through each path a device array can take:
+    fresh pageable copies, the wire (pinned copies per message) to the library's all-reduce
+    and to mpipar's ring; every result is the exact sum; times are medians of 7;
+  - one process only: samples/s of the torch MLP 784-512-512-10 through mpipar against a
+    plain torch CUDA loop; tokens/s of the transformer at nanoGPT's GPU recipe shapes (6
+    blocks of width 384, 6 heads, context 256, batch 64, AdamW, tied) against the same model
+    in torch eager and torch.compile, float32 and --precision fp16 (torch: autocast(float16)
+    and GradScaler), 3 alternating rounds of 10 steps;
+  - --precision fp16 (docs/precision.md): the transformer trained 200 steps in fp16 and in
+    float32 on the GPU, the evaluation losses within 2%; and a loss scale started at 2^28,
+    so that the first steps overflow: on every rank the same steps are skipped.
 """
 
 import statistics
