@@ -413,6 +413,52 @@ def transformer_speed_on_cuda(precision: str = "fp32") -> str:
             f"{torch.backends.cuda.matmul.allow_tf32}, CuPy's cuBLAS default)")
 
 
+def where_a_step_goes() -> str:
+    """The transformer at the GPU recipe's shapes, float32, 5 steps with the device synchronised
+    around every leaf layer's forward and backward: the time of each (kind, direction), of what
+    follows the last layer (the reductions, the step's figures, tying, clipping, the optimizer),
+    and the rest (the loss, residual sums, loading the batches, Python between layers).
+    Synchronising costs a little; the shares say what to fuse first."""
+    import collections
+
+    import cupy
+
+    from mpipar.models.sequential import leaf_layers
+
+    shapes = dict(seq_len=256, width=384, heads=6, blocks=6, batch_size=64)
+    trainer = Trainer(TrainConfig.of(**{**TRANSFORMER, **shapes, "grad_clip": 1.0, "lr": 1e-3, "beta2": 0.99,
+                                        "weight_decay": 0.1, "dtype": "float32", "device": "gpu", "seed": 0,
+                                        "log_every": 10**6, "max_steps": 10**6}, text_file=text_file()))
+    steps = 5
+    run = mpipar_steps(trainer, steps)
+    run()  # warm-up: kernels compiled, buffers made
+    spent = collections.Counter()
+
+    def timed(name: str, method):
+        def call(*args, **kwargs):
+            cupy.cuda.Device().synchronize()
+            start = time.perf_counter()
+            result = method(*args, **kwargs)
+            cupy.cuda.Device().synchronize()
+            spent[name] += time.perf_counter() - start
+            return result
+        return call
+
+    for stage in trainer.stages:
+        for layer in leaf_layers(stage.layers):
+            for direction in ("forward", "backward"):
+                setattr(layer, direction, timed(f"{type(layer).__name__} {direction}", getattr(layer, direction)))
+    engine_step = trainer.engine.step
+    trainer.engine.step = timed("optimizer", engine_step)
+    start = time.perf_counter()
+    run()
+    total = time.perf_counter() - start
+    parts = ", ".join(f"{name} {seconds / steps * 1e3:.1f}" for name, seconds in spent.most_common())
+    rest = (total - sum(spent.values())) / steps * 1e3
+    return (f"{total / steps * 1e3:.1f} ms a step, synchronised around every layer: {parts}; the rest (loss, "
+            f"residual sums, figures, tying, clipping, batches, Python) {rest:.1f}")
+
+
 HALF = dict(TRANSFORMER, seq_len=64, width=64, heads=4, blocks=2, batch_size=32, lr=1e-3, grad_clip=1.0,
             dtype="float32", max_steps=200, eval_batches=8)
 
@@ -457,6 +503,8 @@ sys.path.insert(0, str(EXAMPLES))  # torch_mlp, the example's builders
 PARTS = {  # `check_gpu.py PART` runs one part alone (a device's minutes are few)
     "schemes": lambda: case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu),
     "memory": lambda: case("memory pool peak against the prediction", memory_pool_against_prediction),
+    "profile": lambda: case("where a step of the transformer goes on the gpu, ms", where_a_step_goes),
+    "fp16": lambda: case("fp16 overflow skipped by every rank on the gpu", fp16_overflow_skipped_by_every_rank),
     "speed": lambda: (case("transformer at the gpu recipe's shapes, speed on cuda", transformer_speed_on_cuda),
                       case("transformer at the gpu recipe's shapes in fp16, speed on cuda",
                            lambda: transformer_speed_on_cuda("fp16"))),
