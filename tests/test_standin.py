@@ -82,6 +82,28 @@ def test_the_twins_updates_equal_the_cpus(momentum):
         assert np.allclose(gpu.params[0].get(), cpu.params[0], rtol=1e-14, atol=0)
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-14), (np.float32, 1e-6)])
+def test_the_twins_gelu_and_layer_norm_equal_the_cpus(dtype, tolerance):
+    from mpipar.cache import Context
+    from mpipar.layers import GELU, LayerNorm
+
+    rng = np.random.default_rng(1)
+    x, dy = (rng.standard_normal((4, 6, 32)).astype(dtype) * 3 for _ in range(2))
+    gain, shift = (rng.standard_normal(32).astype(dtype) for _ in range(2))
+    sides = []
+    for asarray in (np.asarray, xp.asarray):
+        norm = LayerNorm(32)
+        norm.params = {"gain": asarray(gain), "shift": asarray(shift)}
+        norm.grads = {"gain": asarray(np.zeros(32, dtype)), "shift": asarray(np.zeros(32, dtype))}
+        outputs = []
+        for layer in (GELU(), norm):
+            ctx = Context(None, (0, 0))
+            outputs += [layer.forward(asarray(x), ctx), layer.backward(asarray(dy), ctx)]
+        sides.append([output if isinstance(output, np.ndarray) else output.get() for output in outputs])
+    for cpu, twin in zip(*sides):
+        assert np.max(np.abs(twin - cpu)) <= tolerance * np.max(np.abs(cpu))
+
+
 def test_the_twin_has_every_name_of_the_cuda_module():
     tree = ast.parse((ROOT / "mpipar" / "gpu" / "cuda.py").read_text())
     public = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
@@ -99,6 +121,7 @@ HOST_ONLY = {  # (file, text of the line): why it is host memory by design
     ("runtime/executor.py", "self.losses_computed = np.zeros(steps, dtype=int)  # per step: micro-batches whose "
                             "loss is in totals"): "the same count",
     ("comms/liveness.py", "self._question = np.zeros(1, dtype=np.int64)"): "the side channel's own host messages",
+    ("comms/comm.py", "one = np.ones(1, dtype=code)"): "the one-element sum that asks the library for a type",
     ("comms/liveness.py", "number = np.array([self._asked], dtype=np.int64)"): "the same",
     ("comms/liveness.py", "replies = {rank: np.zeros(1, dtype=np.int64) for rank in others}"): "the same",
     ("comms/timing.py", "self.full = np.zeros(count, dtype=dtype)  # the buffer, or the full input / output"):

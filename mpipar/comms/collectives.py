@@ -268,7 +268,7 @@ def _all_gather(comm: Comm, send: Array, recv: Array, algorithm: str) -> Steps:
         # counted in bytes where the library has no type for the elements (as_message)
         unit = 1 if library_has_type(recv.dtype) else recv.dtype.itemsize
         counts = (np.diff(offsets) * unit).tolist()
-        displacements = (np.asarray(offsets[:-1]) * unit).tolist()
+        displacements = [offset * unit for offset in offsets[:-1]]
         datatype = () if unit == 1 else (MPI.BYTE,)
         if in_place:
             return _library(comm, lambda r: comm.mpi.Iallgatherv(MPI.IN_PLACE, [r, (counts, displacements), *datatype]),

@@ -4,6 +4,9 @@
 asks `mpipar.gpu.parts_for(xp)` for one of the two and never knows which.
 
     fused(name)                  an optimizer update as one kernel (KERNELS)
+    gelu, gelu_grad              GELU's forward and backward, each one kernel of the NumPy steps
+    layer_norm,                  LayerNorm's forward and its input gradient: a row reduction per
+    layer_norm_input_gradient    statistic and one kernel for the rest
     scatter_add(t, i, v)         t[i] += v with repeats adding, summed in float32 at least
     empty_pinned(size, dtype)    page-locked host memory, which the GPU copies at full speed
     copy_to_host(a, host)        host <- a, after the work queued so far on the compute stream,
@@ -42,6 +45,61 @@ KERNELS = {
 def fused(name: str):
     in_params, out_params, operation = KERNELS[name]
     return cupy.ElementwiseKernel(in_params, out_params, operation, f"mpipar_{name}", options=("--fmad=false",))
+
+
+# GELU as layers/activations.py computes it, step for step: -2u = x x a - b, times x, clipped;
+# y = x / (exp(-2u) + 1). The backward follows _gelu_grad's steps (d is its dx, t its temporary).
+GELU = ("T x, T a, T b, T limit", "T y",
+        "T u = x * x; u = u * a; u = u - b; u = u * x; u = fmin(fmax(u, -limit), limit); y = x / (exp(u) + (T)1)")
+GELU_GRAD = ("T x, T dy, T a, T b, T limit, T h, T k", "T dx",
+             "T t = x * x; t = t * a; t = t - b; t = t * x; t = fmin(fmax(t, -limit), limit); t = exp(t); "
+             "T d = t + (T)1; t = t / d; d = h / d; t = t * d; t = t * x; t = t * b; d = d + t; "
+             "t = t * x; t = t * x; t = t * k; d = d + t; d = d * b; dx = d * dy")
+# LayerNorm as layers/norm.py computes it: the statistics are row sums (CuPy's reduction
+# order, not NumPy's: equal to rounding), everything else one kernel
+LAYER_NORM = ("T x, T m, T r, T gain, T shift", "T normed, T y", "normed = (x - m) * r; y = normed * gain + shift")
+LAYER_NORM_RSTD = ("T s, T inv, T eps", "T r", "r = (T)1 / sqrt(s * inv + eps)")
+LAYER_NORM_DX = ("T dy, T gain, T n, T r, T mg, T mgn", "T dx", "T g = dy * gain; g = g - mg; dx = (g - n * mgn) * r")
+
+
+@functools.cache
+def _elementwise(name: str):
+    in_params, out_params, operation = globals()[name]
+    return cupy.ElementwiseKernel(in_params, out_params, operation, f"mpipar_{name.lower()}",
+                                  options=("--fmad=false",))
+
+
+@functools.cache
+def _row_sum(map_expression: str, in_params: str):
+    return cupy.ReductionKernel(in_params, "T y", map_expression, "a + b", "y = a", "0", "mpipar_row_sum")
+
+
+def gelu(x, y, a: float, b: float, limit: float) -> None:
+    _elementwise("GELU")(x, a, b, limit, y)
+
+
+def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -> None:
+    _elementwise("GELU_GRAD")(x, dy, a, b, limit, h, k, dx)
+
+
+def layer_norm(x, gain, shift, eps: float, y, normed, rstd) -> None:
+    """Rows of x (2-D) normalised: normed, rstd (rows x 1) and y = normed gain + shift."""
+    inv = 1.0 / x.shape[-1]
+    mean = _row_sum("x", "T x")(x, axis=1)[:, None]
+    mean *= inv
+    squares = _row_sum("(x - m) * (x - m)", "T x, T m")(x, mean, axis=1)[:, None]
+    _elementwise("LAYER_NORM_RSTD")(squares, inv, eps, rstd)
+    _elementwise("LAYER_NORM")(x, mean, rstd, gain, shift, normed, y)
+
+
+def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
+    """dx = r (g - mean(g) - normed mean(g normed)), g = dy gain, for rows (2-D)."""
+    inv = 1.0 / dy.shape[-1]
+    mean_g = _row_sum("dy * gain", "T dy, T gain")(dy, gain, axis=1)[:, None]
+    mean_g *= inv
+    mean_gn = _row_sum("dy * gain * n", "T dy, T gain, T n")(dy, gain, normed, axis=1)[:, None]
+    mean_gn *= inv
+    _elementwise("LAYER_NORM_DX")(dy, gain, normed, rstd, mean_g, mean_gn, dx)
 
 
 def scatter_add(target, indices, values, wide) -> None:

@@ -41,6 +41,53 @@ def fused(name: str):
     return _UPDATES[name]
 
 
+def gelu(x, y, a: float, b: float, limit: float) -> None:
+    u = x * x
+    u *= a
+    u -= b
+    u *= x
+    np.clip(u, -limit, limit, out=u)
+    y[...] = x / (np.exp(u) + 1)
+
+
+def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -> None:
+    t = x * x
+    t *= a
+    t -= b
+    t *= x
+    np.clip(t, -limit, limit, out=t)
+    t = np.exp(t)
+    d = t + 1
+    t /= d
+    d = h / d
+    t *= d
+    t *= x
+    t *= b
+    d += t
+    t *= x
+    t *= x
+    t *= k
+    d += t
+    d *= b
+    dx[...] = d * dy
+
+
+def layer_norm(x, gain, shift, eps: float, y, normed, rstd) -> None:
+    inv = 1.0 / x.shape[-1]
+    mean = x.sum(axis=1)[:, None] * inv
+    squares = ((x - mean) * (x - mean)).sum(axis=1)[:, None]
+    rstd[...] = 1 / np.sqrt(squares * inv + eps)
+    normed[...] = (x - mean) * rstd
+    y[...] = normed * gain + shift
+
+
+def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
+    inv = 1.0 / dy.shape[-1]
+    mean_g = (dy * gain).sum(axis=1)[:, None] * inv
+    mean_gn = (dy * gain * normed).sum(axis=1)[:, None] * inv
+    dx[...] = (dy * gain - mean_g - normed * mean_gn) * rstd
+
+
 def scatter_add(target, indices, values, wide) -> None:
     summed = target if target.dtype == wide else target.astype(wide)
     np.add.at(summed, indices, values)

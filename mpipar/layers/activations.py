@@ -28,8 +28,11 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
+
 from mpipar.backend import Array, array_module
 from mpipar.cache import Context
+from mpipar.gpu import parts_for
 from mpipar.layers.base import Layer
 from mpipar.layers.row_parts import in_row_parts, rows
 
@@ -99,7 +102,11 @@ def _in_float32_at_least(function):
 
 @_in_float32_at_least
 def _gelu(y, x) -> None:
-    """y = x s = x / (1 + e), in y."""
+    """y = x s = x / (1 + e), in y (on a GPU: these steps as one kernel, mpipar/gpu/cuda.py)."""
+    xp = array_module(x)
+    if xp is not np:
+        parts_for(xp).gelu(x, y, -2 * 0.044715 * _GELU_C, 2 * _GELU_C, EXP_LIMIT[y.dtype.itemsize])
+        return
     e = _exp_minus_two_u(x, out=y)
     e += 1
     array_module(x).divide(x, e, out=y)
@@ -110,6 +117,10 @@ def _gelu_grad(dx, x, dy) -> None:
     """dx = dy (s + s (1 - s) 2c (x + 3 * 0.044715 x^3)), in dx and one temporary; every
     intermediate lies in [0, 1] or is a power of x times one, so nothing overflows."""
     xp = array_module(x)
+    if xp is not np:  # these steps as one kernel (mpipar/gpu/cuda.py)
+        parts_for(xp).gelu_grad(x, dy, dx, -2 * 0.044715 * _GELU_C, 2 * _GELU_C, EXP_LIMIT[dx.dtype.itemsize],
+                                0.5 / _GELU_C, 3 * 0.044715)
+        return
     t = _exp_minus_two_u(x, out=xp.empty_like(x))  # e
     xp.add(t, 1, out=dx)  # 1 + e
     t /= dx  # e / (1 + e) = 1 - s

@@ -25,6 +25,7 @@ import numpy as np
 
 from mpipar.backend import Array, accumulation_dtype, array_module
 from mpipar.cache import Context
+from mpipar.gpu import parts_for
 from mpipar.layers.base import Layer, ParamSpec, constant_init
 from mpipar.layers.row_parts import in_row_parts, rows
 
@@ -57,6 +58,9 @@ class LayerNorm(Layer):
     def _normalize(self, y: Array, normed: Array, rstd: Array, x: Array) -> None:
         """normed = (x - mu) r,  rstd = r,  y = normed gain + shift, for these rows."""
         xp = array_module(x)
+        if xp is not np and x.dtype == accumulation_dtype(x):  # a GPU: mpipar/gpu/cuda.py's kernels
+            parts_for(xp).layer_norm(x, self.params["gain"], self.params["shift"], self.eps, y, normed, rstd)
+            return
         mean = _row_dot(x, _ones(self.dim, x.dtype, xp))
         mean *= 1.0 / self.dim
         xp.subtract(x, mean[:, None], out=normed)  # centred
@@ -86,6 +90,9 @@ class LayerNorm(Layer):
     def _input_gradient(self, dx: Array, dy: Array, normed: Array, rstd: Array) -> None:
         """dx = r (g - mean(g) - normed mean(g normed)), g = dy gain, for these rows; in dx."""
         xp = array_module(dy)
+        if xp is not np and dy.dtype == accumulation_dtype(dy):  # a GPU: mpipar/gpu/cuda.py's kernels
+            parts_for(xp).layer_norm_input_gradient(dy, self.params["gain"], normed, rstd, dx)
+            return
         xp.multiply(dy, self.params["gain"], out=dx)  # g, then dx in place
         mean_g = _row_dot(dx, _ones(self.dim, dx.dtype, xp))
         mean_g *= 1.0 / self.dim

@@ -13,6 +13,9 @@ error (rank 0's traceback goes to stderr). The cases:
   - every optimizer (SGD with and without momentum, Adam, AdamW, with weight decay),
     three updates on random pieces, float32 and float64: the kernels of mpipar/gpu/cuda.py
     give the same bits as NumPy's chunked update;
+  - GELU and LayerNorm forward and backward (their kernels in mpipar/gpu/cuda.py) against the
+    NumPy path: the largest difference over the largest output within 1e-12 in float64 and
+    1e-5 in float32;
   - the built-in MLP (digits, float64, 3 steps) under ddp, with Adam and with SGD: the
     parameters on the GPU equal the same run's on the CPU, rtol 1e-10;
   - every scheme of device_cases.py for this world size (2: the data-parallel, pipeline and
@@ -114,6 +117,39 @@ def optimizers_on_gpu_equal_cpu_bit_for_bit() -> str:
             if not all(np.array_equal(a, b) for a, b in zip(sides["numpy"], sides["cupy"])):
                 different.append(f"{name} {options} {np.dtype(dtype).name}")
     return f"FAILED: differ in {different}" if different else "ok, 16 cases, every bit equal"
+
+
+def fused_layers_equal_numpy() -> str:
+    """GELU and LayerNorm, forward and backward, on the GPU (mpipar/gpu/cuda.py's kernels) against
+    the NumPy path on the same random rows: the largest difference, relative to the largest
+    output, within 1e-12 in float64 and 1e-5 in float32."""
+    import cupy
+
+    from mpipar.cache import Context
+    from mpipar.layers import GELU, LayerNorm
+
+    rng = np.random.default_rng(0)
+    worst = {}
+    for dtype, tolerance in ((np.float64, 1e-12), (np.float32, 1e-5)):
+        x, dy = (rng.standard_normal((64, 256, 384)).astype(dtype) * 3 for _ in range(2))
+        gain, shift = (rng.standard_normal(384).astype(dtype) for _ in range(2))
+        sides = {}
+        for xp in (np, cupy):
+            norm = LayerNorm(384)
+            norm.params = {"gain": xp.asarray(gain), "shift": xp.asarray(shift)}
+            norm.grads = {"gain": xp.zeros(384, dtype), "shift": xp.zeros(384, dtype)}
+            norm.fresh_grads = True
+            outputs = []
+            for layer in (GELU(), norm):
+                ctx = Context(None, (0, 0))
+                outputs += [layer.forward(xp.asarray(x), ctx), layer.backward(xp.asarray(dy), ctx)]
+            sides[xp.__name__] = [cupy.asnumpy(array) for array in outputs]
+        for name, a, b in zip(("gelu", "gelu grad", "layer norm", "layer norm grad"), sides["cupy"], sides["numpy"]):
+            error = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))  # against the output's scale
+            worst[f"{name} {np.dtype(dtype).name}"] = (error, tolerance)
+    failed = [name for name, (error, tolerance) in worst.items() if error > tolerance]
+    figures = ", ".join(f"{name} {error:.1e}" for name, (error, _) in worst.items())
+    return f"{'FAILED: ' + str(failed) if failed else 'ok'}; largest differences over the largest output: {figures}"
 
 
 def every_scheme_gpu_equals_cpu() -> str:
@@ -503,6 +539,7 @@ sys.path.insert(0, str(EXAMPLES))  # torch_mlp, the example's builders
 PARTS = {  # `check_gpu.py PART` runs one part alone (a device's minutes are few)
     "schemes": lambda: case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu),
     "memory": lambda: case("memory pool peak against the prediction", memory_pool_against_prediction),
+    "kernels": lambda: case("fused layers on the gpu = numpy", fused_layers_equal_numpy),
     "profile": lambda: case("where a step of the transformer goes on the gpu, ms", where_a_step_goes),
     "fp16": lambda: case("fp16 overflow skipped by every rank on the gpu", fp16_overflow_skipped_by_every_rank),
     "speed": lambda: (case("transformer at the gpu recipe's shapes, speed on cuda", transformer_speed_on_cuda),
@@ -513,6 +550,7 @@ if sys.argv[1:]:
     PARTS[sys.argv[1]]()
     sys.exit(0)
 case("optimizer updates on the gpu = cpu", optimizers_on_gpu_equal_cpu_bit_for_bit)
+case("fused layers on the gpu = numpy", fused_layers_equal_numpy)
 case("mlp ddp gpu = cpu", gpu_equals_cpu(dict(scheme="ddp")))
 case("mlp ddp sgd gpu = cpu", gpu_equals_cpu(dict(scheme="ddp", optimizer="sgd", momentum=0.9)))
 case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu)
