@@ -100,8 +100,8 @@ def test_the_twins_gelu_and_layer_norm_equal_the_cpus(dtype, tolerance):
             ctx = Context(None, (0, 0))
             outputs += [layer.forward(asarray(x), ctx), layer.backward(asarray(dy), ctx)]
         sides.append([output if isinstance(output, np.ndarray) else output.get() for output in outputs])
-    for cpu, twin in zip(*sides):
-        assert np.max(np.abs(twin - cpu)) <= tolerance * np.max(np.abs(cpu))
+    for cpu, stand_in in zip(*sides):
+        assert np.max(np.abs(stand_in - cpu)) <= tolerance * np.max(np.abs(cpu))
 
 
 def test_the_twin_has_every_name_of_the_cuda_module():
