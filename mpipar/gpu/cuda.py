@@ -7,6 +7,9 @@ asks `mpipar.gpu.parts_for(xp)` for one of the two and never knows which.
     gelu, gelu_grad              GELU's forward and backward, each one kernel of the NumPy steps
     layer_norm,                  LayerNorm's forward and its input gradient: a row reduction per
     layer_norm_input_gradient    statistic and one kernel for the rest
+    column_sum(a)                the sums of a 2-D array's columns, as a product with a vector of
+                                 ones (cuBLAS reads the rows in order; a reduction over axis 0 reads
+                                 them strided, and took a millisecond for a bias's gradient)
     scatter_add(t, i, v)         t[i] += v with repeats adding, summed in float32 at least
     empty_pinned(size, dtype)    page-locked host memory, which the GPU copies at full speed
     copy_to_host(a, host)        host <- a, after the work queued so far on the compute stream,
@@ -100,6 +103,15 @@ def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
     mean_gn = _row_sum("dy * gain * n", "T dy, T gain, T n")(dy, gain, normed, axis=1)[:, None]
     mean_gn *= inv
     _elementwise("LAYER_NORM_DX")(dy, gain, normed, rstd, mean_g, mean_gn, dx)
+
+
+@functools.cache
+def _ones(size: int, dtype) -> "cupy.ndarray":
+    return cupy.ones(size, dtype=dtype)
+
+
+def column_sum(a):
+    return cupy.matmul(_ones(a.shape[0], a.dtype), a)
 
 
 def scatter_add(target, indices, values, wide) -> None:

@@ -88,6 +88,10 @@ def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
     dx[...] = (dy * gain - mean_g - normed * mean_gn) * rstd
 
 
+def column_sum(a):
+    return a.sum(axis=0)
+
+
 def scatter_add(target, indices, values, wide) -> None:
     summed = target if target.dtype == wide else target.astype(wide)
     np.add.at(summed, indices, values)

@@ -33,6 +33,7 @@ import numpy as np
 from mpipar.backend import Array, accumulation_dtype, array_module
 from mpipar.cache import Context
 from mpipar.errors import ShapeError
+from mpipar.gpu import parts_for
 
 # Blocks of 1 MiB cost 1-3% of the accumulating matmul's time on this machine; 512 KiB 2-10%
 ACCUMULATE_BLOCK_BYTES = 1 << 20
@@ -133,8 +134,14 @@ class Layer:
     def grad_sum(self, grad: Array, values: Array, axis: int) -> None:
         """grad += values summed over `axis` (or = while fresh), summed in float32 at least (a
         float16 gradient through a float32 sum of its own: one small temporary)."""
-        wide = accumulation_dtype(values)
-        if self.fresh_grads and wide == grad.dtype:
+        wide, xp = accumulation_dtype(values), array_module(values)
+        if xp is not np and axis == 0 and values.ndim == 2 and wide == values.dtype:  # a GPU: mpipar/gpu/cuda.py
+            summed = parts_for(xp).column_sum(values)
+            if self.fresh_grads:
+                grad[...] = summed
+            else:
+                grad += summed
+        elif self.fresh_grads and wide == grad.dtype:
             values.sum(axis=axis, out=grad)
         elif self.fresh_grads:
             grad[...] = values.sum(axis=axis, dtype=wide)

@@ -127,9 +127,10 @@ def _row_dot(a: Array, b: Array) -> Array:
 def _column_dot(a: Array, b: Array) -> Array:
     """sum over the rows of a * b (one value per column), in float32 at least; on NumPy without
     an array of the products."""
-    if array_module(a) is np:
-        return np.einsum("ri,ri->i", a, b, dtype=accumulation_dtype(a))
-    return array_module(a).multiply(a, b, dtype=accumulation_dtype(a)).sum(axis=0)  # CuPy: see _row_dot
+    xp, wide = array_module(a), accumulation_dtype(a)
+    if xp is np:
+        return np.einsum("ri,ri->i", a, b, dtype=wide)
+    return parts_for(xp).column_sum(xp.multiply(a, b, dtype=wide))  # CuPy: see _row_dot
 
 
 def reference_layer_norm(x, gain, shift, eps: float = 1e-5):

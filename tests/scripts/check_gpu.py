@@ -120,7 +120,8 @@ def optimizers_on_gpu_equal_cpu_bit_for_bit() -> str:
 
 
 def fused_layers_equal_numpy() -> str:
-    """GELU and LayerNorm, forward and backward, on the GPU (mpipar/gpu/cuda.py's kernels) against
+    """GELU and LayerNorm, forward and backward (with the gain's and shift's gradients: column
+    sums), on the GPU (mpipar/gpu/cuda.py's kernels) against
     the NumPy path on the same random rows: the largest difference, relative to the largest
     output, within 1e-12 in float64 and 1e-5 in float32."""
     import cupy
@@ -143,8 +144,10 @@ def fused_layers_equal_numpy() -> str:
             for layer in (GELU(), norm):
                 ctx = Context(None, (0, 0))
                 outputs += [layer.forward(xp.asarray(x), ctx), layer.backward(xp.asarray(dy), ctx)]
+            outputs += [norm.grads["gain"], norm.grads["shift"]]  # column sums (cuda.column_sum)
             sides[xp.__name__] = [cupy.asnumpy(array) for array in outputs]
-        for name, a, b in zip(("gelu", "gelu grad", "layer norm", "layer norm grad"), sides["cupy"], sides["numpy"]):
+        names = ("gelu", "gelu grad", "layer norm", "layer norm grad", "gain grad", "shift grad")
+        for name, a, b in zip(names, sides["cupy"], sides["numpy"]):
             error = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))  # against the output's scale
             worst[f"{name} {np.dtype(dtype).name}"] = (error, tolerance)
     failed = [name for name, (error, tolerance) in worst.items() if error > tolerance]
