@@ -28,8 +28,10 @@ import sys
 import numpy as np
 
 import deadline
-from device_cases import CASES, ROUTED, STEPS, step_traffic, trained, world
+from device_cases import CASES, COMMON, ROUTED, STEPS, step_traffic, trained, world
+from mpipar.comms import wire
 from mpipar.gpu.standin import CROSSINGS, Crossings
+from mpipar.train.config import TrainConfig
 from mpipar.train.trainer import Trainer
 
 deadline.arm(500)
@@ -98,11 +100,28 @@ def check(name: str, options: dict) -> list[str]:
     return [f"rank {world.rank}: {name}: {failure}" for failure in failures]
 
 
+def pinned_memory_is_reused() -> list[str]:
+    """The staged wire's pinned buffers are allocated in the first steps and reused after: four
+    more steps of ZeRO-3 (gathers, reductions, and the transformer's tied sum) allocate none."""
+    options = dict(next(options for name, options in CASES[2] if name == "transformer zero3"), max_steps=6)
+    trainer = Trainer(TrainConfig.of(**{**COMMON, **options, "device": "gpu"}))
+    for step in range(2):
+        trainer.train_step(step, 0, step)
+    allocated = wire.pinned_bytes()
+    for step in range(2, 6):
+        trainer.train_step(step, 0, step)
+    if not allocated or wire.pinned_bytes() != allocated:
+        return [f"rank {world.rank}: pinned memory {allocated} bytes after 2 steps, {wire.pinned_bytes()} after 6"]
+    return []
+
+
 failures, cases = [], 0
 for name, options in CASES[world.size]:
     if CUDA_AWARE and name not in ("zero3", "1f1b recompute", "cdp-v1", "paro-iig"):
         continue  # the CUDA-aware wire: a sharded, a pipelined, a cyclic and a hierarchical case
     failures += check(name, options)
     cases += 1
+if world.size == 2 and not CUDA_AWARE:
+    failures += pinned_memory_is_reused()
 deadline.finish(world, failures, f"all {cases} stand-in device cases equal the CPU on {world.size} ranks"
                                  f"{' (CUDA-aware wire)' if CUDA_AWARE else ''}")
