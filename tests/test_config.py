@@ -1,7 +1,6 @@
 """Configuration: defaults < TOML file < command line; every bad value is one clear sentence."""
 
 import sys
-import types
 
 import pytest
 

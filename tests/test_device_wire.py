@@ -70,7 +70,8 @@ def test_a_device_array_takes_its_wire_s_path(monkeypatch, path):
     from mpipar.comms import wire
     from mpipar.comms.comm import Comm
     from mpipar.comms.handle import wait_requests
-    from mpipar.gpu.standin import CROSSINGS, module as standin
+    from mpipar.gpu.standin import CROSSINGS
+    from mpipar.gpu.standin import module as standin
 
     monkeypatch.setenv("MPIPAR_CUDA_AWARE", "1" if path is Wire.CUDA_AWARE else "0")
     monkeypatch.setattr(wire, "device_wire", lambda: device.WireChoice(path, "test"))

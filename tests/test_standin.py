@@ -17,7 +17,8 @@ from mpi4py import MPI
 
 from conftest import SCRIPTS, run_mpi
 from mpipar.gpu import twin
-from mpipar.gpu.standin import CROSSINGS, HostConversion, StandInArray, module as xp, read_scalars
+from mpipar.gpu.standin import CROSSINGS, HostConversion, StandInArray, read_scalars
+from mpipar.gpu.standin import module as xp
 from mpipar.optim.optimizers import SGD, Adam
 
 ROOT = Path(__file__).resolve().parent.parent

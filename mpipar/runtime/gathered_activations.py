@@ -28,7 +28,6 @@ import math
 from dataclasses import dataclass
 
 from mpipar.backend import array_module
-
 from mpipar.comms.collectives import iall_gather
 from mpipar.comms.comm import Comm
 from mpipar.layers import Linear

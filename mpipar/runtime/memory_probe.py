@@ -45,8 +45,8 @@ import sys
 import tracemalloc
 
 from mpipar.backend import DEVICES
-from mpipar.gpu import gpu_array_module, parts_for
 from mpipar.errors import unknown_name
+from mpipar.gpu import gpu_array_module, parts_for
 
 
 class MemoryProbe:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 
 from mpipar.backend import to_host
-
 from mpipar.cache import Context
 from mpipar.checkpoint.format import Piece
 from mpipar.comms.collectives import broadcast

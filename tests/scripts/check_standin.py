@@ -26,9 +26,9 @@ Rank 0 prints every failure and the number of cases; exit status 1 on any failur
 import sys
 
 import numpy as np
+from device_cases import CASES, COMMON, ROUTED, STEPS, step_traffic, trained, world
 
 import deadline
-from device_cases import CASES, COMMON, ROUTED, STEPS, step_traffic, trained, world
 from mpipar.comms import wire
 from mpipar.gpu.standin import CROSSINGS, Crossings
 from mpipar.train.config import TrainConfig
