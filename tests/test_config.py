@@ -89,7 +89,13 @@ GPU_SCHEMES = [  # (world size, options): what the GPU issue asks every device t
 @pytest.mark.parametrize("world_size, options", GPU_SCHEMES)
 def test_every_scheme_validates_on_a_gpu(monkeypatch, world_size, options):
     monkeypatch.setenv("MPIPAR_GPU", "standin")  # the tests' device: no CuPy needed
-    TrainConfig.of(device="gpu", **options).validate(world_size=world_size)
+    config = TrainConfig.of(device="gpu", **options)
+    try:
+        config.validate(world_size=world_size)
+    except ConfigError as refusal:
+        pytest.fail(f"{options} on {world_size} ranks is refused on a GPU: {refusal}")
+    laid_out = config.for_world(world_size)
+    assert laid_out.model.device == "gpu" and laid_out.parallel.scheme == options["scheme"]
 
 
 def test_gpu_without_cupy_says_so_before_anything_else(monkeypatch):
