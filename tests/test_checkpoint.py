@@ -66,7 +66,9 @@ RESUMED = {  # scheme: (ranks, options); CDP's runs end at --save-every, inside 
 # --precision fp16 (NumPy's float16 standing in for a GPU's): float16 parameters, float32 master copy and state
 HALF = {"ddp": (2, ["--scheme", "ddp"]), "zero2": (2, ["--scheme", "zero2"]),
         "zero3": (2, ["--scheme", "zero3", "--bucket-mb", "0.002"]),
-        "paro-iig": (4, ["--scheme", "paro-iig", "--group-size", "2"])}
+        "paro-iig": (4, ["--scheme", "paro-iig", "--group-size", "2"]),
+        "1f1b": (2, ["--scheme", "1f1b", "--stages", "2"]),
+        "1f1b-x-zero3": (4, ["--scheme", "1f1b", "--stages", "2", "--shard", "zero3"])}
 HALF_OPTIONS, HALF_ENV = ["--precision", "fp16", "--dtype", "float32"], {"MPIPAR_HALF_ON_CPU": "1"}
 
 
@@ -129,15 +131,18 @@ def test_a_zero3_checkpoint_loads_into_another_layout_and_continues(tmp_path, la
         np.testing.assert_allclose(continued[vector], reference[vector], rtol=1e-10, atol=1e-14, err_msg=vector)
 
 
-@pytest.mark.parametrize("ranks", [1, 4])
-def test_an_fp16_zero3_checkpoint_loads_on_other_ranks_master_copy_included(tmp_path, ranks):
-    common = [*SMALL, *HALF_OPTIONS, "--scheme", "zero3", "--bucket-mb", "0.002", "--max-steps", "3"]
-    result = train(2, *common, "--checkpoint-dir", str(tmp_path / "saved"), env_extra=HALF_ENV)
+@pytest.mark.parametrize("saved_by, ranks", [("zero3", 1), ("zero3", 4), ("1f1b", 1), ("1f1b", 4)])
+def test_an_fp16_checkpoint_loads_on_other_ranks_master_copy_included(tmp_path, saved_by, ranks):
+    """A sharded stage and a pipeline's items keep the master copy in their own layouts; it
+    loads into another's (one process, ZeRO-3 on 4 ranks)."""
+    layouts = {"zero3": ["--scheme", "zero3", "--bucket-mb", "0.002"], "1f1b": ["--scheme", "1f1b", "--stages", "2"]}
+    common = [*SMALL, *HALF_OPTIONS, "--max-steps", "3"]
+    result = train(2, *common, *layouts[saved_by], "--checkpoint-dir", str(tmp_path / "saved"), env_extra=HALF_ENV)
     assert result.returncode == 0, result.stderr
     saved = step_dir(tmp_path / "saved", 3)
     assert read_vectors(saved, ["params.master"])["params.master"].dtype == np.float32
-    result = train(ranks, *common, "--resume", str(saved), "--checkpoint-dir", str(tmp_path / "loaded"),
-                   env_extra=HALF_ENV)
+    result = train(ranks, *common, *(layouts["zero3"] if ranks > 1 else []), "--resume", str(saved),
+                   "--checkpoint-dir", str(tmp_path / "loaded"), env_extra=HALF_ENV)
     assert result.returncode == 0, result.stderr
     assert_same_state(saved, step_dir(tmp_path / "loaded", 3))  # loaded, then saved again as it is
 

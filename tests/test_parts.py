@@ -7,8 +7,9 @@ Run: python -m pytest tests/test_parts.py
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 from mpi4py import MPI
@@ -19,6 +20,7 @@ from mpipar.checkpoint.format import Piece
 from mpipar.data import load_dataset
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.models.sequential import Sequential, build_stages
+from mpipar.optim.precision import LossScaler
 from mpipar.train.checkpoints import CheckpointedRun, Checkpoints
 from mpipar.train.model_assembly import configured_model
 
@@ -87,6 +89,7 @@ class FlatEngine:
     """What checkpoints read of an engine: its state as pieces of the whole model's flat vectors."""
 
     flats: list[np.ndarray]
+    optimizers: list = field(default_factory=list)  # what carries an update count
     started_at: int | None = None
 
     @property
@@ -95,36 +98,63 @@ class FlatEngine:
 
     def state_pieces(self) -> tuple[list[Piece], list]:
         offsets = np.cumsum([0] + [flat.size for flat in self.flats])
-        return [Piece("params", int(offsets[s]), int(offsets[s + 1]), flat) for s, flat in enumerate(self.flats)], []
+        return ([Piece("params", int(offsets[s]), int(offsets[s + 1]), flat) for s, flat in enumerate(self.flats)],
+                self.optimizers)
 
     def start_at(self, step: int) -> None:
         self.started_at = step
 
 
-def test_checkpoints_save_and_resume_without_a_trainer(tmp_path):
+def checkpointed_run(tmp_path, flats: list[np.ndarray], resume: str | None = None, loss_scaler=None,
+                     optimizers: tuple = ()) -> tuple[Checkpoints, FlatEngine]:
+    """Checkpoints of a two-stage MLP whose engine holds `flats`, without a trainer."""
     train_set, test_set = load_dataset("digits")
-    config = small_config(checkpoint_dir=str(tmp_path), optimizer="sgd", momentum=0.0)
+    config = small_config(checkpoint_dir=str(tmp_path), optimizer="sgd", momentum=0.0, resume=resume)
     model, _ = configured_model(config, train_set)
     stages = build_stages(model, 2, make_backend("cpu", "float64"), seed=0)
+    engine = FlatEngine(flats, list(optimizers))
+    run = CheckpointedRun(config=config, comm=MPI.COMM_SELF, engine=engine, stages=stages, dtype_name="float64",
+                          parameter_count=sum(flat.size for flat in flats), steps_per_epoch=10,
+                          lr_at=lambda step: 0.1, scheme_name="ddp (N,N,N)", train_set=train_set,
+                          test_set=test_set, loss_scaler=loss_scaler)
+    return Checkpoints(run), engine
 
-    def checkpoints(flats: list[np.ndarray], resume: str | None = None) -> tuple[Checkpoints, FlatEngine]:
-        engine = FlatEngine(flats)
-        run = CheckpointedRun(config=small_config(checkpoint_dir=str(tmp_path), optimizer="sgd", momentum=0.0,
-                                                  resume=resume),
-                              comm=MPI.COMM_SELF, engine=engine, stages=stages, dtype_name="float64",
-                              parameter_count=sum(flat.size for flat in flats), steps_per_epoch=10,
-                              lr_at=lambda step: 0.1, scheme_name="ddp (N,N,N)", train_set=train_set,
-                              test_set=test_set)
-        return Checkpoints(run), engine
 
-    saved = [np.random.default_rng(s).normal(size=stage.flat.size) for s, stage in enumerate(stages)]
-    writer, _ = checkpoints(saved)
+def two_stages() -> list[np.ndarray]:
+    train_set, _ = load_dataset("digits")
+    model, _ = configured_model(small_config(), train_set)
+    return [np.random.default_rng(s).normal(size=stage.flat.size)
+            for s, stage in enumerate(build_stages(model, 2, make_backend("cpu", "float64"), seed=0))]
+
+
+def test_checkpoints_save_and_resume_without_a_trainer(tmp_path):
+    saved = two_stages()
+    writer, _ = checkpointed_run(tmp_path, saved)
     writer.save(3)
     loaded = [np.zeros_like(flat) for flat in saved]
-    reader, engine = checkpoints(loaded, resume="auto")
+    reader, engine = checkpointed_run(tmp_path, loaded, resume="auto")
     assert reader.resume() == 3 and engine.started_at == 3
     for before, after in zip(saved, loaded):
         np.testing.assert_array_equal(after, before)
+
+
+def test_a_checkpoint_keeps_the_loss_scale_and_counts_only_the_updates_applied(tmp_path):
+    """Under --precision fp16 a resumed run must scale and skip as the uninterrupted one: the
+    scale, its good steps and the skipped steps are restored, and Adam's count (its bias
+    correction) is the updates applied, not the steps: a skipped step applied none."""
+    scaler = LossScaler()
+    for finite in (True, False, True, True):  # the second step overflowed: skipped, the scale halved
+        scaler.update(finite)
+    writer, _ = checkpointed_run(tmp_path, two_stages(), loss_scaler=scaler,
+                                 optimizers=[SimpleNamespace(steps=3)])
+    writer.save(4)
+    resumed_scaler, counted = LossScaler(), SimpleNamespace(steps=0)
+    reader, _ = checkpointed_run(tmp_path, two_stages(), resume="auto", loss_scaler=resumed_scaler,
+                                 optimizers=[counted])
+    assert reader.resume() == 4
+    assert resumed_scaler.state() == {"scale": 2.0**15, "good_steps": 2, "skipped": 1}
+    assert resumed_scaler.unscale == 2.0**-15
+    assert counted.steps == 3
 
 
 def test_the_model_is_assembled_from_a_configuration_without_a_trainer():

@@ -12,8 +12,8 @@ summed over all ranks, inside groups and between them), in bytes; the paper is s
 optimizer's 4-byte state; float32 and float64 are the --dtype of a --precision fp32 run (no
 master copy).
 
-It also prints the predicted peak per rank (peak.py; mixed: without --stages, as fp16
-trains data-parallel only, with its float16 activations and float32 update workspace): Table 1
+It also prints the predicted peak per rank (peak.py; mixed: as fp16 trains, with its float16
+activations and float32 update workspace): Table 1
 plus what a step holds on top, with units of --ddp/--bucket-mb, or, without --ddp, each
 scheme's default as `mpipar train` takes it (one layer where the scheme shards the
 parameters, buckets of --bucket-mb elsewhere). With --model the
@@ -137,15 +137,15 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
     count = params if params is not None else sum(layout.stage_sizes)
     micro_batches = layout.compiled.shape.micro_batches
     rows = scheme_rows(layout, micro_batches, element, k)
-    peaks = {} if precision == "mixed" and stages else predicted_peaks(
-        layouts, prefetch, element, state_kinds(optimizer, momentum), 4 if precision == "mixed" else 0)
+    peaks = predicted_peaks(layouts, prefetch, element, state_kinds(optimizer, momentum),
+                            4 if precision == "mixed" else 0)
     mesh = layout.mesh
     if as_json:
         click.echo(json.dumps({"parameters": count, "world_size": world_size, "group_size": group_size,
                                "micro_batches": micro_batches, "element_bytes": element, "state_bytes": k,
                                "mesh": {"stages": stages, "workers": mesh.workers, "replicas": mesh.replicas},
                                "schemes": {row.name: {"memory": vars(row.memory),
-                                                      "peak": peaks[row.name].total if peaks else None,
+                                                      "peak": peaks[row.name].total,
                                                       "pcie_staged": pcie_staged(row.intra + row.inter),
                                                       "traffic": {phase: vars(row.traffic[phase])
                                                                   for phase in PHASES}} for row in rows}}))
@@ -163,7 +163,7 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
                f"{'sent inside':>13}{'sent across':>13}{'over PCIe':>11}")
     for row in rows:
         memory = row.memory
-        peak = format_bytes(peaks[row.name].total) if peaks else "-"
+        peak = format_bytes(peaks[row.name].total)
         click.echo(f"{row.name:<10}{format_bytes(memory.parameters):>10}{format_bytes(memory.gradients):>10}"
                    f"{format_bytes(memory.optimizer_state):>10}{format_bytes(memory.total):>11}{peak:>10}"
                    f"{format_bytes(row.intra):>13}{format_bytes(row.inter):>13}"
@@ -176,10 +176,7 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
     click.echo("over PCIe: on GPUs whose MPI is not CUDA-aware, what all ranks copy between device and pinned "
                "host memory for those messages: each byte out of its sender's GPU and into its receiver's "
                "(a CUDA-aware MPI: none; docs/cluster.md)")
-    if not peaks:
-        click.echo("peak: mpipar trains mixed precision (--precision fp16) without --stages only; give --dtype "
-                   "float32 or float64")
-    elif built is None:
+    if built is None:
         click.echo(f"peak: the per-rank state plus what a step holds on top, in units of {bucket_mb:g} MB (a layer "
                    "needs --model); activations left out (give --model to count them)")
     else:

@@ -257,13 +257,16 @@ def make_optimizer(name: str, params: Sequence, grads: Sequence, decay: Sequence
     same time can share one. `updates`, if given, updates the CPU's pieces in place of the
     NumPy loop (a run of torch stages: mpipar/adapters/torch_updates.py). `master_dtype`,
     if given and not the pieces' own (--precision fp16), updates master copies in it
-    instead, their gradients divided by `loss_scaler`'s scale (precision.py)."""
+    instead, their gradients divided by `loss_scaler`'s scale (precision.py); its `state`
+    then holds the master copy too, and its `workspace` is `master_workspace`'s."""
     if master_dtype is not None and params and np.dtype(master_dtype) != params[0].dtype:
-        if state is not None or workspace is not None:
-            raise ValueError("master weights keep their own state and workspace, in the master dtype")
-        return MasterWeights(lambda *pieces: make_optimizer(name, *pieces, momentum=momentum, weight_decay=weight_decay,
-                                                            betas=betas, eps=eps, updates=updates),
-                             params, grads, decay, np.dtype(master_dtype), loss_scaler)
+        if workspace is None:
+            workspace = master_workspace(array_module(params[0]), sum(piece.size for piece in params), master_dtype)
+        return MasterWeights(lambda *pieces, **buffers: make_optimizer(name, *pieces, momentum=momentum,
+                                                                       weight_decay=weight_decay, betas=betas,
+                                                                       eps=eps, updates=updates, **buffers),
+                             params, grads, decay, np.dtype(master_dtype), loss_scaler,
+                             state_kinds=state_kinds(name, momentum), state=state, workspace=workspace)
     if name == "sgd":
         return SGD(params, grads, decay, momentum=momentum, weight_decay=weight_decay, state=state,
                    workspace=workspace, updates=updates)
@@ -271,6 +274,12 @@ def make_optimizer(name: str, params: Sequence, grads: Sequence, decay: Sequence
         return Adam(params, grads, decay, betas=betas, eps=eps, weight_decay=weight_decay,
                     decoupled=name == "adamw", state=state, workspace=workspace, updates=updates)
     raise unknown_name("optimizer", name, OPTIMIZERS)
+
+
+def master_workspace(xp, size: int, master_dtype):
+    """The workspace of master weights (precision.py) over pieces of `size` elements in all: their
+    gradients widened, and the inner optimizer's chunk."""
+    return xp.empty(size + min(CHUNK, size), dtype=master_dtype)
 
 
 def state_kinds(name: str, momentum: float) -> int:

@@ -94,6 +94,15 @@ class LossScaler:
         self.unscale, self.skipping = 1.0 / initial, False
         self.good_steps, self.skipped = 0, 0  # good steps since the last change of S; steps skipped in all
 
+    def state(self) -> dict:
+        """What a checkpoint keeps, so that a resumed run scales and skips as the uninterrupted one."""
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def restore(self, state: dict) -> None:
+        self.scale, self.good_steps, self.skipped = float(state["scale"]), int(state["good_steps"]), \
+            int(state["skipped"])
+        self.unscale = 1.0 / self.scale
+
     def update(self, finite: bool) -> None:
         """The verdict on this step's gradient (every rank the same): finite, or overflowed."""
         self.unscale, self.skipping = 1.0 / self.scale, not finite
@@ -114,27 +123,66 @@ class LossScaler:
 class MasterWeights:
     """An optimizer over half-precision pieces that updates master copies in `master_dtype`.
 
-    `make_inner(params, grads, decay)` builds the optimizer proper over the master pieces
-    and their gradients (optim.make_optimizer). A step copies the half-precision gradients
-    into the master dtype, divided by the loss scale, lets the inner optimizer update the
-    master copies, and rounds them into the half-precision parameters. A step the loss
-    scaler skips changes nothing: not the parameters, the state or the step count.
+    `make_inner(params, grads, decay, state=, workspace=)` builds the optimizer proper over
+    the master pieces and their gradients (optim.make_optimizer). A step copies the
+    half-precision gradients into the master dtype, divided by the loss scale, lets the
+    inner optimizer update the master copies, and rounds them into the half-precision
+    parameters. A step the loss scaler skips changes nothing: not the parameters, the state
+    or the step count.
+
+    Everything in the master dtype lives in two flat buffers:
+        state      [inner kind 0 | ... | inner kind K-1 | master copy]   each as long as the pieces;
+                   made here unless given
+        workspace  [the gradients widened | the inner optimizer's chunk]   (optim.master_workspace)
+    so that an engine whose buffers change between updates (a pipeline's or CDP's items)
+    keeps the whole state of a stage in one item and `bind`s it, as for any optimizer.
+    The master copy starts as the parameters when this optimizer makes its state, and
+    is whatever a given state holds otherwise (initial_state, or a checkpoint's).
     """
 
     def __init__(self, make_inner: Callable, params: Sequence, grads: Sequence, decay: Sequence,
-                 master_dtype: np.dtype, scaler: LossScaler | None) -> None:
+                 master_dtype: np.dtype, scaler: LossScaler | None, *, state_kinds: int, workspace,
+                 state=None) -> None:
         xp = array_module(params[0])
-        self.params, self.grads, self.scaler = list(params), list(grads), scaler
-        total = sum(piece.size for piece in self.params)
-        self.master = xp.empty(total, dtype=master_dtype)
-        self.master_grads = xp.empty(total, dtype=master_dtype)
-        self.master_pieces, self.master_grad_pieces, offset = [], [], 0
-        for piece in self.params:
-            self.master_pieces.append(self.master[offset:offset + piece.size])
-            self.master_grad_pieces.append(self.master_grads[offset:offset + piece.size])
-            self.master_pieces[-1][:] = piece
-            offset += piece.size
-        self.inner = make_inner(self.master_pieces, self.master_grad_pieces, decay)
+        self.params, self.grads, self.scaler, self.state_kinds = list(params), list(grads), scaler, state_kinds
+        self.sizes = [piece.size for piece in self.params]
+        total = sum(self.sizes)
+        if state is None:
+            state = xp.zeros((state_kinds + 1) * total, dtype=master_dtype)
+            initial_state(state, state_kinds, self.params)
+        self.workspace = workspace
+        self.master_grad_pieces = _views(workspace[:total], self.sizes)
+        self._bind_state(state)
+        self.inner = make_inner(self.master_pieces, self.master_grad_pieces, decay,
+                                state=state[:state_kinds * total], workspace=workspace[total:])
+
+    def _bind_state(self, state) -> None:
+        total = sum(self.sizes)
+        if len(state) != (self.state_kinds + 1) * total or state.dtype != self.workspace.dtype:
+            raise ValueError(f"master weights' state of {len(state)} {state.dtype} elements given; they keep "
+                             f"({self.state_kinds} + 1) x {total} in {self.workspace.dtype}")
+        self.state = state
+        self.master = state[self.state_kinds * total:]
+        self.master_pieces = _views(self.master, self.sizes)
+
+    def bind(self, params: Sequence | None = None, grads: Sequence | None = None, state=None) -> None:
+        """Other buffers of the same pieces from now on (None leaves that side as it is); `state`
+        laid out as this optimizer's own."""
+        self.params = self.params if params is None else list(params)
+        self.grads = self.grads if grads is None else list(grads)
+        if state is not None and state is not self.state:
+            self._bind_state(state)
+            self.inner.bind(params=self.master_pieces, state=state[:self.state_kinds * sum(self.sizes)])
+
+    def unbind(self, params: bool = True, grads: bool = True, state: bool = True) -> None:
+        """Keep none of those buffers alive; `bind` others before the next step."""
+        unbound = [None] * len(self.sizes)
+        self.params = unbound if params else self.params
+        self.grads = unbound if grads else self.grads
+        if state:
+            self.state = self.master = None
+            self.master_pieces = unbound
+            self.inner.unbind(params=True, grads=False, state=True)
 
     @property
     def steps(self) -> int:
@@ -145,23 +193,19 @@ class MasterWeights:
         self.inner.steps = value
 
     @property
-    def state(self):
-        return self.inner.state
-
-    @property
     def state_bytes(self) -> int:
         """The master copy and the inner optimizer's state: seed 004's K (12 bytes with Adam)."""
-        return self.master.nbytes + self.inner.state_bytes
+        return self.state.nbytes
 
     @property
     def workspace_bytes(self) -> int:
-        return self.master_grads.nbytes + self.inner.workspace_bytes
+        return self.workspace.nbytes
 
     def state_buffers(self) -> list:
-        return [self.master, *self.inner.state_buffers()]
+        return [self.state]
 
     def workspace_buffers(self) -> list:
-        return [self.master_grads, *self.inner.workspace_buffers()]
+        return [self.workspace]
 
     def step(self, lr: float) -> None:
         if self.scaler is not None and self.scaler.skipping:
@@ -175,3 +219,19 @@ class MasterWeights:
         self.inner.step(lr)
         for piece, master in zip(self.params, self.master_pieces):
             piece[:] = master  # rounded to half precision
+
+
+def initial_state(state, state_kinds: int, params: Sequence) -> None:
+    """Master weights' state before the first update: zero moments, the master copy the parameters."""
+    total = sum(piece.size for piece in params)
+    state[:state_kinds * total] = 0
+    for piece, master in zip(params, _views(state[state_kinds * total:], [piece.size for piece in params])):
+        master[:] = piece
+
+
+def _views(buffer, sizes: Sequence[int]) -> list:
+    views, offset = [], 0
+    for size in sizes:
+        views.append(buffer[offset:offset + size])
+        offset += size
+    return views

@@ -140,7 +140,8 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
 
 
 def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, itemsize: int, state_kinds: int,
-                  training: ActivationBytes, evaluation: ActivationBytes | None = None) -> Peak:
+                  training: ActivationBytes, evaluation: ActivationBytes | None = None,
+                  master_itemsize: int = 0) -> Peak:
     """The peak of one rank of the pipeline engine running `compiled`'s program for `rank`.
 
     The stashes come from the replayed timeline: a rank runs its program in a fixed order,
@@ -150,7 +151,9 @@ def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, item
     one per micro-batch in flight here), fetched weights one job ahead plus the pool's spare (a
     stage broadcast for evaluation: the one in use and the spare of another size),
     and every stage reduction this rank joins may be in flight with one block of scratch.
-    The last stage loads its micro-batch's inputs with the targets, and holds them through its forward."""
+    The last stage loads its micro-batch's inputs with the targets, and holds them through its forward.
+    `master_itemsize` (--precision fp16): each held stage's state item holds master weights too, in
+    that size, and the update reads the largest stage's gradient widened (runtime/item_store.py)."""
     held = [s for s in range(len(stage_sizes)) if rank in compiled.holders[s]]
     members = [s for s in range(len(stage_sizes)) if rank in compiled.members[s]]
     computed = sorted({i.stage for i in compiled.programs[rank] if isinstance(i, (Forward, Backward))})
@@ -159,6 +162,10 @@ def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, item
               "gradients": sum(stage_sizes[s] for s in members) * itemsize,
               "optimizer_state": state_kinds * held_size * itemsize,
               "workspace": min(CHUNK, max((stage_sizes[s] for s in held), default=0)) * itemsize}
+    if master_itemsize:
+        largest = max((stage_sizes[s] for s in held), default=0)
+        steady["optimizer_state"] = (1 + state_kinds) * held_size * master_itemsize
+        steady["workspace"] = (largest + min(CHUNK, largest)) * master_itemsize
     in_flight = compiled.timeline.peak_activations()[rank]
     boundary = max((nbytes for s in computed for nbytes in (training.inputs[s], _output_bytes(training, s))),
                    default=0)
@@ -210,13 +217,14 @@ def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, sta
                                   itemsize=itemsize, state_kinds=state_kinds, training=training,
                                   evaluation=evaluation, prefetch=prefetch, master_itemsize=master_itemsize)
     peak = pipeline_peak(worker, compiled, stage_sizes, itemsize=itemsize, state_kinds=state_kinds,
-                         training=training, evaluation=evaluation)
+                         training=training, evaluation=evaluation, master_itemsize=master_itemsize)
     shared = [s for s, size in enumerate(stage_sizes) if worker in compiled.holders[s] and size]
     if mesh.replicas == 1 or not shared:
         return peak
     return composed_peak(peak, [data_parallel_peak(sharding, stage_sizes[s], largest_units[s], mesh.replicas,
                                                    group_size, itemsize=itemsize, state_kinds=state_kinds,
-                                                   training=training, prefetch=prefetch) for s in shared])
+                                                   training=training, prefetch=prefetch,
+                                                   master_itemsize=master_itemsize) for s in shared])
 
 
 def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes,

@@ -237,7 +237,7 @@ class Executor:
 
     def _receive(self, instruction: Receive) -> None:
         item, source = self.items.shifted(instruction.item), self.plan.peer(instruction.source)
-        buffer = self.xp.empty(self.items.size(item), dtype=self.dtype)  # fresh: it may become an activation
+        buffer = self.items.empty(item)  # fresh: it may become an activation
         with self.comm.traffic.phase(PHASE_OF[item.kind]):
             self.items.expect(item, buffer, self.comm.irecv(buffer, source, self._tag(item)), source)
 

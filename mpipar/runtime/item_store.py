@@ -19,6 +19,11 @@ pointed at a version. Its methods are the whole life of a buffer:
                      (cyclic_compiler.weight_buffers decides which, per update)
     start_at         hold the persistent state a checkpoint fills
 
+A stage's optimizer state is one item, so that it travels in one message where a plan moves
+it; under --precision fp16 it is in the master dtype and holds the master copy after the
+optimizer's kinds (optim/precision.py's MasterWeights), and an update's Adam count is the
+updates applied so far (a step the loss scaler skips is none).
+
 Between two runs a rank holds exactly its plan's persistent items (the executor checks).
 
 Exercised by: python -m pytest tests/test_cyclic.py -k versions   (weight versions, spares)
@@ -33,7 +38,8 @@ from mpi4py import MPI
 from mpipar.comms.handle import test_requests, wait_requests
 from mpipar.comms.outbox import Outbox
 from mpipar.models.sequential import Stage
-from mpipar.optim.optimizers import CHUNK, make_optimizer
+from mpipar.optim.optimizers import CHUNK, make_optimizer, master_workspace
+from mpipar.optim.precision import initial_state
 from mpipar.runtime.ledger import MemoryLedger
 from mpipar.schedule.instructions import Item, ItemKind
 from mpipar.schedule.plans import Plan, Run
@@ -63,6 +69,9 @@ class ItemStore:
         self.state_kinds, self.replica_shared, self.rank = state_kinds, replica_shared, rank
         self.optimizer_name, self.optimizer_options = optimizer, optimizer_options
         self.dtype, self.xp = stages[0].flat.dtype, stages[0].flat.backend.xp  # every buffer where the arrays live
+        master = np.dtype(optimizer_options.get("master_dtype") or self.dtype)
+        self.master_dtype = master if master != self.dtype else None  # --precision fp16's master weights
+        self.loss_scaler = optimizer_options.get("loss_scaler")
         self.decay = [stage.flat.decay_spans(0, stage.flat.size) for stage in stages]
         self.store: dict[Item, np.ndarray] = {}
         self.inbox: dict[Item, tuple[np.ndarray, MPI.Request, int]] = {}  # buffer, request, source
@@ -77,8 +86,13 @@ class ItemStore:
         self.micro_size = 0
         for item in plan.persistent(0):  # the rest arrives laid out, not allocated: items are bound per job
             flat = stages[item.stage].flat
-            self.keep(item, flat.initial(0, flat.size) if item.kind == ItemKind.WEIGHTS
-                      else self.xp.zeros(self.size(item), self.dtype))
+            if item.kind == ItemKind.WEIGHTS:
+                self.keep(item, flat.initial(0, flat.size))
+                continue
+            state = self.xp.zeros(self.size(item), self.dtype_of(item))
+            if self.master_dtype is not None:
+                initial_state(state, state_kinds, [flat.initial(0, flat.size)])
+            self.keep(item, state)
 
     def begin(self, run: Run, micro_size: int, first_step: int) -> None:
         """A run of `run`'s program from `first_step` on, `micro_size` samples a micro-batch. A plan
@@ -109,7 +123,7 @@ class ItemStore:
             self.let_go(item.stage, self.store.pop(item))
             self.ledger.free(LEDGER_KIND[item.kind], buffer)
         for item in self.plan.persistent(step):
-            self.keep(item, self.xp.empty(self.size(item), dtype=self.dtype))
+            self.keep(item, self.empty(item))
         self.next_step = step
 
     def shifted(self, item: Item) -> Item:
@@ -124,7 +138,17 @@ class ItemStore:
         if item.kind in PER_MICRO_BATCH:
             return (self.micro_size, *self.input_shapes[item.stage + (item.kind == ItemKind.OUTPUT_GRADIENT)])
         size = self.stages[item.stage].flat.size
-        return (size * self.state_kinds,) if item.kind == ItemKind.OPTIMIZER_STATE else (size,)
+        if item.kind != ItemKind.OPTIMIZER_STATE:
+            return (size,)
+        return (size * (self.state_kinds + (self.master_dtype is not None)),)
+
+    def dtype_of(self, item: Item) -> np.dtype:
+        state = item.kind == ItemKind.OPTIMIZER_STATE and self.master_dtype is not None
+        return self.master_dtype if state else self.dtype
+
+    def empty(self, item: Item) -> np.ndarray:
+        """A new buffer for `item`, uninitialised."""
+        return self.xp.empty(self.size(item), dtype=self.dtype_of(item))
 
     def held(self) -> dict[Item, np.ndarray]:
         """Every item held now, by item (a view of the store: read, do not change)."""
@@ -241,7 +265,8 @@ class ItemStore:
         state = self.get(Item(ItemKind.OPTIMIZER_STATE, s, 0))
         if weights.size:  # a stage without parameters has nothing to step
             optimizer = self._optimizer(s, weights, gradient, state)
-            optimizer.steps = step  # Adam's bias correction counts the updates so far
+            # Adam's bias correction counts the updates applied so far
+            optimizer.steps = step - (self.loss_scaler.skipped if self.loss_scaler else 0)
             optimizer.step(lr)
 
     def _aside(self, s: int, done: Item | None, weights: np.ndarray) -> np.ndarray:
@@ -263,7 +288,8 @@ class ItemStore:
             if self.workspace is None:
                 largest = max(self.stages[stage].flat.size for stage, _ in self.run.weight_plan
                               if stage not in self.replica_shared)
-                self.workspace = self.xp.empty(min(CHUNK, largest), dtype=self.dtype)
+                self.workspace = (self.xp.empty(min(CHUNK, largest), dtype=self.dtype) if self.master_dtype is None
+                                  else master_workspace(self.xp, largest, self.master_dtype))
                 self.ledger.hold("workspace", self.workspace)
             self.optimizers[s] = make_optimizer(self.optimizer_name, [weights], [gradient], [self.decay[s]],
                                                 state=state, workspace=self.workspace, **self.optimizer_options)

@@ -135,20 +135,22 @@ class StageBlocks:
         starting at `offset`; and its optimizer."""
         optimizer = self.make_optimizer()
         P, OS = self.sharding.parameters, self.sharding.optimizer_state
-        per_kind = len(optimizer.state) // self.state_kinds if self.state_kinds else 0
-        pieces, position = [], 0  # the state of unit after unit, each kind one after the other
+        per_kind = sum(stop - start for start, stop in (unit.blocks[OS] for unit in self.units))
+        # the state of unit after unit, each kind one after the other; master weights' copy after the
+        # kinds (precision.py)
+        vectors = [f"optimizer.{kind}" for kind in range(self.state_kinds)]
+        if isinstance(optimizer, MasterWeights):
+            vectors.append("params.master")
+        pieces, position = [], 0
         for unit in self.units:
             start, stop = unit.blocks[P]
             pieces.append(Piece("params", offset + unit.start + start, offset + unit.start + stop,
                                 self.parameters(unit, P)))
             start, stop = unit.blocks[OS]
-            for kind in range(self.state_kinds):
+            for kind, vector in enumerate(vectors):
                 first = kind * per_kind + position
-                pieces.append(Piece(f"optimizer.{kind}", offset + unit.start + start, offset + unit.start + stop,
+                pieces.append(Piece(vector, offset + unit.start + start, offset + unit.start + stop,
                                     optimizer.state[first:first + stop - start]))
-            if isinstance(optimizer, MasterWeights):  # its master copy is laid out as each state kind
-                pieces.append(Piece("params.master", offset + unit.start + start, offset + unit.start + stop,
-                                    optimizer.master[position:position + stop - start]))
             position += stop - start
         return pieces, [optimizer]
 

@@ -150,7 +150,9 @@ class WholeModel:
             if item.kind == ItemKind.WEIGHTS:
                 vector = "params" if item.index == self.items.next_step else "params.previous"
                 pieces.append(Piece(vector, start, start + size, buffer))
-            else:
-                pieces += [Piece(f"optimizer.{kind}", start, start + size, buffer[kind * size:(kind + 1) * size])
-                           for kind in range(self.state_kinds)]
+            else:  # the kinds, then under --precision fp16 the master copy (item_store.py)
+                vectors = [f"optimizer.{kind}" for kind in range(self.state_kinds)]
+                vectors += ["params.master"] if self.items.master_dtype is not None else []
+                pieces += [Piece(vector, start, start + size, buffer[kind * size:(kind + 1) * size])
+                           for kind, vector in enumerate(vectors)]
         return pieces, optimizers

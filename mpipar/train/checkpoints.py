@@ -1,16 +1,18 @@
 """The trainer's side of checkpoints: when to save, what a checkpoint records of a run, resuming.
 
 What makes a resumed run continue bit for bit: the parameters and optimizer state (the
-engine's `state_pieces`, whatever the layout), the optimizer's update count, and the step
-number. Everything else random in mpipar is counter-based, a pure function of the seed and
-the step: the data order of an epoch is a permutation drawn from (seed, epoch), a step's
-batch is a slice of it, dropout masks are drawn from (seed, step, stage, sample), and the
-initial weights from (seed, layer, parameter). There is no generator state to save, so the
-manifest records the seed and the position (epoch, step in epoch, first sample), and a run
-resumed with another seed, data set or batch size is refused rather than silently changed.
-The manifest also records what the data was (the identity the ranks agree on: sizes, sample
-shape, classes and a sha256 of the content), so a resume on other files under the same
---dataset name is refused too, unless --resume-other-data says it is meant (fine-tuning).
+engine's `state_pieces`, whatever the layout), the optimizer's update count (the updates
+applied: a step that --precision fp16 skipped is none), under --precision fp16 the loss
+scale and its counts, and the step number. Everything else random in mpipar is
+counter-based, a pure function of the seed and the step: the data order of an epoch is a
+permutation drawn from (seed, epoch), a step's batch is a slice of it, dropout masks are
+drawn from (seed, step, stage, sample), and the initial weights from (seed, layer,
+parameter). There is no generator state to save, so the manifest records the seed and the
+position (epoch, step in epoch, first sample), and a run resumed with another seed, data set
+or batch size is refused rather than silently changed. The manifest also records what the
+data was (the identity the ranks agree on: sizes, sample shape, classes and a sha256 of the
+content), so a resume on other files under the same --dataset name is refused too, unless
+--resume-other-data says it is meant (fine-tuning).
 
 When a save happens, at the end of a step (for Cyclic Data Parallelism, of an epoch):
 every --save-every steps; when --save-every-minutes have passed on rank 0's clock; at the
@@ -44,6 +46,7 @@ from mpipar.data.token_scan import partial_identity
 from mpipar.data.tokens import IDENTITY_VERSION
 from mpipar.errors import CheckpointError, StoppedToRequeue
 from mpipar.optim.optimizers import state_kinds
+from mpipar.optim.precision import LossScaler
 from mpipar.system.signals import checkpoint_on_signals, stop_requested
 
 if TYPE_CHECKING:
@@ -72,6 +75,7 @@ class CheckpointedRun:
     scheme_name: str
     train_set: Any  # the data, as the ranks agreed on it: its identity is recorded and compared
     test_set: Any
+    loss_scaler: LossScaler | None  # --precision fp16's: its scale and skipped steps are saved and restored
 
 
 class Checkpoints:
@@ -166,13 +170,16 @@ class Checkpoints:
         run, cfg = self.run, self.config
         per_epoch = run.steps_per_epoch
         epoch, in_epoch = divmod(steps_done, per_epoch)
+        scaler = run.loss_scaler
         return {"format": FORMAT, "mpipar_version": mpipar.__version__,
                 "dtype": run.dtype_name, "vector_dtypes": self.vector_dtypes(),
                 "size": run.parameter_count,
                 "parameters": parameter_table(run.stages),
                 "training": {"step": steps_done, "epoch": epoch, "step_in_epoch": in_epoch,
                              "steps_per_epoch": per_epoch, "first_sample": in_epoch * cfg.training.batch_size,
-                             "optimizer": cfg.optim.optimizer, "optimizer_steps": steps_done,
+                             "optimizer": cfg.optim.optimizer,
+                             "optimizer_steps": steps_done - (scaler.skipped if scaler else 0),
+                             **({"loss_scale": scaler.state()} if scaler else {}),
                              "next_lr": run.lr_at(steps_done), "seed": cfg.training.seed,
                              "random_streams": "counter-based: data order from (seed, epoch), dropout from "
                                                "(seed, step, stage, sample); no generator state"},
@@ -249,6 +256,8 @@ class Checkpoints:
                       "(identity version 1), so only those were compared with this run's data", flush=True)
         for optimizer in engine.whole_model.state_pieces()[1]:
             optimizer.steps = manifest["training"]["optimizer_steps"]
+        if self.run.loss_scaler and "loss_scale" in manifest["training"]:  # else it starts anew (an fp32 run's)
+            self.run.loss_scaler.restore(manifest["training"]["loss_scale"])
         return step
 
 

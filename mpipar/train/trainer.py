@@ -103,7 +103,7 @@ class Trainer:
             config=self.config, comm=self.comm, engine=self.engine, stages=self.stages,
             dtype_name=self.backend.dtype.name, parameter_count=self.parameter_count,
             steps_per_epoch=self.sampler.steps_per_epoch, lr_at=self.lr_at, scheme_name=self.scheme.name,
-            train_set=self.train_set, test_set=self.test_set))
+            train_set=self.train_set, test_set=self.test_set, loss_scaler=self.loss_scaler))
         self.start_step = self.checkpoints.resume()  # collective: 0, or the step a checkpoint was saved at
 
     def _setup(self) -> None:

@@ -36,8 +36,8 @@ class ModelOptions(OptionGroup):
                                    "of the master weights and optimizer state)", click.Choice(DTYPES), "model")
     precision: str = option("fp32", "arithmetic of forward and backward: fp32 (--dtype throughout; CPU and GPU) "
                                     "or fp16 (half precision with --dtype master weights and loss scaling; GPU "
-                                    "only); bf16 is refused everywhere, as neither NumPy nor CuPy has bfloat16 "
-                                    "(docs/precision.md)", click.Choice(PRECISIONS), "model")
+                                    "only, every scheme but CDP); bf16 is refused everywhere, as neither NumPy "
+                                    "nor CuPy has bfloat16 (docs/precision.md)", click.Choice(PRECISIONS), "model")
     device: str = option("cpu", "where the arrays live (gpu needs CuPy: pip install 'mpipar[gpu]')",
                          click.Choice(DEVICES), "model")
 

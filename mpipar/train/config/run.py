@@ -149,7 +149,7 @@ class TrainConfig:
         self.optim.validate()
         self.parallel.validate(world_size)
         self.checkpoint.validate()
-        self._refuse_half_precision_outside_data_parallelism()
+        self._refuse_half_precision_where_updates_do_not_settle()
         self._refuse_gathered_activations_outside_plain_data_parallelism()
         self._refuse_a_model_for_other_data()
         if parallel.cyclic:
@@ -159,15 +159,15 @@ class TrainConfig:
         else:
             self._refuse_what_data_parallelism_cannot_run(world_size)
 
-    def _refuse_half_precision_outside_data_parallelism(self) -> None:
-        """What --precision fp16 covers: the built-in models under the data-parallel schemes."""
+    def _refuse_half_precision_where_updates_do_not_settle(self) -> None:
+        """What --precision fp16 covers: the built-in models under the data-parallel and pipeline schemes."""
         model, parallel = self.model, self.parallel
         if model.precision == Precision.FP32:
             return
-        if parallel.cyclic or parallel.stages:
-            raise ConfigError(f"--precision {model.precision} runs the data-parallel schemes (--scheme or --shard "
-                              f"without --stages); {'Cyclic Data Parallelism' if parallel.cyclic else 'pipelines'} "
-                              "train in --precision fp32")
+        if parallel.cyclic:
+            raise ConfigError(f"--precision {model.precision} needs one verdict on overflow per step before any "
+                              f"update, and --scheme {parallel.scheme} updates each stage while the others still "
+                              "compute: Cyclic Data Parallelism trains in --precision fp32")
         if model.model not in MODELS:
             raise ConfigError(f"--precision {model.precision} trains the built-in models ({', '.join(MODELS)}); a "
                               "PyTorch or JAX model keeps its own precision (torch.autocast, jmp)")
