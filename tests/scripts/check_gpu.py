@@ -6,7 +6,7 @@ repository on PYTHONPATH:
 
     python check_gpu.py                     # one process: everything below that runs on one
     mpiexec -n 2 python check_gpu.py        # two ranks sharing the GPU
-    mpiexec -n 4 python check_gpu.py schemes    # one part alone: schemes, memory or speed
+    mpiexec -n 4 python check_gpu.py schemes    # one part alone: a key of PARTS
 
 Each case prints one line on rank 0: ok or FAILED, with the largest difference or the
 error (rank 0's traceback goes to stderr). The cases:
@@ -39,8 +39,10 @@ error (rank 0's traceback goes to stderr). The cases:
     in torch eager and torch.compile, float32 and --precision fp16 (torch: autocast(float16)
     and GradScaler), 3 alternating rounds of 10 steps;
   - --precision fp16 (docs/precision.md): the transformer trained 200 steps in fp16 and in
-    float32 on the GPU, the evaluation losses within 2%; and a loss scale started at 2^28,
-    so that the first steps overflow: on every rank the same steps are skipped.
+    float32 on the GPU, the evaluation losses within 2%; a loss scale started at 2^28,
+    so that the first steps overflow: on every rank the same steps are skipped; and under
+    DDP, ZeRO-3 and 1F1B (one stage a rank) each rank holds 2 + 2 + 12 bytes per parameter
+    it keeps (Table 1), its pool peak within 10% of the prediction.
 """
 
 import statistics
@@ -538,6 +540,42 @@ def fp16_overflow_skipped_by_every_rank() -> str:
             f"loss scale now {trainer.loss_scaler.scale:g}, last loss {last.loss:.4f}")
 
 
+def fp16_holds_table_1() -> str:
+    """--precision fp16 on the device, 2 steps of DDP, ZeRO-3 and (on several ranks) 1F1B over
+    one stage a rank: each rank's ledger holds seed 004's 2 + 2 + 12 bytes per parameter it
+    keeps (Table 1's row; a pipeline rank: of its stage), and CuPy's pool peak is within
+    10% of the predicted peak."""
+    from mpipar.predict.seed_tables import seed_table_1
+
+    shapes = dict(seq_len=128, width=256, heads=4, blocks=4, batch_size=16 * world.size, max_steps=2)
+    layouts = {"ddp": dict(scheme="ddp"), "zero3": dict(scheme="zero3")}
+    if world.size > 1:
+        layouts["1f1b"] = dict(scheme="1f1b", stages=world.size, micro_batches=4)
+    lines, failed = [], False
+    for name, layout in layouts.items():
+        trainer = Trainer(TrainConfig.of(**{**COMMON, **TRANSFORMER, **shapes, **layout, "dtype": "float32",
+                                            "precision": "fp16", "device": "gpu", "memory_profile": True},
+                                         text_file=text_file()))
+        memory = trainer.run()["memory_per_rank"]
+        held = trainer.engine.ledger.steady()
+        if name == "1f1b":
+            kept = trainer.stages[world.rank].flat.size
+            p, g, os_bytes = kept, kept, 12 * kept
+        else:
+            p, g, os_bytes = ((trainer.parameter_count,) * 2 + (12 * trainer.parameter_count,) if name == "ddp"
+                              else seed_table_1(name, trainer.parameter_count, world.size, world.size, 12))
+        table = {"parameters": 2 * p, "gradients": 2 * g, "optimizer_state": os_bytes}
+        wrong = {kind: (held[kind], want) for kind, want in table.items() if held[kind] != want}
+        measured, predicted = memory["allocator_peak_bytes"][world.rank], memory["predicted_peak_bytes"][world.rank]
+        gap = measured / predicted - 1
+        failed |= bool(wrong) or abs(gap) > 0.10
+        lines.append(f"{name}: P {held['parameters']:,} G {held['gradients']:,} OS {held['optimizer_state']:,} B"
+                     f"{f' (held, Table 1) {wrong}' if wrong else ' = Table 1'}; pool peak "
+                     f"{measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB ({gap:+.1%})")
+    verdicts = world.allgather(failed)
+    return f"{'FAILED' if any(verdicts) else 'ok'}: rank 0: " + "; ".join(lines)
+
+
 sys.path.insert(0, str(EXAMPLES))  # torch_mlp, the example's builders
 PARTS = {  # `check_gpu.py PART` runs one part alone (a device's minutes are few)
     "schemes": lambda: case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu),
@@ -545,6 +583,7 @@ PARTS = {  # `check_gpu.py PART` runs one part alone (a device's minutes are few
     "kernels": lambda: case("fused layers on the gpu = numpy", fused_layers_equal_numpy),
     "profile": lambda: case("where a step of the transformer goes on the gpu, ms", where_a_step_goes),
     "fp16": lambda: case("fp16 overflow skipped by every rank on the gpu", fp16_overflow_skipped_by_every_rank),
+    "fp16-memory": lambda: case("fp16 holds 2 + 2 + 12 bytes a parameter on the gpu", fp16_holds_table_1),
     "speed": lambda: (case("transformer at the gpu recipe's shapes, speed on cuda", transformer_speed_on_cuda),
                       case("transformer at the gpu recipe's shapes in fp16, speed on cuda",
                            lambda: transformer_speed_on_cuda("fp16"))),
@@ -572,3 +611,4 @@ if world.size == 1:
     case("transformer at the gpu recipe's shapes in fp16, speed on cuda", lambda: transformer_speed_on_cuda("fp16"))
     case("transformer fp16 follows float32 over 200 steps on the gpu", fp16_follows_float32)
 case("fp16 overflow skipped by every rank on the gpu", fp16_overflow_skipped_by_every_rank)
+case("fp16 holds 2 + 2 + 12 bytes a parameter on the gpu", fp16_holds_table_1)
