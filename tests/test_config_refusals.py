@@ -46,6 +46,8 @@ OUTSIDE_THE_CONFIG = {
     # Preconditions of the library's parts, which other commands and Python callers use directly.
     "layers/attention.py": "a layer's own arguments",
     "layers/dropout.py": "a layer's own arguments",
+    "layers/tensor_parallel.py": "a layer's own arguments: a split that T does not divide",
+    "layers/parallel_attention.py": "a layer's own arguments: a width its heads, or T, do not divide",
     "optim/optimizers.py": "a schedule's own arguments",
     "comms/collectives.py": "an algorithm's group sizes on a communicator",
     "comms/comm.py": "the MPI library's tag range",

@@ -58,15 +58,8 @@ class CausalSelfAttention(Layer):
         if x.ndim != 3 or x.shape[2] != self.dim:
             raise self.shape_error(f"(batch, T, {self.dim})", x.shape)
         n, t, _ = x.shape
-        xp = array_module(x)
         q, k, v = self._heads(x)
-        probs = q @ k.swapaxes(-1, -2)
-        probs *= 1.0 / math.sqrt(self.head_dim)
-        probs += _future_mask(t, t, 0, x.dtype, xp)
-        in_row_parts(_softmax_in_place, probs)
-        merged = xp.empty((n, t, self.heads, self.head_dim), dtype=x.dtype)  # the heads side by side per row
-        xp.matmul(probs, v, out=merged.transpose(0, 2, 1, 3))  # BLAS writes the strided heads directly
-        merged = merged.reshape(n * t, self.dim)
+        probs, merged = attend(q, k, v)
         ctx.save(self, x, q, k, v, probs, merged)
         return self._project_out(merged, n, t)
 
@@ -92,24 +85,45 @@ class CausalSelfAttention(Layer):
         d_out = (dy_rows @ self.params["out_weight"].T).reshape(n, t, self.heads, self.head_dim).transpose(0, 2, 1, 3)
         # d_qkv in the layout of the forward's qkv, so its rows multiply as one matrix
         d_qkv = xp.empty((n, t, 3, self.heads, self.head_dim), dtype=dy.dtype)
-        d_q, d_k, d_v = d_qkv.transpose(2, 0, 3, 1, 4)
-        xp.matmul(probs.swapaxes(-1, -2), d_out, out=d_v)
-        d_scores = d_out @ v.swapaxes(-1, -2)  # d_probs, then in place:
-        in_row_parts(self._softmax_backward, d_scores, probs)
-        xp.matmul(d_scores, k, out=d_q)
-        xp.matmul(d_scores.swapaxes(-1, -2), q, out=d_k)
+        attend_backward(d_out, q, k, v, probs, *d_qkv.transpose(2, 0, 3, 1, 4))
         d_qkv = d_qkv.reshape(n * t, 3 * d)
         self.grad_matmul(self.grads["qkv_weight"], x.reshape(n * t, d).T, d_qkv)
         self.grad_sum(self.grads["qkv_bias"], d_qkv, axis=0)
         return (d_qkv @ self.params["qkv_weight"].T).reshape(n, t, d)
 
 
-    def _softmax_backward(self, d_scores: Array, probs: Array) -> None:
-        """d_scores <- p (dp - sum_u dp p) / sqrt(d) from d_scores = dp, in place (probs too: not needed after)."""
-        d_scores *= probs  # p dp
-        probs *= d_scores.sum(axis=-1, keepdims=True)  # p sum_u(p dp)
-        d_scores -= probs
-        d_scores *= 1.0 / math.sqrt(self.head_dim)
+def attend(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
+    """The attention of heads q, k, v (each (N, H, T, d)): the probabilities p (N, H, T, T), and
+    p v with the heads side by side per row, (N T, H d)."""
+    n, heads, t, head_dim = q.shape
+    xp = array_module(q)
+    probs = q @ k.swapaxes(-1, -2)
+    probs *= 1.0 / math.sqrt(head_dim)
+    probs += _future_mask(t, t, 0, q.dtype, xp)
+    in_row_parts(_softmax_in_place, probs)
+    merged = xp.empty((n, t, heads, head_dim), dtype=q.dtype)
+    xp.matmul(probs, v, out=merged.transpose(0, 2, 1, 3))  # BLAS writes the strided heads directly
+    return probs, merged.reshape(n * t, heads * head_dim)
+
+
+def attend_backward(d_out: Array, q: Array, k: Array, v: Array, probs: Array, d_q: Array, d_k: Array,
+                    d_v: Array) -> None:
+    """From d_out (N, H, T, d), the gradient of p v: dq, dk, dv written into `d_q`, `d_k`, `d_v`
+    (views of the caller's layout); `probs` is overwritten."""
+    xp = array_module(d_out)
+    xp.matmul(probs.swapaxes(-1, -2), d_out, out=d_v)
+    d_scores = d_out @ v.swapaxes(-1, -2)  # d_probs, then in place:
+    in_row_parts(functools.partial(_softmax_backward, head_dim=q.shape[-1]), d_scores, probs)
+    xp.matmul(d_scores, k, out=d_q)
+    xp.matmul(d_scores.swapaxes(-1, -2), q, out=d_k)
+
+
+def _softmax_backward(d_scores: Array, probs: Array, head_dim: int) -> None:
+    """d_scores <- p (dp - sum_u dp p) / sqrt(d) from d_scores = dp, in place (probs too: not needed after)."""
+    d_scores *= probs  # p dp
+    probs *= d_scores.sum(axis=-1, keepdims=True)  # p sum_u(p dp)
+    d_scores -= probs
+    d_scores *= 1.0 / math.sqrt(head_dim)
 
 
 def _softmax_in_place(scores: Array) -> None:

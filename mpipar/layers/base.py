@@ -56,6 +56,10 @@ class ParamSpec:
     # A copy of another layer's first parameter (a tied output layer's copy of the token
     # embedding): drawn from that parameter's stream, so the two start equal (mpipar/optim/tying.py).
     copy_of: "Layer | None" = None
+    # A tensor-parallel shard (layers/tensor_parallel.py): (first, count), its first `count`
+    # elements are elements [first, first + count) of the whole parameter's stream, the rest
+    # zero (a padded vocabulary's rows). So a shard starts as the same numbers for every T.
+    part: tuple[int, int] | None = None
 
 
 def uniform_init(bound: float) -> Init:

@@ -119,14 +119,17 @@ class FlatParams:
             low, high = max(start, segment.offset), min(stop, segment.offset + segment.size)
             if low >= high:
                 continue
+            first, count = spec.part or (0, segment.size)
+            drawn_to = min(high, segment.offset + count)  # past it, a shard's padding: zero
+            out[max(low, drawn_to) - start:high - start] = 0
             rng = np.random.default_rng([self.seed, leaf_index, number])
-            position = segment.offset  # flat index of the stream's next value
-            while position < high:  # values before `low` are drawn only to advance the stream
-                count = min(INIT_CHUNK, high - position)
+            position = segment.offset - first  # flat index of the stream's next value
+            while low < drawn_to and position < drawn_to:  # values before `low` only advance the stream
+                count = min(INIT_CHUNK, drawn_to - position)
                 values = spec.init(rng, count)
                 if position + count > low:
-                    first = max(low, position)
-                    out[first - start:position + count - start] = self.backend.asarray(values[first - position:])
+                    begin = max(low, position)
+                    out[begin - start:position + count - start] = self.backend.asarray(values[begin - position:])
                 position += count
         return out
 

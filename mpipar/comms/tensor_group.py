@@ -1,0 +1,42 @@
+"""The tensor group: the T ranks that split each layer, as tensor-parallel layers use them.
+
+The layers (layers/tensor_parallel.py, parallel_attention.py, vocab_parallel.py) are
+handed one of these and never import this package. It sums and gathers over a
+sub-communicator of the T ranks, through the counted collectives (so device arrays take
+the wire, and every byte is counted), under the traffic phase "tensor": the counters show
+tensor-parallel traffic as an axis of its own, and only inside the group.
+
+Exercised by: mpiexec -n 2 python tests/scripts/check_tensor_layers.py   (via tests/test_tensor_parallel.py)
+"""
+
+from __future__ import annotations
+
+from mpipar.backend import Array, array_module
+from mpipar.comms.collectives import all_gather, all_reduce
+from mpipar.comms.comm import Comm
+
+PHASE = "tensor"
+
+
+class TensorGroup:
+    """Sums and gathers over `comm` (the group's ranks), with `algorithm` (collectives.py)."""
+
+    def __init__(self, comm: Comm, algorithm: str = "mpi") -> None:
+        self.comm, self.algorithm = comm, algorithm
+        self.size, self.rank = comm.size, comm.rank
+
+    def all_reduce(self, array: Array) -> None:
+        """array <- its sum over the group, in place (nothing to do for T = 1)."""
+        if self.size > 1:
+            with self.comm.traffic.phase(PHASE):
+                all_reduce(self.comm, array.reshape(-1), self.algorithm)
+
+    def all_gather(self, part: Array) -> Array:
+        """Every rank's `part`, stacked in rank order: (T, *part.shape)."""
+        out = array_module(part).empty((self.size, *part.shape), dtype=part.dtype)
+        if self.size == 1:
+            out[0] = part
+            return out
+        with self.comm.traffic.phase(PHASE):
+            all_gather(self.comm, part.reshape(-1), out.reshape(-1), self.algorithm)
+        return out

@@ -1,0 +1,172 @@
+"""The vocabulary split over the T ranks of a tensor group: embedding, tied output, cross-entropy.
+
+The vocabulary is padded to V' = T ceil(V / T) rows, and rank t holds rows
+[t V'/T, (t+1) V'/T) of the embedding E (the padded rows are zero and never read: no id
+reaches them, and their logits are masked). Nowhere does one rank hold all V logits:
+
+    embedding      y = sum over t of E_t[ids]   (ids outside the block: zero)   one all-reduce
+                   dE_t[ids] += dy   for the ids in the block                   (dy whole)
+    tied output    z_t = x C_t^T;   dC_t += dz_t^T x;   dx = sum over t of dz_t C_t   (all-reduce)
+    cross-entropy  m = max over t of the row maxima of z_t        (gathered: one value a row a rank)
+                   s = sum over t of sum exp(z_t - m)               (all-reduce, a value a row)
+                   z[target] from the rank that holds it            (all-reduce, a value a row)
+                   loss = log s + m - z[target];   dz_t = softmax_t - onehot_t
+    prediction     argmax: each rank's best column and its value, gathered; the first best wins
+
+so the loss costs three messages of a value per row, not the V logits. The loss and the
+prediction come out the same on every rank of the group.
+
+Exercised by: mpiexec -n 2 python tests/scripts/check_tensor_layers.py   (via tests/test_tensor_parallel.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from mpipar.backend import Array, accumulation_dtype, array_module, on_host, scatter_add
+from mpipar.cache import Context
+from mpipar.errors import DataError, ShapeError
+from mpipar.layers.base import Layer, normal_init
+from mpipar.layers.losses import Loss
+from mpipar.layers.tensor_parallel import TensorGroup, shard_spec
+
+
+def vocabulary_block(vocab_size: int, group: TensorGroup) -> tuple[int, int]:
+    """(first row, rows) of the rank's block of the padded vocabulary."""
+    rows = -(-vocab_size // group.size)
+    return group.rank * rows, rows
+
+
+class VocabParallelEmbedding(Layer):
+    def __init__(self, vocab_size: int, dim: int, group: TensorGroup) -> None:
+        super().__init__()
+        self.vocab_size, self.dim, self.group = vocab_size, dim, group
+        self.first, self.rows_here = vocabulary_block(vocab_size, group)
+        self.name = f"VocabParallelEmbedding({vocab_size}, {dim}, {self.rows_here} rows here)"
+
+    def param_specs(self):
+        return [shard_spec("weight", (self.rows_here, self.dim), self.vocab_size, self.first, normal_init(0.02), True)]
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*in_shape, self.dim)
+
+    def flops(self, in_shape: tuple[int, ...]) -> int:
+        return 0
+
+    def forward(self, ids: Array, ctx: Context) -> Array:
+        if ids.dtype.kind not in "iu":
+            raise ShapeError(f"{self.name}: expected integer token ids, got {ids.dtype} values")
+        if on_host(ids) and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise DataError(f"{self.name}: token ids must be in [0, {self.vocab_size}), "
+                            f"got ids from {int(ids.min())} to {int(ids.max())}")
+        xp = array_module(ids)
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.rows_here)
+        local[outside] = 0
+        y = self.params["weight"][local]
+        y[outside] = 0
+        self.group.all_reduce(y)
+        ctx.save(self, local[~outside], xp.flatnonzero(~outside.reshape(-1)))
+        return y
+
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
+        rows, positions = ctx.pop(self)
+        if self.fresh_grads:  # a scatter only touches the rows it hits: the rest must be zero
+            self.grads["weight"].fill(0)
+        scatter_add(self.grads["weight"], rows, dy.reshape(-1, self.dim)[positions])
+        return None
+
+
+class VocabParallelOutput(Layer):
+    """The output layer tied to a vocabulary-parallel embedding: this rank's logits z_t = x C_t^T,
+    C_t a copy of the embedding's block (kept equal as TiedOutput's is: mpipar/optim/tying.py)."""
+
+    def __init__(self, embedding: VocabParallelEmbedding) -> None:
+        super().__init__()
+        self.embedding, self.dim, self.group = embedding, embedding.dim, embedding.group
+        self.vocab_size, self.first, self.rows_here = embedding.vocab_size, embedding.first, embedding.rows_here
+        self.name = f"VocabParallelOutput({self.dim}->{self.vocab_size}, {self.rows_here} here)"
+        self.needs_input_grad = True
+
+    def param_specs(self):
+        spec = shard_spec("weight", (self.rows_here, self.dim), self.vocab_size, self.first, normal_init(0.02), True)
+        return [dataclasses.replace(spec, copy_of=self.embedding)]
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if not in_shape or in_shape[-1] != self.dim:
+            raise self.shape_error(f"(..., {self.dim})", in_shape)
+        return (*in_shape[:-1], self.rows_here)
+
+    def flops(self, in_shape: tuple[int, ...]) -> int:
+        return math.prod(in_shape) * self.rows_here
+
+    def forward(self, x: Array, ctx: Context) -> Array:
+        ctx.save(self, x)
+        logits = x.reshape(-1, self.dim) @ self.params["weight"].T
+        return logits.reshape(*x.shape[:-1], self.rows_here)
+
+    def backward(self, dy: Array, ctx: Context) -> Array | None:
+        (x,) = ctx.pop(self)
+        dy_rows = dy.reshape(-1, self.rows_here)
+        self.grad_matmul(self.grads["weight"], dy_rows.T, x.reshape(-1, self.dim))
+        if not self.needs_input_grad:
+            return None
+        dx = dy_rows @ self.params["weight"]
+        self.group.all_reduce(dx)
+        return dx.reshape(x.shape)
+
+
+class VocabParallelCrossEntropy(Loss):
+    """Softmax cross-entropy over logits split by vocabulary block: (..., V'/T) on each rank."""
+
+    name = "VocabParallelCrossEntropy"
+
+    def __init__(self, vocab_size: int, group: TensorGroup) -> None:
+        self.vocab_size, self.group = vocab_size, group
+        self.first, self.rows_here = vocabulary_block(vocab_size, group)
+        self.padded = max(0, self.first + self.rows_here - vocab_size)  # columns past V here: masked
+
+    def _masked_rows(self, logits: Array) -> Array:
+        rows = logits.reshape(-1, self.rows_here)
+        if self.padded:
+            rows = rows.copy()
+            rows[:, self.rows_here - self.padded:] = -array_module(rows).inf
+        return rows
+
+    def forward(self, logits: Array, targets: Array, ctx: Context, global_batch: int) -> Array:
+        if logits.shape[:-1] != targets.shape or logits.shape[-1] != self.rows_here:
+            raise ShapeError(f"{self.name}: logits {tuple(logits.shape)} do not match targets "
+                             f"{tuple(targets.shape)} (expected {(*targets.shape, self.rows_here)})")
+        xp = array_module(logits)
+        rows = self._masked_rows(logits)
+        most = self.group.all_gather(rows.max(axis=1)).max(axis=0)
+        shifted = rows - most[:, None]
+        sums = xp.exp(shifted).sum(axis=1)
+        self.group.all_reduce(sums)
+        log_norm = xp.log(sums)
+        local = targets.reshape(-1) - self.first
+        inside = (local >= 0) & (local < self.rows_here)
+        at_target = xp.where(inside, shifted[xp.arange(len(local)), xp.where(inside, local, 0)], 0.0)
+        self.group.all_reduce(at_target)
+        scale = 1.0 / (math.prod(targets.shape[1:]) * global_batch)
+        ctx.save(self, shifted, log_norm, local, inside, logits.shape, scale)
+        return (log_norm - at_target).sum(dtype=accumulation_dtype(shifted)) * scale
+
+    def backward(self, ctx: Context) -> Array:
+        shifted, log_norm, local, inside, shape, scale = ctx.pop(self)
+        xp = array_module(shifted)
+        grad = xp.exp(shifted - log_norm[:, None])  # a masked column: exp(-inf) = 0
+        grad[xp.flatnonzero(inside), local[inside]] -= 1.0
+        grad *= scale * self.gradient_scale
+        return grad.reshape(shape)
+
+    def predictions(self, logits: Array) -> Array:
+        """The argmax over the whole vocabulary of each row (the first best, as NumPy's argmax)."""
+        xp = array_module(logits)
+        rows = self._masked_rows(logits)
+        best = rows.argmax(axis=1)
+        values = self.group.all_gather(rows[xp.arange(len(best)), best])
+        columns = self.group.all_gather(best + self.first)
+        winner = values.argmax(axis=0)  # the lowest rank among equal values: the lowest column
+        return columns[winner, xp.arange(len(best))].reshape(logits.shape[:-1])

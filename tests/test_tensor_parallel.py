@@ -1,0 +1,48 @@
+"""Tensor parallelism: the split layers against mpipar's whole layers on 2 and 4 ranks, in float64."""
+
+import sys
+
+import pytest
+
+from conftest import SCRIPTS, run_mpi
+from mpipar.backend import make_backend
+from mpipar.errors import ConfigError
+from mpipar.layers.parallel_attention import ParallelSelfAttention
+from mpipar.layers.tensor_parallel import ColumnParallelLinear
+from mpipar.layers.vocab_parallel import VocabParallelEmbedding
+from mpipar.models.sequential import FlatParams
+
+
+class Group:
+    """A tensor group that is only a place in one (no messages: construction and layout alone)."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.size, self.rank = size, rank
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_tensor_parallel_layers_equal_the_whole_layers(ranks):
+    result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_tensor_layers.py"), timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"3 cases equal the whole layers on {ranks} rank(s)" in result.stdout
+
+
+def test_a_split_that_the_layer_does_not_divide_is_refused_in_one_sentence():
+    with pytest.raises(ConfigError, match=r"--tensor 4 must divide the 6 attention heads"):
+        ParallelSelfAttention(24, 6, Group(4, 0))
+    with pytest.raises(ConfigError, match=r"--tensor 3 must divide the 16 output features of a Linear"):
+        ColumnParallelLinear(8, 16, Group(3, 1))
+
+
+def test_a_padded_vocabulary_block_starts_with_zero_rows_past_the_vocabulary():
+    """65 characters over T = 4: blocks of 17 rows, the last with 3 rows past the vocabulary."""
+    last = VocabParallelEmbedding(65, 8, Group(4, 3))
+    last.index = 0
+    whole = VocabParallelEmbedding(65, 8, Group(1, 0))
+    whole.index = 0
+    backend = make_backend("cpu", "float64")
+    FlatParams([last], backend, seed=1)
+    FlatParams([whole], backend, seed=1)
+    assert last.params["weight"].shape == (17, 8)
+    assert (last.params["weight"][14:] == 0).all()
+    assert (last.params["weight"][:14] == whole.params["weight"][51:]).all()
