@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import mpiexec_command, run_mpi
-from mpipar.checkpoint.format import read_vectors
+from mpipar.checkpoint.format import read_manifest, read_vectors
 
 # 1497 digits / batch 256: 5 steps an epoch, so step 4 -> 8 crosses an epoch boundary
 SMALL = ["--dataset", "digits", "--hidden", "32,32", "--batch-size", "256", "--epochs", "2", "--dropout", "0.1",
@@ -270,3 +270,55 @@ def test_sigusr1_to_the_launcher_reaches_every_rank_which_save_and_exit_75(tmp_p
     saved = sorted(root.glob("step-*"))
     assert len(saved) == 1 and not saved[0].name.endswith(".tmp"), saved
     assert f"checkpoint {saved[0]} saved" in stderr
+
+
+TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+BEFORE_SPLIT_MAJOR = Path(__file__).parent / "data" / "checkpoint-before-split-major"
+BEFORE_OPTIONS = ["--model", "transformer", "--dataset", "text", "--seq-len", "8", "--width", "8", "--heads", "2",
+                  "--blocks", "1", "--dtype", "float64", "--optimizer", "adamw", "--batch-size", "8", "--quiet",
+                  "--eval-batches", "1"]
+
+
+def in_todays_order(vectors: dict[str, np.ndarray], manifest: dict) -> dict[str, np.ndarray]:
+    """A checkpoint's vectors from before the split-major layout, in today's order: qkv weights as
+    W^T with rows head by head (q, k, v within a head), the MLP's first Linear and the output
+    as W^T. Written column by column here, as the layers' docstrings say it, not as upgrade.py
+    reshapes it."""
+    moved = {vector: values.copy() for vector, values in vectors.items()}
+    for parameter in manifest["parameters"]:
+        name, (start, size) = parameter["name"], (parameter["offset"], parameter["size"])
+        for vector, values in vectors.items():
+            old = values[start:start + size].reshape(parameter["shape"])
+            if name.endswith("qkv_weight"):
+                dim = parameter["shape"][0]
+                heads = int(name.split("heads=")[1].split(")")[0])
+                d = dim // heads
+                today = [old[:, j * dim + h * d + e] for h in range(heads) for j in range(3) for e in range(d)]
+            elif name.endswith("qkv_bias"):
+                dim = parameter["shape"][0] // 3
+                heads = int(name.split("heads=")[1].split(")")[0])
+                d = dim // heads
+                today = [old[j * dim + h * d + e] for h in range(heads) for j in range(3) for e in range(d)]
+            elif name.endswith("weight") and "Linear" in name and not name.startswith("layer 3.3"):
+                # the MLP's first Linear (layer 3.1) and the output (layer 5); layer 3.3, the second, keeps W
+                today = [old[:, column] for column in range(old.shape[1])]
+            else:
+                continue
+            moved[vector][start:start + size] = np.array(today).reshape(-1)
+    return moved
+
+
+@pytest.mark.parametrize("ranks, layout", [(1, []), (2, ["--scheme", "zero3", "--bucket-mb", "0.0001"])])
+def test_a_checkpoint_from_before_the_split_major_layout_loads_and_continues_equal(tmp_path, ranks, layout):
+    """Saved by mpipar before the transformer was laid out split-major (one process, 3 of 6
+    steps; step 6 saved by the same run): loaded, it continues to today's order of step 6's."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT.read_text()[:20000])
+    result = train(ranks, *BEFORE_OPTIONS, *layout, "--text-file", str(text), "--max-steps", "6",
+                   "--resume", str(BEFORE_SPLIT_MAJOR / "step-00000003"), "--checkpoint-dir", str(tmp_path / "today"))
+    assert result.returncode == 0, result.stderr
+    before = BEFORE_SPLIT_MAJOR / "step-00000006"
+    expected = in_todays_order(read_vectors(before), read_manifest(before))
+    continued = read_vectors(step_dir(tmp_path / "today", 6))
+    for vector in expected:
+        np.testing.assert_allclose(continued[vector], expected[vector], rtol=1e-10, atol=1e-14, err_msg=vector)

@@ -115,5 +115,6 @@ def test_cdp_trains_through_the_cli_on_one_rank():
 def test_the_help_says_where_each_precision_runs():
     """--precision lists bf16 only to refuse it with a reason; the help must not offer it as a choice that works."""
     text = " ".join(mpipar("train", "--help").stdout.split())
-    assert "fp32 (--dtype throughout; CPU and GPU)" in text and "loss scaling; GPU only)" in text, text
+    assert "fp32 (--dtype throughout; CPU and GPU)" in text, text
+    assert "loss scaling; GPU only, every scheme but CDP)" in text, text
     assert "bf16 is refused everywhere" in text, text

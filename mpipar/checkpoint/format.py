@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
+from mpipar.checkpoint.upgrade import Reorder, reorders
 from mpipar.errors import CheckpointError
 from mpipar.system.files import write_atomically
 
@@ -152,14 +153,17 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
-def check_compatible(manifest: dict, table: list[dict], dtype: np.dtype, optimizer: str, where: Path) -> None:
-    """Refuse, naming the first difference, a checkpoint of another model, data type or optimizer."""
+def check_compatible(manifest: dict, table: list[dict], dtype: np.dtype, optimizer: str,
+                     where: Path) -> list[Reorder]:
+    """Refuse, naming the first difference, a checkpoint of another model, data type or optimizer;
+    return the parameters it saved in an older order (upgrade.py)."""
     if manifest["dtype"] != np.dtype(dtype).name:
         raise CheckpointError(f"checkpoint {where} holds {manifest['dtype']} parameters; this run uses "
                               f"{np.dtype(dtype).name} (--dtype, --precision)")
     saved = {(p["name"], tuple(p["shape"]), p["offset"]) for p in manifest["parameters"]}
     here = {(p["name"], tuple(p["shape"]), p["offset"]) for p in table}
-    if saved != here:
+    reordered = reorders(manifest["parameters"], table) if saved != here else []
+    if reordered is None:
         first = sorted(saved ^ here)[0]
         side = "the checkpoint" if first in saved else "this run's model"
         raise CheckpointError(f"checkpoint {where} is of another model: parameter {first[0]} with shape "
@@ -168,6 +172,7 @@ def check_compatible(manifest: dict, table: list[dict], dtype: np.dtype, optimiz
     if manifest["training"]["optimizer"] != optimizer:
         raise CheckpointError(f"checkpoint {where} was saved with the {manifest['training']['optimizer']} optimizer; "
                               f"this run uses {optimizer} (--optimizer), whose state differs")
+    return reordered
 
 
 def vector_dtype(manifest: dict, vector: str) -> str:

@@ -39,8 +39,9 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar.backend import array_module, to_host
-from mpipar.checkpoint.format import Piece, read_manifest, read_shard, write_manifest, write_shard
+from mpipar.checkpoint.format import Piece, read_manifest, read_shard, vector_dtype, write_manifest, write_shard
 from mpipar.checkpoint.layout import assign_writers, sources
+from mpipar.checkpoint.upgrade import Reorder
 from mpipar.comms.world import agree_on_setup
 from mpipar.errors import CheckpointError
 from mpipar.system.files import sync_directory, write_atomically
@@ -243,30 +244,36 @@ def candidates(resume: str, root: str | None) -> list[Path]:
 
 
 def load(comm: MPI.Intracomm, resume: str, root: str | None, pieces_for: Callable[[dict], list[Piece]],
-         check: Callable[[dict, Path], None], note: Callable[[str], None]) -> tuple[Path, dict] | None:
+         check: Callable[[dict, Path], list[Reorder]], note: Callable[[str], None]) -> tuple[Path, dict] | None:
     """Fill this rank's pieces (`pieces_for(manifest)`) from the checkpoint `resume` names
     (collective). `check(manifest, path)` raises on a checkpoint this run cannot take (another
-    model). With 'auto', a checkpoint that is incomplete or corrupt is skipped with a `note`
-    and the next one tried. Returns the checkpoint loaded and its manifest, or None when
-    'auto' finds no checkpoint at all."""
+    model), and returns the parameters saved in an older order (upgrade.py): each is read whole
+    and reordered before a piece takes its part. With 'auto', a checkpoint that is incomplete
+    or corrupt is skipped with a `note` and the next one tried. Returns the checkpoint loaded
+    and its manifest, or None when 'auto' finds no checkpoint at all."""
     tried = comm.bcast(candidates(resume, root) if comm.rank == 0 else None, root=0)
     skipped = []
     for path in tried:
-        manifest, needed, tensors, failure = None, [], {}, None
+        manifest, needed, reordered, tensors, failure = None, [], [], {}, None
         try:
             manifest = read_manifest(path)
         except CheckpointError as error:
             failure = (False, str(error))
         if failure is None:
             try:  # a checkpoint this run cannot take: no other one will do either
-                check(manifest, path)
+                reorders = check(manifest, path)
+                pieces = pieces_for(manifest)
                 needed = [(piece, sources((piece.vector, piece.start, piece.stop), manifest["files"], path))
-                          for piece in pieces_for(manifest)]
+                          for piece in pieces]
+                reordered = [(piece, reorder, sources((piece.vector, reorder.offset, reorder.offset + reorder.size),
+                                                      manifest["files"], path))
+                             for piece in pieces for reorder in reorders
+                             if piece.start < reorder.offset + reorder.size and reorder.offset < piece.stop]
             except CheckpointError as error:
                 failure = (True, str(error))
         if failure is None:
             try:
-                for index in sorted({part[0] for _, parts in needed for part in parts}):
+                for index in sorted({part[0] for *_, parts in needed + reordered for part in parts}):
                     tensors[index] = read_shard(path, manifest["files"][index])
             except CheckpointError as error:
                 failure = (False, str(error))
@@ -276,6 +283,8 @@ def load(comm: MPI.Intracomm, resume: str, root: str | None, pieces_for: Callabl
             for piece, parts in needed:
                 for index, key, saved, wanted in parts:
                     piece.array[wanted] = _as_array(piece.array, tensors[index][key][saved])
+            for piece, reorder, parts in reordered:
+                _fill_reordered(piece, reorder, parts, tensors, vector_dtype(manifest, piece.vector))
             return path, manifest
         if resume != "auto" or fatal:
             _raise_everywhere(first)
@@ -286,6 +295,17 @@ def load(comm: MPI.Intracomm, resume: str, root: str | None, pieces_for: Callabl
         _raise_everywhere(f"none of the {len(skipped)} checkpoints under {root} can be loaded (the newest: "
                           f"{skipped[0]}); move them away to start afresh")
     return None
+
+
+def _fill_reordered(piece: Piece, reorder: Reorder, parts, tensors: dict, dtype: str) -> None:
+    """The piece's part of a parameter saved in an older order: the whole parameter, reordered."""
+    saved = np.empty(reorder.size, dtype=dtype)
+    for index, key, from_file, wanted in parts:
+        saved[wanted] = tensors[index][key][from_file]
+    today = reorder.today(saved)
+    low, high = max(piece.start, reorder.offset), min(piece.stop, reorder.offset + reorder.size)
+    piece.array[low - piece.start:high - piece.start] = _as_array(piece.array,
+                                                                  today[low - reorder.offset:high - reorder.offset])
 
 
 def _raise_everywhere(message: str) -> None:

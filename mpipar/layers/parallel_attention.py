@@ -39,7 +39,7 @@ class ParallelSelfAttention(Layer):
         self.first_head, stop = block(heads, group, f"the {heads} attention heads")
         self.heads_here = stop - self.first_head
         self.width_here = self.heads_here * self.head_dim
-        self.name = f"ParallelSelfAttention({dim}, heads={heads}, {self.heads_here} here)"
+        self.name = f"ParallelSelfAttention({dim}, heads={heads})"
 
     def param_specs(self) -> list[ParamSpec]:
         init, d = uniform_init(1.0 / math.sqrt(self.dim)), self.head_dim

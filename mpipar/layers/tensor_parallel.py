@@ -24,7 +24,8 @@ sum), so no sum over T is needed.
 
 The layers never import the communication package: they are handed a group, anything with
 `size`, `rank`, an in-place `all_reduce` (sum) and an `all_gather` (comms/tensor_group.py is
-the runtime's; the tests may hand another).
+the runtime's; `OneRank` is T = 1's, where the built-in transformer's layers are these same
+layers, so that its layout does not depend on T).
 
 Exercised by: mpiexec -n 2 python tests/scripts/check_tensor_layers.py   (via tests/test_tensor_parallel.py)
 """
@@ -53,6 +54,18 @@ class TensorGroup(Protocol):
         """Every rank's `part`, stacked in rank order: (size, *part.shape)."""
 
 
+class OneRank:
+    """The tensor group of an unsplit model (T = 1): nothing to sum or gather with."""
+
+    size, rank = 1, 0
+
+    def all_reduce(self, array: Array) -> None:
+        pass
+
+    def all_gather(self, part: Array) -> Array:
+        return part[None]
+
+
 def block(total: int, group: TensorGroup, what: str) -> tuple[int, int]:
     """[start, stop) of the group rank's equal block of `total` items (refused unless T divides it)."""
     if total % group.size:
@@ -77,7 +90,7 @@ class ColumnParallelLinear(Layer):
         self.in_features, self.out_features, self.group, self.has_bias = in_features, out_features, group, bias
         self.first, stop = block(out_features, group, f"the {out_features} output features of a Linear")
         self.out_here = stop - self.first
-        self.name = f"ColumnParallelLinear({in_features}->{out_features}, {self.out_here} here)"
+        self.name = f"ColumnParallelLinear({in_features}->{out_features})"
         self.needs_input_grad = True
 
     def param_specs(self) -> list[ParamSpec]:
@@ -123,7 +136,7 @@ class RowParallelLinear(Layer):
         self.in_features, self.out_features, self.group, self.has_bias = in_features, out_features, group, bias
         self.first, stop = block(in_features, group, f"the {in_features} input features of a Linear")
         self.in_here = stop - self.first
-        self.name = f"RowParallelLinear({in_features}->{out_features}, {self.in_here} in here)"
+        self.name = f"RowParallelLinear({in_features}->{out_features})"
         self.needs_input_grad = True
 
     def param_specs(self) -> list[ParamSpec]:

@@ -6,7 +6,8 @@ reaches them, and their logits are masked). Nowhere does one rank hold all V log
 
     embedding      y = sum over t of E_t[ids]   (ids outside the block: zero)   one all-reduce
                    dE_t[ids] += dy   for the ids in the block                   (dy whole)
-    tied output    z_t = x C_t^T;   dC_t += dz_t^T x;   dx = sum over t of dz_t C_t   (all-reduce)
+    output         z_t = x C_t^T;   dC_t += dz_t^T x;   dx = sum over t of dz_t C_t   (all-reduce)
+                   (C tied to the embedding's block; or its own, with a bias b_t)
     cross-entropy  m = max over t of the row maxima of z_t        (gathered: one value a row a rank)
                    s = sum over t of sum exp(z_t - m)               (all-reduce, a value a row)
                    z[target] from the rank that holds it            (all-reduce, a value a row)
@@ -27,7 +28,7 @@ import math
 from mpipar.backend import Array, accumulation_dtype, array_module, on_host, scatter_add
 from mpipar.cache import Context
 from mpipar.errors import DataError, ShapeError
-from mpipar.layers.base import Layer, normal_init
+from mpipar.layers.base import Layer, normal_init, uniform_init
 from mpipar.layers.losses import Loss
 from mpipar.layers.tensor_parallel import TensorGroup, shard_spec
 
@@ -43,7 +44,7 @@ class VocabParallelEmbedding(Layer):
         super().__init__()
         self.vocab_size, self.dim, self.group = vocab_size, dim, group
         self.first, self.rows_here = vocabulary_block(vocab_size, group)
-        self.name = f"VocabParallelEmbedding({vocab_size}, {dim}, {self.rows_here} rows here)"
+        self.name = f"VocabParallelEmbedding({vocab_size}, {dim})"
 
     def param_specs(self):
         return [shard_spec("weight", (self.rows_here, self.dim), self.vocab_size, self.first, normal_init(0.02), True)]
@@ -79,19 +80,27 @@ class VocabParallelEmbedding(Layer):
 
 
 class VocabParallelOutput(Layer):
-    """The output layer tied to a vocabulary-parallel embedding: this rank's logits z_t = x C_t^T,
-    C_t a copy of the embedding's block (kept equal as TiedOutput's is: mpipar/optim/tying.py)."""
+    """The output layer over the vocabulary's blocks: this rank's logits z_t = x C_t^T (+ b_t).
+    Tied to a vocabulary-parallel `embedding`, C_t is a copy of the embedding's block (kept equal
+    as TiedOutput's is: mpipar/optim/tying.py) and there is no bias; untied (`embedding` None),
+    C and b are its own, initialised as a Linear of `dim` inputs, C stored as W^T."""
 
-    def __init__(self, embedding: VocabParallelEmbedding) -> None:
+    def __init__(self, vocab_size: int, dim: int, group: TensorGroup,
+                 embedding: VocabParallelEmbedding | None = None) -> None:
         super().__init__()
-        self.embedding, self.dim, self.group = embedding, embedding.dim, embedding.group
-        self.vocab_size, self.first, self.rows_here = embedding.vocab_size, embedding.first, embedding.rows_here
-        self.name = f"VocabParallelOutput({self.dim}->{self.vocab_size}, {self.rows_here} here)"
+        self.vocab_size, self.dim, self.group, self.embedding = vocab_size, dim, group, embedding
+        self.first, self.rows_here = vocabulary_block(vocab_size, group)
+        self.name = f"VocabParallelOutput({dim}->{vocab_size}{', tied' if embedding else ''})"
         self.needs_input_grad = True
 
     def param_specs(self):
-        spec = shard_spec("weight", (self.rows_here, self.dim), self.vocab_size, self.first, normal_init(0.02), True)
-        return [dataclasses.replace(spec, copy_of=self.embedding)]
+        if self.embedding is not None:
+            spec = shard_spec("weight", (self.rows_here, self.dim), self.vocab_size, self.first, normal_init(0.02),
+                              True)
+            return [dataclasses.replace(spec, copy_of=self.embedding)]
+        init = uniform_init(1.0 / math.sqrt(self.dim))
+        return [shard_spec("weight", (self.rows_here, self.dim), self.vocab_size, self.first, init, True),
+                shard_spec("bias", (self.rows_here,), self.vocab_size, self.first, init, False)]
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if not in_shape or in_shape[-1] != self.dim:
@@ -104,12 +113,16 @@ class VocabParallelOutput(Layer):
     def forward(self, x: Array, ctx: Context) -> Array:
         ctx.save(self, x)
         logits = x.reshape(-1, self.dim) @ self.params["weight"].T
+        if self.embedding is None:
+            logits += self.params["bias"]
         return logits.reshape(*x.shape[:-1], self.rows_here)
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
         dy_rows = dy.reshape(-1, self.rows_here)
         self.grad_matmul(self.grads["weight"], dy_rows.T, x.reshape(-1, self.dim))
+        if self.embedding is None:
+            self.grad_sum(self.grads["bias"], dy_rows, axis=0)
         if not self.needs_input_grad:
             return None
         dx = dy_rows @ self.params["weight"]

@@ -3,9 +3,14 @@
     mlp          Flatten -> [Linear -> ReLU (-> Dropout)] per hidden width -> Linear
     cnn          [Conv2d 5x5 -> ReLU -> MaxPool2d 2] x 2 -> Flatten -> Linear 120 -> Linear 84 -> Linear
                  (with --dropout, a Dropout after each of the two hidden Linear layers)
-    transformer  Embedding + PositionEmbedding -> blocks of
-                 Residual(LayerNorm, CausalSelfAttention) and Residual(LayerNorm, Linear 4d, GELU, Linear d)
-                 -> LayerNorm -> Linear to the vocabulary (or, tied, the embedding's matrix: TiedOutput)
+    transformer  token embedding + PositionEmbedding -> blocks of
+                 Residual(LayerNorm, attention) and Residual(LayerNorm, Linear 4d, GELU, Linear d)
+                 -> LayerNorm -> output to the vocabulary (tied: a copy of the embedding's matrix)
+
+The transformer is built of the tensor-parallel layers (layers/tensor_parallel.py): the token
+embedding, attention, the MLP's two Linears and the output split over a tensor group of T ranks
+(T = 1: `OneRank`, nothing split). So its parameters are laid out split-major whatever T is,
+and a shard of any T is one block of them.
 
 Exercised by: mpipar train --model cnn   (and python -m pytest tests/test_trainer.py)
 """
@@ -15,10 +20,8 @@ from __future__ import annotations
 from mpipar.errors import ConfigError, unknown_name
 from mpipar.layers import (
     GELU,
-    CausalSelfAttention,
     Conv2d,
     Dropout,
-    Embedding,
     Flatten,
     LayerNorm,
     Linear,
@@ -26,8 +29,10 @@ from mpipar.layers import (
     PositionEmbedding,
     ReLU,
     Residual,
-    TiedOutput,
 )
+from mpipar.layers.parallel_attention import ParallelSelfAttention
+from mpipar.layers.tensor_parallel import ColumnParallelLinear, OneRank, RowParallelLinear, TensorGroup
+from mpipar.layers.vocab_parallel import VocabParallelEmbedding, VocabParallelOutput
 from mpipar.models.sequential import Sequential
 
 MODELS = ("mlp", "cnn", "transformer")
@@ -35,9 +40,10 @@ MODELS = ("mlp", "cnn", "transformer")
 
 def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, hidden: tuple[int, ...] = (128, 128),
                 dropout: float = 0.0, width: int = 64, heads: int = 4, blocks: int = 2,
-                tie_embeddings: bool = False) -> Sequential:
+                tie_embeddings: bool = False, tensor_group: TensorGroup | None = None) -> Sequential:
     """The model called `name` for samples of `input_shape` and `num_classes` outputs; the
-    transformer's output layer is tied to its token embedding with `tie_embeddings`."""
+    transformer's output layer is tied to its token embedding with `tie_embeddings`, and its
+    layers hold this rank's shards over `tensor_group` (default: one rank, the whole)."""
     if name == "mlp":
         layers = [Flatten()]
         previous = 1
@@ -59,16 +65,18 @@ def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, hi
     elif name == "transformer":
         if len(input_shape) != 1:
             raise ConfigError(f"the transformer model needs token sequences (T,), got samples of shape {input_shape}")
-        embedding = Embedding(num_classes, width)
+        group = tensor_group or OneRank()
+        embedding = VocabParallelEmbedding(num_classes, width, group)
         layers = [embedding, PositionEmbedding(input_shape[0], width)]
         def dropped() -> list:  # a fresh Dropout per use: a layer runs once per micro-batch
             return [Dropout(dropout)] if dropout else []
 
         for _ in range(blocks):
-            layers.append(Residual(LayerNorm(width), CausalSelfAttention(width, heads), *dropped()))
-            layers.append(Residual(LayerNorm(width), Linear(width, 4 * width), GELU(), Linear(4 * width, width),
-                                   *dropped()))
-        layers += [LayerNorm(width), TiedOutput(embedding) if tie_embeddings else Linear(width, num_classes)]
+            layers.append(Residual(LayerNorm(width), ParallelSelfAttention(width, heads, group), *dropped()))
+            layers.append(Residual(LayerNorm(width), ColumnParallelLinear(width, 4 * width, group), GELU(),
+                                   RowParallelLinear(4 * width, width, group), *dropped()))
+        layers += [LayerNorm(width), VocabParallelOutput(num_classes, width, group,
+                                                         embedding if tie_embeddings else None)]
     else:
         raise unknown_name("model", name, MODELS)
     return Sequential(layers, input_shape=input_shape)

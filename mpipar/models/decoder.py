@@ -15,6 +15,9 @@ new positions, with the cache beside it:
                 x = x + o Wo + bo;   x = x + GELU(LN2(x) W1 + b1) W2 + b2
     logits = LN(x) Wout (+ bout)
 
+with the weights as the layers store them (split-major, layers/tensor_parallel.py): Wqkv,
+W1 and Wout kept as their transposes, Wqkv's rows head by head.
+
 GELU and the future's mask are the layers' own functions; LayerNorm and the softmax are
 their formulas spelled in fewer NumPy calls (a row's mean is a dot product; one row's scale
 is a Python number; the ufuncs' own reductions). tests/test_generate.py checks, in float64,
@@ -33,20 +36,13 @@ import math
 import numpy as np
 
 from mpipar.errors import ConfigError
-from mpipar.layers import (
-    GELU,
-    CausalSelfAttention,
-    Dropout,
-    Embedding,
-    LayerNorm,
-    Linear,
-    PositionEmbedding,
-    Residual,
-    TiedOutput,
-)
+from mpipar.layers import GELU, Dropout, LayerNorm, PositionEmbedding, Residual
 from mpipar.layers.activations import _gelu
 from mpipar.layers.attention import _future_mask
 from mpipar.layers.norm import _row_dot
+from mpipar.layers.parallel_attention import ParallelSelfAttention
+from mpipar.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mpipar.layers.vocab_parallel import VocabParallelEmbedding, VocabParallelOutput
 from mpipar.models.sequential import Stage
 
 
@@ -59,11 +55,11 @@ class Decoder:
         layers = [layer for layer in stage.layers if not isinstance(layer, Dropout)]
         try:
             (embedding, positions), blocks, (final_norm, output) = layers[:2], layers[2:-2], layers[-2:]
-            self.token_rows = _check(embedding, Embedding).params["weight"]
+            self.token_rows = _check(embedding, VocabParallelEmbedding).params["weight"]
             self.position_rows = _check(positions, PositionEmbedding).params["weight"]
             self.blocks = [_Block(blocks[i], blocks[i + 1], positions.max_len) for i in range(0, len(blocks), 2)]
             self.final_norm = _check(final_norm, LayerNorm)
-            self.output = _check(output, (Linear, TiedOutput))
+            self.output = _check(output, VocabParallelOutput)
         except (ValueError, IndexError, TypeError, AttributeError) as error:
             raise ConfigError(f"generation needs mpipar's transformer (models/builtin.py); this model does not have "
                               f"its layers ({error})") from None
@@ -84,9 +80,10 @@ class Decoder:
             x = block.forward(x, start)
         self.position = stop
         last = _layer_norm(self.final_norm, x[-1:])
-        if isinstance(self.output, TiedOutput):
-            return (last @ self.output.params["weight"].T)[0]
-        return (last @ self.output.params["weight"] + self.output.params["bias"])[0]
+        logits = last @ self.output.params["weight"].T
+        if self.output.embedding is None:
+            logits += self.output.params["bias"]
+        return logits[0]
 
 
 class _Block:
@@ -94,10 +91,11 @@ class _Block:
 
     def __init__(self, attending: Residual, mlp: Residual, capacity: int) -> None:
         inner = [layer for layer in attending.inner if not isinstance(layer, Dropout)]
-        self.norm1, self.attention = _check(inner[0], LayerNorm), _check(inner[1], CausalSelfAttention)
+        self.norm1, self.attention = _check(inner[0], LayerNorm), _check(inner[1], ParallelSelfAttention)
         inner = [layer for layer in mlp.inner if not isinstance(layer, Dropout)]
         self.norm2, self.up, _, self.down = inner
-        _check(self.norm2, LayerNorm), _check(self.up, Linear), _check(inner[2], GELU), _check(self.down, Linear)
+        _check(self.norm2, LayerNorm), _check(self.up, ColumnParallelLinear), _check(inner[2], GELU)
+        _check(self.down, RowParallelLinear)
         self.heads, self.head_size = self.attention.heads, self.attention.head_dim
         dtype = self.attention.params["qkv_weight"].dtype
         self.keys = np.empty((self.heads, capacity, self.head_size), dtype=dtype)  # positions past `stop` unread
@@ -108,9 +106,9 @@ class _Block:
         t, width = x.shape
         stop = start + t
         attention = self.attention.params
-        qkv = _layer_norm(self.norm1, x) @ attention["qkv_weight"]
+        qkv = _layer_norm(self.norm1, x) @ attention["qkv_weight"].T
         qkv += attention["qkv_bias"]
-        q, k, v = qkv.reshape(t, 3, self.heads, self.head_size).transpose(1, 2, 0, 3)  # each (heads, t, size)
+        q, k, v = qkv.reshape(t, self.heads, 3, self.head_size).transpose(2, 1, 0, 3)  # each (heads, t, size)
         self.keys[:, start:stop], self.values[:, start:stop] = k, v
         scores = q @ self.keys[:, :stop].swapaxes(-1, -2)  # (heads, t, stop)
         scores *= 1.0 / math.sqrt(self.head_size)
@@ -123,7 +121,7 @@ class _Block:
         y = merged @ attention["out_weight"]
         y += attention["out_bias"]
         x = x + y
-        hidden = _layer_norm(self.norm2, x) @ self.up.params["weight"]
+        hidden = _layer_norm(self.norm2, x) @ self.up.params["weight"].T
         hidden += self.up.params["bias"]
         activated = np.empty_like(hidden)
         _gelu(activated, hidden)

@@ -31,6 +31,7 @@ import numpy as np
 from mpipar.backend import make_backend
 from mpipar.cache import Context
 from mpipar.checkpoint.format import parameter_table, read_manifest, read_vectors
+from mpipar.checkpoint.upgrade import reorders
 from mpipar.errors import CheckpointError, ConfigError
 from mpipar.models.builtin import build_model
 from mpipar.models.decoder import Decoder
@@ -84,10 +85,15 @@ def load_language_model(directory: Path) -> LanguageModel:
                         dropout=saved.get("dropout", 0.0), width=saved["width"], heads=saved["heads"],
                         blocks=saved["blocks"], tie_embeddings=saved.get("tie_embeddings", False))
     (stage,) = build_stages(model, 1, make_backend("cpu", manifest["dtype"]), 0)
-    if parameter_table([stage]) != manifest["parameters"]:
+    table = parameter_table([stage])
+    reordered = reorders(manifest["parameters"], table) if table != manifest["parameters"] else []
+    if reordered is None:
         raise CheckpointError(f"checkpoint {directory}'s parameters do not match the transformer its "
                               "configuration describes")
     stage.flat.data[:] = read_vectors(directory, ["params"])["params"]
+    for reorder in reordered:  # a checkpoint from before the split-major layout (checkpoint/upgrade.py)
+        place = slice(reorder.offset, reorder.offset + reorder.size)
+        stage.flat.data[place] = reorder.today(stage.flat.data[place].copy())
     return LanguageModel(stage, list(vocab), saved["seq_len"], directory)
 
 

@@ -27,18 +27,24 @@ from mpipar.checkpoint.layout import own_share, piece_holding
 from mpipar.comms.world import sum_across_ranks
 
 
+def is_tied_copy(layer) -> bool:
+    """Whether `layer` is an output layer whose matrix is a copy of a token embedding's."""
+    from mpipar.layers import TiedOutput
+    from mpipar.layers.vocab_parallel import VocabParallelOutput
+
+    return isinstance(layer, TiedOutput) or (isinstance(layer, VocabParallelOutput) and layer.embedding is not None)
+
+
 def tied_copies(stages) -> list[tuple[int, int, int]]:
     """(start of E, start of C, size) in the whole model's flat order, for each tied output layer."""
-    from mpipar.layers import TiedOutput
-
     offsets = np.cumsum([0] + [stage.flat.size for stage in stages])
 
     def start_of(layer) -> int:
         s = next(s for s, stage in enumerate(stages) if layer in stage.layers)
         return int(offsets[s]) + stages[s].flat.segment_of(layer, "weight").offset
 
-    return [(start_of(layer.embedding), start_of(layer), layer.vocab_size * layer.dim)
-            for stage in stages for layer in stage.layers if isinstance(layer, TiedOutput)]
+    return [(start_of(layer.embedding), start_of(layer), stage.flat.segment_of(layer, "weight").size)
+            for stage in stages for layer in stage.layers if is_tied_copy(layer)]
 
 
 class TiedGradients:

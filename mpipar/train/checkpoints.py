@@ -41,6 +41,7 @@ import numpy as np
 import mpipar
 from mpipar.checkpoint import store
 from mpipar.checkpoint.format import FORMAT, check_compatible, parameter_table
+from mpipar.checkpoint.upgrade import Reorder
 from mpipar.data.identity import DataIdentity, identity_of
 from mpipar.data.token_scan import partial_identity
 from mpipar.data.tokens import IDENTITY_VERSION
@@ -223,9 +224,9 @@ class Checkpoints:
             return 0
         engine = self.run.engine
 
-        def check(manifest: dict, path: Path) -> None:
-            check_compatible(manifest, parameter_table(self.run.stages), np.dtype(self.run.dtype_name),
-                             self.config.optim.optimizer, path)
+        def check(manifest: dict, path: Path) -> list[Reorder]:
+            reorders = check_compatible(manifest, parameter_table(self.run.stages), np.dtype(self.run.dtype_name),
+                                        self.config.optim.optimizer, path)
             saved, options = manifest.get("config", {}), self.config.flat()
             for key in KEPT_THE_SAME if not self.config.checkpoint.resume_other_data else ("batch_size", "seed"):
                 if saved.get(key) != options[key]:
@@ -234,6 +235,7 @@ class Checkpoints:
                                           f"this run has {flag} {options[key]}, which would change "
                                           "the data order and random streams it continues")
             self._check_same_data(manifest, path)
+            return reorders
 
         def pieces(manifest: dict):
             engine.start_at(manifest["training"]["step"])

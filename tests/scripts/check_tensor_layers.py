@@ -143,7 +143,7 @@ cases += 1
 
 # 3. the vocabulary split: embedding, tied output, cross-entropy, prediction
 embedding = VocabParallelEmbedding(VOCAB, D, group)
-output = VocabParallelOutput(embedding)
+output = VocabParallelOutput(VOCAB, D, group, embedding)
 built(embedding, output)
 whole_embedding = VocabParallelEmbedding(VOCAB, D, one)
 built(whole_embedding)

@@ -21,7 +21,8 @@ TEXT = (os.environ.get("MPIPAR_CHECK_TEXT")
 MLP = dict(hidden=(32, 32), dropout=0.1, batch_size=24 * world.size)
 TRANSFORMER = dict(model="transformer", dataset="text", text_file=str(TEXT),
                    seq_len=16, width=32, heads=2, blocks=2, tie_embeddings=True, grad_clip=1.0, optimizer="adamw",
-                   weight_decay=0.1, dropout=0.1, batch_size=8 * world.size)
+                   weight_decay=0.1, dropout=0.1, batch_size=8 * world.size,
+                   eps=1e-6)  # a key bias has no true gradient: Adam divides its rounding by eps (1e-8: ~1e-12)
 ROUTED = ("ring", "hring", "horing")
 CASES = {  # world size -> (name, options)
     2: [("ddp bucketed", dict(MLP, scheme="ddp", ddp="bucketed", bucket_mb=0.002, collective="ring")),

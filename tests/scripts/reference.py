@@ -11,10 +11,11 @@ import numpy as np
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.data import GlobalBatchSampler, load_dataset
-from mpipar.layers import SoftmaxCrossEntropy, TiedOutput
+from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.models.builtin import build_model
 from mpipar.models.sequential import build_stages
 from mpipar.optim.optimizers import make_optimizer
+from mpipar.optim.tying import is_tied_copy
 from mpipar.train.config import TrainConfig
 
 
@@ -43,7 +44,7 @@ def one_process(config: TrainConfig, norms: list | None = None) -> np.ndarray:
         flat.settle_grads()
         cache.release(0, 0)
         distinct = np.ones(flat.size, dtype=bool)  # a tied matrix is one parameter: counted once in the norm
-        for tied in (layer for layer in stage.layers if isinstance(layer, TiedOutput)):
+        for tied in (layer for layer in stage.layers if is_tied_copy(layer)):
             embedding = flat.segment_of(tied.embedding, "weight")
             copy = flat.segment_of(tied, "weight")
             shared = flat.grad[embedding.offset:][:embedding.size] + flat.grad[copy.offset:][:copy.size]
