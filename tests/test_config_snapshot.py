@@ -67,6 +67,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "scheme": (["--scheme", "zero2"], "zero2"),
     "shard": (["--shard", "I,G,G"], "I,G,G"),
     "group_size": (["--group-size", "2"], 2),
+    "tensor": (["--tensor", "2"], 2),
     "stages": (["--stages", "2"], 2),
     "replicas": (["--replicas", "2"], 2),
     "loops": (["--loops", "2"], 2),

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, run_mpi
+from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.backend import make_backend
 from mpipar.errors import ConfigError
 from mpipar.layers.parallel_attention import ParallelSelfAttention
@@ -25,6 +25,26 @@ def test_tensor_parallel_layers_equal_the_whole_layers(ranks):
     result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_tensor_layers.py"), timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"3 cases equal the whole layers on {ranks} rank(s)" in result.stdout
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_tensor_parallel_training_equals_one_process_and_sends_megatrons_bytes(ranks):
+    result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_tensor_parallel.py"), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"cases equal one process on {ranks} rank(s)" in result.stdout
+
+
+@pytest.mark.parametrize("options, sentence", [
+    (dict(tensor=3), "--tensor 3 does not divide the 4 ranks"),
+    (dict(tensor=2, model="mlp"), "--tensor 2 splits the layers of the built-in transformer"),
+    (dict(tensor=4, heads=2), "--tensor 4 must divide the 2 attention heads"),
+    (dict(tensor=2, scheme="cdp-v1"), "--tensor 2 does not yet run with --scheme cdp-v1"),
+    (dict(tensor=2, checkpoint_dir="ck"), "--tensor 2 does not yet run with --checkpoint-dir"),
+])
+def test_what_tensor_parallelism_cannot_split_is_refused_in_one_sentence(options, sentence):
+    config = small_config(**{**dict(model="transformer", dataset="text", text_file="t.txt", heads=4), **options})
+    with pytest.raises(ConfigError, match=sentence):
+        config.validate(4)
 
 
 def test_a_split_that_the_layer_does_not_divide_is_refused_in_one_sentence():

@@ -25,6 +25,7 @@ from mpipar.adapters.framework import import_framework, initial_stream
 from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.layers.base import Layer, ParamSpec
+from mpipar.layers.losses import Loss
 
 
 def _jax():
@@ -122,7 +123,7 @@ def jax_layers(model) -> list[Layer]:
     return [JaxLayer(apply, params) for apply, params in pairs]
 
 
-class JaxLoss:
+class JaxLoss(Loss):
     """A JAX loss `fn(output, target) -> the mean over the batch` as an mpipar loss (see TorchLoss)."""
 
     def __init__(self, fn: Callable) -> None:

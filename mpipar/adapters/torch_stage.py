@@ -45,6 +45,7 @@ from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.layers.base import Init, Layer, ParamSpec
+from mpipar.layers.losses import Loss
 
 torch = import_framework("torch")
 # Autograd imports torch.fx and sympy the first time it is handed an output gradient, as
@@ -396,7 +397,7 @@ def torch_layers(module) -> list[Layer]:
     return [TorchLayer(group[0] if len(group) == 1 else torch.nn.Sequential(*group)) for group in groups]
 
 
-class TorchLoss:
+class TorchLoss(Loss):
     """A torch loss `fn(output, target) -> the mean over the batch` as an mpipar loss: scaled by the
     micro-batch's share of the global batch, so micro-batch gradients add up to the mean's."""
 

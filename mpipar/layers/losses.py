@@ -37,6 +37,10 @@ class Loss:
         """Multiply the gradient of every later backward by `scale` (the loss scaling of float16)."""
         self.gradient_scale = scale
 
+    def predictions(self, outputs: Array) -> Array:
+        """The class each row of `outputs` predicts (accuracy counts them against the targets)."""
+        return outputs.argmax(axis=-1)
+
 
 class SoftmaxCrossEntropy(Loss):
     """Fused softmax + cross-entropy on logits (..., C) against integer targets (...)."""

@@ -99,6 +99,9 @@ class FlatParams:
             self.segments.append(Segment(leaf.name, spec.name, offset, size, spec.shape))
             offset += size
         self.size = offset
+        # per segment: the block of the whole parameter a tensor-parallel shard holds (ParamSpec.part);
+        # None where the tensor group's every rank holds the parameter whole
+        self.parts = [spec.part for _, _, spec in owned]
         self._streams = [(leaf.index, number, spec) if spec.copy_of is None else (spec.copy_of.index, 0, spec)
                          for leaf, number, spec in owned]
         self.leaves = list(dict.fromkeys(leaf for leaf, _, _ in owned))

@@ -117,7 +117,7 @@ class JobRunner:
             # summed where the arrays live: read once a step (executor.py), not once a micro-batch
             totals = self.totals[step - self.first_step]
             totals[0] += self.loss_fn.forward(y, targets, stash, self.batch_size)
-            totals[1] += (y.argmax(axis=-1) == targets).sum()
+            totals[1] += (self.loss_fn.predictions(y) == targets).sum()
             totals[2] += targets.size
             self.losses_computed[step - self.first_step] += 1
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from mpipar.adapters import build_user_model
 from mpipar.layers import SoftmaxCrossEntropy
+from mpipar.layers.tensor_parallel import TensorGroup
+from mpipar.layers.vocab_parallel import VocabParallelCrossEntropy
 from mpipar.models.builtin import MODELS, build_model
 from mpipar.models.sequential import Sequential
 from mpipar.schedule.sharding import Scope
@@ -47,15 +49,19 @@ def chain_torch_layers(stages, loss_fn, cfg: TrainConfig, world_size: int) -> No
         loss_fn.chain = chain
 
 
-def configured_model(cfg: TrainConfig, train_set: ImageDataset | TokenStream) -> tuple[Sequential, object]:
+def configured_model(cfg: TrainConfig, train_set: ImageDataset | TokenStream,
+                     tensor_group: TensorGroup | None = None) -> tuple[Sequential, object]:
     """The model `cfg.model.model` names, built-in or a user's builder (PyTorch, JAX or mpipar layers),
     and its loss: the builder's, else softmax cross-entropy. The Trainer, CDP's reference and
-    `mpipar estimate` all build their model here."""
+    `mpipar estimate` all build their model here. With a `tensor_group` of T > 1 ranks, the
+    transformer holds this rank's shards, and its loss is over the vocabulary's blocks."""
     options = cfg.model
     if options.model in MODELS:
         model = build_model(options.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
                             hidden=options.hidden, dropout=options.dropout, width=options.width, heads=options.heads,
-                            blocks=options.blocks, tie_embeddings=options.tie_embeddings)
+                            blocks=options.blocks, tie_embeddings=options.tie_embeddings, tensor_group=tensor_group)
+        if tensor_group is not None and tensor_group.size > 1:
+            return model, VocabParallelCrossEntropy(train_set.num_classes, tensor_group)
         return model, SoftmaxCrossEntropy()
     model, loss = build_user_model(options.model, train_set.input_shape, train_set.num_classes, cfg.training.seed)
     return model, loss or SoftmaxCrossEntropy()

@@ -33,11 +33,12 @@ from typing import Callable
 import numpy as np
 
 from mpipar.adapters import cpu_updates
-from mpipar.backend import make_backend, read_values
+from mpipar.backend import make_backend, read_values, to_host
 from mpipar.cache import ActivationCache, Context
 from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
 from mpipar.comms.device import device_wire
 from mpipar.comms.handle import set_default_timeout
+from mpipar.comms.tensor_group import split_tensor_axis
 from mpipar.comms.topology import make_world
 from mpipar.data import (
     GlobalBatchSampler,
@@ -51,6 +52,7 @@ from mpipar.data import (
 from mpipar.data.tokens import WindowSample
 from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.models.sequential import build_stages, leaf_layers, partition
+from mpipar.models.tensor_layout import held_whole_spans, whole_from_shards
 from mpipar.optim.clipping import GradientClipper
 from mpipar.optim.optimizers import make_schedule
 from mpipar.optim.precision import LossScaler, Precision, arithmetic_dtype
@@ -110,12 +112,19 @@ class Trainer:
         self.config = cfg = self.config.for_world(self.world_size)
         cfg.validate(self.world_size)
         set_default_timeout(cfg.parallel.comm_timeout)
+        # With --tensor T the world is T tensor slices (comms/tensor_group.py): the engine, the schedule
+        # and the data run over this rank's slice, its layers' shards over its tensor group. From here
+        # on `rank` and `world_size` are the slice's; the metrics and the checkpoint votes are summed
+        # over `counted`, the whole world, so that every rank decides alike.
+        tensor_collective = cfg.parallel.collective if cfg.parallel.collective in ("mpi", "ring") else "ring"
+        self.slice, self.tensor = split_tensor_axis(self.counted, cfg.parallel.tensor, tensor_collective)
+        self.rank, self.world_size = self.slice.rank, self.slice.size
         self.backend = make_backend(cfg.model.device, arithmetic_dtype(cfg.model.precision, cfg.model.dtype))
         if cfg.model.device == "gpu" and self.world_size > 1:
             device_wire()  # decided here, on every rank: a bad MPIPAR_CUDA_AWARE is one sentence, not a crash
         self.train_set, self.test_set = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir,
                                                      text_file=cfg.data.text_file, seq_len=cfg.data.seq_len)
-        self.model, self.loss_fn = configured_model(cfg, self.train_set)
+        self.model, self.loss_fn = configured_model(cfg, self.train_set, self.tensor)
         if self.memory:  # after the builder: a framework's imports are not the run's memory
             self.memory.set_baseline()
         # Stages are laid out here and built by the engine, which allocates only what this rank keeps.
@@ -123,8 +132,14 @@ class Trainer:
         self.stages = build_stages(self.model, self.scheme.stage_count, self.backend, cfg.training.seed,
                                    materialize=False)
         self.gathered = self.scheme.gathered(self.model, self.backend.dtype.itemsize)
-        self.scheme.describe_placement(self.counted.group_of)
-        self.parameter_count = sum(stage.flat.size for stage in self.stages)
+        self.scheme.describe_placement(self.slice.group_of)
+        # the whole model's sizes, in order (with --tensor T, this rank's stages hold shards of some)
+        self.whole_sizes = ([segment.size for stage in self.stages for segment in stage.flat.segments]
+                            if self.tensor is None else
+                            [segment.size for stage in build_stages(configured_model(cfg, self.train_set)[0], 1,
+                                                                    self.backend, cfg.training.seed, materialize=False)
+                             for segment in stage.flat.segments])
+        self.parameter_count = sum(self.whole_sizes)
         # The model FLOPs of one sample's training step: the layers count a forward's multiply-adds,
         # 2 FLOPs each, and a backward costs two forwards (reported as MFU against --peak-flops).
         self.training_flops_per_sample = 6 * sum(layer.flops(shape)
@@ -148,9 +163,13 @@ class Trainer:
         self.evaluation_seconds = 0.0  # of the whole run: what --eval-every and --eval-batches cost
         self.said_evaluation_cap = False  # rank 0 says once that --eval-batches asks for more than the split has
         pairs = tied_copies(self.stages)
-        self.tied = TiedGradients(pairs, self.counted, self.comm, cfg.parallel.collective) if pairs else None
+        self.tied = TiedGradients(pairs, self.slice, self.slice.mpi, cfg.parallel.collective) if pairs else None
         self.loss_scaler = LossScaler() if cfg.model.precision == Precision.FP16 else None
-        self.clipper = (GradientClipper(optim.grad_clip or math.inf, self.comm, self.tied.copies() if self.tied else [])
+        # the norm counts every weight once: a tied copy's not at all, and what every rank of a tensor
+        # group holds whole on one of them (its gradient is the same on each)
+        left_out = (self.tied.copies() if self.tied else []) + (
+            held_whole_spans(self.stages) if self.tensor is not None and self.tensor.rank > 0 else [])
+        self.clipper = (GradientClipper(optim.grad_clip or math.inf, self.slice.mpi, sorted(left_out))
                         if optim.grad_clip or self.loss_scaler else None)
 
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
@@ -188,7 +207,7 @@ class Trainer:
         gradients and optimizer state alone exceed the memory this node has available.
         It is a lower bound (no activations, no transients): --memory-limit checks the full peak."""
         need = self.scheme.least_state_bytes([stage.flat.size for stage in self.stages], self.backend.dtype.itemsize,
-                                             self.counted)
+                                             self.slice)
         # groups are nodes by default
         ranks_here = len(self.counted.group_layout()[0]) if not self.config.parallel.group_size else 1
         available = available_bytes()
@@ -214,7 +233,7 @@ class Trainer:
         cfg, optim, parallel = self.config, self.config.optim, self.config.parallel
         plan = self.scheme.plan(self.stages, self.backend.dtype.itemsize)
         first_layers = [layers.start for layers in partition(self.model, len(self.stages))]
-        return Executor(self.counted, self.stages, plan, self.cache, self.loss_fn,
+        return Executor(self.slice, self.stages, plan, self.cache, self.loss_fn,
                         input_shapes=[self.model.shapes[first] for first in first_layers],
                         optimizer=optim.optimizer,
                         optimizer_options=dict(momentum=optim.momentum, weight_decay=optim.weight_decay,
@@ -230,10 +249,15 @@ class Trainer:
         shapes (collective: every rank calls it). With `root`, only that rank gets them;
         the others get None."""
         flat = self.engine.whole_model.full_parameters()
-        if root is not None and self.rank != root:
+        if self.tensor is not None:
+            flat = whole_from_shards(to_host(self.tensor.all_gather(flat)), self.stages, self.whole_sizes)
+        if root is not None and self.comm.rank != root:
             return None
         named, offset = {}, 0
-        for stage in self.stages:
+        whole_stages = self.stages if self.tensor is None else build_stages(
+            configured_model(self.config, self.train_set)[0], 1, self.backend, self.config.training.seed,
+            materialize=False)
+        for stage in whole_stages:
             for segment in stage.flat.segments:
                 start = offset + segment.offset
                 named[f"{segment.layer}.{segment.name}"] = flat[start:start + segment.size].reshape(segment.shape)
@@ -307,6 +331,7 @@ class Trainer:
         figures = read_values(self.device_figures)
         self.step_totals[:3], self.step_totals[-1] = figures[:3], figures[3]
         self.step_totals[3:3 + FLAGS] = self.checkpoints.flags()
+        self._count_once(self.step_totals[:3])
         with self.counted.traffic.phase("metrics"):
             sum_across_ranks(self.counted, self.step_totals)
         loss = float(self.step_totals[0])
@@ -426,7 +451,7 @@ class Trainer:
             starts = len(test.tokens) - test.seq_len
             if samples > starts and not self.said_evaluation_cap:
                 self.said_evaluation_cap = True
-                if self.rank == 0:
+                if self.comm.rank == 0:
                     print(f"mpipar: --eval-batches {count} asks for {samples:,} validation windows, more than the "
                           f"{starts:,} places a window can start in the split: each evaluation takes {starts:,} "
                           "windows", flush=True)
@@ -459,19 +484,26 @@ class Trainer:
             if padding:
                 continue
             totals[0] += self.loss_fn.forward(logits, targets, ctx, len(samples))
-            totals[1] += (logits.argmax(axis=-1) == targets).sum()
+            totals[1] += (self.loss_fn.predictions(logits) == targets).sum()
             totals[2] += targets.size
         totals = read_values(totals)  # summed on the host: three numbers
+        self._count_once(totals)
         with self.counted.traffic.phase("evaluate"):
             sum_across_ranks(self.counted, totals)
         self.evaluation_seconds += time.perf_counter() - started
         return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)), step)
 
+    def _count_once(self, figures: np.ndarray) -> None:
+        """Zero the loss and accuracy figures on all but one rank of a tensor group, which all
+        computed the same ones, before they are summed over every rank."""
+        if self.tensor is not None and self.tensor.rank > 0:
+            figures[:] = 0
+
     def _memory_per_rank(self) -> dict:
         """Every rank's peak resident memory, with --memory-profile the allocator's peak, and
         its predicted peak (collective: one counted sum of a slot per rank)."""
-        figures = np.zeros((self.world_size, 3))
-        figures[self.rank] = (peak_rss_bytes(), self.memory.peak_bytes() if self.memory else -1,
+        figures = np.zeros((self.comm.size, 3))
+        figures[self.comm.rank] = (peak_rss_bytes(), self.memory.peak_bytes() if self.memory else -1,
                               self.predicted.total)
         with self.counted.traffic.phase("metrics"):
             sum_across_ranks(self.counted, figures.reshape(-1))
@@ -484,7 +516,8 @@ class Trainer:
         cfg, model, training = self.config, self.config.model, self.config.training
         return RunFacts(model=model.model, dataset=cfg.data.dataset, train_samples=len(self.train_set),
                         test_samples=len(self.test_set), parameter_count=self.parameter_count,
-                        world_size=self.world_size, scheme=self.scheme.name, placement=tuple(self.scheme.placement),
+                        world_size=self.comm.size, scheme=self.scheme.name if self.tensor is None else
+                        f"{self.scheme.name} x tensor {self.tensor.size}", placement=tuple(self.scheme.placement),
                         device=model.device, arithmetic=model.dtype if model.precision == "fp32" else
                         f"{model.precision} with {model.dtype} master weights", batch_size=training.batch_size,
                         micro_batches=training.micro_batches, micro_batches_per_rank=self.scheme.micro_batches_per_rank,

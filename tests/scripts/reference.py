@@ -32,7 +32,8 @@ def one_process(config: TrainConfig, norms: list | None = None) -> np.ndarray:
     (stage,) = build_stages(model, 1, backend, config.training.seed)
     flat, loss_fn, cache = stage.flat, SoftmaxCrossEntropy(), ActivationCache()
     optimizer = make_optimizer(config.optim.optimizer, [flat.data], [flat.grad], [flat.decay_spans(0, flat.size)],
-                               momentum=config.optim.momentum, weight_decay=config.optim.weight_decay)
+                               momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
+                               betas=(config.optim.beta1, config.optim.beta2), eps=config.optim.eps)
     sampler = GlobalBatchSampler(len(train_set), config.training.batch_size, config.training.seed)
     for step in range(config.training.max_steps):
         inputs, targets = train_set.for_epoch(0, config.training.seed).batch(sampler.global_batch_indices(0, step))

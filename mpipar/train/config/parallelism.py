@@ -40,6 +40,9 @@ class ParallelismOptions(OptionGroup):
                                click.STRING, "parallelism")
     group_size: int = option(0, "ranks per group for the I scope and hierarchical collectives (0: the ranks of "
                                 "a node)", NATURAL, "parallelism")
+    tensor: int = option(1, "ranks T that split each layer of the transformer (tensor parallelism; the "
+                            "innermost axis: ranks r and r + 1 split the same layers; docs/tensor_parallel.md)",
+                         POSITIVE, "parallelism")
     stages: int = option(0, "pipeline stages S: run --scheme as a schedule of S stages over the ranks "
                             "(0: data parallel)", IntRange(0, MAX_STAGES), "parallelism")
     replicas: int = option(0, "pipeline replicas D with --stages: the ranks are D copies of the pipeline, side by "

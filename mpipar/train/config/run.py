@@ -84,11 +84,18 @@ class TrainConfig:
         except ConfigError:  # a scheme or --shard that validate() refuses, with its reason
             return "bucketed"
 
+    def engine_ranks(self, world_size: int) -> int:
+        """The ranks of one tensor slice, W / T: what the schedule, the sharding and the batch are laid
+        out over (each of a slice's ranks is T ranks that split its layers)."""
+        return world_size // self.parallel.tensor
+
     def for_world(self, world_size: int) -> TrainConfig:
         """This configuration with the automatic values filled in for `world_size` ranks:
         --ddp as `automatic_units` says; --replicas the fewest whose pipeline the schedule accepts;
         --micro-batches is 1 in data parallelism, the number of ranks with --stages (every
-        built-in schedule can run B = W), and for CDP the N that --cdp-layout needs."""
+        built-in schedule can run B = W), and for CDP the N that --cdp-layout needs (W: of a
+        tensor slice)."""
+        world_size = self.engine_ranks(world_size)
         config = self if self.parallel.ddp else self.replace(ddp=self.automatic_units())
         parallel = config.parallel
         if parallel.stages and not parallel.cyclic and not parallel.replicas:
@@ -140,10 +147,12 @@ class TrainConfig:
         for group in self.groups():
             group.check_types()
         check_environment(os.environ)
+        self._refuse_what_tensor_parallelism_cannot_split(world_size)
         parallel = self.parallel
         if not self.training.micro_batches or parallel.ddp is None or (
                 parallel.stages and not parallel.cyclic and not parallel.replicas):
             return self.for_world(world_size).validate(world_size)
+        world_size = self.engine_ranks(world_size)
         self.model.validate()
         self.data.validate()
         self.optim.validate()
@@ -158,6 +167,24 @@ class TrainConfig:
             self._refuse_what_the_schedule_cannot_run(world_size)
         else:
             self._refuse_what_data_parallelism_cannot_run(world_size)
+
+    def _refuse_what_tensor_parallelism_cannot_split(self, world_size: int) -> None:
+        tensor, model, parallel = self.parallel.tensor, self.model, self.parallel
+        if tensor == 1:
+            return
+        if world_size % tensor:
+            raise ConfigError(f"--tensor {tensor} does not divide the {world_size} ranks")
+        if model.model != "transformer":
+            raise ConfigError(f"--tensor {tensor} splits the layers of the built-in transformer; --model "
+                              f"{model.model} is not split: use --tensor 1")
+        if model.heads % tensor:
+            raise ConfigError(f"--tensor {tensor} must divide the {model.heads} attention heads (--heads)")
+        unsupported = ("--scheme " + parallel.scheme if parallel.cyclic else
+                       "--ddp allgather-activations" if parallel.ddp == "allgather-activations" else
+                       "--checkpoint-dir" if self.checkpoint.checkpoint_dir else
+                       "--resume" if self.checkpoint.resume else None)
+        if unsupported:
+            raise ConfigError(f"--tensor {tensor} does not yet run with {unsupported}: use --tensor 1 there")
 
     def _refuse_half_precision_where_updates_do_not_settle(self) -> None:
         """What --precision fp16 covers: the built-in models under the data-parallel and pipeline schemes."""

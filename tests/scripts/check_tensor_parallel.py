@@ -1,0 +1,83 @@
+"""The master test for tensor parallelism: --tensor T, alone and composed, equals one process in float64.
+
+Run by tests/test_tensor_parallel.py as `mpiexec -n N python check_tensor_parallel.py` (N = 2, 4).
+The transformer on tiny Shakespeare (65 characters: a vocabulary neither 2 nor 4 divides),
+tied embeddings, clipping at 1.0, dropout 0.1, with AdamW (weight decay 0.1) or SGD with
+momentum. Each case trains 3 steps; then on every rank:
+1. the whole model's parameters (the tensor group's shards side by side) equal plain
+   one-process training's (reference.py), rtol 1e-10;
+2. each step sends, in the traffic phase "tensor", what Megatron's layers send per
+   micro-batch of R = b x s rows and width h: an all-reduce of R x h values for the
+   embedding, two per block forward and two backward, one for the output's input gradient;
+   for the loss a gather and two all-reduces of R values, and for the accuracy's argmax two
+   gathers of R values (ring all-reduce: 2 (T - 1) / T of the bytes per rank; gather: T - 1
+   times them).
+AdamW runs with eps 1e-6: a key bias has no true gradient (the softmax ignores it), only
+rounding, which differs with the order of the sums; Adam divides it by eps, and 1e-8 made
+that a 1e-13 difference in those biases.
+Rank 0 prints every failure and the number of cases; exit status 1 on any failure.
+"""
+
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+from reference import one_process
+
+import deadline
+from mpipar.comms.tensor_group import PHASE
+from mpipar.train.config import TrainConfig
+from mpipar.train.trainer import Trainer
+
+deadline.arm(300)
+world = MPI.COMM_WORLD
+W = world.size
+TEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
+STEPS, SEQ, WIDTH, BLOCKS, BATCH = 3, 16, 32, 2, 8
+COMMON = dict(model="transformer", dataset="text", text_file=str(TEXT), seq_len=SEQ, width=WIDTH, heads=4,
+              blocks=BLOCKS, tie_embeddings=True, grad_clip=1.0, dropout=0.1, dtype="float64", batch_size=BATCH,
+              max_steps=STEPS, epochs=1, eval_batches=1, log_every=1000, collective="ring", lr=3e-3)
+OPTIMIZERS = {"adamw": dict(optimizer="adamw", weight_decay=0.1, eps=1e-6), "sgd": dict(optimizer="sgd", momentum=0.9)}
+# (label, tensor, options)
+CASES = {2: [("T = 2, adamw", 2, OPTIMIZERS["adamw"]), ("T = 2, sgd", 2, OPTIMIZERS["sgd"])],
+         4: [("T = 4, adamw", 4, OPTIMIZERS["adamw"]),
+             ("T x D = 2 x 2, zero3", 2, dict(OPTIMIZERS["adamw"], scheme="zero3")),
+             ("T x S = 2 x 2, 1f1b", 2, dict(OPTIMIZERS["sgd"], scheme="1f1b", stages=2, micro_batches=2))]}[W]
+failures = []
+
+
+def ring(elements: int, tensor: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of `elements` float64 values over `tensor` ranks."""
+    return 2 * (tensor - 1) * (elements // tensor) * 8
+
+
+for label, tensor, options in CASES:
+    config = TrainConfig.of(**COMMON, **options, tensor=tensor)
+    trainer = Trainer(config)
+    sent = []
+    for step in range(STEPS):
+        before = trainer.counted.traffic.read(PHASE).sent_bytes
+        trainer.train_step(step, 0, step)
+        sent.append(trainer.counted.traffic.read(PHASE).sent_bytes - before)
+    named = trainer.full_parameters()
+    got = np.concatenate([values.reshape(-1) for values in named.values()])
+    expected = one_process(TrainConfig.of(**COMMON, **{k: v for k, v in options.items()
+                                                       if k not in ("scheme", "stages", "micro_batches")}))
+    if got.shape != expected.shape or not np.allclose(got, expected, rtol=1e-10, atol=1e-14):
+        worst = np.abs(got - expected).max() if got.shape == expected.shape else f"shapes {got.shape}"
+        failures.append(f"rank {world.rank}: {label}: parameters differ from one process's ({worst})")
+    micro_batches = config.for_world(W).training.micro_batches
+    slice_ranks = W // tensor
+    replicas = config.for_world(W).parallel.mesh(slice_ranks).replicas
+    rows = BATCH // replicas // micro_batches * SEQ
+    stages = options.get("stages", 1)
+    # blocks and embeddings this rank's stage holds: the whole model, or its half of 2 stages
+    worker = (world.rank // tensor) // replicas if stages > 1 else 0
+    blocks_here = BLOCKS // stages
+    embedding_here, output_here = worker == 0, worker == stages - 1
+    per_micro_batch = ((embedding_here + 4 * blocks_here + output_here) * ring(rows * WIDTH, tensor)
+                       + output_here * (3 * (tensor - 1) * rows * 8 + 2 * ring(rows, tensor)))
+    if sent != [micro_batches * per_micro_batch] * STEPS:
+        failures.append(f"rank {world.rank}: {label}: sent {sent} B per step in the tensor group; Megatron's "
+                        f"count is {micro_batches * per_micro_batch} B")
+deadline.finish(world, failures, f"tensor parallelism: {len(CASES)} cases equal one process on {W} rank(s)")
