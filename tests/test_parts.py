@@ -116,7 +116,7 @@ def checkpointed_run(tmp_path, flats: list[np.ndarray], resume: str | None = Non
     run = CheckpointedRun(config=config, comm=MPI.COMM_SELF, engine=engine, stages=stages, dtype_name="float64",
                           parameter_count=sum(flat.size for flat in flats), steps_per_epoch=10,
                           lr_at=lambda step: 0.1, scheme_name="ddp (N,N,N)", train_set=train_set,
-                          test_set=test_set, loss_scaler=loss_scaler)
+                          test_set=test_set, loss_scaler=loss_scaler, whole_layout=None)
     return Checkpoints(run), engine
 
 

@@ -1,11 +1,14 @@
 """Tensor parallelism: the split layers against mpipar's whole layers on 2 and 4 ranks, in float64."""
 
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.backend import make_backend
+from mpipar.checkpoint.format import read_vectors
 from mpipar.errors import ConfigError
 from mpipar.layers.parallel_attention import ParallelSelfAttention
 from mpipar.layers.tensor_parallel import ColumnParallelLinear
@@ -39,7 +42,7 @@ def test_tensor_parallel_training_equals_one_process_and_sends_megatrons_bytes(r
     (dict(tensor=2, model="mlp"), "--tensor 2 splits the layers of the built-in transformer"),
     (dict(tensor=4, heads=2), "--tensor 4 must divide the 2 attention heads"),
     (dict(tensor=2, scheme="cdp-v1"), "--tensor 2 does not yet run with --scheme cdp-v1"),
-    (dict(tensor=2, checkpoint_dir="ck"), "--tensor 2 does not yet run with --checkpoint-dir"),
+    (dict(tensor=2, ddp="allgather-activations"), "--tensor 2 does not yet run with --ddp allgather-activations"),
 ])
 def test_what_tensor_parallelism_cannot_split_is_refused_in_one_sentence(options, sentence):
     config = small_config(**{**dict(model="transformer", dataset="text", text_file="t.txt", heads=4), **options})
@@ -66,3 +69,33 @@ def test_a_padded_vocabulary_block_starts_with_zero_rows_past_the_vocabulary():
     assert last.params["weight"].shape == (17, 8)
     assert (last.params["weight"][14:] == 0).all()
     assert (last.params["weight"][:14] == whole.params["weight"][51:]).all()
+
+
+TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+OPTIONS = ["--model", "transformer", "--dataset", "text", "--text-file", str(TEXT), "--seq-len", "16", "--width", "32",
+           "--heads", "4", "--blocks", "2", "--tie-embeddings", "--dropout", "0.1", "--grad-clip", "1.0",
+           "--optimizer", "adamw", "--weight-decay", "0.1", "--eps", "1e-6", "--dtype", "float64", "--batch-size", "8",
+           "--eval-batches", "1", "--quiet"]
+
+
+def train(ranks: int, *args: str):
+    return run_mpi(ranks, sys.executable, "-m", "mpipar", "train", *OPTIONS, *args, timeout=300)
+
+
+def test_a_checkpoint_written_at_t_2_loads_at_t_1_and_4_and_continues_as_one_process(tmp_path):
+    """The checkpoint is of the whole model (65 characters: T = 2 and 4 pad the vocabulary
+    differently), so it loads at any T; each continuation equals one process's 6 steps."""
+    assert train(2, "--tensor", "2", "--max-steps", "3", "--checkpoint-dir", str(tmp_path / "t2")).returncode == 0
+    saved = tmp_path / "t2" / "step-00000003"
+    result = train(1, "--max-steps", "6", "--checkpoint-dir", str(tmp_path / "one"))
+    assert result.returncode == 0, result.stderr
+    reference = read_vectors(tmp_path / "one" / "step-00000006")
+    for ranks, tensor in ((1, 1), (4, 4), (4, 2)):
+        continued = tmp_path / f"continued-{ranks}-{tensor}"
+        result = train(ranks, "--tensor", str(tensor), "--max-steps", "6", "--resume", str(saved),
+                       "--checkpoint-dir", str(continued))
+        assert result.returncode == 0, result.stderr
+        vectors = read_vectors(continued / "step-00000006")
+        for vector, expected in reference.items():
+            np.testing.assert_allclose(vectors[vector], expected, rtol=1e-10, atol=1e-13,
+                                       err_msg=f"{vector} at T = {tensor} on {ranks} rank(s)")

@@ -9,6 +9,10 @@ So the group's flat vectors side by side are the whole model: a shard parameter 
 blocks one after the other, cut to the whole's size, and a parameter held whole is any
 rank's. The whole model's order is the layers' order, whatever the stages.
 
+A checkpoint is of the whole model, so that it loads at any T (format.py): `WholeLayout` turns
+a rank's pieces (ranges of its own flat vectors) into pieces of the whole model's, a shard's
+block at its place in the whole parameter and its padding left out (zeroed on a load).
+
 Exercised by: mpiexec -n 2 python tests/scripts/check_tensor_parallel.py   (via tests/test_tensor_parallel.py)
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpipar.checkpoint.format import Piece
 from mpipar.models.sequential import Stage
 
 
@@ -54,3 +59,35 @@ def _with_offsets(stages: list[Stage]):
     for stage in stages:
         yield offset, stage
         offset += stage.flat.size
+
+
+class WholeLayout:
+    """Where this rank's flat elements lie in the whole model: per parameter (in order), its
+    start here, its size here, its start in the whole model and how many of its elements are
+    the whole's (the rest: a shard's padding)."""
+
+    def __init__(self, stages: list[Stage], whole_stages: list[Stage]) -> None:
+        whole = [(offset + segment.offset, segment.size) for offset, stage in _with_offsets(whole_stages)
+                 for segment in stage.flat.segments]
+        here = [(offset + segment.offset, segment.size, part) for offset, stage in _with_offsets(stages)
+                for segment, part in zip(stage.flat.segments, stage.flat.parts)]
+        if len(here) != len(whole):
+            raise ValueError(f"{len(here)} parameters here, {len(whole)} in the whole model")
+        self.runs = [(start, size, whole_start + (part[0] if part else 0), part[1] if part else size)
+                     for (start, size, part), (whole_start, _) in zip(here, whole)]
+
+    def whole_pieces(self, pieces: list[Piece]) -> tuple[list[Piece], list]:
+        """The pieces as ranges of the whole model's vectors; and the views of their padding."""
+        moved, padding = [], []
+        for piece in pieces:
+            for start, size, whole_start, saved in self.runs:
+                low, high = max(piece.start, start), min(piece.stop, start + size)
+                if low >= high:
+                    continue
+                kept = min(high, start + saved)
+                if kept > low:
+                    moved.append(Piece(piece.vector, whole_start + low - start, whole_start + kept - start,
+                                       piece.array[low - piece.start:kept - piece.start]))
+                if high > max(low, kept):
+                    padding.append(piece.array[max(low, kept) - piece.start:high - piece.start])
+        return moved, padding

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
     from mpipar.models.sequential import Stage
+    from mpipar.models.tensor_layout import WholeLayout
     from mpipar.runtime.executor import Executor
     from mpipar.train.config import TrainConfig
 
@@ -68,7 +69,8 @@ class CheckpointedRun:
     config: TrainConfig
     comm: MPI.Intracomm
     engine: Executor  # its whole model's state pieces; start_at, on resume
-    stages: list[Stage]  # their parameter table, which a resumed checkpoint must match
+    stages: list[Stage]  # the whole model's: its parameter table, which a resumed checkpoint must match
+    whole_layout: WholeLayout | None  # with --tensor T: where this rank's shards lie in the whole model
     dtype_name: str  # of the parameters
     parameter_count: int
     steps_per_epoch: int
@@ -140,6 +142,8 @@ class Checkpoints:
             return
         started = time.perf_counter()
         pieces, _ = self.run.engine.whole_model.state_pieces()
+        if self.run.whole_layout is not None:
+            pieces, _ = self.run.whole_layout.whole_pieces(pieces)
         pending = store.begin(self.run.comm, Path(self.config.checkpoint.checkpoint_dir), steps_done, pieces,
                               copy=in_background)
         self.last_saved_step, self.last_save_time = steps_done, time.monotonic()
@@ -239,7 +243,13 @@ class Checkpoints:
 
         def pieces(manifest: dict):
             engine.start_at(manifest["training"]["step"])
-            return engine.whole_model.state_pieces()[0]
+            held = engine.whole_model.state_pieces()[0]
+            if self.run.whole_layout is None:
+                return held
+            whole, padding = self.run.whole_layout.whole_pieces(held)
+            for part in padding:  # a shard's padding is in no checkpoint, and must stay zero
+                part[...] = 0
+            return whole
 
         options = self.config.checkpoint
         loaded = store.load(self.run.comm, options.resume, options.checkpoint_dir, pieces, check,

@@ -52,7 +52,7 @@ from mpipar.data import (
 from mpipar.data.tokens import WindowSample
 from mpipar.errors import ConfigError, NonFiniteLossError
 from mpipar.models.sequential import build_stages, leaf_layers, partition
-from mpipar.models.tensor_layout import held_whole_spans, whole_from_shards
+from mpipar.models.tensor_layout import WholeLayout, held_whole_spans, whole_from_shards
 from mpipar.optim.clipping import GradientClipper
 from mpipar.optim.optimizers import make_schedule
 from mpipar.optim.precision import LossScaler, Precision, arithmetic_dtype
@@ -102,7 +102,8 @@ class Trainer:
         if config.output.memory_limit is not None:
             self._check_memory_limit(config.output.memory_limit)
         self.checkpoints = Checkpoints(CheckpointedRun(
-            config=self.config, comm=self.comm, engine=self.engine, stages=self.stages,
+            config=self.config, comm=self.comm, engine=self.engine, stages=self.whole_stages,
+            whole_layout=WholeLayout(self.stages, self.whole_stages) if self.tensor is not None else None,
             dtype_name=self.backend.dtype.name, parameter_count=self.parameter_count,
             steps_per_epoch=self.sampler.steps_per_epoch, lr_at=self.lr_at, scheme_name=self.scheme.name,
             train_set=self.train_set, test_set=self.test_set, loss_scaler=self.loss_scaler))
@@ -133,12 +134,10 @@ class Trainer:
                                    materialize=False)
         self.gathered = self.scheme.gathered(self.model, self.backend.dtype.itemsize)
         self.scheme.describe_placement(self.slice.group_of)
-        # the whole model's sizes, in order (with --tensor T, this rank's stages hold shards of some)
-        self.whole_sizes = ([segment.size for stage in self.stages for segment in stage.flat.segments]
-                            if self.tensor is None else
-                            [segment.size for stage in build_stages(configured_model(cfg, self.train_set)[0], 1,
-                                                                    self.backend, cfg.training.seed, materialize=False)
-                             for segment in stage.flat.segments])
+        # the whole model's layout (with --tensor T, this rank's stages hold shards of some parameters)
+        self.whole_stages = self.stages if self.tensor is None else build_stages(
+            configured_model(cfg, self.train_set)[0], 1, self.backend, cfg.training.seed, materialize=False)
+        self.whole_sizes = [segment.size for stage in self.whole_stages for segment in stage.flat.segments]
         self.parameter_count = sum(self.whole_sizes)
         # The model FLOPs of one sample's training step: the layers count a forward's multiply-adds,
         # 2 FLOPs each, and a backward costs two forwards (reported as MFU against --peak-flops).
@@ -254,10 +253,7 @@ class Trainer:
         if root is not None and self.comm.rank != root:
             return None
         named, offset = {}, 0
-        whole_stages = self.stages if self.tensor is None else build_stages(
-            configured_model(self.config, self.train_set)[0], 1, self.backend, self.config.training.seed,
-            materialize=False)
-        for stage in whole_stages:
+        for stage in self.whole_stages:
             for segment in stage.flat.segments:
                 start = offset + segment.offset
                 named[f"{segment.layer}.{segment.name}"] = flat[start:start + segment.size].reshape(segment.shape)

@@ -180,9 +180,7 @@ class TrainConfig:
         if model.heads % tensor:
             raise ConfigError(f"--tensor {tensor} must divide the {model.heads} attention heads (--heads)")
         unsupported = ("--scheme " + parallel.scheme if parallel.cyclic else
-                       "--ddp allgather-activations" if parallel.ddp == "allgather-activations" else
-                       "--checkpoint-dir" if self.checkpoint.checkpoint_dir else
-                       "--resume" if self.checkpoint.resume else None)
+                       "--ddp allgather-activations" if parallel.ddp == "allgather-activations" else None)
         if unsupported:
             raise ConfigError(f"--tensor {tensor} does not yet run with {unsupported}: use --tensor 1 there")
 
