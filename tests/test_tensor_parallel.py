@@ -1,5 +1,6 @@
 """Tensor parallelism: the split layers against mpipar's whole layers on 2 and 4 ranks, in float64."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -99,3 +100,20 @@ def test_a_checkpoint_written_at_t_2_loads_at_t_1_and_4_and_continues_as_one_pro
         for vector, expected in reference.items():
             np.testing.assert_allclose(vectors[vector], expected, rtol=1e-10, atol=1e-13,
                                        err_msg=f"{vector} at T = {tensor} on {ranks} rank(s)")
+
+
+def allocator_peak_mib(output: str) -> float:
+    return float(re.search(r"array allocator peak max ([\d.]+) MiB", output).group(1))
+
+
+def test_the_memory_a_rank_holds_falls_by_t_with_the_split_layers():
+    """Width 512: the split layers are 98% of the parameters, so the allocator's peak (parameters,
+    gradients and Adam's state, and small activations) at T = 2 is within 10% of half T = 1's."""
+    shapes = ["--width", "512", "--heads", "8", "--batch-size", "4", "--max-steps", "2", "--memory-profile",
+              "--dtype", "float32"]
+    peaks = {}
+    for tensor in (1, 2):
+        result = train(2, *shapes, "--tensor", str(tensor))
+        assert result.returncode == 0, result.stderr
+        peaks[tensor] = allocator_peak_mib(result.stdout)
+    assert abs(peaks[2] / (peaks[1] / 2) - 1) < 0.10, peaks

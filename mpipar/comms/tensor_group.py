@@ -4,7 +4,10 @@ The layers (layers/tensor_parallel.py, parallel_attention.py, vocab_parallel.py)
 handed one of these and never import this package. It sums and gathers over a
 sub-communicator of the T ranks, through the counted collectives (so device arrays take
 the wire, and every byte is counted), under the traffic phase "tensor": the counters show
-tensor-parallel traffic as an axis of its own, and only inside the group.
+the training steps' tensor-parallel traffic as an axis of its own, and only inside the
+group. Outside the steps, its messages count as the rest of what is sent there: an
+evaluation's under "evaluate", an inspection's (the dry run that measures activations, a
+look at the whole model) under "inspect".
 
 Exercised by: mpiexec -n 2 python tests/scripts/check_tensor_layers.py   (via tests/test_tensor_parallel.py)
 """
@@ -16,6 +19,7 @@ from mpipar.comms.collectives import all_gather, all_reduce
 from mpipar.comms.comm import Comm
 
 PHASE = "tensor"
+OUTSIDE_STEPS = ("evaluate", "inspect")  # phases of the messages sent outside the training steps
 
 
 class TensorGroup:
@@ -28,7 +32,7 @@ class TensorGroup:
     def all_reduce(self, array: Array) -> None:
         """array <- its sum over the group, in place (nothing to do for T = 1)."""
         if self.size > 1:
-            with self.comm.traffic.phase(PHASE):
+            with self.comm.traffic.phase(self._phase()):
                 all_reduce(self.comm, array.reshape(-1), self.algorithm)
 
     def all_gather(self, part: Array) -> Array:
@@ -37,9 +41,13 @@ class TensorGroup:
         if self.size == 1:
             out[0] = part
             return out
-        with self.comm.traffic.phase(PHASE):
+        with self.comm.traffic.phase(self._phase()):
             all_gather(self.comm, part.reshape(-1), out.reshape(-1), self.algorithm)
         return out
+
+    def _phase(self) -> str:
+        current = self.comm.traffic.current
+        return current if current in OUTSIDE_STEPS else PHASE
 
 
 def split_tensor_axis(world: Comm, tensor: int, algorithm: str = "mpi") -> tuple[Comm, TensorGroup | None]:

@@ -179,10 +179,11 @@ class Trainer:
         if segment is not None:  # (refused for CDP)
             shared = replica_shared_stages(parallel.mesh(self.world_size), [stage.flat.size for stage in self.stages])
             spans = compute_spans(self.stages, shared, unit_bytes_for(parallel.ddp, parallel.bucket_mb), segment)
-        return dry_run(self.stages, self.train_set, self.loss_fn,
-                       training.batch_size // per_rank // training.micro_batches,
-                       min(cfg.evaluation_batch(self.world_size), len(self.test_set)), training.seed, self._to_device,
-                       spans, split=self.scheme.splits_backward)
+        with self.counted.traffic.phase("inspect"):  # a tensor group's sums in the dry run's forward
+            return dry_run(self.stages, self.train_set, self.loss_fn,
+                           training.batch_size // per_rank // training.micro_batches,
+                           min(cfg.evaluation_batch(self.world_size), len(self.test_set)), training.seed,
+                           self._to_device, spans, split=self.scheme.splits_backward)
 
     def _predicted_peak(self) -> Peak:
         """The engine's prediction of this rank's peak (for CDP: over its first run's program), and the
@@ -476,11 +477,12 @@ class Trainer:
             padding = len(chunk) == 0  # a short slice still joins every batch, on one sample not counted
             inputs, targets = self._to_device(*read(chunk if not padding else samples[:1]))
             ctx = Context(cache=None, key=(0, -1), training=False)
-            logits = self.engine.whole_model.forward(inputs, ctx, gather_phase="evaluate")
-            if padding:
-                continue
-            totals[0] += self.loss_fn.forward(logits, targets, ctx, len(samples))
-            totals[1] += (self.loss_fn.predictions(logits) == targets).sum()
+            with self.counted.traffic.phase("evaluate"):  # what a forward sends (a tensor group's sums)
+                logits = self.engine.whole_model.forward(inputs, ctx, gather_phase="evaluate")
+                if padding:
+                    continue
+                totals[0] += self.loss_fn.forward(logits, targets, ctx, len(samples))
+                totals[1] += (self.loss_fn.predictions(logits) == targets).sum()
             totals[2] += targets.size
         totals = read_values(totals)  # summed on the host: three numbers
         self._count_once(totals)
