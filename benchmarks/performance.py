@@ -90,6 +90,8 @@ BLOCKS = {
                                   "--reps 20", "--sizes 1MB --reps 2", 2),)),
     "data-parallel": Block((Command("python benchmarks/data_parallel.py", "--steps 2 --rounds 1", 2),
                             Command("python benchmarks/data_parallel.py --group-size 2", "--steps 2 --rounds 1", 2))),
+    "tensor-parallel": Block((Command("python benchmarks/tensor_parallel.py", "--steps 2 --rounds 1 --memory-width 128",
+                                      2),)),
     "pipelines": Block((Command("python benchmarks/pipeline.py", "--steps 2 --warmup 1", 2),
                         Command("python benchmarks/pipeline.py --recompute stage", "--steps 2 --warmup 1", 2))),
     "torch-stages": Block((Command("python benchmarks/torch_stages.py", QUICK, 2),
