@@ -101,17 +101,26 @@ def check(name: str, options: dict) -> list[str]:
 
 
 def pinned_memory_is_reused() -> list[str]:
-    """The staged wire's pinned buffers are allocated in the first steps and reused after: four
-    more steps of ZeRO-3 (gathers, reductions, and the transformer's tied sum) allocate none."""
+    """The staged wire's pinned buffers are reused: over four more steps of ZeRO-3 (gathers,
+    reductions, and the transformer's tied sum), after two, the pool allocates at most a tenth
+    of what those steps stage (a pool that reused nothing would allocate all of it; how many
+    buffers are in flight at once, and so the pool's size, may still grow by one with timing)."""
     options = dict(next(options for name, options in CASES[2] if name == "transformer zero3"), max_steps=6)
     trainer = Trainer(TrainConfig.of(**{**COMMON, **options, "device": "gpu"}))
+
+    def staged_bytes() -> int:
+        counts = trainer.counted.traffic.by_phase.values()
+        return sum(c.to_host_bytes + c.to_device_bytes for c in counts)
+
     for step in range(2):
         trainer.train_step(step, 0, step)
-    allocated = wire.pinned_bytes()
+    allocated, staged = wire.pinned_bytes(), staged_bytes()
     for step in range(2, 6):
         trainer.train_step(step, 0, step)
-    if not allocated or wire.pinned_bytes() != allocated:
-        return [f"rank {world.rank}: pinned memory {allocated} bytes after 2 steps, {wire.pinned_bytes()} after 6"]
+    grown, staged = wire.pinned_bytes() - allocated, staged_bytes() - staged
+    if not allocated or grown > staged / 10:
+        return [f"rank {world.rank}: pinned memory {allocated} bytes after 2 steps, {wire.pinned_bytes()} after 6, "
+                f"while steps 3 to 6 staged {staged} bytes"]
     return []
 
 
