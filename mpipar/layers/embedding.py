@@ -18,6 +18,17 @@ from mpipar.errors import DataError, ShapeError
 from mpipar.layers.base import Layer, ParamSpec, normal_init
 
 
+def check_ids(name: str, ids: Array, vocab_size: int) -> None:
+    """Refuse ids that are not integers, or (on the host) not in [0, vocab_size), naming layer `name`."""
+    if ids.dtype.kind not in "iu":
+        raise ShapeError(f"{name}: expected integer token ids, got {ids.dtype} values")
+    # On a GPU this check would stop the device twice a step; there the ids were checked on the
+    # host when the data was read (data/token_scan.py, the text vocabulary).
+    if on_host(ids) and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise DataError(f"{name}: token ids must be in [0, {vocab_size}), "
+                        f"got ids from {int(ids.min())} to {int(ids.max())}")
+
+
 class Embedding(Layer):
     def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__()
@@ -34,13 +45,7 @@ class Embedding(Layer):
         return 0
 
     def forward(self, ids: Array, ctx: Context) -> Array:
-        if ids.dtype.kind not in "iu":
-            raise ShapeError(f"{self.name}: expected integer token ids, got {ids.dtype} values")
-        # On a GPU this check would stop the device twice a step; there the ids were checked on the
-        # host when the data was read (data/token_scan.py, the text vocabulary).
-        if on_host(ids) and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-            raise DataError(f"{self.name}: token ids must be in [0, {self.vocab_size}), "
-                            f"got ids from {int(ids.min())} to {int(ids.max())}")
+        check_ids(self.name, ids, self.vocab_size)
         ctx.save(self, ids)
         return self.params["weight"][ids]
 

@@ -25,10 +25,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mpipar.backend import Array, accumulation_dtype, array_module, on_host, scatter_add
+from mpipar.backend import Array, accumulation_dtype, array_module, scatter_add
 from mpipar.cache import Context
-from mpipar.errors import DataError, ShapeError
+from mpipar.errors import ShapeError
 from mpipar.layers.base import Layer, normal_init, uniform_init
+from mpipar.layers.embedding import check_ids
 from mpipar.layers.losses import Loss
 from mpipar.layers.tensor_parallel import TensorGroup, shard_spec
 
@@ -56,11 +57,7 @@ class VocabParallelEmbedding(Layer):
         return 0
 
     def forward(self, ids: Array, ctx: Context) -> Array:
-        if ids.dtype.kind not in "iu":
-            raise ShapeError(f"{self.name}: expected integer token ids, got {ids.dtype} values")
-        if on_host(ids) and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-            raise DataError(f"{self.name}: token ids must be in [0, {self.vocab_size}), "
-                            f"got ids from {int(ids.min())} to {int(ids.max())}")
+        check_ids(self.name, ids, self.vocab_size)
         xp = array_module(ids)
         local = ids - self.first
         outside = (local < 0) | (local >= self.rows_here)

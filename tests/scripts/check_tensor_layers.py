@@ -66,6 +66,14 @@ def ring_bytes(elements: int) -> int:
     return 2 * (T - 1) * (elements // T) * 8
 
 
+def one_all_reduce_each_way(label: str, forward_bytes: int, backward_bytes: int) -> None:
+    """Megatron's count for a block: one all-reduce of the b x s x h activation forward, one backward."""
+    if (forward_bytes, backward_bytes) != (ring_bytes(B * S * D),) * 2:
+        failures.append(f"rank {world.rank}, T = {T}: {label} sent {forward_bytes} B forward and {backward_bytes} B "
+                        f"backward in the tensor group; one all-reduce of b x s x h each way is "
+                        f"{ring_bytes(B * S * D)} B")
+
+
 # 1. column then row: the MLP block
 column, row = built(ColumnParallelLinear(D, 4 * D, group), RowParallelLinear(4 * D, D, group))
 whole_column, whole_row = built(ColumnParallelLinear(D, 4 * D, one), RowParallelLinear(4 * D, D, one))
@@ -99,10 +107,7 @@ close("the column weight's gradient", column.grads["weight"], plain_up.grads["we
 close("the column bias's gradient", column.grads["bias"], plain_up.grads["bias"][first:stop])
 close("the row weight's gradient", row.grads["weight"], plain_down.grads["weight"][first:stop])
 close("the row bias's gradient", row.grads["bias"], plain_down.grads["bias"])
-if (forward_bytes, backward_bytes) != (ring_bytes(B * S * D),) * 2:
-    failures.append(f"rank {world.rank}, T = {T}: the MLP block sent {forward_bytes} B forward and {backward_bytes} "
-                    f"B backward in the tensor group; one all-reduce of b x s x h each way is "
-                    f"{ring_bytes(B * S * D)} B")
+one_all_reduce_each_way("the MLP block", forward_bytes, backward_bytes)
 cases += 1
 
 # 2. attention with its heads split
@@ -135,10 +140,7 @@ first_out = d * attention.first_head
 close("the output projection's gradient", attention.grads["out_weight"],
       plain.grads["out_weight"][first_out:first_out + attention.width_here])
 close("the output bias's gradient", attention.grads["out_bias"], plain.grads["out_bias"])
-if (forward_bytes, backward_bytes) != (ring_bytes(B * S * D),) * 2:
-    failures.append(f"rank {world.rank}, T = {T}: attention sent {forward_bytes} B forward and {backward_bytes} B "
-                    f"backward in the tensor group; one all-reduce of b x s x h each way is "
-                    f"{ring_bytes(B * S * D)} B")
+one_all_reduce_each_way("attention", forward_bytes, backward_bytes)
 cases += 1
 
 # 3. the vocabulary split: embedding, tied output, cross-entropy, prediction
