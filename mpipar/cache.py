@@ -8,7 +8,9 @@ mpipar *measures* the activation memory of a schedule instead of assuming it.
 
 Two layers often keep the same array (a ReLU keeps its output, the next Linear
 keeps it as its input), so bytes are counted per underlying buffer, once, however
-many pebbles point at it.
+many pebbles point at it. They are also counted per layer kind (LayerNorm, Dropout,
+...: the kind of the layer that kept the buffer first), with each kind's peak: what
+sequence parallelism saves is read there.
 
 Exercised by: python -m pytest tests/test_cache.py
 """
@@ -51,7 +53,7 @@ class Context:
             raise RuntimeError(f"{layer} saved twice for {self.key}: a layer may run once per micro-batch")
         self._saved[layer] = arrays
         if self.cache is not None:
-            self.cache._hold(arrays)
+            self.cache._hold(arrays, getattr(layer, "kind", type(layer).__name__))
 
     def pop(self, layer) -> tuple:
         """Take back what `layer` saved, freeing its bytes."""
@@ -83,7 +85,9 @@ class ActivationCache:
         # long run would grow it without bound.
         self.keep_timeline = keep_timeline
         self.timeline: list[tuple[int, int]] = [(0, 0)]
-        self._buffers: dict[int, list] = {}  # id(owner) -> [owner, nbytes, references]
+        self.live_bytes_by_kind: dict[str, int] = {}
+        self.peak_bytes_by_kind: dict[str, int] = {}  # a kind's most bytes live at one time
+        self._buffers: dict[int, list] = {}  # id(owner) -> [owner, nbytes, references, kind]
 
     def context(self, stage: int, micro_batch: int, *, step: int = 0, sample_ids=None,
                 seed: int = 0) -> Context:
@@ -99,15 +103,17 @@ class ActivationCache:
         """Close the context of (stage, micro_batch), freeing anything left in it."""
         self.contexts.pop((stage, micro_batch)).clear()
 
-    def _hold(self, arrays) -> None:
+    def _hold(self, arrays, kind: str) -> None:
         for array in arrays:
             if not hasattr(array, "nbytes"):
                 continue
             owner = _owning_buffer(array)
             entry = self._buffers.get(id(owner))
             if entry is None:
-                self._buffers[id(owner)] = [owner, owner.nbytes, 1]
+                self._buffers[id(owner)] = [owner, owner.nbytes, 1, kind]
                 self.live_bytes += owner.nbytes
+                live = self.live_bytes_by_kind[kind] = self.live_bytes_by_kind.get(kind, 0) + owner.nbytes
+                self.peak_bytes_by_kind[kind] = max(self.peak_bytes_by_kind.get(kind, 0), live)
             else:
                 entry[2] += 1
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
@@ -124,6 +130,7 @@ class ActivationCache:
             if entry[2] == 0:
                 del self._buffers[id(owner)]
                 self.live_bytes -= entry[1]
+                self.live_bytes_by_kind[entry[3]] -= entry[1]
         self._tick()
 
     def _tick(self) -> None:

@@ -68,6 +68,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "shard": (["--shard", "I,G,G"], "I,G,G"),
     "group_size": (["--group-size", "2"], 2),
     "tensor": (["--tensor", "2"], 2),
+    "sequence_parallel": (["--sequence-parallel"], True),
     "stages": (["--stages", "2"], 2),
     "replicas": (["--replicas", "2"], 2),
     "loops": (["--loops", "2"], 2),

@@ -9,9 +9,12 @@ import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.backend import make_backend
+from mpipar.cache import ActivationCache
 from mpipar.checkpoint.format import read_vectors
 from mpipar.errors import ConfigError
+from mpipar.layers import Dropout
 from mpipar.layers.parallel_attention import ParallelSelfAttention
+from mpipar.layers.sequence_parallel import SequenceParallelDropout
 from mpipar.layers.tensor_parallel import ColumnParallelLinear
 from mpipar.layers.vocab_parallel import VocabParallelEmbedding
 from mpipar.models.sequential import FlatParams
@@ -31,7 +34,7 @@ def test_tensor_parallel_layers_equal_the_whole_layers(ranks):
     assert f"3 cases equal the whole layers on {ranks} rank(s)" in result.stdout
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_tensor_parallel_training_equals_one_process_and_sends_megatrons_bytes(ranks):
     result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_tensor_parallel.py"), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -49,6 +52,32 @@ def test_what_tensor_parallelism_cannot_split_is_refused_in_one_sentence(options
     config = small_config(**{**dict(model="transformer", dataset="text", text_file="t.txt", heads=4), **options})
     with pytest.raises(ConfigError, match=sentence):
         config.validate(4)
+
+
+@pytest.mark.parametrize("options, sentence", [
+    (dict(sequence_parallel=True), "--sequence-parallel splits the positions over the ranks of --tensor T"),
+    (dict(tensor=2, sequence_parallel=True, seq_len=15), "--sequence-parallel splits the 15 positions"),
+])
+def test_what_sequence_parallelism_cannot_split_is_refused_in_one_sentence(options, sentence):
+    config = small_config(**{**dict(model="transformer", dataset="text", text_file="t.txt", heads=4), **options})
+    with pytest.raises(ConfigError, match=sentence):
+        config.validate(4)
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_a_block_of_the_positions_drops_what_the_whole_sequence_drops(tensor):
+    """Sequence parallelism's dropout: rank t's mask is the block of positions t of the mask of T = 1."""
+    whole = Dropout(0.5)
+    blocks = [SequenceParallelDropout(0.5, Group(tensor, rank)) for rank in range(tensor)]
+    x = np.ones((3, 8, 5))
+    ids = np.array([4, 9, 2])
+    masks = []
+    for layer in [whole, *blocks]:
+        layer.index = 3
+        ctx = ActivationCache().context(0, 0, step=2, sample_ids=ids, seed=5)
+        masks.append(layer.forward(x if layer is whole else x[:, :8 // tensor], ctx))
+    assert 0 < (masks[0] == 0).sum() < masks[0].size
+    assert (np.concatenate(masks[1:], axis=1) == masks[0]).all()
 
 
 def test_a_split_that_the_layer_does_not_divide_is_refused_in_one_sentence():

@@ -1,7 +1,7 @@
 """The tensor group: the T ranks that split each layer, as tensor-parallel layers use them.
 
-The layers (layers/tensor_parallel.py, parallel_attention.py, vocab_parallel.py) are
-handed one of these and never import this package. It sums and gathers over a
+The layers (layers/tensor_parallel.py, parallel_attention.py, vocab_parallel.py,
+sequence_parallel.py) are handed one of these and never import this package. It sums and gathers over a
 sub-communicator of the T ranks, through the counted collectives (so device arrays take
 the wire, and every byte is counted), under the traffic phase "tensor": the counters show
 the training steps' tensor-parallel traffic as an axis of its own, and only inside the
@@ -15,7 +15,7 @@ Exercised by: mpiexec -n 2 python tests/scripts/check_tensor_layers.py   (via te
 from __future__ import annotations
 
 from mpipar.backend import Array, array_module
-from mpipar.comms.collectives import all_gather, all_reduce
+from mpipar.comms.collectives import all_gather, all_reduce, reduce_scatter
 from mpipar.comms.comm import Comm
 
 PHASE = "tensor"
@@ -44,6 +44,16 @@ class TensorGroup:
         with self.comm.traffic.phase(self._phase()):
             all_gather(self.comm, part.reshape(-1), out.reshape(-1), self.algorithm)
         return out
+
+    def reduce_scatter(self, stacked: Array) -> Array:
+        """This rank's block of the sum over the group of `stacked` (T, *part): (*part)."""
+        if self.size == 1:
+            return stacked[0].copy()
+        part = array_module(stacked).empty(stacked.shape[1:], dtype=stacked.dtype)
+        with self.comm.traffic.phase(self._phase()):
+            # the stacked blocks are this call's own: the sums may overwrite them (no work array)
+            reduce_scatter(self.comm, stacked.reshape(-1), part.reshape(-1), self.algorithm, send_is_scratch=True)
+        return part
 
     def _phase(self) -> str:
         current = self.comm.traffic.current

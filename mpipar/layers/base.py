@@ -84,6 +84,11 @@ class Layer:
         self.name = type(self).__name__
         self.fresh_grads = False  # set by FlatParams.zero_grad, cleared by Stage after backward
 
+    @property
+    def kind(self) -> str:
+        """What the layer is, for reports (the activation bytes of each kind): its class's name."""
+        return type(self).__name__
+
     def param_specs(self) -> list[ParamSpec]:
         return []
 

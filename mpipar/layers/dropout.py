@@ -42,9 +42,11 @@ def _splitmix64(z):
     return z ^ (z >> np.uint64(31))
 
 
-def uniform_hash(xp, seed: int, layer_index: int, step: int, sample_ids, per_sample: int):
-    """u[i, e] in [0, 1) for sample sample_ids[i] and element e < per_sample (`sample_ids`: an
-    array of positions in the global batch, or a range of them)."""
+def uniform_hash(xp, seed: int, layer_index: int, step: int, sample_ids, per_sample: int,
+                 first: int = 0, whole: int | None = None):
+    """u[i, e] in [0, 1) for sample sample_ids[i] and its element first + e, e < per_sample, of a
+    sample of `whole` elements (default per_sample: all of them); `sample_ids` is an array of
+    positions in the global batch, or a range of them."""
     stream = 0
     for word in (seed, layer_index, step):  # fold the three scalars into one stream key
         stream = _splitmix64((stream + int(_GOLDEN) + word) % 2**64)
@@ -52,8 +54,8 @@ def uniform_hash(xp, seed: int, layer_index: int, step: int, sample_ids, per_sam
         samples = xp.arange(sample_ids.start, sample_ids.stop, dtype=xp.uint64)[:, None]
     else:
         samples = xp.asarray(sample_ids, dtype=xp.uint64)[:, None]
-    elements = xp.arange(per_sample, dtype=xp.uint64)[None, :]
-    counters = samples * np.uint64(per_sample) + elements + np.uint64(stream)
+    elements = xp.arange(first, first + per_sample, dtype=xp.uint64)[None, :]
+    counters = samples * np.uint64(per_sample if whole is None else whole) + elements + np.uint64(stream)
     return (_splitmix64(counters) >> np.uint64(11)).astype(xp.float64) * (1.0 / 2**53)
 
 
@@ -74,10 +76,15 @@ class Dropout(Layer):
             raise RuntimeError(f"{self.name} needs the global-batch position of each of the "
                                f"{x.shape[0]} samples in ctx.sample_ids")
         per_sample = math.prod(x.shape[1:])
-        u = uniform_hash(xp, ctx.seed, self.index, ctx.step, ctx.sample_ids, per_sample)
+        u = uniform_hash(xp, ctx.seed, self.index, ctx.step, ctx.sample_ids, per_sample, *self.elements(per_sample))
         scaled_mask = ((u >= self.p) * (1.0 / (1.0 - self.p))).astype(x.dtype).reshape(x.shape)
         ctx.save(self, scaled_mask)
         return x * scaled_mask
+
+    def elements(self, per_sample: int) -> tuple[int, int]:
+        """(first, whole): a sample's `per_sample` elements here are its elements [first, first +
+        per_sample) of `whole` (all of them here; a block of the positions under sequence parallelism)."""
+        return 0, per_sample
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         if self.p == 0.0:

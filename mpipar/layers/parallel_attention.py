@@ -15,6 +15,11 @@ head, q, k, v within a head ((head, q|k|v, d) rows of length D), so a block of h
 contiguous block of rows for every T; its bias alike. Wo is stored as W, (D in, D out), its
 rows ordered (head, d). The attention itself is attention.py's `attend`.
 
+With sequence parallelism (tensor_parallel.SplitSequence) x arrives as this rank's block of
+the positions: it is gathered before the qkv projection, and the output is reduce-scattered
+back to the block instead of all-reduced; the output bias's gradient is taken from the
+gathered dy, whole on every rank.
+
 Exercised by: mpiexec -n 2 python tests/scripts/check_tensor_layers.py   (via tests/test_tensor_parallel.py)
 """
 
@@ -27,12 +32,13 @@ from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.layers.attention import attend, attend_backward
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
-from mpipar.layers.tensor_parallel import TensorGroup, block, shard_spec
+from mpipar.layers.tensor_parallel import TensorGroup, block, sequence_boundary, shard_spec
 
 
 class ParallelSelfAttention(Layer):
-    def __init__(self, dim: int, heads: int, group: TensorGroup) -> None:
+    def __init__(self, dim: int, heads: int, group: TensorGroup, sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.boundary = sequence_boundary(group, sequence_parallel)
         if dim % heads:
             raise ConfigError(f"attention width {dim} is not divisible by its {heads} heads")
         self.dim, self.heads, self.head_dim, self.group = dim, heads, dim // heads, group
@@ -55,25 +61,26 @@ class ParallelSelfAttention(Layer):
         return in_shape
 
     def flops(self, in_shape: tuple[int, ...]) -> int:
-        t = in_shape[0]
+        t = self.boundary.inside(in_shape)[0]
         return 4 * t * self.dim * self.width_here + 2 * t * t * self.width_here
 
     def forward(self, x: Array, ctx: Context) -> Array:
         if x.ndim != 3 or x.shape[2] != self.dim:
             raise self.shape_error(f"(batch, T, {self.dim})", x.shape)
+        x = self.boundary.enter(x)
         n, t, _ = x.shape
         qkv = x.reshape(n * t, self.dim) @ self.params["qkv_weight"].T
         qkv += self.params["qkv_bias"]
         q, k, v = qkv.reshape(n, t, self.heads_here, 3, self.head_dim).transpose(3, 0, 2, 1, 4)
         probs, merged = attend(q, k, v)
         ctx.save(self, x, q, k, v, probs, merged)
-        y = merged @ self.params["out_weight"]
-        self.group.all_reduce(y)
+        y = self.boundary.leave((merged @ self.params["out_weight"]).reshape(n, t, self.dim))
         y += self.params["out_bias"]
-        return y.reshape(n, t, self.dim)
+        return y
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         x, q, k, v, probs, merged = ctx.pop(self)
+        dy = self.boundary.leave_backward(dy)
         xp = array_module(dy)
         n, t, d = x.shape
         dy_rows = dy.reshape(n * t, d)
@@ -85,6 +92,4 @@ class ParallelSelfAttention(Layer):
         d_qkv = d_qkv.reshape(n * t, 3 * self.width_here)
         self.grad_matmul(self.grads["qkv_weight"], d_qkv.T, x.reshape(n * t, d))
         self.grad_sum(self.grads["qkv_bias"], d_qkv, axis=0)
-        dx = d_qkv @ self.params["qkv_weight"]
-        self.group.all_reduce(dx)
-        return dx.reshape(n, t, d)
+        return self.boundary.enter_backward((d_qkv @ self.params["qkv_weight"]).reshape(n, t, d))

@@ -22,8 +22,14 @@ A bias or weight that every rank of the group holds whole (the row-parallel bias
 same gradient on each of them: it is computed from values all ranks share (dy after the
 sum), so no sum over T is needed.
 
+Where the all-reduces sit is a `WholeSequence` (Megatron's f and g) or, with sequence
+parallelism, a `SplitSequence`: there, outside the split layers each rank holds its block of
+the positions, and an all-gather of the sequence on entering and a reduce-scatter on leaving
+replace the all-reduces (layers/sequence_parallel.py has the layers that run on the block).
+
 The layers never import the communication package: they are handed a group, anything with
-`size`, `rank`, an in-place `all_reduce` (sum) and an `all_gather` (comms/tensor_group.py is
+`size`, `rank`, an in-place `all_reduce` (sum), an `all_gather` and a `reduce_scatter`
+(comms/tensor_group.py is
 the runtime's; `OneRank` is T = 1's, where the built-in transformer's layers are these same
 layers, so that its layout does not depend on T).
 
@@ -35,7 +41,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-from mpipar.backend import Array
+from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
@@ -53,6 +59,9 @@ class TensorGroup(Protocol):
     def all_gather(self, part: Array) -> Array:
         """Every rank's `part`, stacked in rank order: (size, *part.shape)."""
 
+    def reduce_scatter(self, stacked: Array) -> Array:
+        """This rank's block of the sum over the group of `stacked` (size, *part), which it may overwrite."""
+
 
 class OneRank:
     """The tensor group of an unsplit model (T = 1): nothing to sum or gather with."""
@@ -64,6 +73,89 @@ class OneRank:
 
     def all_gather(self, part: Array) -> Array:
         return part[None]
+
+    def reduce_scatter(self, stacked: Array) -> Array:
+        return stacked[0]
+
+
+class WholeSequence:
+    """Outside the split layers every rank holds the whole activation (n, s, h): Megatron's f and g.
+    Entering costs nothing forward and an all-reduce of the input gradient backward; leaving,
+    an all-reduce of the partial outputs forward and nothing backward."""
+
+    def __init__(self, group: TensorGroup) -> None:
+        self.group = group
+
+    def inside(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The per-sample shape inside the split layers of one `shape` outside them."""
+        return shape
+
+    def outside(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape
+
+    def enter(self, x: Array) -> Array:
+        return x
+
+    def enter_backward(self, dx: Array) -> Array:
+        self.group.all_reduce(dx)
+        return dx
+
+    def leave(self, y: Array) -> Array:
+        self.group.all_reduce(y)
+        return y
+
+    def leave_backward(self, dy: Array) -> Array:
+        return dy
+
+
+class SplitSequence(WholeSequence):
+    """Sequence parallelism: outside the split layers rank t holds its block of the positions,
+    (n, s/T, h) (layers/sequence_parallel.py). Entering all-gathers the sequence forward and
+    reduce-scatters the input gradient backward; leaving reduce-scatters the partial outputs
+    forward and all-gathers the gradient backward. The same bytes as WholeSequence's two
+    all-reduces (a ring all-reduce is a reduce-scatter and an all-gather), and between the
+    split layers every activation is T times smaller."""
+
+    def inside(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (shape[0] * self.group.size, *shape[1:])
+
+    def outside(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if shape[0] % self.group.size:
+            raise ConfigError(f"--sequence-parallel splits the {shape[0]} positions over --tensor "
+                              f"{self.group.size} ranks, which must divide them")
+        return (shape[0] // self.group.size, *shape[1:])
+
+    def enter(self, x: Array) -> Array:
+        return gather_sequence(self.group, x)
+
+    def enter_backward(self, dx: Array) -> Array:
+        return sum_scatter_sequence(self.group, dx)
+
+    def leave(self, y: Array) -> Array:
+        return sum_scatter_sequence(self.group, y)
+
+    def leave_backward(self, dy: Array) -> Array:
+        return gather_sequence(self.group, dy)
+
+
+def sequence_boundary(group: TensorGroup, sequence_parallel: bool) -> WholeSequence:
+    """How the split layers' inputs and outputs are held outside them: split along the sequence
+    with `sequence_parallel`, else whole."""
+    return SplitSequence(group) if sequence_parallel else WholeSequence(group)
+
+
+def gather_sequence(group: TensorGroup, part: Array) -> Array:
+    """(n, s/T, ...) blocks of the positions on the T ranks -> (n, s, ...), the whole sequence."""
+    n, length = part.shape[:2]
+    stacked = group.all_gather(part)  # (T, n, s/T, ...)
+    return stacked.swapaxes(0, 1).reshape(n, group.size * length, *part.shape[2:])
+
+
+def sum_scatter_sequence(group: TensorGroup, whole: Array) -> Array:
+    """(n, s, ...) partial sums on the T ranks -> this rank's block of positions of their sum, (n, s/T, ...)."""
+    n, length = whole.shape[:2]
+    by_rank = whole.reshape(n, group.size, length // group.size, *whole.shape[2:]).swapaxes(0, 1)
+    return group.reduce_scatter(array_module(whole).ascontiguousarray(by_rank))
 
 
 def block(total: int, group: TensorGroup, what: str) -> tuple[int, int]:
@@ -83,11 +175,14 @@ def shard_spec(name: str, shape: tuple[int, ...], whole_rows: int, first_row: in
 
 
 class ColumnParallelLinear(Layer):
-    """y_t = x W_t^T + b_t: rank t's block of the output features (the weight kept as W^T)."""
+    """y_t = x W_t^T + b_t: rank t's block of the output features (the weight kept as W^T). With
+    `sequence_parallel` its input arrives as rank t's block of the positions and is gathered."""
 
-    def __init__(self, in_features: int, out_features: int, group: TensorGroup, bias: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, group: TensorGroup, bias: bool = True,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group, self.has_bias = in_features, out_features, group, bias
+        self.boundary = sequence_boundary(group, sequence_parallel)
         self.first, stop = block(out_features, group, f"the {out_features} output features of a Linear")
         self.out_here = stop - self.first
         self.name = f"ColumnParallelLinear({in_features}->{out_features})"
@@ -103,12 +198,13 @@ class ColumnParallelLinear(Layer):
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if not in_shape or in_shape[-1] != self.in_features:
             raise self.shape_error(f"(..., {self.in_features})", in_shape)
-        return (*in_shape[:-1], self.out_here)
+        return (*self.boundary.inside(in_shape)[:-1], self.out_here)
 
     def flops(self, in_shape: tuple[int, ...]) -> int:
-        return math.prod(in_shape) * self.out_here
+        return math.prod(self.boundary.inside(in_shape)) * self.out_here
 
     def forward(self, x: Array, ctx: Context) -> Array:
+        x = self.boundary.enter(x)
         ctx.save(self, x)
         y = x.reshape(-1, self.in_features) @ self.params["weight"].T
         if self.has_bias:
@@ -124,16 +220,18 @@ class ColumnParallelLinear(Layer):
         if not self.needs_input_grad:
             return None
         dx = dy_rows @ self.params["weight"]  # this rank's part of dx: its output features' share
-        self.group.all_reduce(dx)
-        return dx.reshape(x.shape)
+        return self.boundary.enter_backward(dx.reshape(x.shape))
 
 
 class RowParallelLinear(Layer):
-    """y = sum over t of x_t W_t + b: rank t's block of the input features; b whole everywhere."""
+    """y = sum over t of x_t W_t + b: rank t's block of the input features; b whole everywhere. With
+    `sequence_parallel` rank t keeps its block of the positions of y."""
 
-    def __init__(self, in_features: int, out_features: int, group: TensorGroup, bias: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, group: TensorGroup, bias: bool = True,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group, self.has_bias = in_features, out_features, group, bias
+        self.boundary = sequence_boundary(group, sequence_parallel)
         self.first, stop = block(in_features, group, f"the {in_features} input features of a Linear")
         self.in_here = stop - self.first
         self.name = f"RowParallelLinear({in_features}->{out_features})"
@@ -149,7 +247,7 @@ class RowParallelLinear(Layer):
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if not in_shape or in_shape[-1] != self.in_here:
             raise self.shape_error(f"(..., {self.in_here})", in_shape)
-        return (*in_shape[:-1], self.out_features)
+        return self.boundary.outside((*in_shape[:-1], self.out_features))
 
     def flops(self, in_shape: tuple[int, ...]) -> int:
         return math.prod(in_shape) * self.out_features
@@ -157,13 +255,14 @@ class RowParallelLinear(Layer):
     def forward(self, x: Array, ctx: Context) -> Array:
         ctx.save(self, x)
         y = x.reshape(-1, self.in_here) @ self.params["weight"]
-        self.group.all_reduce(y)
+        y = self.boundary.leave(y.reshape(*x.shape[:-1], self.out_features))
         if self.has_bias:
             y += self.params["bias"]
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
+        dy = self.boundary.leave_backward(dy)  # whole: so the bias's gradient is too, on every rank
         x_rows, dy_rows = x.reshape(-1, self.in_here), dy.reshape(-1, self.out_features)
         self.grad_matmul(self.grads["weight"], x_rows.T, dy_rows)
         if self.has_bias:

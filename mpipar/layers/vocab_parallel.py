@@ -17,6 +17,10 @@ reaches them, and their logits are masked). Nowhere does one rank hold all V log
 so the loss costs three messages of a value per row, not the V logits. The loss and the
 prediction come out the same on every rank of the group.
 
+With sequence parallelism (tensor_parallel.SplitSequence) the embedding's partial rows are
+reduce-scattered to this rank's block of the positions instead of all-reduced, and the output
+gathers the positions' blocks before its product (the loss sees every position's logits).
+
 Exercised by: mpiexec -n 2 python tests/scripts/check_tensor_layers.py   (via tests/test_tensor_parallel.py)
 """
 
@@ -31,7 +35,7 @@ from mpipar.errors import ShapeError
 from mpipar.layers.base import Layer, normal_init, uniform_init
 from mpipar.layers.embedding import check_ids
 from mpipar.layers.losses import Loss
-from mpipar.layers.tensor_parallel import TensorGroup, shard_spec
+from mpipar.layers.tensor_parallel import TensorGroup, sequence_boundary, shard_spec
 
 
 def vocabulary_block(vocab_size: int, group: TensorGroup) -> tuple[int, int]:
@@ -41,9 +45,10 @@ def vocabulary_block(vocab_size: int, group: TensorGroup) -> tuple[int, int]:
 
 
 class VocabParallelEmbedding(Layer):
-    def __init__(self, vocab_size: int, dim: int, group: TensorGroup) -> None:
+    def __init__(self, vocab_size: int, dim: int, group: TensorGroup, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.vocab_size, self.dim, self.group = vocab_size, dim, group
+        self.boundary = sequence_boundary(group, sequence_parallel)
         self.first, self.rows_here = vocabulary_block(vocab_size, group)
         self.name = f"VocabParallelEmbedding({vocab_size}, {dim})"
 
@@ -51,7 +56,7 @@ class VocabParallelEmbedding(Layer):
         return [shard_spec("weight", (self.rows_here, self.dim), self.vocab_size, self.first, normal_init(0.02), True)]
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
-        return (*in_shape, self.dim)
+        return self.boundary.outside((*in_shape, self.dim))
 
     def flops(self, in_shape: tuple[int, ...]) -> int:
         return 0
@@ -64,12 +69,12 @@ class VocabParallelEmbedding(Layer):
         local[outside] = 0
         y = self.params["weight"][local]
         y[outside] = 0
-        self.group.all_reduce(y)
         ctx.save(self, local[~outside], xp.flatnonzero(~outside.reshape(-1)))
-        return y
+        return self.boundary.leave(y)
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         rows, positions = ctx.pop(self)
+        dy = self.boundary.leave_backward(dy)
         if self.fresh_grads:  # a scatter only touches the rows it hits: the rest must be zero
             self.grads["weight"].fill(0)
         scatter_add(self.grads["weight"], rows, dy.reshape(-1, self.dim)[positions])
@@ -83,9 +88,10 @@ class VocabParallelOutput(Layer):
     C and b are its own, initialised as a Linear of `dim` inputs, C stored as W^T."""
 
     def __init__(self, vocab_size: int, dim: int, group: TensorGroup,
-                 embedding: VocabParallelEmbedding | None = None) -> None:
+                 embedding: VocabParallelEmbedding | None = None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.vocab_size, self.dim, self.group, self.embedding = vocab_size, dim, group, embedding
+        self.boundary = sequence_boundary(group, sequence_parallel)
         self.first, self.rows_here = vocabulary_block(vocab_size, group)
         self.name = f"VocabParallelOutput({dim}->{vocab_size}{', tied' if embedding else ''})"
         self.needs_input_grad = True
@@ -102,12 +108,13 @@ class VocabParallelOutput(Layer):
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if not in_shape or in_shape[-1] != self.dim:
             raise self.shape_error(f"(..., {self.dim})", in_shape)
-        return (*in_shape[:-1], self.rows_here)
+        return (*self.boundary.inside(in_shape)[:-1], self.rows_here)
 
     def flops(self, in_shape: tuple[int, ...]) -> int:
-        return math.prod(in_shape) * self.rows_here
+        return math.prod(self.boundary.inside(in_shape)) * self.rows_here
 
     def forward(self, x: Array, ctx: Context) -> Array:
+        x = self.boundary.enter(x)
         ctx.save(self, x)
         logits = x.reshape(-1, self.dim) @ self.params["weight"].T
         if self.embedding is None:
@@ -122,9 +129,7 @@ class VocabParallelOutput(Layer):
             self.grad_sum(self.grads["bias"], dy_rows, axis=0)
         if not self.needs_input_grad:
             return None
-        dx = dy_rows @ self.params["weight"]
-        self.group.all_reduce(dx)
-        return dx.reshape(x.shape)
+        return self.boundary.enter_backward((dy_rows @ self.params["weight"]).reshape(x.shape))
 
 
 class VocabParallelCrossEntropy(Loss):

@@ -10,7 +10,8 @@
 The transformer is built of the tensor-parallel layers (layers/tensor_parallel.py): the token
 embedding, attention, the MLP's two Linears and the output split over a tensor group of T ranks
 (T = 1: `OneRank`, nothing split). So its parameters are laid out split-major whatever T is,
-and a shard of any T is one block of them.
+and a shard of any T is one block of them. Sequence parallelism changes where activations
+live, not the parameters: the same layout, the same checkpoints.
 
 Exercised by: mpipar train --model cnn   (and python -m pytest tests/test_trainer.py)
 """
@@ -31,6 +32,11 @@ from mpipar.layers import (
     Residual,
 )
 from mpipar.layers.parallel_attention import ParallelSelfAttention
+from mpipar.layers.sequence_parallel import (
+    SequenceParallelDropout,
+    SequenceParallelLayerNorm,
+    SequenceParallelPositionEmbedding,
+)
 from mpipar.layers.tensor_parallel import ColumnParallelLinear, OneRank, RowParallelLinear, TensorGroup
 from mpipar.layers.vocab_parallel import VocabParallelEmbedding, VocabParallelOutput
 from mpipar.models.sequential import Sequential
@@ -40,10 +46,13 @@ MODELS = ("mlp", "cnn", "transformer")
 
 def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, hidden: tuple[int, ...] = (128, 128),
                 dropout: float = 0.0, width: int = 64, heads: int = 4, blocks: int = 2,
-                tie_embeddings: bool = False, tensor_group: TensorGroup | None = None) -> Sequential:
+                tie_embeddings: bool = False, tensor_group: TensorGroup | None = None,
+                sequence_parallel: bool = False) -> Sequential:
     """The model called `name` for samples of `input_shape` and `num_classes` outputs; the
     transformer's output layer is tied to its token embedding with `tie_embeddings`, and its
-    layers hold this rank's shards over `tensor_group` (default: one rank, the whole)."""
+    layers hold this rank's shards over `tensor_group` (default: one rank, the whole); with
+    `sequence_parallel`, the layers between the split ones run on the group rank's block of
+    the positions (layers/sequence_parallel.py)."""
     if name == "mlp":
         layers = [Flatten()]
         previous = 1
@@ -65,18 +74,26 @@ def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, hi
     elif name == "transformer":
         if len(input_shape) != 1:
             raise ConfigError(f"the transformer model needs token sequences (T,), got samples of shape {input_shape}")
-        group = tensor_group or OneRank()
-        embedding = VocabParallelEmbedding(num_classes, width, group)
-        layers = [embedding, PositionEmbedding(input_shape[0], width)]
-        def dropped() -> list:  # a fresh Dropout per use: a layer runs once per micro-batch
-            return [Dropout(dropout)] if dropout else []
+        group, split = tensor_group or OneRank(), sequence_parallel
 
+        def norm() -> LayerNorm:
+            return SequenceParallelLayerNorm(width, group) if split else LayerNorm(width)
+
+        def dropped() -> list:  # a fresh Dropout per use: a layer runs once per micro-batch
+            return [SequenceParallelDropout(dropout, group) if split else Dropout(dropout)] if dropout else []
+
+        positions = (SequenceParallelPositionEmbedding(input_shape[0], width, group) if split
+                     else PositionEmbedding(input_shape[0], width))
+        embedding = VocabParallelEmbedding(num_classes, width, group, sequence_parallel=split)
+        layers = [embedding, positions]
         for _ in range(blocks):
-            layers.append(Residual(LayerNorm(width), ParallelSelfAttention(width, heads, group), *dropped()))
-            layers.append(Residual(LayerNorm(width), ColumnParallelLinear(width, 4 * width, group), GELU(),
-                                   RowParallelLinear(4 * width, width, group), *dropped()))
-        layers += [LayerNorm(width), VocabParallelOutput(num_classes, width, group,
-                                                         embedding if tie_embeddings else None)]
+            layers.append(Residual(norm(), ParallelSelfAttention(width, heads, group, sequence_parallel=split),
+                                   *dropped()))
+            layers.append(Residual(norm(), ColumnParallelLinear(width, 4 * width, group, sequence_parallel=split),
+                                   GELU(), RowParallelLinear(4 * width, width, group, sequence_parallel=split),
+                                   *dropped()))
+        layers += [norm(), VocabParallelOutput(num_classes, width, group, embedding if tie_embeddings else None,
+                                               sequence_parallel=split)]
     else:
         raise unknown_name("model", name, MODELS)
     return Sequential(layers, input_shape=input_shape)

@@ -54,13 +54,17 @@ def configured_model(cfg: TrainConfig, train_set: ImageDataset | TokenStream,
     """The model `cfg.model.model` names, built-in or a user's builder (PyTorch, JAX or mpipar layers),
     and its loss: the builder's, else softmax cross-entropy. The Trainer, CDP's reference and
     `mpipar estimate` all build their model here. With a `tensor_group` of T > 1 ranks, the
-    transformer holds this rank's shards, and its loss is over the vocabulary's blocks."""
+    transformer holds this rank's shards (with --sequence-parallel, its activations between the
+    split layers this rank's block of the positions), and its loss is over the vocabulary's blocks."""
     options = cfg.model
+    split_layers = tensor_group is not None and tensor_group.size > 1
+    split = split_layers and cfg.parallel.sequence_parallel
     if options.model in MODELS:
         model = build_model(options.model, input_shape=train_set.input_shape, num_classes=train_set.num_classes,
                             hidden=options.hidden, dropout=options.dropout, width=options.width, heads=options.heads,
-                            blocks=options.blocks, tie_embeddings=options.tie_embeddings, tensor_group=tensor_group)
-        if tensor_group is not None and tensor_group.size > 1:
+                            blocks=options.blocks, tie_embeddings=options.tie_embeddings, tensor_group=tensor_group,
+                            sequence_parallel=split)
+        if split_layers:
             return model, VocabParallelCrossEntropy(train_set.num_classes, tensor_group)
         return model, SoftmaxCrossEntropy()
     model, loss = build_user_model(options.model, train_set.input_shape, train_set.num_classes, cfg.training.seed)

@@ -1,6 +1,6 @@
 """The master test for tensor parallelism: --tensor T, alone and composed, equals one process in float64.
 
-Run by tests/test_tensor_parallel.py as `mpiexec -n N python check_tensor_parallel.py` (N = 2, 4).
+Run by tests/test_tensor_parallel.py as `mpiexec -n N python check_tensor_parallel.py` (N = 2, 4, 8).
 The transformer on tiny Shakespeare (65 characters: a vocabulary neither 2 nor 4 divides),
 tied embeddings, clipping at 1.0, dropout 0.1, with AdamW (weight decay 0.1) or SGD with
 momentum. Each case trains 3 steps; then on every rank:
@@ -11,7 +11,11 @@ momentum. Each case trains 3 steps; then on every rank:
    embedding, two per block forward and two backward, one for the output's input gradient;
    for the loss a gather and two all-reduces of R values, and for the accuracy's argmax two
    gathers of R values (ring all-reduce: 2 (T - 1) / T of the bytes per rank; gather: T - 1
-   times them).
+   times them). With --sequence-parallel an all-gather and a reduce-scatter of R x h take the
+   place of each all-reduce of R x h, and each LayerNorm and the position embedding all-reduce
+   their gradient's contribution;
+3. with --sequence-parallel, the activations that LayerNorm and dropout keep (the activation
+   cache's peak of each layer kind) are 1/T of what they are without it.
 AdamW runs with eps 1e-6: a key bias has no true gradient (the softmax ignores it), only
 rounding, which differs with the order of the sums; Adam divides it by eps, and 1e-8 made
 that a 1e-13 difference in those biases.
@@ -39,11 +43,31 @@ COMMON = dict(model="transformer", dataset="text", text_file=str(TEXT), seq_len=
               max_steps=STEPS, epochs=1, eval_batches=1, log_every=1000, collective="ring", lr=3e-3)
 OPTIMIZERS = {"adamw": dict(optimizer="adamw", weight_decay=0.1, eps=1e-6), "sgd": dict(optimizer="sgd", momentum=0.9)}
 # (label, tensor, options)
-CASES = {2: [("T = 2, adamw", 2, OPTIMIZERS["adamw"]), ("T = 2, sgd", 2, OPTIMIZERS["sgd"])],
+SEQUENCE = dict(sequence_parallel=True)
+CASES = {2: [("T = 2, adamw", 2, OPTIMIZERS["adamw"]), ("T = 2, sgd", 2, OPTIMIZERS["sgd"]),
+             ("T = 2, sequence parallel, adamw", 2, dict(OPTIMIZERS["adamw"], **SEQUENCE)),
+             ("T = 2, sequence parallel, sgd, 2 micro-batches", 2, dict(OPTIMIZERS["sgd"], micro_batches=2,
+                                                                          **SEQUENCE))],
          4: [("T = 4, adamw", 4, OPTIMIZERS["adamw"]),
+             ("T = 4, sequence parallel, adamw", 4, dict(OPTIMIZERS["adamw"], **SEQUENCE)),
              ("T x D = 2 x 2, zero3", 2, dict(OPTIMIZERS["adamw"], scheme="zero3")),
-             ("T x S = 2 x 2, 1f1b", 2, dict(OPTIMIZERS["sgd"], scheme="1f1b", stages=2, micro_batches=2))]}[W]
+             ("T x D = 2 x 2, zero3, sequence parallel", 2, dict(OPTIMIZERS["adamw"], scheme="zero3", **SEQUENCE)),
+             ("T x S = 2 x 2, 1f1b", 2, dict(OPTIMIZERS["sgd"], scheme="1f1b", stages=2, micro_batches=2)),
+             ("T x S = 2 x 2, 1f1b, sequence parallel", 2, dict(OPTIMIZERS["sgd"], scheme="1f1b", stages=2,
+                                                                micro_batches=2, **SEQUENCE))],
+         8: [("T x S x D = 2 x 2 x 2, 1f1b x zero1", 2, dict(OPTIMIZERS["adamw"], scheme="1f1b", stages=2,
+                                                             shard="zero1", micro_batches=2)),
+             ("T x S x D = 2 x 2 x 2, 1f1b x zero1, sequence parallel", 2,
+              dict(OPTIMIZERS["adamw"], scheme="1f1b", stages=2, shard="zero1", micro_batches=2, **SEQUENCE))]}[W]
+# (with sequence parallelism, without): the activations LayerNorm and dropout keep fall by T
+SPLIT_KINDS = ("LayerNorm", "Dropout")
+TWINS = {2: [("T = 2, sequence parallel, adamw", "T = 2, adamw")],
+         4: [("T = 4, sequence parallel, adamw", "T = 4, adamw"),
+             ("T x S = 2 x 2, 1f1b, sequence parallel", "T x S = 2 x 2, 1f1b")],
+         8: [("T x S x D = 2 x 2 x 2, 1f1b x zero1, sequence parallel", "T x S x D = 2 x 2 x 2, 1f1b x zero1")]}[W]
+ONE_PROCESS_ONLY = ("scheme", "stages", "shard", "micro_batches", "sequence_parallel")
 failures = []
+kept_by_kind = {}  # label -> the activation cache's peak bytes of each layer kind
 
 
 def ring(elements: int, tensor: int) -> int:
@@ -59,10 +83,11 @@ for label, tensor, options in CASES:
         before = trainer.counted.traffic.read(PHASE).sent_bytes
         trainer.train_step(step, 0, step)
         sent.append(trainer.counted.traffic.read(PHASE).sent_bytes - before)
+    kept_by_kind[label] = dict(trainer.cache.peak_bytes_by_kind)
     named = trainer.full_parameters()
     got = np.concatenate([values.reshape(-1) for values in named.values()])
     expected = one_process(TrainConfig.of(**COMMON, **{k: v for k, v in options.items()
-                                                       if k not in ("scheme", "stages", "micro_batches")}))
+                                                       if k not in ONE_PROCESS_ONLY}))
     if got.shape != expected.shape or not np.allclose(got, expected, rtol=1e-10, atol=1e-14):
         worst = np.abs(got - expected).max() if got.shape == expected.shape else f"shapes {got.shape}"
         failures.append(f"rank {world.rank}: {label}: parameters differ from one process's ({worst})")
@@ -75,9 +100,22 @@ for label, tensor, options in CASES:
     worker = (world.rank // tensor) // replicas if stages > 1 else 0
     blocks_here = BLOCKS // stages
     embedding_here, output_here = worker == 0, worker == stages - 1
+    # the activations: without sequence parallelism an all-reduce of R x h at each place, with
+    # it an all-gather and a reduce-scatter of R x h (each (T - 1) / T of it a rank): the same bytes
     per_micro_batch = ((embedding_here + 4 * blocks_here + output_here) * ring(rows * WIDTH, tensor)
                        + output_here * (3 * (tensor - 1) * rows * 8 + 2 * ring(rows, tensor)))
+    if options.get("sequence_parallel"):  # and the sums of the gradients that every rank holds whole:
+        per_micro_batch += (2 * blocks_here * ring(2 * WIDTH, tensor)  # two LayerNorms a block
+                            + output_here * ring(2 * WIDTH, tensor)  # the final LayerNorm
+                            + embedding_here * ring(SEQ * WIDTH, tensor))  # the position embedding
     if sent != [micro_batches * per_micro_batch] * STEPS:
         failures.append(f"rank {world.rank}: {label}: sent {sent} B per step in the tensor group; Megatron's "
                         f"count is {micro_batches * per_micro_batch} B")
+for split, whole in TWINS:
+    tensor = dict((label, t) for label, t, _ in CASES)[split]
+    for kind in SPLIT_KINDS:
+        held, held_whole = kept_by_kind[split].get(kind, 0), kept_by_kind[whole].get(kind, 0)
+        if not held_whole or held * tensor != held_whole:
+            failures.append(f"rank {world.rank}: {split}: {kind} keeps {held} B of activations at its peak, "
+                            f"{held_whole} B without sequence parallelism: not 1/{tensor} of them")
 deadline.finish(world, failures, f"tensor parallelism: {len(CASES)} cases equal one process on {W} rank(s)")

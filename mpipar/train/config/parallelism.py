@@ -43,6 +43,10 @@ class ParallelismOptions(OptionGroup):
     tensor: int = option(1, "ranks T that split each layer of the transformer (tensor parallelism; the "
                             "innermost axis: ranks r and r + 1 split the same layers; docs/tensor_parallel.md)",
                          POSITIVE, "parallelism")
+    sequence_parallel: bool = option(False, "with --tensor T, hold the activations between the split layers "
+                                            "(LayerNorm, dropout, the residual stream) as each rank's block of "
+                                            "the positions: T times fewer bytes there, the same bytes sent "
+                                            "(docs/tensor_parallel.md)", click.BOOL, "parallelism")
     stages: int = option(0, "pipeline stages S: run --scheme as a schedule of S stages over the ranks "
                             "(0: data parallel)", IntRange(0, MAX_STAGES), "parallelism")
     replicas: int = option(0, "pipeline replicas D with --stages: the ranks are D copies of the pipeline, side by "

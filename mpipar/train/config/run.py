@@ -170,6 +170,9 @@ class TrainConfig:
 
     def _refuse_what_tensor_parallelism_cannot_split(self, world_size: int) -> None:
         tensor, model, parallel = self.parallel.tensor, self.model, self.parallel
+        if parallel.sequence_parallel and tensor == 1:
+            raise ConfigError("--sequence-parallel splits the positions over the ranks of --tensor T: give "
+                              "--tensor 2 or more")
         if tensor == 1:
             return
         if world_size % tensor:
@@ -179,6 +182,9 @@ class TrainConfig:
                               f"{model.model} is not split: use --tensor 1")
         if model.heads % tensor:
             raise ConfigError(f"--tensor {tensor} must divide the {model.heads} attention heads (--heads)")
+        if parallel.sequence_parallel and self.data.seq_len % tensor:
+            raise ConfigError(f"--sequence-parallel splits the {self.data.seq_len} positions (--seq-len) over "
+                              f"--tensor {tensor} ranks, which must divide them")
         unsupported = ("--scheme " + parallel.scheme if parallel.cyclic else
                        "--ddp allgather-activations" if parallel.ddp == "allgather-activations" else None)
         if unsupported:
