@@ -114,15 +114,16 @@ def train(ranks: int, *args: str):
 
 def test_a_checkpoint_written_at_t_2_loads_at_t_1_and_4_and_continues_as_one_process(tmp_path):
     """The checkpoint is of the whole model (65 characters: T = 2 and 4 pad the vocabulary
-    differently), so it loads at any T; each continuation equals one process's 6 steps."""
+    differently), so it loads at any T, with or without sequence parallelism; each
+    continuation equals one process's 6 steps."""
     assert train(2, "--tensor", "2", "--max-steps", "3", "--checkpoint-dir", str(tmp_path / "t2")).returncode == 0
     saved = tmp_path / "t2" / "step-00000003"
     result = train(1, "--max-steps", "6", "--checkpoint-dir", str(tmp_path / "one"))
     assert result.returncode == 0, result.stderr
     reference = read_vectors(tmp_path / "one" / "step-00000006")
-    for ranks, tensor in ((1, 1), (4, 4), (4, 2)):
-        continued = tmp_path / f"continued-{ranks}-{tensor}"
-        result = train(ranks, "--tensor", str(tensor), "--max-steps", "6", "--resume", str(saved),
+    for ranks, tensor, *sequence in ((1, 1), (4, 4), (4, 2), (4, 4, "--sequence-parallel")):
+        continued = tmp_path / f"continued-{ranks}-{tensor}{'-sequence' if sequence else ''}"
+        result = train(ranks, "--tensor", str(tensor), *sequence, "--max-steps", "6", "--resume", str(saved),
                        "--checkpoint-dir", str(continued))
         assert result.returncode == 0, result.stderr
         vectors = read_vectors(continued / "step-00000006")
