@@ -58,17 +58,3 @@ class TensorGroup:
     def _phase(self) -> str:
         current = self.comm.traffic.current
         return current if current in OUTSIDE_STEPS else PHASE
-
-
-def split_tensor_axis(world: Comm, tensor: int, algorithm: str = "mpi") -> tuple[Comm, TensorGroup | None]:
-    """(this rank's tensor slice, its tensor group) of `world` (collective). The tensor axis is the
-    innermost: rank r is rank r // T of slice r % T, and rank r % T of its group (ranks r - r % T
-    to r - r % T + T - 1), so a group sits on neighbouring ranks, within a node where the
-    launcher places ranks in order. A slice is every T-th rank: the ranks that hold the same
-    shards, over which the schedule, the sharding and the data run as without tensor
-    parallelism. With T = 1: the world itself, and no group."""
-    if tensor == 1:
-        return world, None
-    group = TensorGroup(world.split(world.rank // tensor, world.rank % tensor), algorithm)
-    return world.split(world.rank % tensor, world.rank // tensor), group
-

@@ -37,8 +37,9 @@ from mpipar.backend import make_backend, read_values, to_host
 from mpipar.cache import ActivationCache, Context
 from mpipar.comms import abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
 from mpipar.comms.device import device_wire
+from mpipar.comms.grid import SLICE, Axis, Grid, along
 from mpipar.comms.handle import set_default_timeout
-from mpipar.comms.tensor_group import split_tensor_axis
+from mpipar.comms.tensor_group import TensorGroup
 from mpipar.comms.topology import make_world
 from mpipar.data import (
     GlobalBatchSampler,
@@ -113,12 +114,18 @@ class Trainer:
         self.config = cfg = self.config.for_world(self.world_size)
         cfg.validate(self.world_size)
         set_default_timeout(cfg.parallel.comm_timeout)
-        # With --tensor T the world is T tensor slices (comms/tensor_group.py): the engine, the schedule
-        # and the data run over this rank's slice, its layers' shards over its tensor group. From here
-        # on `rank` and `world_size` are the slice's; the metrics and the checkpoint votes are summed
-        # over `counted`, the whole world, so that every rank decides alike.
-        tensor_collective = cfg.parallel.collective if cfg.parallel.collective in ("mpi", "ring") else "ring"
-        self.slice, self.tensor = split_tensor_axis(self.counted, cfg.parallel.tensor, tensor_collective)
+        # The world is a grid of pipeline x replica x tensor ranks (comms/grid.py). With --tensor T the
+        # engine, the schedule and the data run over this rank's slice, its layers' shards over its
+        # tensor group. From here on `rank` and `world_size` are the slice's; the metrics and the
+        # checkpoint votes are summed over `counted`, the whole world, so that every rank decides alike.
+        tensor = cfg.parallel.tensor
+        mesh = cfg.parallel.mesh(cfg.engine_ranks(self.world_size))
+        self.grid = Grid.of(pipeline=mesh.workers, replica=mesh.replicas, tensor=tensor)
+        self.slice, self.tensor = self.counted, None
+        if tensor > 1:
+            tensor_collective = cfg.parallel.collective if cfg.parallel.collective in ("mpi", "ring") else "ring"
+            self.slice = along(self.counted, self.grid, SLICE)
+            self.tensor = TensorGroup(along(self.counted, self.grid, (Axis.TENSOR,)), tensor_collective)
         self.rank, self.world_size = self.slice.rank, self.slice.size
         self.backend = make_backend(cfg.model.device, arithmetic_dtype(cfg.model.precision, cfg.model.dtype))
         if cfg.model.device == "gpu" and self.world_size > 1:
@@ -491,6 +498,11 @@ class Trainer:
         self.evaluation_seconds += time.perf_counter() - started
         return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)), step)
 
+    def _placement(self) -> tuple[str, ...]:
+        """Where the ranks play their parts: the tensor groups (with --tensor), then the slice's mesh."""
+        grid = self.grid.describe(self.counted.group_of) if self.tensor is not None else []
+        return (*grid, *self.scheme.placement)
+
     def _count_once(self, figures: np.ndarray) -> None:
         """Zero the loss and accuracy figures on all but one rank of a tensor group, which all
         computed the same ones, before they are summed over every rank."""
@@ -515,7 +527,7 @@ class Trainer:
         return RunFacts(model=model.model, dataset=cfg.data.dataset, train_samples=len(self.train_set),
                         test_samples=len(self.test_set), parameter_count=self.parameter_count,
                         world_size=self.comm.size, scheme=self.scheme.name if self.tensor is None else
-                        f"{self.scheme.name} x tensor {self.tensor.size}", placement=tuple(self.scheme.placement),
+                        f"{self.scheme.name} x tensor {self.tensor.size}", placement=self._placement(),
                         device=model.device, arithmetic=model.dtype if model.precision == "fp32" else
                         f"{model.precision} with {model.dtype} master weights", batch_size=training.batch_size,
                         micro_batches=training.micro_batches, micro_batches_per_rank=self.scheme.micro_batches_per_rank,
