@@ -92,6 +92,7 @@ BLOCKS = {
                             Command("python benchmarks/data_parallel.py --group-size 2", "--steps 2 --rounds 1", 2))),
     "tensor-parallel": Block((Command("python benchmarks/tensor_parallel.py", "--steps 2 --rounds 1 --memory-width 128",
                                       2),)),
+    "tensor-or-pipeline": Block((Command("python benchmarks/tensor_or_pipeline.py", ""),)),
     "pipelines": Block((Command("python benchmarks/pipeline.py", "--steps 2 --warmup 1", 2),
                         Command("python benchmarks/pipeline.py --recompute stage", "--steps 2 --warmup 1", 2))),
     "torch-stages": Block((Command("python benchmarks/torch_stages.py", QUICK, 2),
