@@ -255,3 +255,15 @@ def test_schedule_show_refuses_zb1_where_train_does():
     recomputed = CliRunner().invoke(cli, [*args[:-4], "-W", "2", "-S", "2", "--recompute", "stage"])
     assert "cannot yet run on stages shared by --replicas" in str(replicated.exception)
     assert "cannot yet run with --recompute stage" in str(recomputed.exception)
+
+
+def test_show_with_tensor_parallelism_annotates_each_job_with_its_tensor_group_s_collectives():
+    result = CliRunner().invoke(cli, ["schedule", "show", "--scheme", "1f1b", "-W", "4", "-S", "2", "-B", "2",
+                                      "--tensor", "2", "--sequence-parallel", "--programs"])
+    assert result.exit_code == 0, result.output
+    assert "tensor group ranks [2, 3]" in result.output and "slice 1: ranks [1, 3]" in result.output
+    forward = [line for line in result.output.splitlines() if line.strip().startswith("Forward F0b0")]
+    assert forward == ["  Forward F0b0   | tensor group of 2: per split region (2 a block) all-gather the positions in, "
+                       "reduce-scatter the output"]
+    result = CliRunner().invoke(cli, ["schedule", "show", "-W", "6", "-S", "2", "--tensor", "4"])
+    assert "--tensor 4 does not divide the 6 ranks" in str(result.exception)

@@ -15,7 +15,11 @@ the same programs lowered to what the executor runs (plans.py: items made, sent,
 and a shared stage's sharding flow unit by unit: gathers, reductions, publishes). With
 `--replicas D` the ranks are D copies of a pipeline of W/D workers (mesh.py): the
 placement is printed, and each `--programs` line of a shared stage says what its replica
-group does there under `--shard` (schedule/flow.py writes it out in `--items`). The
+group does there under `--shard` (schedule/flow.py writes it out in `--items`). With
+`--tensor T` the W ranks are W/T slices (comms/grid.py): the diagram is a slice's, and each
+`--programs` line of a Forward or Backward also says what its tensor group sends inside the
+job (annotations, not instructions: those collectives sit inside the layers, which wait for
+them). The
 options are `mpipar train`'s names for the same things; the short -W -S -B -G are the
 letters of docs/schedule.md and docs/glossary.md.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import click
 
+from mpipar.comms.grid import Grid
 from mpipar.errors import ConfigError
 from mpipar.options import RecomputeType, RenamedOption
 from mpipar.schedule import diagram
@@ -73,17 +78,27 @@ def schedule() -> None:
               help="with --items: the units of layers a shared stage runs in (mpipar train cuts them by --bucket-mb)")
 @click.option("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
               help="with --items: units a sharded P gathers ahead of the one computing")
+@click.option("--tensor", "-T", type=POSITIVE, default=1, show_default=True,
+              help="ranks T that split each layer, as in mpipar train: the W ranks are W/T slices, and each "
+                   "--programs line of a Forward or Backward says what its tensor group sends in it")
+@click.option("--sequence-parallel", is_flag=True, help="with --tensor: as mpipar train --sequence-parallel")
 def show(scheme: str, table: str | None, workers: int, stages: int, micro_batches: int, loops: int,
          png: str | None, programs: bool, items: bool, replicas: int, shard: str, recompute: str, units: int,
-         prefetch: int) -> None:
+         prefetch: int, tensor: int, sequence_parallel: bool) -> None:
     """Compile one step of a schedule, replay it, and print its diagram and costs."""
     strategy = load_table(table) if table else get_strategy(scheme)
     if strategy.split_backward and (replicas > 1 or recompute != "none"):
         raise ConfigError(f"{strategy.name} splits each backward into B and W jobs, which cannot yet run "
                           + ("on stages shared by --replicas" if replicas > 1 else f"with --recompute {recompute}")
                           + " (mpipar train refuses it too)")
+    if workers % tensor:
+        raise ConfigError(f"--tensor {tensor} does not divide the {workers} ranks")
+    if sequence_parallel and tensor == 1:
+        raise ConfigError("--sequence-parallel splits the positions over the ranks of --tensor T: give --tensor 2 "
+                          "or more")
+    grid_ranks, workers = workers, workers // tensor  # the schedule runs over one slice's ranks
     if workers % replicas:
-        raise ConfigError(f"--replicas {replicas} does not divide the {workers} ranks")
+        raise ConfigError(f"--replicas {replicas} does not divide the {workers} ranks of a slice")
     mesh, sharding = Mesh(workers // replicas, replicas), parse_sharding(shard)
     workers = mesh.workers  # the diagram is one pipeline's: every replica runs the same
     shape = Shape(workers, stages, micro_batches, loops)
@@ -110,6 +125,10 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
     click.echo("activations in: received from other workers; most held: (stage, micro-batch) activations at once; "
                "idle: the bubble")
     click.echo("words: docs/glossary.md")
+    if tensor > 1:
+        click.echo("\n".join(Grid.of(pipeline=mesh.workers, replica=replicas, tensor=tensor).describe()))
+        click.echo(f"each rank below stands for its tensor group of {tensor} ranks, which run the same program on "
+                   "their shards")
     if replicas > 1:
         click.echo("\n".join(mesh.describe()))
         click.echo(f"each stage is shared by its replica group as {sharding}")
@@ -120,8 +139,9 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
             last_backward = {i.stage: index for index, i in enumerate(program) if isinstance(i, Backward)}
             for index, instruction in enumerate(program):
                 last = isinstance(instruction, Backward) and last_backward[instruction.stage] == index
-                flow = replica_flow(instruction, sharding, len(ranks), last)
-                click.echo(f"  {describe(instruction)}" + (f"   | {flow}" if flow and replicas > 1 else ""))
+                flow = replica_flow(instruction, sharding, len(ranks), last) if replicas > 1 else ""
+                split = tensor_flow(instruction, tensor, sequence_parallel) if tensor > 1 else ""
+                click.echo(f"  {describe(instruction)}" + "".join(f"   | {note}" for note in (flow, split) if note))
     if items:  # the executor's plan of each worker's first rank (every stage taken to have parameters)
         for worker in range(workers):
             plan = PipelinePlan(compiled, mesh, mesh.rank(worker, 0), [1] * stages, sharding=sharding,
@@ -134,6 +154,21 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
     if png:
         diagram.png(timeline, png, f"{strategy.name}, W={workers} S={stages} B={micro_batches} G={loops}")
         click.echo(f"drawn into {png}")
+
+
+def tensor_flow(instruction, tensor: int, sequence_parallel: bool) -> str:
+    """What the tensor group sends inside a Forward or Backward job (layers/tensor_parallel.py).
+    Annotations, not instructions of their own: each of these collectives sits inside a layer's
+    forward or backward, which waits for it, so the schedule has nothing to place or overlap."""
+    if not isinstance(instruction, (Forward, Backward)):
+        return ""
+    forward = isinstance(instruction, Forward)
+    if sequence_parallel:
+        each = ("all-gather the positions in, reduce-scatter the output" if forward else
+                "all-gather dy, reduce-scatter dx; all-reduce the LayerNorms' gradients")
+    else:
+        each = "all-reduce the output" if forward else "all-reduce the input gradient"
+    return f"tensor group of {tensor}: per split region (2 a block) {each}"
 
 
 def replica_flow(instruction, sharding: Sharding, replicas: int, last: bool) -> str:
