@@ -72,7 +72,7 @@ if world.rank == 0:
     print(f"nanoGPT's CPU recipe on {W} ranks, float32, {args.rounds} rounds of {args.steps} steps (median round)")
     print("| layout | tokens/s | x ddp | sent per step per rank | activations kept at the peak |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for name, trainer in trainers.items():
+    for name in trainers:
         speed = statistics.median(rounds[name])
         print(f"| {name} | {speed:,.0f} | {speed / baseline:.2f} | {format_bytes(traffic[name])} | "
               f"{format_bytes(kept[name])} |")

@@ -96,7 +96,7 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
     if sequence_parallel and tensor == 1:
         raise ConfigError("--sequence-parallel splits the positions over the ranks of --tensor T: give --tensor 2 "
                           "or more")
-    grid_ranks, workers = workers, workers // tensor  # the schedule runs over one slice's ranks
+    workers //= tensor  # the schedule runs over one slice's ranks
     if workers % replicas:
         raise ConfigError(f"--replicas {replicas} does not divide the {workers} ranks of a slice")
     mesh, sharding = Mesh(workers // replicas, replicas), parse_sharding(shard)
