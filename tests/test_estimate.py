@@ -1,6 +1,7 @@
 """Seed 004's Table 2 (bytes per step, intra and inter) and `mpipar estimate`."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -124,7 +125,7 @@ def test_a_composed_layout_shares_each_stage_in_its_replica_group():
                                       "--stages", "2", "--scheme", "1f1b", "--dtype", "float32", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert report["mesh"] == {"stages": 2, "workers": 2, "replicas": 4}
+    assert report["mesh"] == {"stages": 2, "workers": 2, "replicas": 4, "tensor": 1}
     assert report["schemes"]["zero3"]["memory"]["parameters"] == 4e6 * 4 / 4
     assert report["schemes"]["ddp"]["memory"]["parameters"] == 4e6 * 4
     assert all(volume["inter"] == 0 for scheme in report["schemes"].values() for volume in scheme["traffic"].values())
@@ -135,3 +136,34 @@ def test_a_composed_layout_the_schedule_refuses_is_one_sentence():
     result = CliRunner().invoke(cli, ["estimate", "--params", "1e6", "--world-size", "4", "--group-size", "4",
                                       "--stages", "2", "--scheme", "1f1b", "--replicas", "3"])
     assert result.exit_code != 0 and "--replicas 3 does not divide the 4 ranks" in str(result.exception)
+
+
+TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def test_a_tensor_parallel_layout_holds_a_rank_s_shards_and_counts_the_tensor_groups_bytes():
+    """--tensor 2 on 4 ranks (width 64: the split layers are most of the model): a rank holds
+    about half the parameters of T = 1; the tensor groups send bytes, the slices' Table 2 twice
+    what one slice sends (the equality of those bytes with what training sends is
+    tests/scripts/check_tensor_parallel.py's)."""
+    def report(*tensor: str) -> dict:
+        result = CliRunner().invoke(cli, ["estimate", "--model", "transformer", "--dataset", "text", "--text-file",
+                                          str(TEXT), "--seq-len", "16", "--width", "64", "--heads", "4",
+                                          "--world-size", "4", "--group-size", "4", "--batch-size", "8",
+                                          "--dtype", "float32", "--json", *tensor])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    whole, split = report(), report("--tensor", "2")
+    assert whole["parameters"] == split["parameters"] and whole["tensor_sent"] == 0 < split["tensor_sent"]
+    assert split["mesh"] == {"stages": 0, "workers": 1, "replicas": 2, "tensor": 2}
+    held, held_whole = (r["schemes"]["ddp"]["memory"]["parameters"] for r in (split, whole))
+    assert 0.5 < held / held_whole < 0.6  # the LayerNorms, the row biases and the positions stay whole
+    assert split["schemes"]["ddp"]["peak"] < whole["schemes"]["ddp"]["peak"]
+
+
+def test_estimate_refuses_tensor_parallelism_without_the_transformer():
+    result = CliRunner().invoke(cli, ["estimate", "--params", "1e6", "--world-size", "4", "--group-size", "4",
+                                      "--tensor", "2"])
+    assert "--tensor 2 splits the layers of the built-in transformer: give --model transformer" in str(
+        result.exception)

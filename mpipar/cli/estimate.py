@@ -23,7 +23,9 @@ data set, and the figure is the one `mpipar train --memory-limit` checks; with
 taken to be one bucket.
 
 With --stages the layout is a mesh of pipeline workers x replicas, as `mpipar train`
-places it, and every row says how each stage's replica group shares it (estimate.py).
+places it, and every row says how each stage's replica group shares it (estimate.py). With
+--tensor T (--model transformer) the rows are a rank's of a T x S x D layout, holding its
+shards of the split layers, and a line gives the tensor groups' own bytes per step.
 
 Exercised by: python -m pytest tests/test_estimate.py
 """
@@ -31,6 +33,7 @@ Exercised by: python -m pytest tests/test_estimate.py
 from __future__ import annotations
 
 import json
+import math
 
 import click
 
@@ -39,7 +42,7 @@ from mpipar.errors import ConfigError
 from mpipar.models.builtin import MODELS
 from mpipar.optim.optimizers import OPTIMIZERS, state_kinds
 from mpipar.options import FloatRange, IntListType, ModelType, RecomputeType, RenamedOption
-from mpipar.predict.estimate import PHASES, make_layout, predicted_peaks, scheme_rows
+from mpipar.predict.estimate import PHASES, make_layout, predicted_peaks, scheme_rows, tensor_sent_per_step
 from mpipar.schedule.sharding import DDP_MODES
 from mpipar.schedule.strategies import STRATEGIES
 from mpipar.units import format_bytes
@@ -48,17 +51,30 @@ STATE_PRECISIONS = ("mixed", "float32", "float64")  # of the state it counts; tr
 POSITIVE = click.IntRange(min=1)
 
 
-def built_model(model: str, dataset: str, hidden: tuple[int, ...]):
+def built_model(model: str, dataset: str, hidden: tuple[int, ...], world_size: int, tensor: int = 1,
+                **options):
     """(the training set, the evaluation batch `mpipar train` uses by default, the model's layers,
-    its loss): built-in or a builder's, as `mpipar train --model` builds it."""
+    its loss): built-in or a builder's, as `mpipar train --model` builds it, with `options`
+    (train's: text_file, seq_len, width, ...). With `tensor` T: rank 0's shards of the split
+    layers (a PlaceInGroup: shapes, no messages), refused where `mpipar train` refuses it."""
     from mpipar.data import load_dataset
+    from mpipar.layers.tensor_parallel import PlaceInGroup
     from mpipar.train.config import TrainConfig
     from mpipar.train.model_assembly import configured_model
 
-    config = TrainConfig.of(model=model, dataset=dataset, hidden=hidden)
-    train_set, test_set = load_dataset(config.data.dataset, data_dir=config.data.data_dir)
-    built, loss = configured_model(config, train_set)
+    config = TrainConfig.of(model=model, dataset=dataset, hidden=hidden, tensor=tensor, **options)
+    config._refuse_what_tensor_parallelism_cannot_split(world_size)
+    train_set, test_set = load_dataset(config.data.dataset, data_dir=config.data.data_dir,
+                                       text_file=config.data.text_file, seq_len=config.data.seq_len)
+    built, loss = configured_model(config, train_set, PlaceInGroup(tensor) if tensor > 1 else None)
     return train_set, min(config.training.eval_batch, len(test_set)), built, loss  # 0: a training micro-batch
+
+
+def parameter_count(model) -> int:
+    """The parameters of `model`'s layers (a tied output's copy counted, as in a stage's flat vector)."""
+    from mpipar.models.sequential import leaf_layers
+
+    return sum(math.prod(spec.shape) for leaf in leaf_layers(model.layers) for spec in leaf.param_specs())
 
 
 def state_bytes_per_parameter(precision: str, optimizer: str, momentum: float) -> tuple[int, int]:
@@ -85,6 +101,17 @@ def pcie_staged(sent: float) -> float:
               help="the data set that fixes --model's input shape")
 @click.option("--hidden", type=IntListType(), default="128,128", show_default=True,
               help="hidden widths of --model mlp")
+@click.option("--text-file", type=click.Path(dir_okay=False), default=None,
+              help="the text of --dataset text, as in mpipar train")
+@click.option("--seq-len", type=POSITIVE, default=64, show_default=True, help="tokens per window (transformer)")
+@click.option("--width", type=POSITIVE, default=64, show_default=True, help="model width (transformer)")
+@click.option("--heads", type=POSITIVE, default=4, show_default=True, help="attention heads (transformer)")
+@click.option("--blocks", type=POSITIVE, default=2, show_default=True, help="transformer blocks")
+@click.option("--tie-embeddings", is_flag=True, help="the transformer's output tied to its token embedding")
+@click.option("--tensor", type=POSITIVE, default=1, show_default=True,
+              help="ranks T that split each layer of --model transformer, as in mpipar train: the rows are per "
+                   "rank of a T x S x D layout, and the tensor groups' bytes a line of their own")
+@click.option("--sequence-parallel", is_flag=True, help="with --tensor, as mpipar train --sequence-parallel")
 @click.option("--world-size", type=POSITIVE, required=True, help="number of ranks")
 @click.option("--group-size", type=POSITIVE, required=True, help="ranks per group (a node); divides --world-size")
 @click.option("--micro-batches", type=POSITIVE, default=None,
@@ -116,10 +143,11 @@ def pcie_staged(sent: float) -> float:
               help="mixed: 2-byte parameters and gradients, 4-byte master copy and state (the paper's, and "
                    "mpipar train --precision fp16's); float32 and float64: mpipar train --dtype's")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def estimate(params: float | None, model: str | None, dataset: str, hidden: tuple[int, ...], world_size: int,
-             group_size: int, micro_batches: int | None, stages: int, scheme: str | None, replicas: int, loops: int,
-             batch_size: int, ddp: str | None, bucket_mb: float, prefetch: int, recompute: str, optimizer: str,
-             momentum: float, precision: str, as_json: bool) -> None:
+def estimate(params: float | None, model: str | None, dataset: str, hidden: tuple[int, ...], text_file: str | None,
+             seq_len: int, width: int, heads: int, blocks: int, tie_embeddings: bool, tensor: int,
+             sequence_parallel: bool, world_size: int, group_size: int, micro_batches: int | None, stages: int,
+             scheme: str | None, replicas: int, loops: int, batch_size: int, ddp: str | None, bucket_mb: float,
+             prefetch: int, recompute: str, optimizer: str, momentum: float, precision: str, as_json: bool) -> None:
     """Memory per rank and bytes sent per step of every sharding scheme, and the predicted peak.
 
     The tables are the PaRO paper's Tables 1 and 2 in bytes (seed 004; terms in docs/glossary.md).
@@ -128,22 +156,32 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
         raise ConfigError("give either --params COUNT or --model NAME, e.g. --params 7e9 or --model mlp")
     if world_size % group_size:
         raise ConfigError(f"--group-size {group_size} does not divide --world-size {world_size}")
-    built = None if model is None else built_model(model, dataset, hidden)
+    if tensor > 1 and model is None:
+        raise ConfigError(f"--tensor {tensor} splits the layers of the built-in transformer: give --model "
+                          "transformer (and its shape) instead of --params")
+    built = None if model is None else built_model(
+        model, dataset, hidden, world_size, tensor, text_file=text_file, seq_len=seq_len, width=width, heads=heads,
+        blocks=blocks, tie_embeddings=tie_embeddings, sequence_parallel=sequence_parallel)
     element, k = state_bytes_per_parameter(precision, optimizer, momentum)
     layouts = {mode: make_layout(params, built, world_size, group_size, stages, scheme, replicas, micro_batches,
-                                 loops, batch_size, mode, bucket_mb, element, recompute)
+                                 loops, batch_size, mode, bucket_mb, element, recompute, tensor)
                for mode in ([ddp] if ddp else ["bucketed", "overlap"])}  # overlap: where P is sharded
     layout = next(iter(layouts.values()))
-    count = params if params is not None else sum(layout.stage_sizes)
+    count = params if params is not None else sum(layout.stage_sizes) if tensor == 1 else parameter_count(
+        built_model(model, dataset, hidden, world_size, text_file=text_file, seq_len=seq_len, width=width,
+                    heads=heads, blocks=blocks, tie_embeddings=tie_embeddings)[2])  # the whole model's
     micro_batches = layout.compiled.shape.micro_batches
     rows = scheme_rows(layout, micro_batches, element, k)
     peaks = predicted_peaks(layouts, prefetch, element, state_kinds(optimizer, momentum),
                             4 if precision == "mixed" else 0)
     mesh = layout.mesh
+    tensor_sent = tensor_sent_per_step(layout, micro_batches)
     if as_json:
         click.echo(json.dumps({"parameters": count, "world_size": world_size, "group_size": group_size,
                                "micro_batches": micro_batches, "element_bytes": element, "state_bytes": k,
-                               "mesh": {"stages": stages, "workers": mesh.workers, "replicas": mesh.replicas},
+                               "mesh": {"stages": stages, "workers": mesh.workers, "replicas": mesh.replicas,
+                                        "tensor": tensor},
+                               "tensor_sent": tensor_sent,
                                "schemes": {row.name: {"memory": vars(row.memory),
                                                       "peak": peaks[row.name].total,
                                                       "pcie_staged": pcie_staged(row.intra + row.inter),
@@ -155,6 +193,11 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
     click.echo(f"{count:.4g} parameters on {world_size} ranks in {groups} group(s) of {group_size}, "
                f"{micro_batches} micro-batch(es) per rank per step; {precision} precision: {element} bytes per "
                f"parameter and per gradient, {state} per parameter")
+    if tensor > 1:
+        click.echo(f"tensor {tensor}{' with sequence parallelism' if sequence_parallel else ''}: {tensor} slices of "
+                   f"{world_size // tensor} ranks (comms/grid.py); each row is one rank's, with its shards of the "
+                   f"split layers; the tensor groups send {format_bytes(tensor_sent)} a step, all ranks together, "
+                   "inside their groups (the split layers' sums and gathers: docs/tensor_parallel.md)")
     if stages:
         click.echo(f"{scheme} over {stages} stages: {mesh.workers} pipeline worker(s) x {mesh.replicas} replica(s); "
                    f"each row shares every stage among its replica group of {mesh.replicas} rank(s) (--shard), "

@@ -39,6 +39,7 @@ class ParallelSelfAttention(Layer):
     def __init__(self, dim: int, heads: int, group: TensorGroup, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.boundary = sequence_boundary(group, sequence_parallel)
+        self.crossings = (dim, dim)  # x in, y out (WholeSequence)
         if dim % heads:
             raise ConfigError(f"attention width {dim} is not divisible by its {heads} heads")
         self.dim, self.heads, self.head_dim, self.group = dim, heads, dim // heads, group

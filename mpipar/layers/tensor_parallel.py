@@ -78,10 +78,31 @@ class OneRank:
         return stacked[0]
 
 
+class PlaceInGroup:
+    """Rank `rank` of a group of `size`, without the others: a sum is its own values, a gather
+    its own part repeated. The shapes of a split run and none of its values: what a dry run
+    that predicts memory needs (`mpipar estimate --tensor`), never a training step."""
+
+    def __init__(self, size: int, rank: int = 0) -> None:
+        self.size, self.rank = size, rank
+
+    def all_reduce(self, array: Array) -> None:
+        pass
+
+    def all_gather(self, part: Array) -> Array:
+        return array_module(part).stack([part] * self.size)
+
+    def reduce_scatter(self, stacked: Array) -> Array:
+        return stacked[self.rank]
+
+
 class WholeSequence:
     """Outside the split layers every rank holds the whole activation (n, s, h): Megatron's f and g.
     Entering costs nothing forward and an all-reduce of the input gradient backward; leaving,
-    an all-reduce of the partial outputs forward and nothing backward."""
+    an all-reduce of the partial outputs forward and nothing backward. So each crossing (a
+    split layer's `crossings`: the features per row of each activation it takes in or gives
+    out) costs one all-reduce a micro-batch, forward and backward together, here and under
+    SplitSequence alike: 2 (T - 1) / T of its bytes per rank, by a ring."""
 
     def __init__(self, group: TensorGroup) -> None:
         self.group = group
@@ -183,6 +204,7 @@ class ColumnParallelLinear(Layer):
         super().__init__()
         self.in_features, self.out_features, self.group, self.has_bias = in_features, out_features, group, bias
         self.boundary = sequence_boundary(group, sequence_parallel)
+        self.crossings = (in_features,)  # x in (WholeSequence)
         self.first, stop = block(out_features, group, f"the {out_features} output features of a Linear")
         self.out_here = stop - self.first
         self.name = f"ColumnParallelLinear({in_features}->{out_features})"
@@ -232,6 +254,7 @@ class RowParallelLinear(Layer):
         super().__init__()
         self.in_features, self.out_features, self.group, self.has_bias = in_features, out_features, group, bias
         self.boundary = sequence_boundary(group, sequence_parallel)
+        self.crossings = (out_features,)  # y out (WholeSequence)
         self.first, stop = block(in_features, group, f"the {in_features} input features of a Linear")
         self.in_here = stop - self.first
         self.name = f"RowParallelLinear({in_features}->{out_features})"

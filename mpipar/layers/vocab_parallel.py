@@ -49,6 +49,7 @@ class VocabParallelEmbedding(Layer):
         super().__init__()
         self.vocab_size, self.dim, self.group = vocab_size, dim, group
         self.boundary = sequence_boundary(group, sequence_parallel)
+        self.crossings = (dim,)  # its sum out (WholeSequence)
         self.first, self.rows_here = vocabulary_block(vocab_size, group)
         self.name = f"VocabParallelEmbedding({vocab_size}, {dim})"
 
@@ -92,6 +93,7 @@ class VocabParallelOutput(Layer):
         super().__init__()
         self.vocab_size, self.dim, self.group, self.embedding = vocab_size, dim, group, embedding
         self.boundary = sequence_boundary(group, sequence_parallel)
+        self.crossings = (dim,)  # x in (WholeSequence)
         self.first, self.rows_here = vocabulary_block(vocab_size, group)
         self.name = f"VocabParallelOutput({dim}->{vocab_size}{', tied' if embedding else ''})"
         self.needs_input_grad = True

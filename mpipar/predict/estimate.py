@@ -21,9 +21,15 @@ A layout (`make_layout`) places the model as `mpipar train` would: data parallel
 stage replicated on all N ranks; with --stages, each stage is shared by its replica group
 of D ranks, and the figures above apply per replica group, summed over the stages
 (`scheme_rows`). `predicted_peaks` is peak.py's prediction for the rank that holds the most.
+With --tensor T the layout is a slice's (W / T ranks; comms/grid.py) with one rank's shards of
+the split layers, Table 2 is summed over the T slices, and the tensor groups' own bytes are an
+axis of their own (`tensor_sent_per_step`: the split layers' crossings, as the counters of
+`mpipar train` count them in the phase "tensor").
 
 Exercised by: mpipar estimate --params 7e9 --world-size 64 --group-size 8 --micro-batches 8
               mpipar estimate --model mlp --world-size 8 --group-size 4 --stages 2 --scheme 1f1b --dtype float32
+              mpipar estimate --model transformer --dataset text --text-file FILE --tensor 2 \
+                  --world-size 8 --group-size 4
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import math
 from dataclasses import dataclass
 
 from mpipar.backend import make_backend
+from mpipar.layers.sequence_parallel import SequenceParallelLayerNorm, SequenceParallelPositionEmbedding
+from mpipar.models.sequential import leaf_layers
 from mpipar.options import recompute_segment
 from mpipar.predict.peak import ActivationBytes, Peak, dry_run, mesh_peak
 from mpipar.schedule.instructions import Backward
@@ -114,15 +122,18 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where the model's stages go on the ranks, as `mpipar train` would place them."""
+    """Where the model's stages go on the ranks, as `mpipar train` would place them: over each
+    of the `tensor` slices (comms/grid.py), with one rank's shards of the split layers."""
 
     mesh: Mesh
     compiled: Compiled
-    stage_sizes: list[int]  # parameters of each stage
+    stage_sizes: list[int]  # parameters of each stage (one rank's shards)
     largest_units: list[int]  # per stage, the largest sharding unit (elements)
     groups: list[int]  # per pipeline worker: its replica group's ranks inside one group of --group-size
     training: ActivationBytes
     evaluation: ActivationBytes
+    tensor: int = 1
+    tensor_sent: tuple[float, ...] = ()  # per stage: what a rank of a tensor group sends a micro-batch
 
     def held(self, worker: int) -> list[int]:
         return [s for s, size in enumerate(self.stage_sizes) if worker in self.compiled.holders[s] and size]
@@ -130,23 +141,27 @@ class Layout:
 
 def make_layout(count: float, built, world_size: int, group_size: int, stages: int, scheme: str | None,
                 replicas: int, micro_batches: int | None, loops: int, batch_size: int, ddp: str,
-                bucket_mb: float, itemsize: int, recompute: str = "none") -> Layout:
+                bucket_mb: float, itemsize: int, recompute: str = "none", tensor: int = 1) -> Layout:
     """The layout of `count` parameters (or of `built`, built_model's result) on `world_size`
     ranks: data parallelism without --stages, else S stages on a mesh of workers x replicas;
     its activations those of `recompute` (--recompute's value), and of a split backward where the
-    schedule splits it."""
+    schedule splits it. With `tensor` T, `built` holds one rank's shards (built_model), and the
+    mesh is a slice's, of world_size / T ranks."""
     from mpipar.models.sequential import build_stages
     from mpipar.train.config import TrainConfig
 
+    world_size //= tensor  # the ranks of one slice: the schedule and the sharding run over those
     config = TrainConfig.of(stages=stages, scheme=scheme if stages else None, replicas=replicas,
                             micro_batches=micro_batches or 0, loops=loops, batch_size=batch_size,
-                            group_size=group_size, ddp=ddp, recompute=recompute).for_world(world_size)
+                            group_size=max(1, group_size // tensor),  # a group's ranks of one slice
+                            ddp=ddp, recompute=recompute).for_world(world_size)
     mesh = config.parallel.mesh(world_size)
     if built is None:  # no activations to size: any batch the layout divides will do
         config = config.replace(batch_size=mesh.replicas * config.training.micro_batches)
     config.validate(world_size)
     compiled = compile_programs(config.parallel.strategy(), config.schedule_shape(world_size))
     micro_batch = max(1, batch_size // mesh.replicas // config.training.micro_batches)
+    tensor_sent = ()
     if built is None:  # parameters split evenly, units of --bucket-mb, no activations
         total = math.ceil(count)
         sizes = [total // config.schedule_shape(world_size).stages + (s < total % (stages or 1))
@@ -166,17 +181,54 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
         training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch or micro_batch, seed=0,
                                        to_device=lambda inputs, targets: (backend.inputs(inputs), targets),
                                        recompute_spans=spans, split=config.parallel.strategy().split_backward)
+        rows = micro_batch * math.prod(train_set.input_shape)
+        tensor_sent = tuple(tensor_sent_per_micro_batch(stage.layers, rows, tensor, itemsize, stage is laid_out[-1])
+                            for stage in laid_out)
     groups = []
-    for worker in range(mesh.workers):  # ranks are grouped by --group-size consecutive ranks
+    for worker in range(mesh.workers):  # --group-size consecutive world ranks; slice rank r is world rank r T + t
         ranks = mesh.replica_group(worker)
-        groups.append(sum(rank // group_size == ranks[0] // group_size for rank in ranks))
-    return Layout(mesh, compiled, sizes, units, groups, training, evaluation)
+        groups.append(sum(rank * tensor // group_size == ranks[0] * tensor // group_size for rank in ranks))
+    return Layout(mesh, compiled, sizes, units, groups, training, evaluation, tensor, tensor_sent)
+
+
+def tensor_sent_per_micro_batch(layers: list, rows: int, tensor: int, itemsize: int, with_loss: bool) -> float:
+    """Bytes one rank of a tensor group of `tensor` sends in a micro-batch's forward and backward
+    of `rows` rows through `layers` (a stage), by rings: each crossing of a split region
+    (layers/tensor_parallel.py: an all-reduce, or an all-gather and a reduce-scatter, of the
+    rows x its features), each gradient that sequence parallelism sums (the layer's
+    parameters), and with the loss its messages of a value a row (a gather and two sums of
+    the vocabulary-parallel cross-entropy; for the argmax a gather of values and one of 8-byte
+    column indices)."""
+    if tensor == 1:
+        return 0.0
+    ring = 2 * (tensor - 1) / tensor  # an all-reduce, or a reduce-scatter and an all-gather, by a ring
+    sent = 0.0
+    for leaf in leaf_layers(layers):
+        sent += ring * rows * sum(getattr(leaf, "crossings", ())) * itemsize
+        if isinstance(leaf, (SequenceParallelLayerNorm, SequenceParallelPositionEmbedding)):
+            sent += ring * sum(math.prod(spec.shape) for spec in leaf.param_specs()) * itemsize
+    if with_loss:
+        sent += 2 * ring * rows * itemsize + 2 * (tensor - 1) * rows * itemsize + (tensor - 1) * rows * 8
+    return sent
+
+
+def tensor_sent_per_step(layout: Layout, micro_batches: int) -> float:
+    """Bytes all ranks send in their tensor groups in one step: each rank's per micro-batch of
+    every stage it holds, as often as its program runs that stage's backward."""
+    if layout.tensor == 1:
+        return 0.0
+    total = 0.0
+    for worker in range(layout.mesh.workers):
+        for s in layout.held(worker):
+            backwards = sum(isinstance(i, Backward) and i.stage == s for i in layout.compiled.programs[worker])
+            total += (backwards or micro_batches) * layout.tensor_sent[s] * layout.mesh.replicas * layout.tensor
+    return total
 
 
 def scheme_rows(layout: Layout, micro_batches: int, element: int, k: int) -> list[Estimate]:
     """Per sharding scheme: Table 1 of the most loaded rank (its stages' shares summed) and
     Table 2 summed over every stage's replica group (each stage's backward runs as often as
-    the worker's program says)."""
+    the worker's program says) and over the T slices."""
     mesh, compiled = layout.mesh, layout.compiled
     rows = []
     for name, sharding in NAMED_SHARDINGS.items():
@@ -192,7 +244,7 @@ def scheme_rows(layout: Layout, micro_batches: int, element: int, k: int) -> lis
                 backwards = sum(isinstance(i, Backward) and i.stage == s for i in compiled.programs[worker])
                 volumes = traffic_per_step(sharding, layout.stage_sizes[s], mesh.replicas, layout.groups[worker],
                                            backwards or micro_batches, element)
-                traffic = {phase: traffic[phase] + volumes[phase] for phase in PHASES}
+                traffic = {phase: traffic[phase] + volumes[phase] * layout.tensor for phase in PHASES}  # T slices
         rows.append(Estimate(name, memory, traffic))
     return rows
 

@@ -14,7 +14,9 @@ momentum. Each case trains 3 steps; then on every rank:
    times them). With --sequence-parallel an all-gather and a reduce-scatter of R x h take the
    place of each all-reduce of R x h, and each LayerNorm and the position embedding all-reduce
    their gradient's contribution;
-3. with --sequence-parallel, the activations that LayerNorm and dropout keep (the activation
+3. `mpipar estimate --tensor`'s bytes of the tensor groups per step (predict/estimate.py, from
+   the layers' crossings) equal what all ranks sent;
+4. with --sequence-parallel, the activations that LayerNorm and dropout keep (the activation
    cache's peak of each layer kind) are 1/T of what they are without it.
 AdamW runs with eps 1e-6: a key bias has no true gradient (the softmax ignores it), only
 rounding, which differs with the order of the sums; Adam divides it by eps, and 1e-8 made
@@ -29,7 +31,9 @@ from mpi4py import MPI
 from reference import one_process
 
 import deadline
+from mpipar.cli.estimate import built_model
 from mpipar.comms.tensor_group import PHASE
+from mpipar.predict.estimate import make_layout, tensor_sent_per_step
 from mpipar.train.config import TrainConfig
 from mpipar.train.trainer import Trainer
 
@@ -110,6 +114,16 @@ for label, tensor, options in CASES:
         per_micro_batch += (2 * blocks_here * ring(2 * WIDTH, tensor)  # two LayerNorms a block
                             + output_here * ring(2 * WIDTH, tensor)  # the final LayerNorm
                             + embedding_here * ring(SEQ * WIDTH, tensor))  # the position embedding
+    # what `mpipar estimate --tensor` predicts for the step, all ranks together
+    built = built_model("transformer", "text", (), W, tensor, text_file=str(TEXT), seq_len=SEQ, width=WIDTH,
+                        heads=4, blocks=BLOCKS, tie_embeddings=True,
+                        sequence_parallel=options.get("sequence_parallel", False))
+    layout = make_layout(None, built, W, W, stages if stages > 1 else 0, options.get("scheme") if stages > 1 else None,
+                         0, options.get("micro_batches"), 1, BATCH, "bucketed", 25.0, 8, tensor=tensor)
+    predicted, measured = tensor_sent_per_step(layout, micro_batches), world.allreduce(sent[-1])
+    if abs(predicted - measured) > 1e-9 * measured:
+        failures.append(f"rank {world.rank}: {label}: mpipar estimate predicts {predicted:.0f} B sent in the tensor "
+                        f"groups a step; the ranks sent {measured} B")
     if sent != [micro_batches * per_micro_batch] * STEPS:
         failures.append(f"rank {world.rank}: {label}: sent {sent} B per step in the tensor group; Megatron's "
                         f"count is {micro_batches * per_micro_batch} B")

@@ -116,8 +116,8 @@ class ParallelismOptions(OptionGroup):
         """Refuse a layout of these options that cannot run on `world_size` ranks (automatic
         values filled in by TrainConfig.for_world)."""
         comm_timeout_seconds(self.comm_timeout, "--comm-timeout")
-        if self.group_size:  # 0: the ranks of a node, known at launch
-            check_group_size(self.group_size, world_size)
+        if self.group_size:  # 0: the ranks of a node, known at launch; M consecutive ranks of the world's
+            check_group_size(self.group_size, world_size * self.tensor)  # (world_size: a tensor slice's)
         if self.cyclic:
             self._validate_cyclic()
         elif self.stages:
