@@ -51,7 +51,7 @@ STATE_PRECISIONS = ("mixed", "float32", "float64")  # of the state it counts; tr
 POSITIVE = click.IntRange(min=1)
 
 
-def built_model(model: str, dataset: str, hidden: tuple[int, ...], world_size: int, tensor: int = 1,
+def built_model(model: str, dataset: str, hidden: tuple[int, ...], *, world_size: int = 1, tensor: int = 1,
                 **options):
     """(the training set, the evaluation batch `mpipar train` uses by default, the model's layers,
     its loss): built-in or a builder's, as `mpipar train --model` builds it, with `options`
@@ -63,7 +63,7 @@ def built_model(model: str, dataset: str, hidden: tuple[int, ...], world_size: i
     from mpipar.train.model_assembly import configured_model
 
     config = TrainConfig.of(model=model, dataset=dataset, hidden=hidden, tensor=tensor, **options)
-    config._refuse_what_tensor_parallelism_cannot_split(world_size)
+    config.refuse_what_tensor_parallelism_cannot_split(world_size)
     train_set, test_set = load_dataset(config.data.dataset, data_dir=config.data.data_dir,
                                        text_file=config.data.text_file, seq_len=config.data.seq_len)
     built, loss = configured_model(config, train_set, PlaceInGroup(tensor) if tensor > 1 else None)
@@ -160,15 +160,15 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
         raise ConfigError(f"--tensor {tensor} splits the layers of the built-in transformer: give --model "
                           "transformer (and its shape) instead of --params")
     built = None if model is None else built_model(
-        model, dataset, hidden, world_size, tensor, text_file=text_file, seq_len=seq_len, width=width, heads=heads,
-        blocks=blocks, tie_embeddings=tie_embeddings, sequence_parallel=sequence_parallel)
+        model, dataset, hidden, world_size=world_size, tensor=tensor, text_file=text_file, seq_len=seq_len,
+        width=width, heads=heads, blocks=blocks, tie_embeddings=tie_embeddings, sequence_parallel=sequence_parallel)
     element, k = state_bytes_per_parameter(precision, optimizer, momentum)
     layouts = {mode: make_layout(params, built, world_size, group_size, stages, scheme, replicas, micro_batches,
                                  loops, batch_size, mode, bucket_mb, element, recompute, tensor)
                for mode in ([ddp] if ddp else ["bucketed", "overlap"])}  # overlap: where P is sharded
     layout = next(iter(layouts.values()))
     count = params if params is not None else sum(layout.stage_sizes) if tensor == 1 else parameter_count(
-        built_model(model, dataset, hidden, world_size, text_file=text_file, seq_len=seq_len, width=width,
+        built_model(model, dataset, hidden, text_file=text_file, seq_len=seq_len, width=width,
                     heads=heads, blocks=blocks, tie_embeddings=tie_embeddings)[2])  # the whole model's
     micro_batches = layout.compiled.shape.micro_batches
     rows = scheme_rows(layout, micro_batches, element, k)

@@ -115,8 +115,8 @@ for label, tensor, options in CASES:
                             + output_here * ring(2 * WIDTH, tensor)  # the final LayerNorm
                             + embedding_here * ring(SEQ * WIDTH, tensor))  # the position embedding
     # what `mpipar estimate --tensor` predicts for the step, all ranks together
-    built = built_model("transformer", "text", (), W, tensor, text_file=str(TEXT), seq_len=SEQ, width=WIDTH,
-                        heads=4, blocks=BLOCKS, tie_embeddings=True,
+    built = built_model("transformer", "text", (), world_size=W, tensor=tensor, text_file=str(TEXT), seq_len=SEQ,
+                        width=WIDTH, heads=4, blocks=BLOCKS, tie_embeddings=True,
                         sequence_parallel=options.get("sequence_parallel", False))
     layout = make_layout(None, built, W, W, stages if stages > 1 else 0, options.get("scheme") if stages > 1 else None,
                          0, options.get("micro_batches"), 1, BATCH, "bucketed", 25.0, 8, tensor=tensor)

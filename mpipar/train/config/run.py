@@ -147,7 +147,7 @@ class TrainConfig:
         for group in self.groups():
             group.check_types()
         check_environment(os.environ)
-        self._refuse_what_tensor_parallelism_cannot_split(world_size)
+        self.refuse_what_tensor_parallelism_cannot_split(world_size)
         parallel = self.parallel
         if not self.training.micro_batches or parallel.ddp is None or (
                 parallel.stages and not parallel.cyclic and not parallel.replicas):
@@ -168,7 +168,9 @@ class TrainConfig:
         else:
             self._refuse_what_data_parallelism_cannot_run(world_size)
 
-    def _refuse_what_tensor_parallelism_cannot_split(self, world_size: int) -> None:
+    def refuse_what_tensor_parallelism_cannot_split(self, world_size: int) -> None:
+        """Refuse --tensor and --sequence-parallel where they cannot split this run's model over
+        `world_size` ranks (also `mpipar estimate`'s, before it builds the shards)."""
         tensor, model, parallel = self.parallel.tensor, self.model, self.parallel
         if parallel.sequence_parallel and tensor == 1:
             raise ConfigError("--sequence-parallel splits the positions over the ranks of --tensor T: give "
