@@ -13,7 +13,8 @@ momentum. Each case trains 3 steps; then on every rank:
    gathers of R values (ring all-reduce: 2 (T - 1) / T of the bytes per rank; gather: T - 1
    times them). With --sequence-parallel an all-gather and a reduce-scatter of R x h take the
    place of each all-reduce of R x h, and each LayerNorm and the position embedding all-reduce
-   their gradient's contribution;
+   their gradient's contribution; and all of it inside the tensor group (with --group-size T,
+   none of it to another group);
 3. `mpipar estimate --tensor`'s bytes of the tensor groups per step (predict/estimate.py, from
    the layers' crossings) equal what all ranks sent;
 4. with --sequence-parallel, the activations that LayerNorm and dropout keep (the activation
@@ -82,7 +83,7 @@ def ring(elements: int, tensor: int) -> int:
 
 
 for label, tensor, options in CASES:
-    config = TrainConfig.of(**COMMON, **options, tensor=tensor)
+    config = TrainConfig.of(**COMMON, **options, tensor=tensor, group_size=tensor)  # a group: a tensor group
     trainer = Trainer(config)
     sent = []
     for step in range(STEPS):
@@ -114,6 +115,10 @@ for label, tensor, options in CASES:
         per_micro_batch += (2 * blocks_here * ring(2 * WIDTH, tensor)  # two LayerNorms a block
                             + output_here * ring(2 * WIDTH, tensor)  # the final LayerNorm
                             + embedding_here * ring(SEQ * WIDTH, tensor))  # the position embedding
+    inside = trainer.counted.traffic.read(PHASE)
+    if inside.inter_bytes or not inside.intra_bytes:
+        failures.append(f"rank {world.rank}: {label}: the tensor groups sent {inside.inter_bytes} B to other groups "
+                        f"of --group-size {tensor} and {inside.intra_bytes} B inside theirs")
     # what `mpipar estimate --tensor` predicts for the step, all ranks together
     built = built_model("transformer", "text", (), world_size=W, tensor=tensor, text_file=str(TEXT), seq_len=SEQ,
                         width=WIDTH, heads=4, blocks=BLOCKS, tie_embeddings=True,
