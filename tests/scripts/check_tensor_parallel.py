@@ -8,7 +8,8 @@ momentum. Each case trains 3 steps; then on every rank:
    one-process training's (reference.py), rtol 1e-10;
 2. each step sends, in the traffic phase "tensor", what Megatron's layers send per
    micro-batch of R = b x s rows and width h: an all-reduce of R x h values for the
-   embedding, two per block forward and two backward, one for the output's input gradient;
+   embedding, one forward and one backward per attention and per MLP (two of each a block), one
+   for the output's input gradient (counted in the layers this rank's stages hold);
    for the loss a gather and two all-reduces of R values, and for the accuracy's argmax two
    gathers of R values (ring all-reduce: 2 (T - 1) / T of the bytes per rank; gather: T - 1
    times them). With --sequence-parallel an all-gather and a reduce-scatter of R x h take the
@@ -34,6 +35,7 @@ from reference import one_process
 import deadline
 from mpipar.cli.estimate import built_model
 from mpipar.comms.tensor_group import PHASE
+from mpipar.models.sequential import leaf_layers
 from mpipar.predict.estimate import make_layout, tensor_sent_per_step
 from mpipar.train.config import TrainConfig
 from mpipar.train.trainer import Trainer
@@ -61,8 +63,13 @@ CASES = {2: [("T = 2, adamw", 2, OPTIMIZERS["adamw"]), ("T = 2, sgd", 2, OPTIMIZ
              ("T x S = 2 x 2, 1f1b, sequence parallel", 2, dict(OPTIMIZERS["sgd"], scheme="1f1b", stages=2,
                                                                 micro_batches=2, **SEQUENCE)),
              ("T x S = 2 x 2, zb1, sequence parallel", 2, dict(OPTIMIZERS["adamw"], scheme="zb1", stages=2,
-                                                               micro_batches=4, **SEQUENCE))],
-         8: [("T x S x D = 2 x 2 x 2, 1f1b x zero1", 2, dict(OPTIMIZERS["adamw"], scheme="1f1b", stages=2,
+                                                               micro_batches=4, **SEQUENCE)),
+             ("T x S = 2 x 2, gpipe, sequence parallel", 2, dict(OPTIMIZERS["sgd"], scheme="gpipe", stages=2,
+                                                                 micro_batches=2, **SEQUENCE)),
+             ("T x S = 2 x 2, lpp over 4 stages", 2, dict(OPTIMIZERS["adamw"], scheme="lpp", stages=4,
+                                                         micro_batches=2))],
+         8: [("T x D = 2 x 4, mics in groups of 2", 2, dict(OPTIMIZERS["adamw"], scheme="mics", group_size=4)),
+             ("T x S x D = 2 x 2 x 2, 1f1b x zero1", 2, dict(OPTIMIZERS["adamw"], scheme="1f1b", stages=2,
                                                              shard="zero1", micro_batches=2)),
              ("T x S x D = 2 x 2 x 2, 1f1b x zero1, sequence parallel", 2,
               dict(OPTIMIZERS["adamw"], scheme="1f1b", stages=2, shard="zero1", micro_batches=2, **SEQUENCE))]}[W]
@@ -72,7 +79,7 @@ TWINS = {2: [("T = 2, sequence parallel, adamw", "T = 2, adamw")],
          4: [("T = 4, sequence parallel, adamw", "T = 4, adamw"),
              ("T x S = 2 x 2, 1f1b, sequence parallel", "T x S = 2 x 2, 1f1b")],
          8: [("T x S x D = 2 x 2 x 2, 1f1b x zero1, sequence parallel", "T x S x D = 2 x 2 x 2, 1f1b x zero1")]}[W]
-ONE_PROCESS_ONLY = ("scheme", "stages", "shard", "micro_batches", "sequence_parallel")
+ONE_PROCESS_ONLY = ("scheme", "stages", "shard", "micro_batches", "sequence_parallel", "group_size")
 failures = []
 kept_by_kind = {}  # label -> the activation cache's peak bytes of each layer kind
 
@@ -83,7 +90,7 @@ def ring(elements: int, tensor: int) -> int:
 
 
 for label, tensor, options in CASES:
-    config = TrainConfig.of(**COMMON, **options, tensor=tensor, group_size=tensor)  # a group: a tensor group
+    config = TrainConfig.of(**COMMON, **{"group_size": tensor, **options}, tensor=tensor)  # a group: T ranks
     trainer = Trainer(config)
     sent = []
     for step in range(STEPS):
@@ -103,22 +110,24 @@ for label, tensor, options in CASES:
     replicas = config.for_world(W).parallel.mesh(slice_ranks).replicas
     rows = BATCH // replicas // micro_batches * SEQ
     stages = options.get("stages", 1)
-    # blocks and embeddings this rank's stage holds: the whole model, or its half of 2 stages
-    worker = (world.rank // tensor) // replicas if stages > 1 else 0
-    blocks_here = BLOCKS // stages
-    embedding_here, output_here = worker == 0, worker == stages - 1
+    # what this rank's stages hold, by kind of layer: the whole model, or its stages' share of it
+    scheme = trainer.scheme
+    mine = ([s for s, holders in enumerate(scheme.compiled.holders) if scheme.mesh.worker(trainer.rank) in holders]
+            if stages > 1 else [0])
+    held = [type(leaf).__name__ for s in mine for leaf in leaf_layers(trainer.stages[s].layers)]
+    attention_here, mlp_here = held.count("ParallelSelfAttention"), held.count("ColumnParallelLinear")
+    embedding_here, output_here = "VocabParallelEmbedding" in held, "VocabParallelOutput" in held
     # the activations: without sequence parallelism an all-reduce of R x h at each place, with
     # it an all-gather and a reduce-scatter of R x h (each (T - 1) / T of it a rank): the same bytes
-    per_micro_batch = ((embedding_here + 4 * blocks_here + output_here) * ring(rows * WIDTH, tensor)
+    per_micro_batch = ((embedding_here + 2 * attention_here + 2 * mlp_here + output_here) * ring(rows * WIDTH, tensor)
                        + output_here * (3 * (tensor - 1) * rows * 8 + 2 * ring(rows, tensor)))
     if options.get("sequence_parallel"):  # and the sums of the gradients that every rank holds whole:
-        per_micro_batch += (2 * blocks_here * ring(2 * WIDTH, tensor)  # two LayerNorms a block
-                            + output_here * ring(2 * WIDTH, tensor)  # the final LayerNorm
-                            + embedding_here * ring(SEQ * WIDTH, tensor))  # the position embedding
+        per_micro_batch += (held.count("SequenceParallelLayerNorm") * ring(2 * WIDTH, tensor)  # LayerNorms
+                            + embedding_here * ring(SEQ * WIDTH, tensor))  # the position embedding (beside it)
     inside = trainer.counted.traffic.read(PHASE)
     if inside.inter_bytes or not inside.intra_bytes:
         failures.append(f"rank {world.rank}: {label}: the tensor groups sent {inside.inter_bytes} B to other groups "
-                        f"of --group-size {tensor} and {inside.intra_bytes} B inside theirs")
+                        f"of --group-size {config.parallel.group_size} and {inside.intra_bytes} B inside theirs")
     # what `mpipar estimate --tensor` predicts for the step, all ranks together
     built = built_model("transformer", "text", (), world_size=W, tensor=tensor, text_file=str(TEXT), seq_len=SEQ,
                         width=WIDTH, heads=4, blocks=BLOCKS, tie_embeddings=True,
