@@ -55,7 +55,7 @@ CASES = {2: [("T = 2, adamw", 2, OPTIMIZERS["adamw"]), ("T = 2, sgd", 2, OPTIMIZ
              ("T = 2, sequence parallel, adamw", 2, dict(OPTIMIZERS["adamw"], **SEQUENCE)),
              ("T = 2, sequence parallel, sgd, 2 micro-batches", 2, dict(OPTIMIZERS["sgd"], micro_batches=2,
                                                                           **SEQUENCE))],
-         4: [("T = 4, adamw", 4, OPTIMIZERS["adamw"]),
+         4: [("T = 4, adamw", 4, OPTIMIZERS["adamw"]), ("T = 4, sgd", 4, OPTIMIZERS["sgd"]),
              ("T = 4, sequence parallel, adamw", 4, dict(OPTIMIZERS["adamw"], **SEQUENCE)),
              ("T x D = 2 x 2, zero3", 2, dict(OPTIMIZERS["adamw"], scheme="zero3")),
              ("T x D = 2 x 2, zero3, sequence parallel", 2, dict(OPTIMIZERS["adamw"], scheme="zero3", **SEQUENCE)),
