@@ -1,9 +1,10 @@
 """The tensor group: the T ranks that split each layer, as tensor-parallel layers use them.
 
 The layers (layers/tensor_parallel.py, parallel_attention.py, vocab_parallel.py,
-sequence_parallel.py) are handed one of these and never import this package. It sums and gathers over a
-sub-communicator of the T ranks, through the counted collectives (so device arrays take
-the wire, and every byte is counted), under the traffic phase "tensor": the counters show
+sequence_parallel.py) are handed one of these and never import this package. It sums,
+gathers and reduce-scatters over the communicator of the T ranks (comms/grid.py builds it),
+through the counted collectives (so device arrays take the wire, and every byte is
+counted), under the traffic phase "tensor": the counters show
 the training steps' tensor-parallel traffic as an axis of its own, and only inside the
 group. Outside the steps, its messages count as the rest of what is sent there: an
 evaluation's under "evaluate", an inspection's (the dry run that measures activations, a
