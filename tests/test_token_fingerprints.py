@@ -26,15 +26,18 @@ META = '{"vocab_size": 65, "dtype": "uint16"}'
 # `mpipar` that says, as it exits, its peak resident memory (VmHWM, this process's own: ru_maxrss would carry
 # the forking test process's peak across exec) and the bytes it read with read() (rchar, page cache included).
 # It says so on the way out of main() (mpi4py finalizes MPI at exit, later): a rank that exits with an error
-# gets the launcher to end the others, and a line printed at exit could be lost with them.
+# gets the launcher to end the others, and a line printed at exit could be lost with them. The line is one
+# write(): print() writes each of its words separately, and the launcher then interleaves two ranks' words.
 WITH_PEAK = """
 import re, sys
 from mpipar.cli import main
 try:
     main()
 finally:
-    print('VmHWM', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1), 'rchar',
-          re.search(r'rchar: (\\d+)', open('/proc/self/io').read()).group(1), file=sys.stderr, flush=True)
+    peak = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)
+    read = re.search(r'rchar: (\\d+)', open('/proc/self/io').read()).group(1)
+    sys.stderr.write(f'VmHWM {peak} rchar {read}\\n')
+    sys.stderr.flush()
 """
 
 
@@ -125,7 +128,7 @@ def big_stream(tmp_path: Path, last_id: int) -> Path:
 
 
 def peaks_kib(stderr: str) -> list[int]:
-    return [int(kib) for kib in re.findall(r"VmHWM (\d+)", stderr)]  # two ranks' lines may run together
+    return [int(kib) for kib in re.findall(r"VmHWM (\d+)", stderr)]
 
 
 def test_a_two_gigabyte_train_bin_with_a_bad_last_id_is_refused_before_the_first_step_in_flat_memory(tmp_path):
