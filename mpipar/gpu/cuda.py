@@ -3,10 +3,13 @@
 `twin.py` has the same names in NumPy for the stand-in device of the tests; code above
 asks `mpipar.gpu.parts_for(xp)` for one of the two and never knows which.
 
-    fused(name)                  an optimizer update as one kernel (KERNELS)
+    fused(name)                  an optimizer update, or its weight decay over a span, as one
+                                 kernel (KERNELS)
     gelu, gelu_grad              GELU's forward and backward, each one kernel of the NumPy steps
     layer_norm,                  LayerNorm's forward and its input gradient: a row reduction per
     layer_norm_input_gradient    statistic and one kernel for the rest
+    causal_softmax,              attention's masked softmax and its backward, a block of threads
+    causal_softmax_backward      per row of scores (RawModule)
     column_sum(a)                the sums of a 2-D array's columns, as a product with a vector of
                                  ones (cuBLAS reads the rows in order; a reduction over axis 0 reads
                                  them strided, and took a millisecond for a bias's gradient)
@@ -37,6 +40,8 @@ import numpy as np
 KERNELS = {
     "sgd": ("T g, T lr", "T p", "p = p - g * lr"),
     "sgd_momentum": ("T g, T momentum, T lr", "T p, T v", "v = v * momentum; v = v + g; p = p - v * lr"),
+    "add_decay": ("T coefficient, T p", "T g", "g = g + p * coefficient"),  # coupled weight decay
+    "decay_weights": ("T coefficient", "T p", "p = p - p * coefficient"),  # decoupled (AdamW's)
     "adam": ("T g, T beta1, T one_minus_beta1, T beta2, T one_minus_beta2, T inv_sqrt_bias2, T eps, T step_size",
              "T p, T m1, T m2",
              "m1 = m1 * beta1; m1 = m1 + g * one_minus_beta1; m2 = m2 * beta2; m2 = m2 + g * g * one_minus_beta2; "
@@ -103,6 +108,106 @@ def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
     mean_gn = _row_sum("dy * gain * n", "T dy, T gain, T n")(dy, gain, normed, axis=1)[:, None]
     mean_gn *= inv
     _elementwise("LAYER_NORM_DX")(dy, gain, normed, rstd, mean_g, mean_gn, dx)
+
+
+# The causal softmax of attention and its backward (layers/attention.py), one block of threads
+# per row of the (N, H, T, T) scores: the row is read from memory once (the passes after the
+# first find it in the cache) where the NumPy steps are seven passes over all the scores.
+# Float16 rows are computed in float32.
+SOFTMAX_SOURCE = r"""
+#include <cuda_fp16.h>
+
+// The largest of `value` over the block's threads, or its sum; every thread gets the result.
+// `shared` holds one value per warp (32 at most).
+template <typename A, bool take_max>
+__device__ A block_reduce(A value, A* shared) {
+    for (int offset = 16; offset > 0; offset /= 2) {
+        A other = __shfl_xor_sync(0xffffffffu, value, offset);
+        value = take_max ? max(value, other) : value + other;
+    }
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
+    __syncthreads();  // `shared` may still be read from the previous reduction
+    if (lane == 0) shared[warp] = value;
+    __syncthreads();
+    value = lane < warps ? shared[lane] : (take_max ? shared[0] : A(0));
+    for (int offset = 16; offset > 0; offset /= 2) {
+        A other = __shfl_xor_sync(0xffffffffu, value, offset);
+        value = take_max ? max(value, other) : value + other;
+    }
+    return value;
+}
+
+// One block per row of scores (..., t, t): row r is query position q = r % t, which sees keys 0..q.
+// p[u] = exp(s[u] scale - m) / sum, m the row's largest s[u] scale over u <= q; p[u] = 0 for u > q.
+template <typename T, typename A>
+__global__ void causal_softmax(T* scores, const int t, const A scale) {
+    __shared__ A shared[32];
+    T* row = scores + (long long)blockIdx.x * t;
+    const int last = blockIdx.x % t;
+    A largest = A(row[0]) * scale;  // key 0 is in every row
+    for (int u = threadIdx.x; u <= last; u += blockDim.x) largest = max(largest, A(row[u]) * scale);
+    largest = block_reduce<A, true>(largest, shared);
+    A sum = 0;
+    for (int u = threadIdx.x; u <= last; u += blockDim.x) sum += exp(A(row[u]) * scale - largest);
+    sum = block_reduce<A, false>(sum, shared);
+    for (int u = threadIdx.x; u < t; u += blockDim.x)
+        row[u] = T(u <= last ? exp(A(row[u]) * scale - largest) / sum : A(0));
+}
+
+// d_scores <- (p dp - p sum_u(p dp)) scale, row by row, from d_scores = dp.
+template <typename T, typename A>
+__global__ void causal_softmax_backward(T* d_scores, const T* probs, const int t, const A scale) {
+    __shared__ A shared[32];
+    T* d_row = d_scores + (long long)blockIdx.x * t;
+    const T* p_row = probs + (long long)blockIdx.x * t;
+    const int last = blockIdx.x % t;
+    A sum = 0;
+    for (int u = threadIdx.x; u <= last; u += blockDim.x) sum += A(p_row[u]) * A(d_row[u]);
+    sum = block_reduce<A, false>(sum, shared);
+    for (int u = threadIdx.x; u < t; u += blockDim.x) {
+        const A p = A(p_row[u]);
+        d_row[u] = T((p * A(d_row[u]) - p * sum) * scale);
+    }
+}
+"""
+# per dtype of the scores: the type they are stored in, the type a row is computed in, the scale's type
+SOFTMAX_TYPES = {np.dtype(np.float16): ("__half", "float", np.float32),
+                 np.dtype(np.float32): ("float", "float", np.float32),
+                 np.dtype(np.float64): ("double", "double", np.float64)}
+SOFTMAX_THREADS = 128  # a multiple of 32: the reductions shuffle within whole warps
+
+
+@functools.cache
+def _softmax_module() -> "cupy.RawModule":
+    expressions = [f"{kernel}<{stored}, {computed}>" for kernel in ("causal_softmax", "causal_softmax_backward")
+                   for stored, computed, _ in SOFTMAX_TYPES.values()]
+    return cupy.RawModule(code=SOFTMAX_SOURCE, options=("--fmad=false",), name_expressions=expressions)
+
+
+def _softmax_kernel(name: str, dtype) -> tuple:
+    stored, computed, scale_type = SOFTMAX_TYPES[np.dtype(dtype)]
+    return _softmax_module().get_function(f"{name}<{stored}, {computed}>"), scale_type
+
+
+def causal_softmax(scores, scale: float) -> None:
+    """scores (..., T, T), C-contiguous, <- the softmax over keys of scores * scale with later keys masked."""
+    kernel, scale_type = _softmax_kernel("causal_softmax", scores.dtype)
+    t = scores.shape[-1]
+    kernel((scores.size // t,), (SOFTMAX_THREADS,), (_contiguous(scores), np.int32(t), scale_type(scale)))
+
+
+def causal_softmax_backward(d_scores, probs, scale: float) -> None:
+    """d_scores <- p (dp - sum_u p dp) scale from d_scores = dp, row by row (probs is left as it was)."""
+    kernel, scale_type = _softmax_kernel("causal_softmax_backward", d_scores.dtype)
+    t = d_scores.shape[-1]
+    kernel((d_scores.size // t,), (SOFTMAX_THREADS,),
+           (_contiguous(d_scores), _contiguous(probs), np.int32(t), scale_type(scale)))
+
+
+def _contiguous(array):
+    if not array.flags.c_contiguous:  # the kernels index rows by their position in memory
+        raise ValueError(f"a kernel over rows was handed a strided array of shape {array.shape}")
+    return array
 
 
 @functools.cache

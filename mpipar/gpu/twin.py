@@ -34,7 +34,16 @@ def _adam(g, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_sqrt_bias2, eps
     p -= m1 / (np.sqrt(m2) * inv_sqrt_bias2 + eps) * step_size
 
 
-_UPDATES = {"sgd": _sgd, "sgd_momentum": _sgd_momentum, "adam": _adam}
+def _add_decay(coefficient, p, g):
+    g += p * coefficient
+
+
+def _decay_weights(coefficient, p):
+    p -= p * coefficient
+
+
+_UPDATES = {"sgd": _sgd, "sgd_momentum": _sgd_momentum, "add_decay": _add_decay, "decay_weights": _decay_weights,
+            "adam": _adam}
 
 
 def fused(name: str):
@@ -86,6 +95,18 @@ def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
     mean_g = (dy * gain).sum(axis=1)[:, None] * inv
     mean_gn = (dy * gain * normed).sum(axis=1)[:, None] * inv
     dx[...] = (dy * gain - mean_g - normed * mean_gn) * rstd
+
+
+def causal_softmax(scores, scale: float) -> None:
+    from mpipar.layers.attention import causal_softmax as numpy_steps  # the layers import this package
+
+    numpy_steps(scores, scale)
+
+
+def causal_softmax_backward(d_scores, probs, scale: float) -> None:
+    from mpipar.layers.attention import causal_softmax_backward as numpy_steps
+
+    numpy_steps(d_scores, probs, scale)
 
 
 def column_sum(a):

@@ -13,7 +13,9 @@ For x of shape (N, T, D) with H heads of size d = D / H:
 
 The projections multiply rows (x reshaped to (N T, D)), one product each; the softmax and
 its backward work in place in the scores' buffer, in parts of the batch on the rank's
-threads (row_parts.py); the mask of the future is made once per (T, dtype) and kept.
+threads (row_parts.py); the mask of the future is made once per (T, dtype) and kept. On a
+GPU each of the two is one kernel (mpipar/gpu/cuda.py) that reads a row once, not seven
+kernels over the whole (N, H, T, T) scores.
 
 Exercised by: python -m pytest tests/test_layers.py -k CausalSelfAttention
 """
@@ -23,9 +25,12 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
+
 from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.errors import ConfigError
+from mpipar.gpu import parts_for
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
 from mpipar.layers.row_parts import in_row_parts
 
@@ -98,9 +103,11 @@ def attend(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
     n, heads, t, head_dim = q.shape
     xp = array_module(q)
     probs = q @ k.swapaxes(-1, -2)
-    probs *= 1.0 / math.sqrt(head_dim)
-    probs += _future_mask(t, t, 0, q.dtype, xp)
-    in_row_parts(_softmax_in_place, probs)
+    scale = 1.0 / math.sqrt(head_dim)
+    if xp is np:
+        in_row_parts(functools.partial(causal_softmax, scale=scale), probs)
+    else:  # one kernel of the same arithmetic (mpipar/gpu/cuda.py)
+        parts_for(xp).causal_softmax(probs, scale)
     merged = xp.empty((n, t, heads, head_dim), dtype=q.dtype)
     xp.matmul(probs, v, out=merged.transpose(0, 2, 1, 3))  # BLAS writes the strided heads directly
     return probs, merged.reshape(n * t, heads * head_dim)
@@ -113,25 +120,31 @@ def attend_backward(d_out: Array, q: Array, k: Array, v: Array, probs: Array, d_
     xp = array_module(d_out)
     xp.matmul(probs.swapaxes(-1, -2), d_out, out=d_v)
     d_scores = d_out @ v.swapaxes(-1, -2)  # d_probs, then in place:
-    in_row_parts(functools.partial(_softmax_backward, head_dim=q.shape[-1]), d_scores, probs)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if xp is np:
+        in_row_parts(functools.partial(causal_softmax_backward, scale=scale), d_scores, probs)
+    else:
+        parts_for(xp).causal_softmax_backward(d_scores, probs, scale)
     xp.matmul(d_scores, k, out=d_q)
     xp.matmul(d_scores.swapaxes(-1, -2), q, out=d_k)
 
 
-def _softmax_backward(d_scores: Array, probs: Array, head_dim: int) -> None:
-    """d_scores <- p (dp - sum_u dp p) / sqrt(d) from d_scores = dp, in place (probs too: not needed after)."""
-    d_scores *= probs  # p dp
-    probs *= d_scores.sum(axis=-1, keepdims=True)  # p sum_u(p dp)
-    d_scores -= probs
-    d_scores *= 1.0 / math.sqrt(head_dim)
-
-
-def _softmax_in_place(scores: Array) -> None:
-    """scores <- softmax(scores) over the last axis, in the same buffer."""
+def causal_softmax(scores: Array, scale: float) -> None:
+    """scores (..., T, T) <- softmax over keys u of scores * scale, keys after the query masked, in place."""
     xp = array_module(scores)
+    scores *= scale
+    scores += _future_mask(scores.shape[-2], scores.shape[-1], 0, scores.dtype, xp)
     scores -= scores.max(axis=-1, keepdims=True)
     xp.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
+
+
+def causal_softmax_backward(d_scores: Array, probs: Array, scale: float) -> None:
+    """d_scores <- p (dp - sum_u dp p) scale from d_scores = dp, in place (probs too: not needed after)."""
+    d_scores *= probs  # p dp
+    probs *= d_scores.sum(axis=-1, keepdims=True)  # p sum_u(p dp)
+    d_scores -= probs
+    d_scores *= scale
 
 
 @functools.lru_cache(maxsize=16)

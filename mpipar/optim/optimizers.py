@@ -135,13 +135,25 @@ class _PiecewiseOptimizer:
             for part in _chunks(stop - start):
                 yield slice(start + part.start, start + part.stop)
 
-    def _add_decay(self, piece: int, coefficient: float) -> None:
-        """grad += coefficient * params inside the decay spans."""
+    def _decay(self, piece: int, coefficient: float, decoupled: bool = False) -> None:
+        """Weight decay inside the decay spans: grad += coefficient * params, or, decoupled (AdamW's,
+        before the Adam step: the moments do not read p, so each element sees the textbook update's
+        operations in its order), params -= coefficient * params. On a GPU, one kernel per span."""
         p, g = self.params[piece], self.grads[piece]
+        xp = array_module(p)
+        fused = _fused(xp, "decay_weights" if decoupled else "add_decay")
+        if fused is not None:
+            arrays = (p,) if decoupled else (p, g)
+            for start, stop in self.decay[piece]:
+                fused(coefficient, *(array[start:stop] for array in arrays))
+            return
         for span in self._decayed(piece):
             scratch = self.workspace[:span.stop - span.start]
-            array_module(p).multiply(p[span], coefficient, out=scratch)
-            g[span] += scratch
+            xp.multiply(p[span], coefficient, out=scratch)
+            if decoupled:
+                p[span] -= scratch
+            else:
+                g[span] += scratch
 
     @property
     def state_bytes(self) -> int:
@@ -177,7 +189,7 @@ class SGD(_PiecewiseOptimizer):
                                  self.decay[piece])
                 continue
             if self.weight_decay:
-                self._add_decay(piece, self.weight_decay)
+                self._decay(piece, self.weight_decay)
             fused = _fused(xp, "sgd_momentum" if self.momentum else "sgd")
             if fused is not None:
                 if self.momentum:
@@ -215,14 +227,9 @@ class Adam(_PiecewiseOptimizer):
                                   decay_spans=self.decay[piece], chunks=_chunks(p.size))
                 continue
             if self.weight_decay and not self.decoupled:
-                self._add_decay(piece, self.weight_decay)
+                self._decay(piece, self.weight_decay)
             if self.weight_decay and self.decoupled:
-                # p -= lr wd p before the Adam step: the moments do not read p, so each
-                # element sees the same operations in the same order as the textbook update
-                for span in self._decayed(piece):
-                    scratch = self.workspace[:span.stop - span.start]
-                    xp.multiply(p[span], lr * self.weight_decay, out=scratch)
-                    p[span] -= scratch
+                self._decay(piece, lr * self.weight_decay, decoupled=True)
             fused = _fused(xp, "adam")
             if fused is not None:
                 fused(g, self.beta1, 1.0 - self.beta1, self.beta2, 1.0 - self.beta2, 1.0 / math.sqrt(bias2), self.eps,

@@ -107,7 +107,7 @@ def optimizers_on_gpu_equal_cpu_bit_for_bit() -> str:
                               ("adam", dict(weight_decay=0.01)), ("adamw", dict(weight_decay=0.01))):
             params = [rng.standard_normal(size).astype(dtype) for size in sizes]
             grads = [[rng.standard_normal(size).astype(dtype) for size in sizes] for _ in range(3)]
-            decay = [[(0, 150_000)], [(0, 1_000)]]
+            decay = [[(0, 70_000), (90_000, 150_000)], [(0, 1_000)]]  # a kernel per span on the GPU
             sides = {}
             for xp in (np, cupy):
                 state = [xp.array(piece) for piece in params]  # copies: NumPy updates in place
@@ -122,14 +122,18 @@ def optimizers_on_gpu_equal_cpu_bit_for_bit() -> str:
 
 
 def fused_layers_equal_numpy() -> str:
-    """GELU and LayerNorm, forward and backward (with the gain's and shift's gradients: column
-    sums), on the GPU (mpipar/gpu/cuda.py's kernels) against
-    the NumPy path on the same random rows: the largest difference, relative to the largest
-    output, within 1e-12 in float64 and 1e-5 in float32."""
+    """GELU, LayerNorm and causal attention (its softmax and the softmax's backward), forward and
+    backward (with the gain's and shift's gradients: column sums), on the GPU (mpipar/gpu/cuda.py's
+    kernels) against the NumPy path on the same random rows: the largest difference, relative to
+    the largest output, within 1e-12 in float64 and 1e-5 in float32; the softmax's kernels on
+    float16 scores (computed in float32) against NumPy's float32 steps on the same numbers, within
+    2e-3 (float16 keeps 11 bits)."""
     import cupy
 
     from mpipar.cache import Context
-    from mpipar.layers import GELU, LayerNorm
+    from mpipar.gpu import cuda
+    from mpipar.layers import GELU, CausalSelfAttention, LayerNorm
+    from mpipar.layers.attention import causal_softmax, causal_softmax_backward
 
     rng = np.random.default_rng(0)
     worst = {}
@@ -149,9 +153,34 @@ def fused_layers_equal_numpy() -> str:
             outputs += [norm.grads["gain"], norm.grads["shift"]]  # column sums (cuda.column_sum)
             sides[xp.__name__] = [cupy.asnumpy(array) for array in outputs]
         names = ("gelu", "gelu grad", "layer norm", "layer norm grad", "gain grad", "shift grad")
-        for name, a, b in zip(names, sides["cupy"], sides["numpy"]):
+        x, dy = (rng.standard_normal((8, 256, 384)).astype(dtype) for _ in range(2))
+        weights = {name: rng.standard_normal(shape).astype(dtype) / 20 for name, shape in
+                   (("qkv_weight", (384, 1152)), ("qkv_bias", (1152,)), ("out_weight", (384, 384)),
+                    ("out_bias", (384,)))}
+        for xp in (np, cupy):
+            attention = CausalSelfAttention(384, heads=6)
+            attention.params = {name: xp.asarray(value) for name, value in weights.items()}
+            attention.grads = {name: xp.zeros(value.shape, dtype) for name, value in weights.items()}
+            attention.fresh_grads = True
+            ctx = Context(None, (0, 0))
+            outputs = [attention.forward(xp.asarray(x), ctx), attention.backward(xp.asarray(dy), ctx),
+                       attention.grads["qkv_weight"], attention.grads["qkv_bias"]]
+            sides[xp.__name__] += [cupy.asnumpy(array) for array in outputs]
+        names += ("attention", "attention grad", "qkv weight grad", "qkv bias grad")
+        for name, a, b in zip(names, sides["cupy"], sides["numpy"], strict=True):
             error = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))  # against the output's scale
             worst[f"{name} {np.dtype(dtype).name}"] = (error, tolerance)
+    scores, d_probs = (rng.standard_normal((4, 6, 256, 256)).astype(np.float16) * 4 for _ in range(2))
+    probs = scores.astype(np.float32)
+    causal_softmax(probs, 0.125)
+    d_scores = d_probs.astype(np.float32)
+    causal_softmax_backward(d_scores, probs.copy(), 0.125)
+    on_gpu, d_on_gpu = cupy.asarray(scores), cupy.asarray(d_probs)
+    cuda.causal_softmax(on_gpu, 0.125)
+    probs_from_gpu = cupy.asnumpy(on_gpu)  # before the backward, which may overwrite them
+    cuda.causal_softmax_backward(d_on_gpu, on_gpu, 0.125)
+    for name, a, b in (("softmax", probs_from_gpu, probs), ("softmax grad", cupy.asnumpy(d_on_gpu), d_scores)):
+        worst[f"{name} float16"] = (float(np.max(np.abs(a - b)) / np.max(np.abs(b))), 2e-3)
     failed = [name for name, (error, tolerance) in worst.items() if error > tolerance]
     figures = ", ".join(f"{name} {error:.1e}" for name, (error, _) in worst.items())
     return f"{'FAILED: ' + str(failed) if failed else 'ok'}; largest differences over the largest output: {figures}"
@@ -580,7 +609,8 @@ sys.path.insert(0, str(EXAMPLES))  # torch_mlp, the example's builders
 PARTS = {  # `check_gpu.py PART` runs one part alone (a device's minutes are few)
     "schemes": lambda: case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu),
     "memory": lambda: case("memory pool peak against the prediction", memory_pool_against_prediction),
-    "kernels": lambda: case("fused layers on the gpu = numpy", fused_layers_equal_numpy),
+    "kernels": lambda: (case("optimizer updates on the gpu = cpu", optimizers_on_gpu_equal_cpu_bit_for_bit),
+                        case("fused layers on the gpu = numpy", fused_layers_equal_numpy)),
     "profile": lambda: case("where a step of the transformer goes on the gpu, ms", where_a_step_goes),
     "fp16": lambda: case("fp16 overflow skipped by every rank on the gpu", fp16_overflow_skipped_by_every_rank),
     "fp16-memory": lambda: case("fp16 holds 2 + 2 + 12 bytes a parameter on the gpu", fp16_holds_table_1),
