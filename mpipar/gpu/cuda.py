@@ -6,10 +6,10 @@ asks `mpipar.gpu.parts_for(xp)` for one of the two and never knows which.
     fused(name)                  an optimizer update, or its weight decay over a span, as one
                                  kernel (KERNELS)
     gelu, gelu_grad              GELU's forward and backward, each one kernel of the NumPy steps
-    layer_norm,                  LayerNorm's forward and its input gradient: a row reduction per
-    layer_norm_input_gradient    statistic and one kernel for the rest
-    causal_softmax,              attention's masked softmax and its backward, a block of threads
-    causal_softmax_backward      per row of scores (RawModule)
+    layer_norm,                  LayerNorm's forward and its input gradient, and attention's
+    layer_norm_input_gradient    masked softmax and its backward: each one kernel with a block
+    causal_softmax,              of threads per row (RAW_KERNELS), float16 rows computed in
+    causal_softmax_backward      float32
     column_sum(a)                the sums of a 2-D array's columns, as a product with a vector of
                                  ones (cuBLAS reads the rows in order; a reduction over axis 0 reads
                                  them strided, and took a millisecond for a bias's gradient)
@@ -55,66 +55,12 @@ def fused(name: str):
     return cupy.ElementwiseKernel(in_params, out_params, operation, f"mpipar_{name}", options=("--fmad=false",))
 
 
-# GELU as layers/activations.py computes it, step for step: -2u = x x a - b, times x, clipped;
-# y = x / (exp(-2u) + 1). The backward follows _gelu_grad's steps (d is its dx, t its temporary).
-GELU = ("T x, T a, T b, T limit", "T y",
-        "T u = x * x; u = u * a; u = u - b; u = u * x; u = fmin(fmax(u, -limit), limit); y = x / (exp(u) + (T)1)")
-GELU_GRAD = ("T x, T dy, T a, T b, T limit, T h, T k", "T dx",
-             "T t = x * x; t = t * a; t = t - b; t = t * x; t = fmin(fmax(t, -limit), limit); t = exp(t); "
-             "T d = t + (T)1; t = t / d; d = h / d; t = t * d; t = t * x; t = t * b; d = d + t; "
-             "t = t * x; t = t * x; t = t * k; d = d + t; d = d * b; dx = d * dy")
-# LayerNorm as layers/norm.py computes it: the statistics are row sums (CuPy's reduction
-# order, not NumPy's: equal to rounding), everything else one kernel
-LAYER_NORM = ("T x, T m, T r, T gain, T shift", "T normed, T y", "normed = (x - m) * r; y = normed * gain + shift")
-LAYER_NORM_RSTD = ("T s, T inv, T eps", "T r", "r = (T)1 / sqrt(s * inv + eps)")
-LAYER_NORM_DX = ("T dy, T gain, T n, T r, T mg, T mgn", "T dx", "T g = dy * gain; g = g - mg; dx = (g - n * mgn) * r")
-
-
-@functools.cache
-def _elementwise(name: str):
-    in_params, out_params, operation = globals()[name]
-    return cupy.ElementwiseKernel(in_params, out_params, operation, f"mpipar_{name.lower()}",
-                                  options=("--fmad=false",))
-
-
-@functools.cache
-def _row_sum(map_expression: str, in_params: str):
-    return cupy.ReductionKernel(in_params, "T y", map_expression, "a + b", "y = a", "0", "mpipar_row_sum")
-
-
-def gelu(x, y, a: float, b: float, limit: float) -> None:
-    _elementwise("GELU")(x, a, b, limit, y)
-
-
-def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -> None:
-    _elementwise("GELU_GRAD")(x, dy, a, b, limit, h, k, dx)
-
-
-def layer_norm(x, gain, shift, eps: float, y, normed, rstd) -> None:
-    """Rows of x (2-D) normalised: normed, rstd (rows x 1) and y = normed gain + shift."""
-    inv = 1.0 / x.shape[-1]
-    mean = _row_sum("x", "T x")(x, axis=1)[:, None]
-    mean *= inv
-    squares = _row_sum("(x - m) * (x - m)", "T x, T m")(x, mean, axis=1)[:, None]
-    _elementwise("LAYER_NORM_RSTD")(squares, inv, eps, rstd)
-    _elementwise("LAYER_NORM")(x, mean, rstd, gain, shift, normed, y)
-
-
-def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
-    """dx = r (g - mean(g) - normed mean(g normed)), g = dy gain, for rows (2-D)."""
-    inv = 1.0 / dy.shape[-1]
-    mean_g = _row_sum("dy * gain", "T dy, T gain")(dy, gain, axis=1)[:, None]
-    mean_g *= inv
-    mean_gn = _row_sum("dy * gain * n", "T dy, T gain, T n")(dy, gain, normed, axis=1)[:, None]
-    mean_gn *= inv
-    _elementwise("LAYER_NORM_DX")(dy, gain, normed, rstd, mean_g, mean_gn, dx)
-
-
-# The causal softmax of attention and its backward (layers/attention.py), one block of threads
-# per row of the (N, H, T, T) scores: the row is read from memory once (the passes after the
-# first find it in the cache) where the NumPy steps are seven passes over all the scores.
-# Float16 rows are computed in float32.
-SOFTMAX_SOURCE = r"""
+# The layers' kernels, each direction of a layer one kernel. Attention's causal softmax and LayerNorm
+# run a block of threads per row: a row is read from memory once (the passes after the first find it
+# in the cache), where NumPy's steps make a pass over all the rows for each operation (seven for the
+# softmax). Float16 is computed in float32; float32 and float64 in their own type, in NumPy's order
+# of operations (only the sums' order differs).
+RAW_KERNELS = r"""
 #include <cuda_fp16.h>
 
 // The largest of `value` over the block's threads, or its sum; every thread gets the result.
@@ -169,44 +115,150 @@ __global__ void causal_softmax_backward(T* d_scores, const T* probs, const int t
         d_row[u] = T((p * A(d_row[u]) - p * sum) * scale);
     }
 }
+
+// LayerNorm, one block per row of dim values: mean m = sum x / dim, r = 1 / sqrt(sum (x - m)^2 / dim + eps),
+// normed = (x - m) r, y = normed gain + shift (from normed before it is stored, in A).
+template <typename T, typename A>
+__global__ void layer_norm(const T* x, const T* gain, const T* shift, const int dim, const A inv, const A eps,
+                           T* y, T* normed, T* rstd) {
+    __shared__ A shared[32];
+    const long long first = (long long)blockIdx.x * dim;
+    A sum = 0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) sum += A(x[first + i]);
+    const A mean = block_reduce<A, false>(sum, shared) * inv;
+    A squares = 0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const A centred = A(x[first + i]) - mean;
+        squares += centred * centred;
+    }
+    const A r = A(1) / sqrt(block_reduce<A, false>(squares, shared) * inv + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const A n = (A(x[first + i]) - mean) * r;
+        normed[first + i] = T(n);
+        y[first + i] = T(n * A(gain[i]) + A(shift[i]));
+    }
+    if (threadIdx.x == 0) rstd[blockIdx.x] = T(r);
+}
+
+// LayerNorm's input gradient, one block per row: g = dy gain, dx = (g - mean(g) - normed mean(g normed)) r.
+template <typename T, typename A>
+__global__ void layer_norm_input_gradient(const T* dy, const T* gain, const T* normed, const T* rstd, const int dim,
+                                          const A inv, T* dx) {
+    __shared__ A shared[32];
+    const long long first = (long long)blockIdx.x * dim;
+    A sum_g = 0, sum_gn = 0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const A g = A(dy[first + i]) * A(gain[i]);
+        sum_g += g;
+        sum_gn += g * A(normed[first + i]);
+    }
+    const A mean_g = block_reduce<A, false>(sum_g, shared) * inv;
+    const A mean_gn = block_reduce<A, false>(sum_gn, shared) * inv;
+    const A r = A(rstd[blockIdx.x]);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const A g = A(dy[first + i]) * A(gain[i]) - mean_g;
+        dx[first + i] = T((g - A(normed[first + i]) * mean_gn) * r);
+    }
+}
+
+// GELU as layers/activations.py computes it, step for step: -2u = x x a - b, times x, clipped;
+// y = x / (exp(-2u) + 1). The backward follows _gelu_grad's steps (d is its dx, t its temporary).
+// Elementwise: every thread takes elements a grid apart.
+#define FIRST_ELEMENT (blockIdx.x * (long long)blockDim.x + threadIdx.x)
+#define ELEMENT_STRIDE ((long long)gridDim.x * blockDim.x)
+template <typename T, typename A>
+__global__ void gelu(const T* x, T* y, const long long n, const A a, const A b, const A limit) {
+    for (long long i = FIRST_ELEMENT; i < n; i += ELEMENT_STRIDE) {
+        const A v = A(x[i]);
+        A u = v * v; u = u * a; u = u - b; u = u * v; u = fmin(fmax(u, -limit), limit);
+        y[i] = T(v / (exp(u) + A(1)));
+    }
+}
+
+template <typename T, typename A>
+__global__ void gelu_grad(const T* x, const T* dy, T* dx, const long long n, const A a, const A b, const A limit,
+                          const A h, const A k) {
+    for (long long i = FIRST_ELEMENT; i < n; i += ELEMENT_STRIDE) {
+        const A v = A(x[i]);
+        A t = v * v; t = t * a; t = t - b; t = t * v; t = fmin(fmax(t, -limit), limit); t = exp(t);
+        A d = t + A(1); t = t / d; d = h / d; t = t * d; t = t * v; t = t * b; d = d + t;
+        t = t * v; t = t * v; t = t * k; d = d + t; d = d * b;
+        dx[i] = T(d * A(dy[i]));
+    }
+}
 """
-# per dtype of the scores: the type they are stored in, the type a row is computed in, the scale's type
-SOFTMAX_TYPES = {np.dtype(np.float16): ("__half", "float", np.float32),
-                 np.dtype(np.float32): ("float", "float", np.float32),
-                 np.dtype(np.float64): ("double", "double", np.float64)}
-SOFTMAX_THREADS = 128  # a multiple of 32: the reductions shuffle within whole warps
+# per dtype of the arrays: the type they are stored in, the type they are computed in (and its NumPy type)
+RAW_TYPES = {np.dtype(np.float16): ("__half", "float", np.float32),
+             np.dtype(np.float32): ("float", "float", np.float32),
+             np.dtype(np.float64): ("double", "double", np.float64)}
+RAW_THREADS = 128  # a multiple of 32: the reductions shuffle within whole warps
+RAW_KERNEL_NAMES = ("causal_softmax", "causal_softmax_backward", "layer_norm", "layer_norm_input_gradient", "gelu",
+                    "gelu_grad")
 
 
 @functools.cache
-def _softmax_module() -> "cupy.RawModule":
-    expressions = [f"{kernel}<{stored}, {computed}>" for kernel in ("causal_softmax", "causal_softmax_backward")
-                   for stored, computed, _ in SOFTMAX_TYPES.values()]
-    return cupy.RawModule(code=SOFTMAX_SOURCE, options=("--fmad=false",), name_expressions=expressions)
+def _raw_module() -> "cupy.RawModule":
+    expressions = [f"{name}<{stored}, {computed}>" for name in RAW_KERNEL_NAMES
+                   for stored, computed, _ in RAW_TYPES.values()]
+    return cupy.RawModule(code=RAW_KERNELS, options=("--fmad=false",), name_expressions=expressions)
 
 
-def _softmax_kernel(name: str, dtype) -> tuple:
-    stored, computed, scale_type = SOFTMAX_TYPES[np.dtype(dtype)]
-    return _softmax_module().get_function(f"{name}<{stored}, {computed}>"), scale_type
+def _raw_kernel(name: str, dtype, blocks: int):
+    """The kernel `name` for arrays of `dtype`, launched in `blocks` blocks (one per row for the row
+    kernels), and the NumPy type of its scalars."""
+    stored, computed, scalar = RAW_TYPES[np.dtype(dtype)]
+    kernel = _raw_module().get_function(f"{name}<{stored}, {computed}>")
+    return functools.partial(kernel, (blocks,), (RAW_THREADS,)), scalar
+
+
+def layer_norm(x, gain, shift, eps: float, y, normed, rstd) -> None:
+    """Rows of x (2-D, C-contiguous) normalised: normed, rstd (rows x 1) and y = normed gain + shift."""
+    rows, dim = x.shape
+    kernel, scalar = _raw_kernel("layer_norm", x.dtype, rows)
+    kernel((cupy.ascontiguousarray(x), gain, shift, np.int32(dim), scalar(1.0 / dim), scalar(eps), _contiguous(y),
+            _contiguous(normed), _contiguous(rstd)))
+
+
+def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
+    """dx = r (g - mean(g) - normed mean(g normed)), g = dy gain, for rows (2-D, C-contiguous)."""
+    rows, dim = dy.shape
+    kernel, scalar = _raw_kernel("layer_norm_input_gradient", dy.dtype, rows)
+    kernel((cupy.ascontiguousarray(dy), gain, _contiguous(normed), _contiguous(rstd), np.int32(dim),
+            scalar(1.0 / dim), _contiguous(dx)))
+
+
+def gelu(x, y, a: float, b: float, limit: float) -> None:
+    kernel, scalar = _raw_kernel("gelu", x.dtype, _elementwise_blocks(x.size))
+    kernel((cupy.ascontiguousarray(x), _contiguous(y), np.int64(x.size), scalar(a), scalar(b), scalar(limit)))
+
+
+def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -> None:
+    kernel, scalar = _raw_kernel("gelu_grad", x.dtype, _elementwise_blocks(x.size))
+    kernel((cupy.ascontiguousarray(x), cupy.ascontiguousarray(dy), _contiguous(dx), np.int64(x.size), scalar(a),
+            scalar(b), scalar(limit), scalar(h), scalar(k)))
+
+
+def _elementwise_blocks(size: int) -> int:
+    return max(1, min(-(-size // RAW_THREADS), 1 << 16))  # more blocks than the GPU runs at once
 
 
 def causal_softmax(scores, scale: float) -> None:
     """scores (..., T, T), C-contiguous, <- the softmax over keys of scores * scale with later keys masked."""
-    kernel, scale_type = _softmax_kernel("causal_softmax", scores.dtype)
     t = scores.shape[-1]
-    kernel((scores.size // t,), (SOFTMAX_THREADS,), (_contiguous(scores), np.int32(t), scale_type(scale)))
+    kernel, scalar = _raw_kernel("causal_softmax", scores.dtype, scores.size // t)
+    kernel((_contiguous(scores), np.int32(t), scalar(scale)))
 
 
 def causal_softmax_backward(d_scores, probs, scale: float) -> None:
     """d_scores <- p (dp - sum_u p dp) scale from d_scores = dp, row by row (probs is left as it was)."""
-    kernel, scale_type = _softmax_kernel("causal_softmax_backward", d_scores.dtype)
     t = d_scores.shape[-1]
-    kernel((d_scores.size // t,), (SOFTMAX_THREADS,),
-           (_contiguous(d_scores), _contiguous(probs), np.int32(t), scale_type(scale)))
+    kernel, scalar = _raw_kernel("causal_softmax_backward", d_scores.dtype, d_scores.size // t)
+    kernel((_contiguous(d_scores), _contiguous(probs), np.int32(t), scalar(scale)))
 
 
 def _contiguous(array):
     if not array.flags.c_contiguous:  # the kernels index rows by their position in memory
-        raise ValueError(f"a kernel over rows was handed a strided array of shape {array.shape}")
+        raise ValueError(f"a kernel over rows was handed a strided array of shape {array.shape} to write")
     return array
 
 

@@ -50,7 +50,13 @@ def fused(name: str):
     return _UPDATES[name]
 
 
+def _computed(a):
+    """`a` in the type the kernels compute it in: float32 for float16."""
+    return a.astype(np.float32) if a.dtype == np.float16 else a
+
+
 def gelu(x, y, a: float, b: float, limit: float) -> None:
+    x = _computed(x)
     u = x * x
     u *= a
     u -= b
@@ -60,6 +66,7 @@ def gelu(x, y, a: float, b: float, limit: float) -> None:
 
 
 def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -> None:
+    x, dy = _computed(x), _computed(dy)
     t = x * x
     t *= a
     t -= b
@@ -82,19 +89,21 @@ def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -
 
 
 def layer_norm(x, gain, shift, eps: float, y, normed, rstd) -> None:
+    x, gain, shift = _computed(x), _computed(gain), _computed(shift)
     inv = 1.0 / x.shape[-1]
     mean = x.sum(axis=1)[:, None] * inv
-    squares = ((x - mean) * (x - mean)).sum(axis=1)[:, None]
-    rstd[...] = 1 / np.sqrt(squares * inv + eps)
-    normed[...] = (x - mean) * rstd
-    y[...] = normed * gain + shift
+    r = 1 / np.sqrt(((x - mean) * (x - mean)).sum(axis=1)[:, None] * inv + eps)
+    n = (x - mean) * r
+    rstd[...], normed[...], y[...] = r, n, n * gain + shift
 
 
 def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
+    dy, gain, normed, rstd = _computed(dy), _computed(gain), _computed(normed), _computed(rstd)
     inv = 1.0 / dy.shape[-1]
-    mean_g = (dy * gain).sum(axis=1)[:, None] * inv
-    mean_gn = (dy * gain * normed).sum(axis=1)[:, None] * inv
-    dx[...] = (dy * gain - mean_g - normed * mean_gn) * rstd
+    g = dy * gain
+    mean_g = g.sum(axis=1)[:, None] * inv
+    mean_gn = (g * normed).sum(axis=1)[:, None] * inv
+    dx[...] = (g - mean_g - normed * mean_gn) * rstd
 
 
 def causal_softmax(scores, scale: float) -> None:

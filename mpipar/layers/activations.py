@@ -40,6 +40,8 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 # |-2u| at most this, by itemsize: e^80 and e^-80 are normal float32 numbers (its range
 # is e^+-87), e^700 and e^-700 normal float64 ones
 EXP_LIMIT = {4: 80.0, 8: 700.0}
+# -2u = x (x x a - b) with these (a, b), in _exp_minus_two_u and in the kernels (mpipar/gpu/cuda.py)
+_MINUS_TWO_U = (-2 * 0.044715 * _GELU_C, 2 * _GELU_C)
 
 
 class ReLU(Layer):
@@ -75,14 +77,24 @@ class GELU(Layer):
 
     def forward(self, x: Array, ctx: Context) -> Array:
         ctx.save(self, x)
-        y = array_module(x).empty(x.shape, dtype=x.dtype)  # C order: rows(y) is a view
-        in_row_parts(_gelu, rows(y), rows(x))
+        xp = array_module(x)
+        y = xp.empty(x.shape, dtype=x.dtype)  # C order: rows(y) is a view
+        if xp is np:
+            in_row_parts(_gelu, rows(y), rows(x))
+        else:  # a GPU: these steps as one kernel, float16 computed in float32 (mpipar/gpu/cuda.py)
+            parts_for(xp).gelu(x, y, *_MINUS_TWO_U, EXP_LIMIT[max(4, x.dtype.itemsize)])
         return y
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
-        dx = array_module(x).empty(x.shape, dtype=x.dtype)
-        in_row_parts(_gelu_grad, rows(dx), rows(x), rows(dy))
+        xp = array_module(x)
+        dx = xp.empty(x.shape, dtype=x.dtype)
+        if xp is np:
+            in_row_parts(_gelu_grad, rows(dx), rows(x), rows(dy))
+        else:
+            a, b = _MINUS_TWO_U
+            parts_for(xp).gelu_grad(x, dy, dx, a, b, EXP_LIMIT[max(4, x.dtype.itemsize)], 0.5 / _GELU_C,
+                                    3 * 0.044715)
         return dx
 
 
@@ -103,10 +115,6 @@ def _in_float32_at_least(function):
 @_in_float32_at_least
 def _gelu(y, x) -> None:
     """y = x s = x / (1 + e), in y (on a GPU: these steps as one kernel, mpipar/gpu/cuda.py)."""
-    xp = array_module(x)
-    if xp is not np:
-        parts_for(xp).gelu(x, y, -2 * 0.044715 * _GELU_C, 2 * _GELU_C, EXP_LIMIT[y.dtype.itemsize])
-        return
     e = _exp_minus_two_u(x, out=y)
     e += 1
     array_module(x).divide(x, e, out=y)
@@ -117,10 +125,6 @@ def _gelu_grad(dx, x, dy) -> None:
     """dx = dy (s + s (1 - s) 2c (x + 3 * 0.044715 x^3)), in dx and one temporary; every
     intermediate lies in [0, 1] or is a power of x times one, so nothing overflows."""
     xp = array_module(x)
-    if xp is not np:  # these steps as one kernel (mpipar/gpu/cuda.py)
-        parts_for(xp).gelu_grad(x, dy, dx, -2 * 0.044715 * _GELU_C, 2 * _GELU_C, EXP_LIMIT[dx.dtype.itemsize],
-                                0.5 / _GELU_C, 3 * 0.044715)
-        return
     t = _exp_minus_two_u(x, out=xp.empty_like(x))  # e
     xp.add(t, 1, out=dx)  # 1 + e
     t /= dx  # e / (1 + e) = 1 - s
@@ -141,9 +145,10 @@ def _exp_minus_two_u(x, out):
     """e = exp(-2u) = exp(-2c (x + 0.044715 x^3)) in `out`, the polynomial built in place (x**3
     is spelled x*x*x: NumPy's power is many times slower than two multiplications)."""
     xp = array_module(x)
+    a, b = _MINUS_TWO_U
     xp.multiply(x, x, out=out)
-    out *= -2 * 0.044715 * _GELU_C
-    out -= 2 * _GELU_C
+    out *= a
+    out -= b
     out *= x
     limit = EXP_LIMIT[out.dtype.itemsize]
     xp.clip(out, -limit, limit, out=out)

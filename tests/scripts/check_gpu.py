@@ -125,9 +125,9 @@ def fused_layers_equal_numpy() -> str:
     """GELU, LayerNorm and causal attention (its softmax and the softmax's backward), forward and
     backward (with the gain's and shift's gradients: column sums), on the GPU (mpipar/gpu/cuda.py's
     kernels) against the NumPy path on the same random rows: the largest difference, relative to
-    the largest output, within 1e-12 in float64 and 1e-5 in float32; the softmax's kernels on
-    float16 scores (computed in float32) against NumPy's float32 steps on the same numbers, within
-    2e-3 (float16 keeps 11 bits)."""
+    the largest output, within 1e-12 in float64 and 1e-5 in float32; the softmax's, LayerNorm's and
+    GELU's kernels on float16 (computed in float32) against NumPy's float32 steps on the same
+    numbers, within 2e-3 (float16 keeps 11 bits)."""
     import cupy
 
     from mpipar.cache import Context
@@ -179,7 +179,25 @@ def fused_layers_equal_numpy() -> str:
     cuda.causal_softmax(on_gpu, 0.125)
     probs_from_gpu = cupy.asnumpy(on_gpu)  # before the backward, which may overwrite them
     cuda.causal_softmax_backward(d_on_gpu, on_gpu, 0.125)
-    for name, a, b in (("softmax", probs_from_gpu, probs), ("softmax grad", cupy.asnumpy(d_on_gpu), d_scores)):
+    x, dy = ((rng.standard_normal((512, 384)) * 3).astype(np.float16) for _ in range(2))
+    gain, shift = (rng.standard_normal(384).astype(np.float16) for _ in range(2))
+    norm = LayerNorm(384)
+    norm.params = {"gain": gain.astype(np.float32), "shift": shift.astype(np.float32)}
+    norm.grads = {"gain": np.zeros(384, np.float32), "shift": np.zeros(384, np.float32)}
+    ctx = Context(None, (0, 0))
+    y, dx = norm.forward(x.astype(np.float32), ctx), norm.backward(dy.astype(np.float32), ctx)
+    y16, normed16, dx16 = (cupy.empty((512, 384), np.float16) for _ in range(3))
+    rstd16 = cupy.empty((512, 1), np.float16)
+    gain16 = cupy.asarray(gain)
+    cuda.layer_norm(cupy.asarray(x), gain16, cupy.asarray(shift), 1e-5, y16, normed16, rstd16)
+    cuda.layer_norm_input_gradient(cupy.asarray(dy), gain16, normed16, rstd16, dx16)
+    gelu_sides = []
+    for inputs in ((cupy.asarray(x), cupy.asarray(dy)), (x.astype(np.float32), dy.astype(np.float32))):
+        ctx, gelu = Context(None, (0, 0)), GELU()
+        gelu_sides.append([cupy.asnumpy(gelu.forward(inputs[0], ctx)), cupy.asnumpy(gelu.backward(inputs[1], ctx))])
+    for name, a, b in (("softmax", probs_from_gpu, probs), ("softmax grad", cupy.asnumpy(d_on_gpu), d_scores),
+                       ("layer norm", cupy.asnumpy(y16), y), ("layer norm grad", cupy.asnumpy(dx16), dx),
+                       ("gelu", *(side[0] for side in gelu_sides)), ("gelu grad", *(side[1] for side in gelu_sides))):
         worst[f"{name} float16"] = (float(np.max(np.abs(a - b)) / np.max(np.abs(b))), 2e-3)
     failed = [name for name, (error, tolerance) in worst.items() if error > tolerance]
     figures = ", ".join(f"{name} {error:.1e}" for name, (error, _) in worst.items())
