@@ -487,7 +487,13 @@ def transformer_speed_on_cuda(precision: str = "fp32") -> str:
         return torch_steps
 
     tokens = steps * shapes["batch_size"] * shapes["seq_len"]
-    mpipar, torch_eager, ratio = side_by_side(mpipar_steps(trainer, steps), torch_side(False), tokens, 3)
+    mpipar_run, eager_run = mpipar_steps(trainer, steps), torch_side(False)
+    mpipar, torch_eager, ratio = side_by_side(mpipar_run, eager_run, tokens, 3)
+    try:  # CUPTI (through torch's profiler) sees CuPy's kernels as well as torch's
+        launches = (f"; kernels a step: mpipar {kernels_per_step(mpipar_run, steps):.0f}, torch eager "
+                    f"{kernels_per_step(eager_run, steps):.0f}")
+    except Exception as error:  # the count is a figure beside the speeds, which must still print
+        launches = f"; kernels a step not counted ({type(error).__name__}: {error})"
     compiled = torch_side(True)
     compiled()  # compiles
     rates = []
@@ -498,7 +504,19 @@ def transformer_speed_on_cuda(precision: str = "fp32") -> str:
     return (f"{precision}: mpipar {mpipar:,.0f} tokens/s, torch eager{' autocast' if half else ''} "
             f"{torch_eager:,.0f} tokens/s, mpipar / torch eager {ratio:.3f}; torch.compile "
             f"{statistics.median(rates):,.0f} tokens/s (matmuls: torch allow_tf32="
-            f"{torch.backends.cuda.matmul.allow_tf32}, CuPy's cuBLAS default)")
+            f"{torch.backends.cuda.matmul.allow_tf32}, CuPy's cuBLAS default){launches}")
+
+
+def kernels_per_step(run: Callable[[], None], steps: int) -> float:
+    """The kernels the GPU ran per step in `run()` (`steps` steps), copies and fills not counted."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as profiled:
+        run()
+    kernels = [event for event in profiled.events() if event.device_type == DeviceType.CUDA
+               and not event.name.startswith(("Memcpy", "Memset"))]
+    return len(kernels) / steps
 
 
 def where_a_step_goes() -> str:
