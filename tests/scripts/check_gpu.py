@@ -13,9 +13,10 @@ error (rank 0's traceback goes to stderr). The cases:
   - every optimizer (SGD with and without momentum, Adam, AdamW, with weight decay),
     three updates on random pieces, float32 and float64: the kernels of mpipar/gpu/cuda.py
     give the same bits as NumPy's chunked update;
-  - GELU and LayerNorm forward and backward (their kernels in mpipar/gpu/cuda.py) against the
-    NumPy path: the largest difference over the largest output within 1e-12 in float64 and
-    1e-5 in float32;
+  - GELU, LayerNorm and causal attention forward and backward (the kernels of mpipar/gpu/cuda.py)
+    against the NumPy path: the largest difference over the largest output within 1e-12 in
+    float64 and 1e-5 in float32; the GELU, LayerNorm and softmax kernels on float16 against
+    NumPy's float32 steps on the same numbers, within 2e-3;
   - the built-in MLP (digits, float64, 3 steps) under ddp, with Adam and with SGD: the
     parameters on the GPU equal the same run's on the CPU, rtol 1e-10;
   - every scheme of device_cases.py for this world size (2: the data-parallel, pipeline and
@@ -37,7 +38,7 @@ error (rank 0's traceback goes to stderr). The cases:
     plain torch CUDA loop; tokens/s of the transformer at nanoGPT's GPU recipe shapes (6
     blocks of width 384, 6 heads, context 256, batch 64, AdamW, tied) against the same model
     in torch eager and torch.compile, float32 and --precision fp16 (torch: autocast(float16)
-    and GradScaler), 3 alternating rounds of 10 steps;
+    and GradScaler), 3 alternating rounds of 10 steps, and the kernels each runs a step;
   - --precision fp16 (docs/precision.md): the transformer trained 200 steps in fp16 and in
     float32 on the GPU, the evaluation losses within 2%; a loss scale started at 2^28,
     so that the first steps overflow: on every rank the same steps are skipped; and under
