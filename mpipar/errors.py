@@ -39,6 +39,10 @@ class NonFiniteLossError(MpiparError):
     """The loss became NaN or infinite; training stops at that step."""
 
 
+class GradientOverflowError(MpiparError):
+    """A float16 gradient overflowed at a fixed loss scale where no step can be skipped (CDP)."""
+
+
 def unknown_name(kind: str, name: str, valid) -> ConfigError:
     """The error for a name that is not one of a fixed set, listing the valid ones."""
     return ConfigError(f"unknown {kind} {name!r}; valid {kind}s are: {', '.join(sorted(valid))}")

@@ -68,7 +68,8 @@ HALF = {"ddp": (2, ["--scheme", "ddp"]), "zero2": (2, ["--scheme", "zero2"]),
         "zero3": (2, ["--scheme", "zero3", "--bucket-mb", "0.002"]),
         "paro-iig": (4, ["--scheme", "paro-iig", "--group-size", "2"]),
         "1f1b": (2, ["--scheme", "1f1b", "--stages", "2"]),
-        "1f1b-x-zero3": (4, ["--scheme", "1f1b", "--stages", "2", "--shard", "zero3"])}
+        "1f1b-x-zero3": (4, ["--scheme", "1f1b", "--stages", "2", "--shard", "zero3"]),
+        "cdp-v2": (2, ["--scheme", "cdp-v2", "--cdp-layout", "pp", "--loss-scale", "1024"])}
 HALF_OPTIONS, HALF_ENV = ["--precision", "fp16", "--dtype", "float32"], {"MPIPAR_HALF_ON_CPU": "1"}
 
 

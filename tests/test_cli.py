@@ -116,5 +116,5 @@ def test_the_help_says_where_each_precision_runs():
     """--precision lists bf16 only to refuse it with a reason; the help must not offer it as a choice that works."""
     text = " ".join(mpipar("train", "--help").stdout.split())
     assert "fp32 (--dtype throughout; CPU and GPU)" in text, text
-    assert "loss scaling; GPU only, every scheme but CDP)" in text, text
+    assert "loss scaling; GPU only)" in text and "Cyclic Data Parallelism needs a fixed one" in text, text
     assert "bf16 is refused everywhere" in text, text

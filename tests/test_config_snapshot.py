@@ -38,6 +38,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "no_tie_embeddings": (["--no-tie-embeddings"], False),
     "dtype": (["--dtype", "float64"], "float64"),
     "precision": (["--precision", "fp16"], "fp16"),
+    "loss_scale": (["--loss-scale", "1024"], 1024.0),
     "device": (["--device", "gpu"], "gpu"),
     "dataset": (["--dataset", "mnist"], "mnist"),
     "data_dir": (["--data-dir", "/data/mnist"], "/data/mnist"),

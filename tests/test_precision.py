@@ -1,5 +1,6 @@
 """--precision fp16 on the CPU: the loss scaler, the master weights, the layers in float16 against
-float64, training against float64, Table 1's bytes and the agreed skip on several ranks, the refusals.
+float64, training against float64, Table 1's bytes and the agreed skip on several ranks, CDP
+against its reference rule with a fixed loss scale, the refusals.
 
 NumPy's float16 stands in for a GPU's (MPIPAR_HALF_ON_CPU=1): the maths is the same, only slow.
 
@@ -45,6 +46,14 @@ def test_the_loss_scale_halves_on_an_overflow_and_doubles_after_enough_good_step
     scaler.update(finite=True)
     scaler.update(finite=True)
     assert scaler.scale == 512.0
+
+
+def test_a_fixed_loss_scale_skips_an_overflowed_step_and_never_changes():
+    scaler = LossScaler(initial=1024.0, growth_interval=2, fixed=True)
+    for finite in (True, True, False, True, True, False, False):
+        scaler.update(finite=finite)
+        assert (scaler.skipping, scaler.unscale, scaler.scale) == (not finite, 1 / 1024, 1024.0)
+    assert scaler.skipped == 3
 
 
 def test_a_gradient_that_overflows_at_every_scale_stops_the_run():
@@ -163,10 +172,32 @@ def test_fp16_pipelines_equal_one_process_bit_for_bit_and_hold_table_1(ranks, tm
     assert f"skip an overflow together on {ranks} rank(s)" in result.stdout
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fp16_cdp_equals_its_reference_rule_in_fp16_bit_for_bit(ranks):
+    result = run_mpi(ranks, sys.executable, str(SCRIPTS / "check_cdp_precision.py"), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"6 cases equal the reference rule in fp16, holding half the weights' and gradients' bytes of float32 " \
+           f"on {ranks} rank(s)" in result.stdout
+
+
+def test_an_overflow_under_cdp_stops_the_run_naming_the_step_and_the_scale():
+    """CDP cannot skip a step: at a loss scale that overflows float16 the run stops at the first
+    step's end, in one sentence from the rank that updates both stages (layout dp, N = 2), which
+    left them as they were: no weights made of an overflow reach rank 0, whose loss stays finite."""
+    result = run_mpi(2, sys.executable, "-m", "mpipar", "train", "--scheme", "cdp-v2", "--micro-batches", "2",
+                     "--precision", "fp16", "--loss-scale", "1e30", "--hidden", "32,32", "--batch-size", "32",
+                     "--max-steps", "3", env_extra={HALF_ON_CPU: "1"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error")]
+    assert len(errors) == 1 and "step 1: the float16 gradient of 2 stage(s) updated on rank 1" in errors[0] \
+        and "overflowed at --loss-scale 1e+30" in errors[0] and "lower --loss-scale" in errors[0], result.stderr
+
+
 @pytest.mark.parametrize("options, sentence", [
     (dict(), "--precision fp16 runs on a GPU"),
     (dict(precision="bf16"), "--precision bf16 needs bfloat16 arrays"),
-    (dict(scheme="cdp-v2", half=True), "Cyclic Data Parallelism trains in --precision fp32"),
+    (dict(scheme="cdp-v2", half=True), "--scheme cdp-v2 in --precision fp16 needs a fixed --loss-scale"),
+    (dict(precision="fp32", loss_scale=1024.0), "--precision fp32 has no loss scale"),
     (dict(model="net.py:build", half=True), "trains the built-in models"),
 ])
 def test_what_fp16_does_not_cover_is_refused_in_one_sentence(options, sentence, monkeypatch):

@@ -86,11 +86,13 @@ class LossScaler:
     its inverse, which the update multiplies them by) and decides: a step whose gradient
     overflowed is skipped (`skipping`) and halves S; `growth_interval` good steps in a row
     double it. Every rank calls `update` with the same verdict, so every rank skips alike.
+    A `fixed` scale (--loss-scale) never changes: an overflowed step is still skipped.
     """
 
     def __init__(self, initial: float = 2.0**16, growth_interval: int = 2000, factor: float = 2.0,
-                 least: float = 2.0**-24) -> None:
+                 least: float = 2.0**-24, fixed: bool = False) -> None:
         self.scale, self.growth_interval, self.factor, self.least = initial, growth_interval, factor, least
+        self.fixed = fixed
         self.unscale, self.skipping = 1.0 / initial, False
         self.good_steps, self.skipped = 0, 0  # good steps since the last change of S; steps skipped in all
 
@@ -99,13 +101,18 @@ class LossScaler:
         return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
 
     def restore(self, state: dict) -> None:
-        self.scale, self.good_steps, self.skipped = float(state["scale"]), int(state["good_steps"]), \
-            int(state["skipped"])
+        """A checkpoint's scale, good steps and skips; a fixed scale stays the one given (--loss-scale)."""
+        if not self.fixed:
+            self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        self.skipped = int(state["skipped"])
         self.unscale = 1.0 / self.scale
 
     def update(self, finite: bool) -> None:
         """The verdict on this step's gradient (every rank the same): finite, or overflowed."""
         self.unscale, self.skipping = 1.0 / self.scale, not finite
+        if self.fixed:
+            self.skipped += not finite
+            return
         if finite:
             self.good_steps += 1
             if self.good_steps == self.growth_interval:

@@ -18,7 +18,9 @@ here (reference_training uses it), so `mpipar.train.cdp_reference.fresh_stages` 
 `reference_training` runs these rules as a plain single-process loop — no MPI, no
 scheduler, every micro-batch's gradient taken at the parameters the rule names —
 and is the oracle the cyclic engine must equal. theta_{-1} = theta_0. With momentum
-or Adam the averaged gradient feeds the optimizer as it would in DP.
+or Adam the averaged gradient feeds the optimizer as it would in DP. In --precision fp16 the
+stages compute in float16 and the optimizer updates float32 master copies, the gradients
+scaled by the fixed --loss-scale (CDP has no dynamic one: docs/precision.md).
 
 `activation_timeline` measures the other claim, memory: it runs the cyclic engine on
 one rank (the `single` layout) over a model of N equal stages and returns the live
@@ -39,6 +41,7 @@ from mpipar.data import GlobalBatchSampler, load_dataset, split_micro_batches
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
 from mpipar.models.sequential import Sequential, build_stages
 from mpipar.optim.optimizers import make_optimizer
+from mpipar.optim.precision import LossScaler, Precision, arithmetic_dtype
 from mpipar.schedule.cyclic import fresh_stages
 from mpipar.train.model_assembly import configured_model
 
@@ -50,7 +53,8 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
     N = config.training.micro_batches micro-batches and stages, in one process; from `initial`
     (the whole model's parameters, flat) instead of the seed's where given."""
     count = config.training.micro_batches
-    backend = make_backend("cpu", config.model.dtype)
+    half = config.model.precision == Precision.FP16  # float16 arithmetic, --dtype master weights, a fixed scale
+    backend = make_backend("cpu", arithmetic_dtype(config.model.precision, config.model.dtype))
     train_set, _ = load_dataset(config.data.dataset, data_dir=config.data.data_dir, text_file=config.data.text_file,
                                 seq_len=config.data.seq_len)
     model, loss_fn = configured_model(config, train_set)
@@ -61,9 +65,13 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
         for flat, start, stop in zip(flats, offsets[:-1], offsets[1:]):
             flat.data[:] = initial[start:stop]
     optim = config.optim
+    scaler = LossScaler(config.model.loss_scale, fixed=True) if half else None
     optimizer = make_optimizer(optim.optimizer, [f.data for f in flats], [f.grad for f in flats],
                                [f.decay_spans(0, f.size) for f in flats], momentum=optim.momentum,
-                               weight_decay=optim.weight_decay, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+                               weight_decay=optim.weight_decay, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                               master_dtype=config.model.dtype if half else None, loss_scaler=scaler)
+    if half:
+        loss_fn.set_gradient_scale(scaler.scale)
     cache = ActivationCache()
     sampler = GlobalBatchSampler(len(train_set), config.training.batch_size, config.training.seed)
     size = config.training.batch_size // count

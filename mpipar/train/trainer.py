@@ -170,13 +170,15 @@ class Trainer:
         self.said_evaluation_cap = False  # rank 0 says once that --eval-batches asks for more than the split has
         pairs = tied_copies(self.stages)
         self.tied = TiedGradients(pairs, self.slice, self.slice.mpi, cfg.parallel.collective) if pairs else None
-        self.loss_scaler = LossScaler() if cfg.model.precision == Precision.FP16 else None
+        self.loss_scaler = None if cfg.model.precision != Precision.FP16 else (
+            LossScaler() if cfg.model.loss_scale is None else LossScaler(cfg.model.loss_scale, fixed=True))
         # the norm counts every weight once: a tied copy's not at all, and what every rank of a tensor
         # group holds whole on one of them (its gradient is the same on each)
         left_out = (self.tied.copies() if self.tied else []) + (
             held_whole_spans(self.stages) if self.tensor is not None and self.tensor.rank > 0 else [])
+        # fp16's verdict on overflow is the norm's sum; CDP has no verdict to take (run_steps stops on one)
         self.clipper = (GradientClipper(optim.grad_clip or math.inf, self.slice.mpi, sorted(left_out))
-                        if optim.grad_clip or self.loss_scaler else None)
+                        if optim.grad_clip or (self.loss_scaler and not cfg.parallel.cyclic) else None)
 
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
@@ -418,6 +420,8 @@ class Trainer:
                             lr=self.lr_at(step), share=(computed, cfg.training.micro_batches))
 
         start = time.perf_counter()
+        if self.loss_scaler:  # a fixed scale (--loss-scale): CDP takes no verdict that would change it
+            self.loss_fn.set_gradient_scale(self.loss_scaler.scale)
         with self._advice_on_non_finite_loss():
             totals = self.engine.run_steps(first_step, steps, self.micro_batch_loader(epoch), seed=cfg.training.seed,
                                            batch_size=cfg.training.batch_size,

@@ -36,8 +36,11 @@ class ModelOptions(OptionGroup):
                                    "of the master weights and optimizer state)", click.Choice(DTYPES), "model")
     precision: str = option("fp32", "arithmetic of forward and backward: fp32 (--dtype throughout; CPU and GPU) "
                                     "or fp16 (half precision with --dtype master weights and loss scaling; GPU "
-                                    "only, every scheme but CDP); bf16 is refused everywhere, as neither NumPy "
-                                    "nor CuPy has bfloat16 (docs/precision.md)", click.Choice(PRECISIONS), "model")
+                                    "only); bf16 is refused everywhere, as neither NumPy nor CuPy has bfloat16 "
+                                    "(docs/precision.md)", click.Choice(PRECISIONS), "model")
+    loss_scale: float | None = option(None, "with --precision fp16: a fixed loss scale, e.g. 1024 (default: a "
+                                            "dynamic one, from 65536, halved on an overflow; Cyclic Data "
+                                            "Parallelism needs a fixed one)", FloatRange(0.0, min_open=True), "model")
     device: str = option("cpu", "where the arrays live (gpu needs CuPy: pip install 'mpipar[gpu]')",
                          click.Choice(DEVICES), "model")
 
@@ -50,6 +53,9 @@ class ModelOptions(OptionGroup):
                 raise ConfigError("--device gpu needs CuPy, which is not installed here: pip install "
                                   "'mpipar[gpu]' (or the cupy-cudaXXx wheel matching your CUDA)") from None
         check_precision(self.precision, self.device)
+        if self.loss_scale is not None and self.precision != "fp16":
+            raise ConfigError(f"--loss-scale scales the gradients of --precision fp16; --precision {self.precision} "
+                              "has no loss scale")
         if self.model == "transformer" and self.width % self.heads:
             raise ConfigError(f"--width {self.width} is not divisible by --heads {self.heads}")
         if self.tie_embeddings and self.model != "transformer":

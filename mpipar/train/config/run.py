@@ -193,14 +193,15 @@ class TrainConfig:
             raise ConfigError(f"--tensor {tensor} does not yet run with {unsupported}: use --tensor 1 there")
 
     def _refuse_half_precision_where_updates_do_not_settle(self) -> None:
-        """What --precision fp16 covers: the built-in models under the data-parallel and pipeline schemes."""
+        """What --precision fp16 covers: the built-in models, under CDP with a fixed loss scale."""
         model, parallel = self.model, self.parallel
         if model.precision == Precision.FP32:
             return
-        if parallel.cyclic:
-            raise ConfigError(f"--precision {model.precision} needs one verdict on overflow per step before any "
-                              f"update, and --scheme {parallel.scheme} updates each stage while the others still "
-                              "compute: Cyclic Data Parallelism trains in --precision fp32")
+        if parallel.cyclic and model.loss_scale is None:
+            raise ConfigError(f"--scheme {parallel.scheme} in --precision {model.precision} needs a fixed "
+                              "--loss-scale (e.g. 1024): a dynamic one needs one verdict on overflow per step before "
+                              "any update, and Cyclic Data Parallelism updates each stage while the others still "
+                              "compute")
         if model.model not in MODELS:
             raise ConfigError(f"--precision {model.precision} trains the built-in models ({', '.join(MODELS)}); a "
                               "PyTorch or JAX model keeps its own precision (torch.autocast, jmp)")
