@@ -641,7 +641,7 @@ def fp16_holds_table_1() -> str:
                      f"{f' (held, Table 1) {wrong}' if wrong else ' = Table 1'}; pool peak "
                      f"{measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB ({gap:+.1%})")
     if world.size > 1:  # CDP-v2 over one stage a rank, at a fixed scale: against the same run in float32
-        cdp = dict(scheme="cdp-v2", cdp_layout="pp", micro_batches=world.size, grad_clip=0.0)
+        cdp = dict(scheme="cdp-v2", cdp_layout="pp", micro_batches=world.size, grad_clip=0.0, tie_embeddings=False)
         most = {}
         for precision, options in (("fp16", dict(loss_scale=1024.0)), ("fp32", {})):
             trainer = Trainer(TrainConfig.of(**{**COMMON, **TRANSFORMER, **shapes, **cdp, **options, "dtype": "float32",
