@@ -298,18 +298,15 @@ class Executor:
 
     def _update_unless_overflowed(self, s: int, program_step: int, lr: float) -> None:
         """Stage s's update in fp16 CDP, or, if its gradient overflowed, its items moved on with the stage
-        left as it was (the loss scaler's `skipping`, which the master weights obey): a synchronisation."""
+        left as it was (the master weights obey the loss scaler's skip): a synchronisation."""
         step = program_step + self.run.shift
         gradient = self.items.get(Item(ItemKind.GRADIENT_SUM, s, step))
         # summed in float32: finite float16 values cannot overflow it, an inf or a NaN carries through
         finite = self.xp.isfinite(gradient.sum(dtype=np.float32, keepdims=True))
         overflowed = bool(gradient.size) and not read_values(finite)[0]
         self.overflowed_stages[step - self.first_step] += overflowed
-        self.loss_scaler.skipping = overflowed
-        try:
+        with self.loss_scaler.skipping_if(overflowed):
             self.items.update(s, program_step, lr)
-        finally:
-            self.loss_scaler.skipping = False
 
     def _end_time_step(self, instruction: EndTimeStep) -> None:
         # A dropped buffer still being sent is memory the next time step does not need: its send completes
