@@ -42,6 +42,13 @@ class NonFiniteLossError(MpiparError):
 class GradientOverflowError(MpiparError):
     """A float16 gradient overflowed at a fixed loss scale where no step can be skipped (CDP)."""
 
+    names_its_rank = True
+
+    def __init__(self, step: int, stage: int, rank: int, scale: float) -> None:
+        super().__init__(f"step {step}: the float16 gradient of stage {stage}, summed on rank {rank}, overflowed at "
+                         f"--loss-scale {scale:g}, and Cyclic Data Parallelism cannot skip a step: stopped before "
+                         "its update; lower --loss-scale")
+
 
 def unknown_name(kind: str, name: str, valid) -> ConfigError:
     """The error for a name that is not one of a fixed set, listing the valid ones."""

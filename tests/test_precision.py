@@ -182,15 +182,16 @@ def test_fp16_cdp_equals_its_reference_rule_in_fp16_bit_for_bit(ranks):
 
 def test_an_overflow_under_cdp_stops_the_run_naming_the_step_and_the_scale():
     """CDP cannot skip a step: at a loss scale that overflows float16 the run stops at the first
-    step's end, in one sentence from the rank that updates both stages (layout dp, N = 2), which
-    left them as they were: no weights made of an overflow reach rank 0, whose loss stays finite."""
+    update, before it, in one sentence from the rank that updates (layout dp, N = 2: rank 1, stage 1
+    first); no weights made of an overflow reach rank 0, which is aborted without an error of its own."""
     result = run_mpi(2, sys.executable, "-m", "mpipar", "train", "--scheme", "cdp-v2", "--micro-batches", "2",
                      "--precision", "fp16", "--loss-scale", "1e30", "--hidden", "32,32", "--batch-size", "32",
                      "--max-steps", "3", env_extra={HALF_ON_CPU: "1"})
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error")]
-    assert len(errors) == 1 and "step 1: the float16 gradient of 2 stage(s) updated on rank 1" in errors[0] \
-        and "overflowed at --loss-scale 1e+30" in errors[0] and "lower --loss-scale" in errors[0], result.stderr
+    assert errors == ["mpipar: error: step 1: the float16 gradient of stage 1, summed on rank 1, overflowed at "
+                      "--loss-scale 1e+30, and Cyclic Data Parallelism cannot skip a step: stopped before its update; "
+                      "lower --loss-scale"], result.stderr
 
 
 @pytest.mark.parametrize("options, sentence", [

@@ -119,10 +119,6 @@ def test_the_twin_has_every_name_of_the_cuda_module():
 FORBIDDEN = re.compile(r"np\.(empty|zeros|ones|full|empty_like|zeros_like|ascontiguousarray|asarray|array)\("
                        r"|xp is np|isinstance\([^)]*np\.ndarray")
 HOST_ONLY = {  # (file, text of the line): why it is host memory by design
-    ("runtime/executor.py", "self.checks_overflows, self.overflowed_stages = False, np.zeros(0, dtype=int)"):
-        "a count of stage updates per step, written and read by the host",
-    ("runtime/executor.py", "self.overflowed_stages = np.zeros(steps, dtype=int)  # per step: updates left out "
-                            "for an overflow (fp16 CDP)"): "a count of stage updates per step, written and read by the host",
     ("runtime/executor.py", "self.totals, self.losses_computed = None, np.zeros(0, dtype=int)"):
         "a count of micro-batches per step, read by the host",
     ("runtime/executor.py", "self.losses_computed = np.zeros(steps, dtype=int)  # per step: micro-batches whose "

@@ -39,7 +39,6 @@ Exercised by: python -m pytest tests/test_precision.py
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from enum import Enum
 from typing import Callable, Sequence
 
@@ -107,16 +106,6 @@ class LossScaler:
             self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
         self.skipped = int(state["skipped"])
         self.unscale = 1.0 / self.scale
-
-    @contextmanager
-    def skipping_if(self, overflowed: bool):
-        """Updates within it are skipped if `overflowed`: one stage's verdict, where there is no step's
-        (CDP, whose fixed scale `update` never changes)."""
-        self.skipping = overflowed
-        try:
-            yield
-        finally:
-            self.skipping = False
 
     def update(self, finite: bool) -> None:
         """The verdict on this step's gradient (every rank the same): finite, or overflowed."""

@@ -40,7 +40,7 @@ from mpipar.comms.collectives import iall_reduce, ireduce
 from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.outbox import Outbox
 from mpipar.comms.tags import MAX_MICRO_BATCHES, Kind, p2p_tag
-from mpipar.errors import GradientOverflowError, NonFiniteLossError
+from mpipar.errors import NonFiniteLossError
 from mpipar.models.sequential import LayerHook, Stage
 from mpipar.optim.optimizers import state_kinds
 from mpipar.runtime.item_store import ItemStore
@@ -99,7 +99,6 @@ class Executor:
         self.dtype, self.mesh, self.xp = stages[0].flat.dtype, plan.mesh, stages[0].flat.backend.xp
         master = optimizer_options.get("master_dtype")  # --precision fp16's master weights (precision.py)
         self.master_itemsize = np.dtype(master).itemsize if master and np.dtype(master) != self.dtype else 0
-        self.loss_scaler = optimizer_options.get("loss_scaler")  # fp16's: its scale names an overflow (run_steps)
         self.ledger, self.pool, self.outbox = MemoryLedger(self.xp), ScratchPool(), Outbox()
         # a stage shared by its replica group keeps its state in the sharding flow (the world's comm if all)
         group = self.mesh.replica_group(self.mesh.worker(comm.rank))
@@ -127,7 +126,6 @@ class Executor:
         self.split: StepTimer | None = None  # set to time each part of the steps (report/step_split.py)
         self.run, self.first_step, self.lr_at = None, 0, None  # set by each run, as are:
         self.totals, self.losses_computed = None, np.zeros(0, dtype=int)
-        self.checks_overflows, self.overflowed_stages = False, np.zeros(0, dtype=int)
 
     def start_at(self, step: int) -> None:
         """Hold the weights as items of `step` (a resumed run's first): they are items of a step."""
@@ -150,21 +148,10 @@ class Executor:
         [loss sum, correct, predictions] per step. `on_step` is called as soon as this rank has
         run its last job of a step (for progress while the run goes)."""
         run, position = self._start(first_step, steps, load, seed, batch_size, lr_at), 0
-        # In fp16 each update here first reads whether its stage's gradient overflowed and, if so,
-        # leaves the stage as it was: CDP has no step to skip (docs/precision.md), so the run stops
-        # at the step's end, before weights made of an overflow reach another rank
-        self.checks_overflows = self.loss_scaler is not None
         for end, step in run.step_ends:
             self._execute(run.program[position:end])
             position, index = end, step + run.shift - first_step
             mine = read_values(self.totals[index])  # one host synchronisation a step: its loss
-            if self.overflowed_stages[index]:
-                error = GradientOverflowError(
-                    f"step {first_step + index + 1}: the float16 gradient of {self.overflowed_stages[index]} stage(s) "
-                    f"updated on rank {self.comm.rank} overflowed at --loss-scale {self.loss_scaler.scale:g}, and "
-                    "Cyclic Data Parallelism cannot skip a step; lower --loss-scale")
-                error.names_its_rank = True
-                raise error
             if not np.isfinite(mine[0]):
                 raise NonFiniteLossError(f"step {first_step + index + 1}: the training loss is {mine[0]}")
             if on_step:
@@ -176,7 +163,6 @@ class Executor:
     def run_step(self, step: int, seed: int, load: Load, batch_size: int) -> np.ndarray:
         """Every instruction of step `step` before its updates; returns this rank's [loss sum, correct, predictions]."""
         self._start(step, 1, load, seed, batch_size, None)
-        self.checks_overflows = False  # the trainer's verdict skips an overflowed step (precision.py)
         self._execute(self.run.program[:self.run.updates_from])
         return self.totals[0]  # where the arrays live: the trainer reads it with the step's other figures
 
@@ -208,7 +194,6 @@ class Executor:
         self.items.begin(self.run, micro_size, first_step)
         self.first_step, self.lr_at, self.totals = first_step, lr_at, self.xp.zeros((steps, 3), dtype=np.float64)
         self.losses_computed = np.zeros(steps, dtype=int)  # per step: micro-batches whose loss is in totals
-        self.overflowed_stages = np.zeros(steps, dtype=int)  # per step: updates left out for an overflow (fp16 CDP)
         self.time_offset, self.job_times = len(self.timeline), []
         self.jobs.begin(self.run, first_step, load, seed=seed, batch_size=batch_size, micro_size=micro_size,
                         totals=self.totals, losses_computed=self.losses_computed, job_times=self.job_times)
@@ -291,22 +276,7 @@ class Executor:
             self.shared[s].step(lr)
             return
         with self.ledger.phase("update"):
-            if self.checks_overflows:
-                self._update_unless_overflowed(s, instruction.step, lr)
-                return
             self.items.update(s, instruction.step, lr)
-
-    def _update_unless_overflowed(self, s: int, program_step: int, lr: float) -> None:
-        """Stage s's update in fp16 CDP, or, if its gradient overflowed, its items moved on with the stage
-        left as it was (the master weights obey the loss scaler's skip): a synchronisation."""
-        step = program_step + self.run.shift
-        gradient = self.items.get(Item(ItemKind.GRADIENT_SUM, s, step))
-        # summed in float32: finite float16 values cannot overflow it, an inf or a NaN carries through
-        finite = self.xp.isfinite(gradient.sum(dtype=np.float32, keepdims=True))
-        overflowed = bool(gradient.size) and not read_values(finite)[0]
-        self.overflowed_stages[step - self.first_step] += overflowed
-        with self.loss_scaler.skipping_if(overflowed):
-            self.items.update(s, program_step, lr)
 
     def _end_time_step(self, instruction: EndTimeStep) -> None:
         # A dropped buffer still being sent is memory the next time step does not need: its send completes

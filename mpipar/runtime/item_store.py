@@ -35,8 +35,10 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from mpipar.backend import read_values
 from mpipar.comms.handle import test_requests, wait_requests
 from mpipar.comms.outbox import Outbox
+from mpipar.errors import GradientOverflowError
 from mpipar.models.sequential import Stage
 from mpipar.optim.optimizers import CHUNK, make_optimizer, master_workspace
 from mpipar.optim.precision import initial_state
@@ -246,7 +248,9 @@ class ItemStore:
         self.bound[s] = (bound[0] if weights is None else weights, bound[1] if gradient is None else gradient)
 
     def update(self, s: int, program_step: int, lr: float) -> None:
-        """Stage s's update of the program's step `program_step` (this run's step + shift), at `lr`."""
+        """Stage s's update of the program's step `program_step` (this run's step + shift), at `lr`. In fp16
+        under a plan whose steps do not settle (CDP: no step to skip), a float16 gradient that overflowed
+        stops the run here, before the update (reading the verdict is a synchronisation)."""
         step = program_step + self.run.shift
         old, new = Item(ItemKind.WEIGHTS, s, step), Item(ItemKind.WEIGHTS, s, step + 1)
         overwrite, done = self.run.weight_plan[(s, program_step)]
@@ -263,6 +267,10 @@ class ItemStore:
         # taken whatever the size: a gradient sum still arriving must land before it is dropped
         gradient = self.get(Item(ItemKind.GRADIENT_SUM, s, step))
         state = self.get(Item(ItemKind.OPTIMIZER_STATE, s, 0))
+        # summed in float32: finite float16 values cannot overflow it, an inf or a NaN carries through
+        if self.loss_scaler and not self.plan.settles_each_step and gradient.size and not read_values(
+                self.xp.isfinite(gradient.sum(dtype=np.float32, keepdims=True)))[0]:
+            raise GradientOverflowError(step + 1, s, self.rank, self.loss_scaler.scale)
         if weights.size:  # a stage without parameters has nothing to step
             optimizer = self._optimizer(s, weights, gradient, state)
             # Adam's bias correction counts the updates applied so far

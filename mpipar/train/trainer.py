@@ -176,9 +176,8 @@ class Trainer:
         # group holds whole on one of them (its gradient is the same on each)
         left_out = (self.tied.copies() if self.tied else []) + (
             held_whole_spans(self.stages) if self.tensor is not None and self.tensor.rank > 0 else [])
-        # fp16's verdict on overflow is the norm's sum; CDP has no verdict to take (run_steps stops on one)
         self.clipper = (GradientClipper(optim.grad_clip or math.inf, self.slice.mpi, sorted(left_out))
-                        if optim.grad_clip or (self.loss_scaler and not cfg.parallel.cyclic) else None)
+                        if optim.grad_clip or self.loss_scaler else None)
 
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
         """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
