@@ -13,7 +13,7 @@ from mpipar.backend import DEVICES, DTYPES
 from mpipar.errors import ConfigError
 from mpipar.gpu import gpu_array_module
 from mpipar.models.builtin import MODELS
-from mpipar.optim.precision import PRECISIONS, check_precision
+from mpipar.optim.precision import PRECISIONS, Precision, check_precision
 from mpipar.options import FloatRange, IntListType, ModelType
 from mpipar.train.config.option import POSITIVE, OptionGroup, option
 
@@ -53,7 +53,7 @@ class ModelOptions(OptionGroup):
                 raise ConfigError("--device gpu needs CuPy, which is not installed here: pip install "
                                   "'mpipar[gpu]' (or the cupy-cudaXXx wheel matching your CUDA)") from None
         check_precision(self.precision, self.device)
-        if self.loss_scale is not None and self.precision != "fp16":
+        if self.loss_scale is not None and self.precision != Precision.FP16:
             raise ConfigError(f"--loss-scale scales the gradients of --precision fp16; --precision {self.precision} "
                               "has no loss scale")
         if self.model == "transformer" and self.width % self.heads:
