@@ -107,6 +107,40 @@ def test_the_twins_gelu_and_layer_norm_equal_the_cpus(dtype, tolerance):
         assert np.max(np.abs(stand_in - cpu)) <= tolerance * np.max(np.abs(cpu))
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-14), (np.float32, 1e-6), (np.float16, 1e-3)])
+@pytest.mark.parametrize("transpose_a, transpose_b", [(False, False), (False, True), (True, False), (True, True)])
+def test_the_twins_batched_product_reads_each_operand_where_it_lies(transpose_a, transpose_b, dtype, tolerance):
+    """The twin multiplies through the cuBLAS call that batched_gemm.py works out, reading the
+    memory as cuBLAS would: wrong leading dimensions, strides or transposes give other numbers."""
+    rng = np.random.default_rng(2)
+    batch, rows, inner, columns = 5, 4, 3, 6
+
+    def lying(shape, transposed):  # rows further apart than their length, in a wider buffer
+        stored = shape[::-1] if transposed else shape
+        wide = rng.standard_normal((batch, stored[0], stored[1] + 2)).astype(dtype)
+        return wide, xp.asarray(wide)[:, :, :stored[1]]
+
+    (a_host, a), (b_host, b) = lying((rows, inner), transpose_a), lying((inner, columns), transpose_b)
+    out_buffer = xp.zeros((batch, rows, columns + 3), dtype=dtype)
+    twin.batched_product(a, b, out_buffer[:, :, :columns], transpose_a=transpose_a, transpose_b=transpose_b)
+
+    def op(host, transposed, width):
+        x = host[:, :, :width].astype(np.float64)
+        return x.swapaxes(1, 2) if transposed else x
+
+    expected = op(a_host, transpose_a, rows if transpose_a else inner) @ op(b_host, transpose_b,
+                                                                            inner if transpose_b else columns)
+    got = out_buffer.get()
+    assert np.max(np.abs(got[:, :, :columns] - expected)) <= tolerance * np.max(np.abs(expected))
+    assert not got[:, :, columns:].any(), "the product wrote past the rows of its output"
+
+
+def test_a_batched_product_refuses_an_operand_cublas_cannot_read_in_place():
+    a = xp.ones((2, 3, 4))
+    with pytest.raises(ValueError, match="cannot read it in place"):
+        twin.batched_product(a.swapaxes(1, 2), a, xp.empty((2, 4, 4)))  # columns, not rows, contiguous
+
+
 def test_the_twin_has_every_name_of_the_cuda_module():
     tree = ast.parse((ROOT / "mpipar" / "gpu" / "cuda.py").read_text())
     public = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))

@@ -10,6 +10,8 @@ asks `mpipar.gpu.parts_for(xp)` for one of the two and never knows which.
     layer_norm_input_gradient    masked softmax and its backward: each one kernel with a block
     causal_softmax,              of threads per row (RAW_KERNELS), float16 rows computed in
     causal_softmax_backward      float32
+    batched_product(a, b, out)   out[i] = a[i] @ b[i] (either transposed) for a batch of matrices, one
+                                 cuBLAS call reading the operands where they lie (batched_gemm.py)
     column_sum(a)                the sums of a 2-D array's columns, as a product with a vector of
                                  ones (cuBLAS reads the rows in order; a reduction over axis 0 reads
                                  them strided, and took a millisecond for a bias's gradient)
@@ -32,6 +34,10 @@ import functools
 import cupy
 import cupyx
 import numpy as np
+from cupy_backends.cuda.api import runtime
+from cupy_backends.cuda.libs import cublas
+
+from mpipar.gpu.batched_gemm import column_major_call
 
 # The optimizers' updates, each the chunked NumPy update of optim/optimizers.py written as one
 # kernel: CuPy would launch a kernel per operation and chunk (44 a step for a 670k-parameter MLP
@@ -260,6 +266,27 @@ def _contiguous(array):
     if not array.flags.c_contiguous:  # the kernels index rows by their position in memory
         raise ValueError(f"a kernel over rows was handed a strided array of shape {array.shape} to write")
     return array
+
+
+# per dtype: cuBLAS's name for it, the type it computes in (float16 in float32, as CuPy's matmul
+# does, on the tensor cores), and the NumPy type of alpha and beta
+GEMM_TYPES = {np.dtype(np.float16): (runtime.CUDA_R_16F, cublas.CUBLAS_COMPUTE_32F, np.float32),
+              np.dtype(np.float32): (runtime.CUDA_R_32F, cublas.CUBLAS_COMPUTE_32F, np.float32),
+              np.dtype(np.float64): (runtime.CUDA_R_64F, cublas.CUBLAS_COMPUTE_64F, np.float64)}
+
+
+def batched_product(a, b, out, transpose_a: bool = False, transpose_b: bool = False) -> None:
+    """out[i] = op(a[i]) @ op(b[i]) over the batch, op a transpose where asked: one strided-batched
+    GEMM on the current stream, each operand read where it lies (see batched_gemm.py)."""
+    call = column_major_call(a, b, out, transpose_a, transpose_b)
+    data_type, compute_type, scalar = GEMM_TYPES[out.dtype]
+    one, zero = np.ones(1, scalar), np.zeros(1, scalar)  # alpha and beta, read from the host during the call
+    operation = {False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T}
+    cublas.gemmStridedBatchedEx(
+        cupy.cuda.device.get_cublas_handle(), operation[call.transpose_a], operation[call.transpose_b],
+        call.m, call.n, call.k, one.ctypes.data, b.data.ptr, data_type, call.lda, call.stride_a,
+        a.data.ptr, data_type, call.ldb, call.stride_b, zero.ctypes.data, out.data.ptr, data_type, call.ldc,
+        call.stride_c, call.batch, compute_type, cublas.CUBLAS_GEMM_DEFAULT)
 
 
 @functools.cache

@@ -216,6 +216,12 @@ def _wrap(value):
     return value
 
 
+def memory_of(array: StandInArray) -> np.ndarray:
+    """The device memory behind a stand-in array, for the twin's kernels: NumPy reads it in place,
+    as a CUDA kernel reads the device memory it is handed."""
+    return array._memory
+
+
 def read_scalars(array: StandInArray) -> np.ndarray:
     """The values of a small device array on the host: the one approved read, counted as a sync."""
     CROSSINGS.syncs += 1

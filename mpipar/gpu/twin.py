@@ -12,8 +12,10 @@ from __future__ import annotations
 import tracemalloc
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
-from mpipar.gpu.standin import CROSSINGS, StandInArray, read_scalars
+from mpipar.gpu.batched_gemm import column_major_call
+from mpipar.gpu.standin import CROSSINGS, StandInArray, memory_of, read_scalars
 
 
 def _sgd(g, lr, p):
@@ -116,6 +118,25 @@ def causal_softmax_backward(d_scores, probs, scale: float) -> None:
     from mpipar.layers.attention import causal_softmax_backward as numpy_steps
 
     numpy_steps(d_scores, probs, scale)
+
+
+def batched_product(a, b, out, transpose_a: bool = False, transpose_b: bool = False) -> None:
+    """cuBLAS's strided-batched GEMM of batched_gemm.py's call, read back from the memory: element
+    (i, j) of a column-major matrix with leading dimension ld lies i + j ld elements from its start."""
+    call = column_major_call(a, b, out, transpose_a, transpose_b)
+
+    def column_major(array, rows, columns, ld, stride):
+        memory = memory_of(array)
+        size = memory.itemsize
+        return as_strided(memory, (call.batch, rows, columns), (stride * size, size, ld * size))
+
+    shape_a = (call.k, call.m) if call.transpose_a else (call.m, call.k)
+    shape_b = (call.n, call.k) if call.transpose_b else (call.k, call.n)
+    op_a = column_major(b, *shape_a, call.lda, call.stride_a)  # cuBLAS's A is b's memory
+    op_b = column_major(a, *shape_b, call.ldb, call.stride_b)
+    op_a, op_b = (x.swapaxes(1, 2) if t else x for x, t in ((op_a, call.transpose_a), (op_b, call.transpose_b)))
+    product = np.matmul(_computed(op_a), _computed(op_b))  # float16 summed in float32, as cuBLAS is asked to
+    column_major(out, call.m, call.n, call.ldc, call.stride_c)[...] = product
 
 
 def column_sum(a):

@@ -15,7 +15,8 @@ The projections multiply rows (x reshaped to (N T, D)), one product each; the so
 its backward work in place in the scores' buffer, in parts of the batch on the rank's
 threads (row_parts.py); the mask of the future is made once per (T, dtype) and kept. On a
 GPU each of the two is one kernel (mpipar/gpu/cuda.py) that reads a row once, not seven
-kernels over the whole (N, H, T, T) scores.
+kernels over the whole (N, H, T, T) scores, and each product of heads is one cuBLAS call
+that reads a transposed operand where it lies (mpipar/gpu/batched_gemm.py).
 
 Exercised by: python -m pytest tests/test_layers.py -k CausalSelfAttention
 """
@@ -64,7 +65,7 @@ class CausalSelfAttention(Layer):
             raise self.shape_error(f"(batch, T, {self.dim})", x.shape)
         n, t, _ = x.shape
         q, k, v = self._heads(x)
-        probs, merged = attend(q, k, v)
+        q, k, v, probs, merged = attend(q, k, v)
         ctx.save(self, x, q, k, v, probs, merged)
         return self._project_out(merged, n, t)
 
@@ -97,36 +98,67 @@ class CausalSelfAttention(Layer):
         return (d_qkv @ self.params["qkv_weight"].T).reshape(n, t, d)
 
 
-def attend(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
-    """The attention of heads q, k, v (each (N, H, T, d)): the probabilities p (N, H, T, T), and
-    p v with the heads side by side per row, (N T, H d)."""
+def attend(q: Array, k: Array, v: Array) -> tuple[Array, Array, Array, Array, Array]:
+    """The attention of heads q, k, v (each (N, H, T, d)): what its backward needs (q, k, v and
+    the probabilities p), and p v with the heads side by side per row, (N T, H d)."""
     n, heads, t, head_dim = q.shape
     xp = array_module(q)
-    probs = q @ k.swapaxes(-1, -2)
     scale = 1.0 / math.sqrt(head_dim)
-    if xp is np:
-        in_row_parts(functools.partial(causal_softmax, scale=scale), probs)
-    else:  # one kernel of the same arithmetic (mpipar/gpu/cuda.py)
-        parts_for(xp).causal_softmax(probs, scale)
+    if xp is not np:
+        return _attend_on_gpu(q, k, v, scale)
+    probs = q @ k.swapaxes(-1, -2)
+    in_row_parts(functools.partial(causal_softmax, scale=scale), probs)
     merged = xp.empty((n, t, heads, head_dim), dtype=q.dtype)
     xp.matmul(probs, v, out=merged.transpose(0, 2, 1, 3))  # BLAS writes the strided heads directly
-    return probs, merged.reshape(n * t, heads * head_dim)
+    return q, k, v, probs, merged.reshape(n * t, heads * head_dim)
 
 
 def attend_backward(d_out: Array, q: Array, k: Array, v: Array, probs: Array, d_q: Array, d_k: Array,
                     d_v: Array) -> None:
     """From d_out (N, H, T, d), the gradient of p v: dq, dk, dv written into `d_q`, `d_k`, `d_v`
-    (views of the caller's layout); `probs` is overwritten."""
+    (views of the caller's layout); q, k, v, probs as `attend` returned them; `probs` may be
+    overwritten."""
     xp = array_module(d_out)
+    scale = 1.0 / math.sqrt(d_out.shape[-1])
+    if xp is not np:
+        _attend_backward_on_gpu(d_out, q, k, v, probs, (d_q, d_k, d_v), scale)
+        return
     xp.matmul(probs.swapaxes(-1, -2), d_out, out=d_v)
     d_scores = d_out @ v.swapaxes(-1, -2)  # d_probs, then in place:
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    if xp is np:
-        in_row_parts(functools.partial(causal_softmax_backward, scale=scale), d_scores, probs)
-    else:
-        parts_for(xp).causal_softmax_backward(d_scores, probs, scale)
+    in_row_parts(functools.partial(causal_softmax_backward, scale=scale), d_scores, probs)
     xp.matmul(d_scores, k, out=d_q)
     xp.matmul(d_scores.swapaxes(-1, -2), q, out=d_k)
+
+
+# On a GPU the heads are made contiguous once, (N H, T, d) each, and every product of heads is
+# one cuBLAS call that reads its transposed operand in place (batched_gemm.py): the matmul of
+# the CPU path would copy p^T and ds^T, all the scores, in every backward.
+def _attend_on_gpu(q: Array, k: Array, v: Array, scale: float) -> tuple[Array, Array, Array, Array, Array]:
+    n, heads, t, head_dim = q.shape
+    xp, gpu = array_module(q), parts_for(array_module(q))
+    q, k, v = (xp.ascontiguousarray(x).reshape(n * heads, t, head_dim) for x in (q, k, v))
+    probs = xp.empty((n * heads, t, t), dtype=q.dtype)
+    gpu.batched_product(q, k, probs, transpose_b=True)
+    gpu.causal_softmax(probs, scale)  # one kernel of the same arithmetic (mpipar/gpu/cuda.py)
+    heads_out = xp.empty((n, heads, t, head_dim), dtype=q.dtype)
+    gpu.batched_product(probs, v, heads_out.reshape(n * heads, t, head_dim))
+    merged = xp.ascontiguousarray(heads_out.transpose(0, 2, 1, 3)).reshape(n * t, heads * head_dim)
+    return q, k, v, probs, merged
+
+
+def _attend_backward_on_gpu(d_out: Array, q: Array, k: Array, v: Array, probs: Array, d_heads: tuple,
+                            scale: float) -> None:
+    xp, gpu = array_module(d_out), parts_for(array_module(d_out))
+    d_out = xp.ascontiguousarray(d_out).reshape(q.shape)
+    d_q, d_k, d_v = xp.empty((3, *q.shape), dtype=q.dtype)
+    gpu.batched_product(probs, d_out, d_v, transpose_a=True)
+    d_scores = xp.empty(probs.shape, dtype=probs.dtype)
+    gpu.batched_product(d_out, v, d_scores, transpose_b=True)
+    gpu.causal_softmax_backward(d_scores, probs, scale)
+    gpu.batched_product(d_scores, k, d_q)
+    gpu.batched_product(d_scores, q, d_k, transpose_a=True)
+    for into, gradient in zip(d_heads, (d_q, d_k, d_v)):
+        into[...] = gradient.reshape(into.shape)
 
 
 def causal_softmax(scores: Array, scale: float) -> None:

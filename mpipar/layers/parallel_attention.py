@@ -73,7 +73,7 @@ class ParallelSelfAttention(Layer):
         qkv = x.reshape(n * t, self.dim) @ self.params["qkv_weight"].T
         qkv += self.params["qkv_bias"]
         q, k, v = qkv.reshape(n, t, self.heads_here, 3, self.head_dim).transpose(3, 0, 2, 1, 4)
-        probs, merged = attend(q, k, v)
+        q, k, v, probs, merged = attend(q, k, v)
         ctx.save(self, x, q, k, v, probs, merged)
         y = self.boundary.leave((merged @ self.params["out_weight"]).reshape(n, t, self.dim))
         y += self.params["out_bias"]

@@ -17,6 +17,8 @@ error (rank 0's traceback goes to stderr). The cases:
     against the NumPy path: the largest difference over the largest output within 1e-12 in
     float64 and 1e-5 in float32; the GELU, LayerNorm and softmax kernels on float16 against
     NumPy's float32 steps on the same numbers, within 2e-3;
+  - the batched products of attention's heads (one cuBLAS call each, reading a transposed
+    operand in place), each pair of transposes, against NumPy in float64, float32 and float16;
   - the built-in MLP (digits, float64, 3 steps) under ddp, with Adam and with SGD: the
     parameters on the GPU equal the same run's on the CPU, rtol 1e-10;
   - every scheme of device_cases.py for this world size (2: the data-parallel, pipeline and
@@ -203,6 +205,44 @@ def fused_layers_equal_numpy() -> str:
     failed = [name for name, (error, tolerance) in worst.items() if error > tolerance]
     figures = ", ".join(f"{name} {error:.1e}" for name, (error, _) in worst.items())
     return f"{'FAILED: ' + str(failed) if failed else 'ok'}; largest differences over the largest output: {figures}"
+
+
+def batched_products_equal_numpy() -> str:
+    """cuda.batched_product (one cuBLAS strided-batched call, batched_gemm.py's arithmetic) for each
+    pair of transposes, on operands whose rows lie further apart than their length and an output
+    inside a wider buffer, as attention's heads do: against NumPy's float64 product of the same
+    numbers, within 1e-12 (float64), 1e-5 (float32) and 2e-3 (float16, summed in float32) of the
+    largest entry; the output's buffer past its rows left as it was."""
+    import itertools
+
+    import cupy
+
+    from mpipar.gpu import cuda
+
+    rng, worst, failed = np.random.default_rng(3), {}, []
+
+    def lying(shape, transposed, dtype):  # rows further apart than their length, in a wider buffer
+        stored = shape[::-1] if transposed else shape
+        wide = rng.standard_normal((batch, stored[0], stored[1] + 8)).astype(dtype)
+        return wide[:, :, :stored[1]], cupy.asarray(wide)[:, :, :stored[1]]
+
+    batch, rows, inner, columns = 96, 256, 64, 256  # a quarter of the recipe's heads: (N H, T, d)
+    for dtype, tolerance in ((np.float64, 1e-12), (np.float32, 1e-5), (np.float16, 2e-3)):
+        for transpose_a, transpose_b in itertools.product((False, True), repeat=2):
+            (a_host, a), (b_host, b) = (lying((rows, inner), transpose_a, dtype),
+                                        lying((inner, columns), transpose_b, dtype))
+            buffer = cupy.zeros((batch, rows, columns + 8), dtype=dtype)
+            cuda.batched_product(a, b, buffer[:, :, :columns], transpose_a=transpose_a, transpose_b=transpose_b)
+            a_host, b_host = (x.astype(np.float64) for x in (a_host, b_host))
+            expected = ((a_host.swapaxes(1, 2) if transpose_a else a_host)
+                        @ (b_host.swapaxes(1, 2) if transpose_b else b_host))
+            got = cupy.asnumpy(buffer)
+            name = f"{np.dtype(dtype).name} {'T' if transpose_a else 'N'}{'T' if transpose_b else 'N'}"
+            worst[name] = float(np.max(np.abs(got[:, :, :columns] - expected)) / np.max(np.abs(expected)))
+            if worst[name] > tolerance or got[:, :, columns:].any():
+                failed.append(name)
+    figures = ", ".join(f"{name} {error:.1e}" for name, error in worst.items())
+    return f"{'FAILED: ' + str(failed) if failed else 'ok'}; largest differences over the largest entry: {figures}"
 
 
 def every_scheme_gpu_equals_cpu() -> str:
@@ -665,7 +705,8 @@ PARTS = {  # `check_gpu.py PART` runs one part alone (a device's minutes are few
     "schemes": lambda: case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu),
     "memory": lambda: case("memory pool peak against the prediction", memory_pool_against_prediction),
     "kernels": lambda: (case("optimizer updates on the gpu = cpu", optimizers_on_gpu_equal_cpu_bit_for_bit),
-                        case("fused layers on the gpu = numpy", fused_layers_equal_numpy)),
+                        case("fused layers on the gpu = numpy", fused_layers_equal_numpy),
+                        case("batched products on the gpu = numpy", batched_products_equal_numpy)),
     "profile": lambda: case("where a step of the transformer goes on the gpu, ms", where_a_step_goes),
     "fp16": lambda: case("fp16 overflow skipped by every rank on the gpu", fp16_overflow_skipped_by_every_rank),
     "fp16-memory": lambda: case("fp16 holds 2 + 2 + 12 bytes a parameter on the gpu", fp16_holds_table_1),
@@ -678,6 +719,7 @@ if sys.argv[1:]:
     sys.exit(0)
 case("optimizer updates on the gpu = cpu", optimizers_on_gpu_equal_cpu_bit_for_bit)
 case("fused layers on the gpu = numpy", fused_layers_equal_numpy)
+case("batched products on the gpu = numpy", batched_products_equal_numpy)
 case("mlp ddp gpu = cpu", gpu_equals_cpu(dict(scheme="ddp")))
 case("mlp ddp sgd gpu = cpu", gpu_equals_cpu(dict(scheme="ddp", optimizer="sgd", momentum=0.9)))
 case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu)
