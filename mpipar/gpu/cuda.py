@@ -6,6 +6,7 @@ asks `mpipar.gpu.parts_for(xp)` for one of the two and never knows which.
     fused(name)                  an optimizer update, or its weight decay over a span, as one
                                  kernel (KERNELS)
     gelu, gelu_grad              GELU's forward and backward, each one kernel of the NumPy steps
+    dropout                      dropout's mask and output, one kernel of the NumPy steps' integer hash
     layer_norm,                  LayerNorm's forward and its input gradient, and attention's
     layer_norm_input_gradient    masked softmax and its backward: each one kernel with a block
     causal_softmax,              of threads per row (RAW_KERNELS), float16 rows computed in
@@ -192,6 +193,32 @@ __global__ void gelu_grad(const T* x, const T* dy, T* dx, const long long n, con
         dx[i] = T(d * A(dy[i]));
     }
 }
+
+// Dropout (layers/dropout.py): element e of the sample at global position samples[s] keeps its value
+// when u >= p, u the top 53 bits of SplitMix64(samples[s] whole + first + e + stream) over 2^53, all
+// in wrapping uint64 arithmetic as NumPy's; mask = 1 / (1 - p) or 0, rounded once from double to T.
+__device__ unsigned long long splitmix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+template <typename T> __device__ T from_double(double value) { return T(value); }
+template <> __device__ __half from_double<__half>(double value) { return __double2half(value); }
+
+template <typename T, typename A>
+__global__ void dropout(const T* x, T* y, T* mask, const unsigned long long* samples, const long long per_sample,
+                        const unsigned long long whole, const unsigned long long first,
+                        const unsigned long long stream, const double p, const double scale, const long long n) {
+    for (long long i = FIRST_ELEMENT; i < n; i += ELEMENT_STRIDE) {
+        const long long sample = i / per_sample;
+        const unsigned long long element = first + (unsigned long long)(i - sample * per_sample);
+        const unsigned long long z = splitmix64(samples[sample] * whole + element + stream);
+        const T kept = from_double<T>((double)(z >> 11) * (1.0 / 9007199254740992.0) >= p ? scale : 0.0);
+        mask[i] = kept;
+        y[i] = T(A(x[i]) * A(kept));  // exact in A, then rounded once: NumPy's x * mask
+    }
+}
 """
 # per dtype of the arrays: the type they are stored in, the type they are computed in (and its NumPy type)
 RAW_TYPES = {np.dtype(np.float16): ("__half", "float", np.float32),
@@ -199,7 +226,7 @@ RAW_TYPES = {np.dtype(np.float16): ("__half", "float", np.float32),
              np.dtype(np.float64): ("double", "double", np.float64)}
 RAW_THREADS = 128  # a multiple of 32: the reductions shuffle within whole warps
 RAW_KERNEL_NAMES = ("causal_softmax", "causal_softmax_backward", "layer_norm", "layer_norm_input_gradient", "gelu",
-                    "gelu_grad")
+                    "gelu_grad", "dropout")
 
 
 @functools.cache
@@ -242,6 +269,18 @@ def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -
     kernel, scalar = _raw_kernel("gelu_grad", x.dtype, _elementwise_blocks(x.size))
     kernel((cupy.ascontiguousarray(x), cupy.ascontiguousarray(dy), _contiguous(dx), np.int64(x.size), scalar(a),
             scalar(b), scalar(limit), scalar(h), scalar(k)))
+
+
+def dropout(x, samples, stream: int, first: int, whole: int, p: float):
+    """(x m / (1 - p), m / (1 - p)) for x (samples first), m = [u >= p]: layers/dropout.py's
+    `dropped` as one kernel, the same bits (its coins are integer arithmetic)."""
+    x = cupy.ascontiguousarray(x)
+    y, mask = cupy.empty_like(x), cupy.empty_like(x)
+    kernel, _ = _raw_kernel("dropout", x.dtype, _elementwise_blocks(x.size))
+    kernel((x, y, mask, cupy.ascontiguousarray(samples, dtype=cupy.uint64), np.int64(x.size // x.shape[0]),
+            np.uint64(whole), np.uint64(first), np.uint64(stream), np.float64(p), np.float64(1.0 / (1.0 - p)),
+            np.int64(x.size)))
+    return y, mask
 
 
 def _elementwise_blocks(size: int) -> int:

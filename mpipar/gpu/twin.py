@@ -139,6 +139,12 @@ def batched_product(a, b, out, transpose_a: bool = False, transpose_b: bool = Fa
     column_major(out, call.m, call.n, call.ldc, call.stride_c)[...] = product
 
 
+def dropout(x, samples, stream: int, first: int, whole: int, p: float):
+    from mpipar.layers.dropout import dropped as numpy_steps  # the layers import this package
+
+    return numpy_steps(x, samples, stream, first, whole, p)
+
+
 def column_sum(a):
     return a.sum(axis=0)
 

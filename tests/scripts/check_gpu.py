@@ -19,6 +19,7 @@ error (rank 0's traceback goes to stderr). The cases:
     NumPy's float32 steps on the same numbers, within 2e-3;
   - the batched products of attention's heads (one cuBLAS call each, reading a transposed
     operand in place), each pair of transposes, against NumPy in float64, float32 and float16;
+  - dropout's one kernel against its NumPy steps: output and mask equal bit for bit;
   - the built-in MLP (digits, float64, 3 steps) under ddp, with Adam and with SGD: the
     parameters on the GPU equal the same run's on the CPU, rtol 1e-10;
   - every scheme of device_cases.py for this world size (2: the data-parallel, pipeline and
@@ -243,6 +244,28 @@ def batched_products_equal_numpy() -> str:
                 failed.append(name)
     figures = ", ".join(f"{name} {error:.1e}" for name, error in worst.items())
     return f"{'FAILED: ' + str(failed) if failed else 'ok'}; largest differences over the largest entry: {figures}"
+
+
+def dropout_equals_numpy_bit_for_bit() -> str:
+    """cuda.dropout (one kernel) against layers/dropout.py's NumPy steps on the same numbers, for
+    float64, float32 and float16, two probabilities, scattered sample positions and a block of a
+    sample's elements (sequence parallelism's): the output and the mask equal bit for bit."""
+    import cupy
+
+    from mpipar.gpu import cuda
+    from mpipar.layers.dropout import dropped, stream_key
+
+    rng, different = np.random.default_rng(4), []
+    samples = np.array([17, 3, 40, 8, 9, 63, 0, 21], dtype=np.uint64)
+    for dtype in (np.float64, np.float32, np.float16):
+        x = rng.standard_normal((8, 256, 384)).astype(dtype)
+        for p, (first, whole) in ((0.2, (0, 256 * 384)), (0.37, (256 * 384, 4 * 256 * 384))):
+            stream = stream_key(5, 3, 11)
+            expected = dropped(x, samples, stream, first, whole, p)
+            got = cuda.dropout(cupy.asarray(x), cupy.asarray(samples), stream, first, whole, p)
+            if not all(np.array_equal(cupy.asnumpy(a), b) for a, b in zip(got, expected)):
+                different.append(f"{np.dtype(dtype).name} p={p}")
+    return f"FAILED: differ in {different}" if different else "ok, 6 cases, every bit equal"
 
 
 def every_scheme_gpu_equals_cpu() -> str:
@@ -706,7 +729,8 @@ PARTS = {  # `check_gpu.py PART` runs one part alone (a device's minutes are few
     "memory": lambda: case("memory pool peak against the prediction", memory_pool_against_prediction),
     "kernels": lambda: (case("optimizer updates on the gpu = cpu", optimizers_on_gpu_equal_cpu_bit_for_bit),
                         case("fused layers on the gpu = numpy", fused_layers_equal_numpy),
-                        case("batched products on the gpu = numpy", batched_products_equal_numpy)),
+                        case("batched products on the gpu = numpy", batched_products_equal_numpy),
+                        case("dropout on the gpu = numpy", dropout_equals_numpy_bit_for_bit)),
     "profile": lambda: case("where a step of the transformer goes on the gpu, ms", where_a_step_goes),
     "fp16": lambda: case("fp16 overflow skipped by every rank on the gpu", fp16_overflow_skipped_by_every_rank),
     "fp16-memory": lambda: case("fp16 holds 2 + 2 + 12 bytes a parameter on the gpu", fp16_holds_table_1),
@@ -720,6 +744,7 @@ if sys.argv[1:]:
 case("optimizer updates on the gpu = cpu", optimizers_on_gpu_equal_cpu_bit_for_bit)
 case("fused layers on the gpu = numpy", fused_layers_equal_numpy)
 case("batched products on the gpu = numpy", batched_products_equal_numpy)
+case("dropout on the gpu = numpy", dropout_equals_numpy_bit_for_bit)
 case("mlp ddp gpu = cpu", gpu_equals_cpu(dict(scheme="ddp")))
 case("mlp ddp sgd gpu = cpu", gpu_equals_cpu(dict(scheme="ddp", optimizer="sgd", momentum=0.9)))
 case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu)
