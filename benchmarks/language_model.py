@@ -81,26 +81,31 @@ def mpipar_side(text: Path) -> tuple[Callable[[int], None], Trainer]:
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
+    """mpipar's block: dropout (when asked) on the attention's and the MLP's outputs before each
+    residual sum, where mpipar's transformer has it (nanoGPT also drops attention probabilities
+    and the embeddings' sum)."""
+
+    def __init__(self, width: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.drop_attention, self.drop_mlp = nn.Dropout(dropout), nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(n, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(attended.transpose(1, 2).reshape(n, t, d))
-        return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
+        x = x + self.drop_attention(self.out(attended.transpose(1, 2).reshape(n, t, d)))
+        return x + self.drop_mlp(self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh")))
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, context: int, width: int, heads: int, blocks: int) -> None:
+    def __init__(self, vocab: int, context: int, width: int, heads: int, blocks: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.token, self.position = nn.Embedding(vocab, width), nn.Embedding(context, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(blocks))
+        self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(blocks))
         self.ln = nn.LayerNorm(width)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

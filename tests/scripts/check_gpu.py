@@ -39,7 +39,7 @@ error (rank 0's traceback goes to stderr). The cases:
     and to mpipar's ring; every result is the exact sum; times are medians of 7;
   - one process only: samples/s of the torch MLP 784-512-512-10 through mpipar against a
     plain torch CUDA loop; tokens/s of the transformer at nanoGPT's GPU recipe shapes (6
-    blocks of width 384, 6 heads, context 256, batch 64, AdamW, tied) against the same model
+    blocks of width 384, 6 heads, context 256, batch 64, dropout 0.2, AdamW, tied) against the same model
     in torch eager and torch.compile, float32 and --precision fp16 (torch: autocast(float16)
     and GradScaler), 3 alternating rounds of 10 steps, and the kernels each runs a step;
   - --precision fp16 (docs/precision.md): the transformer trained 200 steps in fp16 and in
@@ -445,6 +445,13 @@ TRANSFORMER = dict(model="transformer", dataset="text", seq_len=16, width=32, he
                    optimizer="adamw", grad_clip=0.05, batch_size=8)
 
 
+# nanoGPT's GPU recipe (shakespeare_char): 6 blocks of width 384, 6 heads, context 256, batch 64,
+# dropout 0.2, AdamW with beta2 0.99, clipping at 1.0; one process, float32 unless asked
+GPU_RECIPE = dict(seq_len=256, width=384, heads=6, blocks=6, batch_size=64, dropout=0.2, grad_clip=1.0, lr=1e-3,
+                  beta2=0.99, weight_decay=0.1, dtype="float32", device="gpu", seed=0, log_every=10**6,
+                  max_steps=10**6)
+
+
 def device_messages() -> str:
     """A 64 MB sum across ranks by each path; every result is the exact sum."""
     import cupy
@@ -513,19 +520,16 @@ def transformer_speed_on_cuda(precision: str = "fp32") -> str:
     sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
     from language_model import GPT
 
-    shapes = dict(seq_len=256, width=384, heads=6, blocks=6, batch_size=64)
-    trainer = Trainer(TrainConfig.of(**{**TRANSFORMER, **shapes, "grad_clip": 1.0, "lr": 1e-3, "beta2": 0.99,
-                                        "weight_decay": 0.1, "dtype": "float32", "device": "gpu", "seed": 0,
-                                        "log_every": 10**6, "max_steps": 10**6, "precision": precision},
-                                     text_file=text_file()))
+    trainer = Trainer(TrainConfig.of(**{**TRANSFORMER, **GPU_RECIPE, "precision": precision}, text_file=text_file()))
     train_set = trainer.train_set
-    sampler = GlobalBatchSampler(len(train_set), shapes["batch_size"], 0)
+    sampler = GlobalBatchSampler(len(train_set), GPU_RECIPE["batch_size"], 0)
     steps = 10
     half = precision == "fp16"
 
     def torch_side(compiled: bool) -> Callable[[], None]:
         torch.manual_seed(0)
-        model = GPT(train_set.num_classes, shapes["seq_len"], shapes["width"], shapes["heads"], shapes["blocks"]).cuda()
+        model = GPT(train_set.num_classes, GPU_RECIPE["seq_len"], GPU_RECIPE["width"], GPU_RECIPE["heads"], GPU_RECIPE["blocks"],
+                    GPU_RECIPE["dropout"]).cuda()
         forward = torch.compile(model) if compiled else model
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
         scaler = torch.amp.GradScaler("cuda", enabled=half)
@@ -550,7 +554,7 @@ def transformer_speed_on_cuda(precision: str = "fp32") -> str:
             torch.cuda.synchronize()
         return torch_steps
 
-    tokens = steps * shapes["batch_size"] * shapes["seq_len"]
+    tokens = steps * GPU_RECIPE["batch_size"] * GPU_RECIPE["seq_len"]
     mpipar_run, eager_run = mpipar_steps(trainer, steps), torch_side(False)
     mpipar, torch_eager, ratio = side_by_side(mpipar_run, eager_run, tokens, 3)
     try:  # CUPTI (through torch's profiler) sees CuPy's kernels as well as torch's
@@ -595,10 +599,7 @@ def where_a_step_goes() -> str:
 
     from mpipar.models.sequential import leaf_layers
 
-    shapes = dict(seq_len=256, width=384, heads=6, blocks=6, batch_size=64)
-    trainer = Trainer(TrainConfig.of(**{**TRANSFORMER, **shapes, "grad_clip": 1.0, "lr": 1e-3, "beta2": 0.99,
-                                        "weight_decay": 0.1, "dtype": "float32", "device": "gpu", "seed": 0,
-                                        "log_every": 10**6, "max_steps": 10**6}, text_file=text_file()))
+    trainer = Trainer(TrainConfig.of(**{**TRANSFORMER, **GPU_RECIPE}, text_file=text_file()))
     steps = 5
     run = mpipar_steps(trainer, steps)
     run()  # warm-up: kernels compiled, buffers made

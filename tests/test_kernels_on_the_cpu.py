@@ -1,0 +1,111 @@
+"""mpipar/gpu/cuda.py's CUDA kernels, compiled by g++ and run on the CPU (tests/cuda_on_cpu.py),
+against the NumPy path they replace: LayerNorm, the causal softmax, GELU (each forward and
+backward) and dropout, in float64, float32 and float16.
+
+The rows are longer than a block's 128 threads, so each thread takes several of a row's
+elements and the block's sums cross warps. Tolerances are of the largest output: 1e-13 in
+float64 and 1e-5 in float32 (exp and sqrt round differently in glibc and NumPy), 2e-3 in
+float16 against NumPy's float32 steps on the same numbers (float16 keeps 11 bits). Dropout's
+coins are integer arithmetic: its output and mask equal NumPy's bit for bit.
+"""
+
+import numpy as np
+import pytest
+from cuda_on_cpu import kernel_names, load_cuda_module
+
+from mpipar.cache import Context
+from mpipar.gpu.standin import module as xp
+from mpipar.layers import GELU, LayerNorm
+from mpipar.layers.attention import causal_softmax, causal_softmax_backward
+from mpipar.layers.dropout import dropped, stream_key
+
+DTYPES = [(np.float64, 1e-13), (np.float32, 1e-5), (np.float16, 2e-3)]
+TESTED = {"layer_norm", "layer_norm_input_gradient", "causal_softmax", "causal_softmax_backward", "gelu", "gelu_grad",
+          "dropout"}
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return load_cuda_module()
+
+
+def numpy_side(array: np.ndarray) -> np.ndarray:
+    """The NumPy path's input: float16 numbers are compared with NumPy's float32 steps on them."""
+    return array.astype(np.float32) if array.dtype == np.float16 else array
+
+
+def assert_close(got, expected, tolerance: float, what: str) -> None:
+    got = got.get().astype(np.float64)
+    error = np.max(np.abs(got - expected)) / np.max(np.abs(expected))
+    assert error <= tolerance, f"{what}: differs from NumPy's by {error:.1e} of the largest output"
+
+
+def test_every_kernel_of_the_module_is_run_here(cuda):
+    assert set(kernel_names(cuda)) == TESTED == set(cuda.RAW_KERNEL_NAMES)
+
+
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+def test_the_layer_norm_kernels_compute_numpys_layer_norm(cuda, dtype, tolerance):
+    rng = np.random.default_rng(0)
+    rows, dim = 5, 300
+    x, dy = (rng.standard_normal((rows, dim)).astype(dtype) * 3 for _ in range(2))
+    gain, shift = (rng.standard_normal(dim).astype(dtype) for _ in range(2))
+    y, normed, dx = (xp.empty((rows, dim), dtype=dtype) for _ in range(3))
+    rstd = xp.empty((rows, 1), dtype=dtype)
+    cuda.layer_norm(xp.asarray(x), xp.asarray(gain), xp.asarray(shift), 1e-5, y, normed, rstd)
+    cuda.layer_norm_input_gradient(xp.asarray(dy), xp.asarray(gain), normed, rstd, dx)
+    norm = LayerNorm(dim)
+    norm.params = {"gain": numpy_side(gain), "shift": numpy_side(shift)}
+    norm.grads = {"gain": np.zeros(dim, numpy_side(gain).dtype), "shift": np.zeros(dim, numpy_side(gain).dtype)}
+    ctx = Context(None, (0, 0))
+    expected_y = norm.forward(numpy_side(x), ctx)
+    expected_dx = norm.backward(numpy_side(dy), ctx)
+    assert_close(y, expected_y, tolerance, "layer_norm")
+    assert_close(dx, expected_dx, tolerance, "layer_norm_input_gradient")
+
+
+# rows of 12 keys in every type, and once rows of 150 (each block's threads launch one after
+# another on the CPU, so long rows are slow here)
+@pytest.mark.parametrize("shape, dtype, tolerance", [((1, 2, 12, 12), *case) for case in DTYPES]
+                         + [((1, 1, 150, 150), *DTYPES[1])])
+def test_the_softmax_kernels_compute_numpys_causal_softmax(cuda, shape, dtype, tolerance):
+    rng = np.random.default_rng(1)
+    scores, d_probs = (rng.standard_normal(shape).astype(dtype) * 4 for _ in range(2))
+    probs, d_scores = xp.asarray(scores), xp.asarray(d_probs)
+    cuda.causal_softmax(probs, 0.125)
+    kept = probs.get()
+    cuda.causal_softmax_backward(d_scores, probs, 0.125)
+    expected = numpy_side(scores).copy()
+    causal_softmax(expected, 0.125)
+    expected_d = numpy_side(d_probs).copy()
+    causal_softmax_backward(expected_d, expected.copy(), 0.125)
+    assert_close(xp.asarray(kept), expected, tolerance, "causal_softmax")
+    assert_close(d_scores, expected_d, tolerance, "causal_softmax_backward")
+
+
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+def test_the_gelu_kernels_compute_numpys_gelu(cuda, dtype, tolerance, monkeypatch):
+    rng = np.random.default_rng(2)
+    x, dy = (rng.standard_normal((3, 700)).astype(dtype) * 3 for _ in range(2))
+    monkeypatch.setattr("mpipar.gpu.twin.gelu", cuda.gelu)  # the stand-in's GELU runs the kernels
+    monkeypatch.setattr("mpipar.gpu.twin.gelu_grad", cuda.gelu_grad)
+    sides = []
+    for array in (xp.asarray, numpy_side):
+        layer, ctx = GELU(), Context(None, (0, 0))
+        sides.append((layer.forward(array(x), ctx), layer.backward(array(dy), ctx)))
+    assert_close(sides[0][0], sides[1][0], tolerance, "gelu")
+    assert_close(sides[0][1], sides[1][1], tolerance, "gelu_grad")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_the_dropout_kernel_drops_what_numpy_drops_bit_for_bit(cuda, dtype):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 6, 50)).astype(dtype)
+    samples = np.array([17, 3, 40, 8], dtype=np.uint64)
+    for p, (first, whole) in ((0.2, (0, 300)), (0.37, (300, 1200))):  # whole samples; a block of positions
+        stream = stream_key(5, 3, 11)
+        got = cuda.dropout(xp.asarray(x), xp.asarray(samples), stream, first, whole, p)
+        expected = dropped(x, samples, stream, first, whole, p)
+        assert 0 < (expected[1] == 0).sum() < x.size
+        for name, device, host in zip(("output", "mask"), got, expected):
+            assert np.array_equal(device.get(), host), f"p={p}: the dropout kernel's {name} differs from NumPy's"
