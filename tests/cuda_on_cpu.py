@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -114,6 +115,7 @@ class CpuRawModule:
         subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-ffp-contract=off",
                         f"-I{folder}", str(source), "-o", str(library)], check=True, capture_output=True, text=True)
         self.library = ctypes.CDLL(str(library))
+        shutil.rmtree(folder)  # the loaded library stays mapped
 
     def get_function(self, name: str) -> "CpuKernel":
         return CpuKernel(getattr(self.library, f"launch_{self.names.index(name)}"))
