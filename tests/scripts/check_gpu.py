@@ -16,7 +16,7 @@ error (rank 0's traceback goes to stderr). The cases:
   - GELU, LayerNorm and causal attention forward and backward (the kernels of mpipar/gpu/cuda.py)
     against the NumPy path: the largest difference over the largest output within 1e-12 in
     float64 and 1e-5 in float32; the GELU, LayerNorm and softmax kernels on float16 against
-    NumPy's float32 steps on the same numbers, within 2e-3;
+    NumPy's float32 steps on the same numbers, within 2e-3, and attention in float16 within 4e-3;
   - the batched products of attention's heads (one cuBLAS call each, reading a transposed
     operand in place), each pair of transposes, against NumPy in float64, float32 and float16;
   - dropout's one kernel against its NumPy steps: output and mask equal bit for bit;
@@ -131,12 +131,12 @@ def fused_layers_equal_numpy() -> str:
     kernels) against the NumPy path on the same random rows: the largest difference, relative to
     the largest output, within 1e-12 in float64 and 1e-5 in float32; the softmax's, LayerNorm's and
     GELU's kernels on float16 (computed in float32) against NumPy's float32 steps on the same
-    numbers, within 2e-3 (float16 keeps 11 bits)."""
+    numbers, within 2e-3 (float16 keeps 11 bits), and the attention layer in float16 within 4e-3."""
     import cupy
 
     from mpipar.cache import Context
     from mpipar.gpu import cuda
-    from mpipar.layers import GELU, CausalSelfAttention, LayerNorm
+    from mpipar.layers import GELU, LayerNorm
     from mpipar.layers.attention import causal_softmax, causal_softmax_backward
 
     rng = np.random.default_rng(0)
@@ -157,20 +157,10 @@ def fused_layers_equal_numpy() -> str:
             outputs += [norm.grads["gain"], norm.grads["shift"]]  # column sums (cuda.column_sum)
             sides[xp.__name__] = [cupy.asnumpy(array) for array in outputs]
         names = ("gelu", "gelu grad", "layer norm", "layer norm grad", "gain grad", "shift grad")
-        x, dy = (rng.standard_normal((8, 256, 384)).astype(dtype) for _ in range(2))
-        weights = {name: rng.standard_normal(shape).astype(dtype) / 20 for name, shape in
-                   (("qkv_weight", (384, 1152)), ("qkv_bias", (1152,)), ("out_weight", (384, 384)),
-                    ("out_bias", (384,)))}
+        x, dy, weights = attention_inputs(rng, dtype)
         for xp in (np, cupy):
-            attention = CausalSelfAttention(384, heads=6)
-            attention.params = {name: xp.asarray(value) for name, value in weights.items()}
-            attention.grads = {name: xp.zeros(value.shape, dtype) for name, value in weights.items()}
-            attention.fresh_grads = True
-            ctx = Context(None, (0, 0))
-            outputs = [attention.forward(xp.asarray(x), ctx), attention.backward(xp.asarray(dy), ctx),
-                       attention.grads["qkv_weight"], attention.grads["qkv_bias"]]
-            sides[xp.__name__] += [cupy.asnumpy(array) for array in outputs]
-        names += ("attention", "attention grad", "qkv weight grad", "qkv bias grad")
+            sides[xp.__name__] += attention_outputs(xp, x, dy, weights)
+        names += ATTENTION_OUTPUTS
         for name, a, b in zip(names, sides["cupy"], sides["numpy"], strict=True):
             error = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))  # against the output's scale
             worst[f"{name} {np.dtype(dtype).name}"] = (error, tolerance)
@@ -203,9 +193,45 @@ def fused_layers_equal_numpy() -> str:
                        ("layer norm", cupy.asnumpy(y16), y), ("layer norm grad", cupy.asnumpy(dx16), dx),
                        ("gelu", *(side[0] for side in gelu_sides)), ("gelu grad", *(side[1] for side in gelu_sides))):
         worst[f"{name} float16"] = (float(np.max(np.abs(a - b)) / np.max(np.abs(b))), 2e-3)
+    # attention in float16 (cuBLAS products, the softmax kernel) against NumPy's float32 on the
+    # same numbers: q, k, v, p and the outputs are each kept in 11 bits, so within 4e-3
+    x, dy, weights = attention_inputs(rng, np.float16)
+    halves = attention_outputs(cupy, x, dy, weights)
+    wide = attention_outputs(np, *(array.astype(np.float32) for array in (x, dy)),
+                             {name: value.astype(np.float32) for name, value in weights.items()})
+    for name, a, b in zip(ATTENTION_OUTPUTS, halves, wide, strict=True):
+        worst[f"{name} float16"] = (float(np.max(np.abs(a - b)) / np.max(np.abs(b))), 4e-3)
     failed = [name for name, (error, tolerance) in worst.items() if error > tolerance]
     figures = ", ".join(f"{name} {error:.1e}" for name, (error, _) in worst.items())
     return f"{'FAILED: ' + str(failed) if failed else 'ok'}; largest differences over the largest output: {figures}"
+
+
+ATTENTION_OUTPUTS = ("attention", "attention grad", "qkv weight grad", "qkv bias grad")
+
+
+def attention_inputs(rng, dtype) -> tuple:
+    """x and dy (8, 256, 384), and the weights of a 6-head attention of width 384, in `dtype`."""
+    x, dy = (rng.standard_normal((8, 256, 384)).astype(dtype) for _ in range(2))
+    weights = {name: (rng.standard_normal(shape) / 20).astype(dtype) for name, shape in
+               (("qkv_weight", (384, 1152)), ("qkv_bias", (1152,)), ("out_weight", (384, 384)), ("out_bias", (384,)))}
+    return x, dy, weights
+
+
+def attention_outputs(xp, x, dy, weights) -> list:
+    """CausalSelfAttention's output, input gradient and qkv gradients on `xp`'s arrays, on the host."""
+    import cupy
+
+    from mpipar.cache import Context
+    from mpipar.layers import CausalSelfAttention
+
+    attention = CausalSelfAttention(384, heads=6)
+    attention.params = {name: xp.asarray(value) for name, value in weights.items()}
+    attention.grads = {name: xp.zeros(value.shape, value.dtype) for name, value in weights.items()}
+    attention.fresh_grads = True
+    ctx = Context(None, (0, 0))
+    outputs = [attention.forward(xp.asarray(x), ctx), attention.backward(xp.asarray(dy), ctx),
+               attention.grads["qkv_weight"], attention.grads["qkv_bias"]]
+    return [cupy.asnumpy(array) for array in outputs]
 
 
 def batched_products_equal_numpy() -> str:
