@@ -37,6 +37,10 @@ def test_cdp_model_state_per_rank_is_within_10_percent_of_ddps_by_the_allocator(
     assert f"CDP model state per rank within 10% of DDP's on {ranks} ranks" in result.stdout
 
 
+# The probe's total counts the interpreter's objects as well as the arrays the prediction is of
+# (runtime/memory_probe.py): 35-45 KB still alive after a step of the small MLP here, which is
+# 7% of that MLP's arrays (tracemalloc's total less NumPy's domain).
+PYTHON_OBJECTS = 64 * 1024
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
@@ -58,7 +62,7 @@ def test_training_and_evaluation_stay_within_the_predicted_peak_and_evaluation_u
     trainer.memory.reset_peak()
     trainer.evaluate(0, 3)
     evaluation = trainer.memory.peak_bytes()
-    predicted = trainer.predicted.total
+    predicted = trainer.predicted.total + PYTHON_OBJECTS
     assert training <= 1.1 * predicted, f"{model}: training peaks at {training:,} B, predicted {predicted:,} B"
     assert evaluation <= 1.1 * predicted, f"{model}: evaluation peaks at {evaluation:,} B, predicted {predicted:,} B"
     assert evaluation <= training, f"{model}: evaluation ({evaluation:,} B) needs more than training ({training:,} B)"

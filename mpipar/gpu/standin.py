@@ -13,6 +13,9 @@ asked for by name:
     a.set(host)                      a copy to the device, counted
     read_scalars(a)                  the approved way to read values: counted as a host sync
 
+`DEVICE_MEMORY` counts the bytes of the device arrays alive, as CuPy's pool does (the twin's
+PoolPeak reads it for --memory-profile).
+
 `__cuda_array_interface__` exists only in CUDA-aware mode ($MPIPAR_CUDA_AWARE=1): then
 mpi4py hands MPI the pointer, which here is host memory, so the CUDA-aware wire really runs.
 Otherwise MPI cannot read a stand-in array at all, and any message that was not staged
@@ -66,6 +69,36 @@ class Crossings:
 CROSSINGS = Crossings()
 
 
+class DeviceMemory:
+    """The bytes of the stand-in device's memory alive now and at their most, as CuPy's pool counts
+    its used bytes: each NumPy buffer behind a stand-in array counts once, from the moment it is
+    first a device array until it is freed. Host arrays (batches, the sampler's order, pinned
+    buffers) and Python objects never count; nor do the NumPy temporaries inside a twin kernel
+    that stay host arrays, as a kernel's registers are not the pool's."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+        self._counted: set[int] = set()
+
+    def count(self, memory: np.ndarray) -> None:
+        owner = memory
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        if owner.base is not None or id(owner) in self._counted:  # a view of memory counted already
+            return
+        self._counted.add(id(owner))
+        self.live += owner.nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(owner, self._free, id(owner), owner.nbytes)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._counted.discard(key)
+        self.live -= nbytes
+
+
+DEVICE_MEMORY = DeviceMemory()
+
+
 class HostConversion(TypeError):
     """A stand-in device array was used where a host array was needed, without asking by name."""
 
@@ -93,6 +126,7 @@ class StandInArray(NDArrayOperatorsMixin):
 
     def __init__(self, memory: np.ndarray) -> None:
         self._memory = memory
+        DEVICE_MEMORY.count(memory)
 
     # -- the host boundary --------------------------------------------------------------
     __array__ = _refuse("implicit conversion (np.asarray)")

@@ -1,21 +1,20 @@
 """The NumPy twin of `cuda.py` for the stand-in device: the same names, the same results.
 
 The kernels are NumPy's operations in the kernel's order; the copies go through the
-stand-in arrays' counted `get` and `set`; the pool is tracemalloc's view of the NumPy
-allocations behind the stand-in arrays.
+stand-in arrays' counted `get` and `set`; the pool is the stand-in's count of its arrays' bytes.
 
 Exercised by: python -m pytest tests/test_standin.py
 """
 
 from __future__ import annotations
 
-import tracemalloc
+import functools
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from mpipar.gpu.batched_gemm import column_major_call
-from mpipar.gpu.standin import CROSSINGS, StandInArray, memory_of, read_scalars
+from mpipar.gpu.standin import CROSSINGS, DEVICE_MEMORY, StandInArray, memory_of, read_scalars
 
 
 def _sgd(g, lr, p):
@@ -48,8 +47,30 @@ _UPDATES = {"sgd": _sgd, "sgd_momentum": _sgd_momentum, "add_decay": _add_decay,
             "adam": _adam}
 
 
+def _in_parts(*cut: int):
+    """A twin kernel run on parts of its arguments numbered `cut` (every array, if none is
+    named), cut along their first axis into parts of about PART elements. A kernel computes
+    each element in registers, so the device's pool holds no temporary as large as its
+    arrays; NumPy's whole-array steps would make several, and the stand-in's peak (what the
+    memory tests read) would be the twin's, not mpipar's."""
+    def in_parts(kernel):
+        @functools.wraps(kernel)
+        def run(*arguments) -> None:
+            cut_here = cut or [i for i, argument in enumerate(arguments) if isinstance(argument, StandInArray)]
+            first = arguments[cut_here[0]]
+            step = max(1, PART * first.shape[0] // max(1, first.size))
+            for start in range(0, first.shape[0], step):
+                kernel(*(argument[start:start + step] if i in cut_here else argument
+                         for i, argument in enumerate(arguments)))
+        return run
+    return in_parts
+
+
 def fused(name: str):
-    return _UPDATES[name]
+    return _in_parts()(_UPDATES[name])
+
+
+PART = 1 << 16  # elements a twin kernel computes at a time
 
 
 def _computed(a):
@@ -57,6 +78,7 @@ def _computed(a):
     return a.astype(np.float32) if a.dtype == np.float16 else a
 
 
+@_in_parts(0, 1)
 def gelu(x, y, a: float, b: float, limit: float) -> None:
     x = _computed(x)
     u = x * x
@@ -67,6 +89,7 @@ def gelu(x, y, a: float, b: float, limit: float) -> None:
     y[...] = x / (np.exp(u) + 1)
 
 
+@_in_parts(0, 1, 2)
 def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -> None:
     x, dy = _computed(x), _computed(dy)
     t = x * x
@@ -90,6 +113,7 @@ def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -
     dx[...] = d * dy
 
 
+@_in_parts(0, 4, 5, 6)
 def layer_norm(x, gain, shift, eps: float, y, normed, rstd) -> None:
     x, gain, shift = _computed(x), _computed(gain), _computed(shift)
     inv = 1.0 / x.shape[-1]
@@ -99,6 +123,7 @@ def layer_norm(x, gain, shift, eps: float, y, normed, rstd) -> None:
     rstd[...], normed[...], y[...] = r, n, n * gain + shift
 
 
+@_in_parts(0, 2, 3, 4)
 def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
     dy, gain, normed, rstd = _computed(dy), _computed(gain), _computed(normed), _computed(rstd)
     inv = 1.0 / dy.shape[-1]
@@ -108,12 +133,14 @@ def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
     dx[...] = (g - mean_g - normed * mean_gn) * rstd
 
 
+@_in_parts(0)
 def causal_softmax(scores, scale: float) -> None:
     from mpipar.layers.attention import causal_softmax as numpy_steps  # the layers import this package
 
     numpy_steps(scores, scale)
 
 
+@_in_parts(0, 1)
 def causal_softmax_backward(d_scores, probs, scale: float) -> None:
     from mpipar.layers.attention import causal_softmax_backward as numpy_steps
 
@@ -135,8 +162,11 @@ def batched_product(a, b, out, transpose_a: bool = False, transpose_b: bool = Fa
     op_a = column_major(b, *shape_a, call.lda, call.stride_a)  # cuBLAS's A is b's memory
     op_b = column_major(a, *shape_b, call.ldb, call.stride_b)
     op_a, op_b = (x.swapaxes(1, 2) if t else x for x, t in ((op_a, call.transpose_a), (op_b, call.transpose_b)))
-    product = np.matmul(_computed(op_a), _computed(op_b))  # float16 summed in float32, as cuBLAS is asked to
-    column_major(out, call.m, call.n, call.ldc, call.stride_c)[...] = product
+    written = column_major(out, call.m, call.n, call.ldc, call.stride_c)
+    step = max(1, PART // (call.m * call.n))  # no float32 product of the whole batch: cuBLAS writes in place
+    for start in range(0, call.batch, step):
+        parts = (op[start:start + step] for op in (op_a, op_b))
+        written[start:start + step] = np.matmul(*map(_computed, parts))  # float16 summed in float32, as asked
 
 
 def dropout(x, samples, stream: int, first: int, whole: int, p: float):
@@ -179,20 +209,19 @@ def synchronize() -> None:
 
 
 class PoolPeak:
-    """The bytes NumPy holds for this process (the stand-in device's memory), by tracemalloc."""
+    """The bytes of the stand-in device's arrays, now and at their most (standin.DEVICE_MEMORY)."""
 
     def start(self) -> None:
-        if not tracemalloc.is_tracing():
-            tracemalloc.start()
+        pass
 
     def stop(self) -> None:
         pass
 
     def current(self) -> int:
-        return tracemalloc.get_traced_memory()[0]
+        return DEVICE_MEMORY.live
 
     def peak(self) -> int:
-        return tracemalloc.get_traced_memory()[1]
+        return DEVICE_MEMORY.peak
 
     def reset(self) -> None:
-        tracemalloc.reset_peak()
+        DEVICE_MEMORY.peak = DEVICE_MEMORY.live

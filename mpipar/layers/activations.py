@@ -98,17 +98,24 @@ class GELU(Layer):
         return dx
 
 
+WIDENED_ELEMENTS = 1 << 16  # float16 rows are widened this many elements at a time
+
+
 def _in_float32_at_least(function):
-    """function(out, *inputs), through float32 copies where `out` is float16."""
+    """function(out, *inputs) on rows, through float32 copies where `out` is float16: a block of
+    rows at a time, so that the copies weigh a few hundred KB, not the arrays' size twice over."""
     @functools.wraps(function)
     def widened(out, *inputs) -> None:
         if out.dtype.itemsize >= 4:
             function(out, *inputs)
             return
         xp = array_module(out)
-        wide = xp.empty(out.shape, dtype=xp.float32)
-        function(wide, *(array.astype(xp.float32) for array in inputs))
-        out[...] = wide
+        step = max(1, WIDENED_ELEMENTS // out.shape[1])
+        wide = xp.empty((min(step, out.shape[0]), out.shape[1]), dtype=xp.float32)
+        for start in range(0, out.shape[0], step):
+            part = wide[:min(step, out.shape[0] - start)]
+            function(part, *(array[start:start + step].astype(xp.float32) for array in inputs))
+            out[start:start + step] = part
     return widened
 
 

@@ -131,6 +131,8 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
         scratch = (REDUCTIONS_IN_FLIGHT + 1) * math.ceil(unit / ring)
     else:  # every bucket's all-reduce may be in flight at once, each with one block of scratch
         gradients, scratch = 0, math.ceil(parameters / world_size) * itemsize
+    if world_size == 1:  # one rank sums nothing: its collectives send no message and need no scratch
+        scratch = 0
     spare = unit if P != Scope.REPLICATED or G != Scope.REPLICATED else 0
     step = {"gathered units": gathered, "unit gradients": gradients, "spare": spare,
             "collective scratch": scratch, "activations": training.training()}

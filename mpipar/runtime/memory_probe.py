@@ -32,7 +32,7 @@ per process, and so is its peak: use one probe per process.
 GPU (CuPy): live bytes are the default memory pool's used bytes; the peak is their
 running maximum, kept by a cupy.cuda.MemoryHook after each allocation from the pool
 (mpipar/gpu/cuda.py's PoolPeak). CuPy registers hooks per thread: allocations on other
-threads are not seen. On the stand-in device the twin's PoolPeak is tracemalloc's.
+threads are not seen. On the stand-in device the twin's PoolPeak counts the stand-in arrays' bytes.
 
 Exercised by: python -m pytest tests/test_memory.py
 """
