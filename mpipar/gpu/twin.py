@@ -47,6 +47,9 @@ _UPDATES = {"sgd": _sgd, "sgd_momentum": _sgd_momentum, "add_decay": _add_decay,
             "adam": _adam}
 
 
+PART = 1 << 16  # elements a twin kernel computes at a time
+
+
 def _in_parts(*cut: int):
     """A twin kernel run on parts of its arguments numbered `cut` (every array, if none is
     named), cut along their first axis into parts of about PART elements. A kernel computes
@@ -68,9 +71,6 @@ def _in_parts(*cut: int):
 
 def fused(name: str):
     return _in_parts()(_UPDATES[name])
-
-
-PART = 1 << 16  # elements a twin kernel computes at a time
 
 
 def _computed(a):
