@@ -150,8 +150,8 @@ def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, item
     so which (stage, micro-batch) stashes are alive together does not depend on timing.
     Messages are bounded by the program: receives are posted one job ahead (an activation
     and a gradient), a send's buffer lives until the receiver posts its receive (at most
-    one per micro-batch in flight here), fetched weights one job ahead plus the pool's spare (a
-    stage broadcast for evaluation: the one in use and the spare of another size),
+    one per micro-batch in flight here), fetched weights one job ahead plus the pool's spare (for
+    evaluation, each stage the rank lacks is broadcast into a pool buffer: `_brought_stages`),
     and every stage reduction this rank joins may be in flight with one block of scratch.
     The last stage loads its micro-batch's inputs with the targets, and holds them through its forward.
     `master_itemsize` (--precision fp16): each held stage's state item holds master weights too, in
@@ -182,11 +182,20 @@ def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, item
             "loaded inputs": loaded,
             "received buffers": 2 * boundary, "sends in flight": in_flight * boundary,
             "fetched weights": 3 * fetched * itemsize, "collective scratch": scratch * itemsize}
-    if evaluation is not None:  # each stage in turn, broadcast from a holder into a pool buffer
-        evaluating = {"broadcast stages": 2 * max(stage_sizes) * itemsize, "evaluation": evaluation.training()}
+    if evaluation is not None:  # each stage this rank lacks in turn, broadcast from a holder into a pool buffer
+        evaluating = {"broadcast stages": _brought_stages([stage_sizes[s] for s in range(len(stage_sizes))
+                                                           if s not in held]) * itemsize,
+                      "evaluation": evaluation.training()}
         if sum(evaluating.values()) > sum(step.values()):
             step = evaluating
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
+
+
+def _brought_stages(lacked: list[int]) -> int:
+    """The most elements evaluation holds of the stages a rank lacks, brought in one after the
+    other (runtime/whole_model.py): the one in use and the pool's spare, the stage before it,
+    which the take reuses when the sizes match (comms/comm.py's ScratchPool)."""
+    return max((size + (before if before != size else 0) for before, size in zip([0] + lacked, lacked)), default=0)
 
 
 def composed_peak(pipeline: Peak, shares: list[Peak]) -> Peak:
