@@ -134,6 +134,7 @@ class Layout:
     evaluation: ActivationBytes
     tensor: int = 1
     tensor_sent: tuple[float, ...] = ()  # per stage: what a rank of a tensor group sends a micro-batch
+    units: list[list[tuple[int, int]]] | None = None  # per stage, each unit's first layer and elements
 
     def held(self, worker: int) -> list[int]:
         return [s for s, size in enumerate(self.stage_sizes) if worker in self.compiled.holders[s] and size]
@@ -167,14 +168,17 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
         sizes = [total // config.schedule_shape(world_size).stages + (s < total % (stages or 1))
                  for s in range(stages or 1)]
         units = [size if ddp == "naive" else min(size, math.ceil(bucket_mb * 1e6 / itemsize)) for size in sizes]
+        unit_layers = None  # no layers: each transient at its most
         training = evaluation = ActivationBytes((0,) * len(sizes), (0,) * len(sizes), (0,) * len(sizes))
     else:
         train_set, eval_batch, model, loss = built
         backend = make_backend("cpu", ITEMSIZE_DTYPES[itemsize])
         laid_out = build_stages(model, stages or 1, backend, 0, materialize=False)
         sizes = [stage.flat.size for stage in laid_out]
-        units = [max((stop - start for _, _, start, stop in make_units(stage, unit_bytes_for(ddp, bucket_mb))),
-                     default=0) for stage in laid_out]
+        unit_bytes = unit_bytes_for(ddp, bucket_mb)
+        unit_layers = [[(first, stop - start) for first, _, start, stop in make_units(stage, unit_bytes)]
+                       for stage in laid_out]
+        units = [max((size for _, size in mine), default=0) for mine in unit_layers]
         segment = recompute_segment(recompute)
         spans = (None if segment is None else
                  compute_spans(laid_out, replica_shared_stages(mesh, sizes), unit_bytes_for(ddp, bucket_mb), segment))
@@ -188,7 +192,7 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
     for worker in range(mesh.workers):  # --group-size consecutive world ranks; slice rank r is world rank r T + t
         ranks = mesh.replica_group(worker)
         groups.append(sum(rank * tensor // group_size == ranks[0] * tensor // group_size for rank in ranks))
-    return Layout(mesh, compiled, sizes, units, groups, training, evaluation, tensor, tensor_sent)
+    return Layout(mesh, compiled, sizes, units, groups, training, evaluation, tensor, tensor_sent, unit_layers)
 
 
 def tensor_sent_per_micro_batch(layers: list, rows: int, tensor: int, itemsize: int, with_loss: bool) -> float:
@@ -261,7 +265,7 @@ def predicted_peaks(layouts: dict[str, Layout], prefetch: int, itemsize: int, ki
         peaks[name] = max((mesh_peak(rank, layout.compiled, layout.mesh, sharding, layout.stage_sizes,
                                      layout.largest_units, layout.groups[layout.mesh.worker(rank)], itemsize=itemsize,
                                      state_kinds=kinds, training=layout.training, evaluation=layout.evaluation,
-                                     prefetch=prefetch, master_itemsize=master_itemsize)
+                                     prefetch=prefetch, master_itemsize=master_itemsize, units=layout.units)
                            for rank in range(0, layout.mesh.size, layout.mesh.replicas)),  # one rank per worker
                           key=lambda peak: peak.total)
     return peaks

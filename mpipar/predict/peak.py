@@ -68,6 +68,7 @@ class ActivationBytes:
     deferred: tuple[int, ...] = ()  # a split backward (zero-bubble): what each stage's B leaves for its W
     during_backward: tuple[int, ...] = ()  # and the most its stash weighs while B runs
     workspace: tuple[int, ...] = ()  # per stage, the largest temporary a layer makes (Layer.workspace)
+    stashed_by_layer: tuple[tuple[int, ...], ...] = ()  # per stage, the stash after each layer's forward
 
     def in_flight(self, stages) -> int:
         """What a layer of `stages` has in flight besides the stashes: its output, that output's
@@ -108,10 +109,13 @@ class Peak:
 def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, world_size: int, group_size: int, *,
                        itemsize: int, state_kinds: int, training: ActivationBytes,
                        evaluation: ActivationBytes | None = None, prefetch: int = 1,
-                       master_itemsize: int = 0) -> Peak:
+                       master_itemsize: int = 0, units: list[tuple[int, int]] | None = None) -> Peak:
     """The peak of one rank of a stage shared by its replica group (per rank sizes rounded up).
     `master_itemsize` (--precision fp16): the optimizer keeps master weights of its blocks in
-    that size, its state too, and reads their gradients in it (precision.py)."""
+    that size, its state too, and reads their gradients in it (precision.py). With `units`
+    ((first layer, elements) of each, in forward order) and the dry run's stash layer by layer,
+    a sharded flow's transients are those of its worst moment (`_worst_moment`); without
+    them, each transient at its most at once (a bound)."""
     P, G, OS = sharding.triple
     share = {scope: sharing_ranks(scope, world_size, group_size) for scope in Scope}
     secondary = math.ceil(parameters / group_size) if sharding.secondary else 0  # ZeRO++'s copy in the group
@@ -136,9 +140,40 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
     spare = unit if P != Scope.REPLICATED or G != Scope.REPLICATED else 0
     step = {"gathered units": gathered, "unit gradients": gradients, "spare": spare,
             "collective scratch": scratch, "activations": training.training()}
+    stash_after = training.stashed_by_layer[0] if training.stashed_by_layer else ()
+    if spare and units and stash_after and training.rebuilt([0]) == 0:
+        ring = group_size if sharding.nested else world_size
+        step = _worst_moment([elements * itemsize for _, elements in units], [first for first, _ in units],
+                             stash_after, training.in_flight([0]), gathers=P != Scope.REPLICATED,
+                             reduces=G != Scope.REPLICATED, prefetch=prefetch, ring=ring)
     if evaluation is not None and gathered + evaluation.training() > sum(step.values()):
         step = {"gathered units": gathered, "spare": spare, "evaluation": evaluation.training()}
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
+
+
+def _worst_moment(sizes: list[int], firsts: list[int], stash_after: tuple[int, ...], in_flight: int, *,
+                  gathers: bool, reduces: bool, prefetch: int, ring: int) -> dict[str, int]:
+    """The transients of a sharded flow (runtime/sharded_stage.py) at its worst moment, walking the
+    units of `sizes` bytes (their layers from `firsts[u]` on) through a step. While unit u computes,
+    the stash is what the layers up to u's last have saved (`stash_after`, layer by layer), plus
+    what a layer has in flight. Forward: u and the `prefetch` units after it are gathered. Backward:
+    u and the `prefetch` units before it are gathered, u's gradient is open, and the
+    REDUCTIONS_IN_FLIGHT units after it are being reduce-scattered, each with a block of scratch
+    (none on one rank). The pool's spare is one unit, the largest."""
+    count, spare = len(sizes), max(sizes)
+    stops = firsts[1:] + [len(stash_after)]
+    stash = [stash_after[stop - 1] + in_flight for stop in stops]  # while unit u computes, its own stash saved
+    moments = []
+    for u in range(count):
+        moments.append({"gathered units": sum(sizes[u:u + 1 + prefetch]) if gathers else 0, "spare": spare,
+                        "activations": stash[u]})
+    for u in range(count):
+        reducing = sizes[u + 1:u + 1 + REDUCTIONS_IN_FLIGHT] if reduces else []
+        moments.append({"gathered units": sum(sizes[max(0, u - prefetch):u + 1]) if gathers else 0,
+                        "unit gradients": (sizes[u] + sum(reducing)) if reduces else 0, "spare": spare,
+                        "collective scratch": sum(math.ceil(size / ring) for size in reducing) if ring > 1 else 0,
+                        "activations": stash[u]})
+    return max(moments, key=lambda moment: sum(moment.values()))
 
 
 def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, itemsize: int, state_kinds: int,
@@ -218,15 +253,17 @@ def composed_peak(pipeline: Peak, shares: list[Peak]) -> Peak:
 def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, stage_sizes: list[int],
               largest_units: list[int], group_size: int, *, itemsize: int, state_kinds: int,
               training: ActivationBytes, evaluation: ActivationBytes | None = None, prefetch: int = 1,
-              master_itemsize: int = 0) -> Peak:
+              master_itemsize: int = 0, units: list[list[tuple[int, int]]] | None = None) -> Peak:
     """The peak of `rank` running `compiled` on `mesh`, each stage shared among its replica
     group by `sharding` (`group_size`: the group's ranks in one node; `largest_units`: per
-    stage). Data parallelism (one worker, one stage) is the sharding flow's own figures."""
+    stage; `units`: per stage, each unit's first layer and elements, where known). Data
+    parallelism (one worker, one stage) is the sharding flow's own figures."""
     worker = mesh.worker(rank)
     if mesh.workers == 1 and len(stage_sizes) == 1 and stage_sizes[0]:
         return data_parallel_peak(sharding, stage_sizes[0], largest_units[0], mesh.replicas, group_size,
                                   itemsize=itemsize, state_kinds=state_kinds, training=training,
-                                  evaluation=evaluation, prefetch=prefetch, master_itemsize=master_itemsize)
+                                  evaluation=evaluation, prefetch=prefetch, master_itemsize=master_itemsize,
+                                  units=units[0] if units else None)
     peak = pipeline_peak(worker, compiled, stage_sizes, itemsize=itemsize, state_kinds=state_kinds,
                          training=training, evaluation=evaluation, master_itemsize=master_itemsize)
     shared = [s for s, size in enumerate(stage_sizes) if worker in compiled.holders[s] and size]
@@ -239,7 +276,7 @@ def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, sta
 
 
 def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes,
-              evaluation: ActivationBytes | None, steps: int, *, largest_units: list[int], group: int,
+              evaluation: ActivationBytes | None, steps: int, *, units: list[list[tuple[int, int]]], group: int,
               itemsize: int, state_kinds: int, master_itemsize: int = 0) -> Peak:
     """The most `rank` should hold at once over a run of `steps` steps of `plan`. A pipeline
     plan compiles every rank's program, so any rank's peak is predicted anywhere; a CDP plan
@@ -248,9 +285,10 @@ def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes
         return cyclic_peak(plan.program(0, steps).program, rank, plan.layout, plan.rule, plan.stage_sizes,
                            itemsize=plan.itemsize, state_kinds=plan.state_kinds, training=training,
                            evaluation=evaluation)
+    largest_units = [max((size for _, size in mine), default=0) for mine in units]
     return mesh_peak(rank, plan.compiled, plan.mesh, plan.sharding, plan.stage_sizes, largest_units, group,
                      itemsize=itemsize, state_kinds=state_kinds, training=training, evaluation=evaluation,
-                     prefetch=plan.prefetch, master_itemsize=master_itemsize)
+                     prefetch=plan.prefetch, master_itemsize=master_itemsize, units=units)
 
 
 def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[int], *, itemsize: int,
@@ -340,6 +378,7 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
     schedule) each stage also runs its B on a zero output gradient: `during_backward` is the
     most its stash weighs meanwhile, `deferred` what it weighs after, until W."""
     x, stashed, boundary, largest, rebuilt, deferred, during, workspaces = inputs, [], [], [], [], [], [], []
+    stashed_by_layer = []
     for stage in stages:
         x = x.copy()
         boundary.append(x.nbytes)
@@ -347,19 +386,23 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
         spans = [(0, len(stage.layers))] if recompute_spans is None else recompute_spans[stage.index]
         most, scratch, stash, rebuilds = 0, 0, 0, []  # rebuilds: per span (its kept bytes, what its rebuild adds)
         kept = ActivationCache()  # the spans' inputs, each kept until its backward (targets are one array)
+        by_layer: list[int] = []  # (without recomputation) the stash after each layer's forward
         holder = kept.context(stage.index, 0)
         for first, stop in spans:
             before = kept.live_bytes
             if recompute_spans is not None:  # as the executor keeps it (the first and last stages load targets)
                 holder.save(("input", (first, stop)), x, targets if last or stage.index == 0 else None)
             cache = ActivationCache()  # what the span stashes (rebuilt, under recomputation)
+            after_each = ((lambda cache=cache, by_layer=by_layer: by_layer.append(cache.live_bytes))
+                          if recompute_spans is None else None)
             ctx = cache.context(stage.index, 0, sample_ids=range(len(inputs)), seed=seed)
             # its backward pops the kept input before it reruns: the rebuild adds what lies beyond it
             popped = x.nbytes if recompute_spans is not None else 0
-            x, output, temporary = _forward_zeros(stage, first, stop, x, ctx)
+            x, output, temporary = _forward_zeros(stage, first, stop, x, ctx, after_each)
             most, scratch = max(most, output), max(scratch, temporary)
             if last and stop == len(stage.layers):
                 loss_fn.forward(x, targets, ctx, len(inputs))
+                by_layer[-1:] = [cache.live_bytes] if by_layer else []  # the loss's stash with the last layer's
             stash = cache.peak_bytes
             rebuilds.append((kept.live_bytes - before, cache.peak_bytes - popped))
             if split:  # (never with recomputation: train/config/parallelism.py)
@@ -374,18 +417,19 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
         most_rebuilt = max(max(0, adds - sum(later for later, _ in rebuilds[u + 1:])) for u, (_, adds) in
                            enumerate(rebuilds))
         stashed.append(stash if recompute_spans is None else kept.live_bytes)
+        stashed_by_layer.append(tuple(by_layer))
         rebuilt.append(most_rebuilt)
         largest.append(most)
         workspaces.append(scratch)
     return ActivationBytes(tuple(stashed), tuple(boundary), tuple(largest),
                            tuple(rebuilt) if recompute_spans is not None else (), tuple(deferred), tuple(during),
-                           tuple(workspaces))
+                           tuple(workspaces), tuple(stashed_by_layer) if recompute_spans is None else ())
 
 
-def _forward_zeros(stage: Stage, first: int, stop: int, x, ctx) -> tuple[object, int]:
-    """Layers [first, stop) of `stage` on x with zero weights, bound one layer at a time;
-    returns the output, the largest output on the way (inner layers' included) and the
-    largest workspace of a layer."""
+def _forward_zeros(stage: Stage, first: int, stop: int, x, ctx, after_each=None) -> tuple[object, int]:
+    """Layers [first, stop) of `stage` on x with zero weights, bound one layer at a time
+    (`after_each()` called after each); returns the output, the largest output on the way
+    (inner layers' included) and the largest workspace of a layer."""
     most = workspace = 0
     for layer in stage.layers[first:stop]:
         inner = _largest_inner_output(layer, x.shape, x.dtype.itemsize) if x.dtype.kind == "f" else 0
@@ -394,6 +438,8 @@ def _forward_zeros(stage: Stage, first: int, stop: int, x, ctx) -> tuple[object,
         with _zero_bound(stage, layer):
             x = layer.forward(x, ctx)
         most = max(most, x.nbytes, inner)
+        if after_each is not None:
+            after_each()
     return x, most, workspace
 
 

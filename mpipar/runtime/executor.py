@@ -136,9 +136,9 @@ class Executor:
         plan_peak's keyword arguments (the caller predicts; the runtime does not import what predicts it)."""
         rank = self.comm.rank if rank is None else rank
         group = len(self.comm.subset_layout(self.mesh.replica_group(self.mesh.worker(rank)))[0])
-        units = [max((last - first for _, _, first, last in make_units(stage, self.unit_bytes)), default=0)
+        units = [[(first, stop - start) for first, _, start, stop in make_units(stage, self.unit_bytes)]
                  for stage in self.stages]
-        return dict(largest_units=units, group=group, itemsize=self.dtype.itemsize, state_kinds=self.state_kinds,
+        return dict(units=units, group=group, itemsize=self.dtype.itemsize, state_kinds=self.state_kinds,
                     master_itemsize=self.master_itemsize)
 
     # -- runs of steps ---------------------------------------------------------------------

@@ -166,11 +166,12 @@ class DataParallel(Pipeline):
         if predicted.total <= limit:
             return None
         facts, fits = engine.peak_facts(), []  # one stage, shared by every rank
+        largest = max((size for _, size in facts["units"][0]), default=0)
         for name, sharding in NAMED_SHARDINGS.items():
-            peak = data_parallel_peak(sharding, engine.plan.stage_sizes[0], facts["largest_units"][0],
-                                      self.world_size, facts["group"], itemsize=facts["itemsize"],
-                                      state_kinds=facts["state_kinds"], training=activations[0],
-                                      evaluation=activations[1], prefetch=engine.plan.prefetch)
+            peak = data_parallel_peak(sharding, engine.plan.stage_sizes[0], largest, self.world_size, facts["group"],
+                                      itemsize=facts["itemsize"], state_kinds=facts["state_kinds"],
+                                      training=activations[0], evaluation=activations[1],
+                                      prefetch=engine.plan.prefetch, units=facts["units"][0])
             if peak.total <= limit:
                 fits.append(f"{name} ({format_bytes(peak.total)})")
         advice = (f"; {' or '.join(fits)} fit" if fits else
