@@ -51,11 +51,13 @@ from mpipar.schedule.sharding import (
     Scope,
     Sharding,
     StateBytes,
+    UnitSizes,
     bytes_per_rank,
     compute_spans,
     default_units,
-    make_units,
+    largest_unit,
     unit_bytes_for,
+    unit_sizes,
 )
 
 ITEMSIZE_DTYPES = {8: "float64", 4: "float32", 2: "float16"}  # the dry run's arithmetic, by element size
@@ -134,7 +136,7 @@ class Layout:
     evaluation: ActivationBytes
     tensor: int = 1
     tensor_sent: tuple[float, ...] = ()  # per stage: what a rank of a tensor group sends a micro-batch
-    units: list[list[tuple[int, int]]] | None = None  # per stage, each unit's first layer and elements
+    units: list[UnitSizes] | None = None  # per stage, each unit's first layer and elements
 
     def held(self, worker: int) -> list[int]:
         return [s for s, size in enumerate(self.stage_sizes) if worker in self.compiled.holders[s] and size]
@@ -176,12 +178,11 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
         laid_out = build_stages(model, stages or 1, backend, 0, materialize=False)
         sizes = [stage.flat.size for stage in laid_out]
         unit_bytes = unit_bytes_for(ddp, bucket_mb)
-        unit_layers = [[(first, stop - start) for first, _, start, stop in make_units(stage, unit_bytes)]
-                       for stage in laid_out]
-        units = [max((size for _, size in mine), default=0) for mine in unit_layers]
+        unit_layers = [unit_sizes(stage, unit_bytes) for stage in laid_out]
+        units = [largest_unit(mine) for mine in unit_layers]
         segment = recompute_segment(recompute)
         spans = (None if segment is None else
-                 compute_spans(laid_out, replica_shared_stages(mesh, sizes), unit_bytes_for(ddp, bucket_mb), segment))
+                 compute_spans(laid_out, replica_shared_stages(mesh, sizes), unit_bytes, segment))
         training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch or micro_batch, seed=0,
                                        to_device=lambda inputs, targets: (backend.inputs(inputs), targets),
                                        recompute_spans=spans, split=config.parallel.strategy().split_backward)

@@ -48,7 +48,7 @@ from mpipar.schedule.instructions import (
 from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.plans import CdpPlan, PipelinePlan
 from mpipar.schedule.program import Compiled
-from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Scope, Sharding, sharing_ranks
+from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Scope, Sharding, UnitSizes, largest_unit, sharing_ranks
 from mpipar.schedule.strategies import FORWARD
 
 SEND_LIFETIME = 3  # time steps a CDP send's buffer may live: posted, received, its completion seen
@@ -109,7 +109,7 @@ class Peak:
 def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, world_size: int, group_size: int, *,
                        itemsize: int, state_kinds: int, training: ActivationBytes,
                        evaluation: ActivationBytes | None = None, prefetch: int = 1,
-                       master_itemsize: int = 0, units: list[tuple[int, int]] | None = None) -> Peak:
+                       master_itemsize: int = 0, units: UnitSizes | None = None) -> Peak:
     """The peak of one rank of a stage shared by its replica group (per rank sizes rounded up).
     `master_itemsize` (--precision fp16): the optimizer keeps master weights of its blocks in
     that size, its state too, and reads their gradients in it (precision.py). With `units`
@@ -253,7 +253,7 @@ def composed_peak(pipeline: Peak, shares: list[Peak]) -> Peak:
 def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, stage_sizes: list[int],
               largest_units: list[int], group_size: int, *, itemsize: int, state_kinds: int,
               training: ActivationBytes, evaluation: ActivationBytes | None = None, prefetch: int = 1,
-              master_itemsize: int = 0, units: list[list[tuple[int, int]]] | None = None) -> Peak:
+              master_itemsize: int = 0, units: list[UnitSizes] | None = None) -> Peak:
     """The peak of `rank` running `compiled` on `mesh`, each stage shared among its replica
     group by `sharding` (`group_size`: the group's ranks in one node; `largest_units`: per
     stage; `units`: per stage, each unit's first layer and elements, where known). Data
@@ -276,7 +276,7 @@ def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, sta
 
 
 def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes,
-              evaluation: ActivationBytes | None, steps: int, *, units: list[list[tuple[int, int]]], group: int,
+              evaluation: ActivationBytes | None, steps: int, *, units: list[UnitSizes], group: int,
               itemsize: int, state_kinds: int, master_itemsize: int = 0) -> Peak:
     """The most `rank` should hold at once over a run of `steps` steps of `plan`. A pipeline
     plan compiles every rank's program, so any rank's peak is predicted anywhere; a CDP plan
@@ -285,7 +285,7 @@ def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes
         return cyclic_peak(plan.program(0, steps).program, rank, plan.layout, plan.rule, plan.stage_sizes,
                            itemsize=plan.itemsize, state_kinds=plan.state_kinds, training=training,
                            evaluation=evaluation)
-    largest_units = [max((size for _, size in mine), default=0) for mine in units]
+    largest_units = [largest_unit(mine) for mine in units]
     return mesh_peak(rank, plan.compiled, plan.mesh, plan.sharding, plan.stage_sizes, largest_units, group,
                      itemsize=itemsize, state_kinds=state_kinds, training=training, evaluation=evaluation,
                      prefetch=plan.prefetch, master_itemsize=master_itemsize, units=units)

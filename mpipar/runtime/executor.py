@@ -65,7 +65,7 @@ from mpipar.schedule.instructions import (
     Update,
 )
 from mpipar.schedule.plans import Plan, Run
-from mpipar.schedule.sharding import make_units
+from mpipar.schedule.sharding import unit_sizes
 from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
 
 TAG_KIND = {ItemKind.INPUT: Kind.ACTIVATION, ItemKind.OUTPUT_GRADIENT: Kind.GRADIENT, ItemKind.WEIGHTS: Kind.WEIGHTS,
@@ -136,10 +136,8 @@ class Executor:
         plan_peak's keyword arguments (the caller predicts; the runtime does not import what predicts it)."""
         rank = self.comm.rank if rank is None else rank
         group = len(self.comm.subset_layout(self.mesh.replica_group(self.mesh.worker(rank)))[0])
-        units = [[(first, stop - start) for first, _, start, stop in make_units(stage, self.unit_bytes)]
-                 for stage in self.stages]
-        return dict(units=units, group=group, itemsize=self.dtype.itemsize, state_kinds=self.state_kinds,
-                    master_itemsize=self.master_itemsize)
+        return dict(units=[unit_sizes(stage, self.unit_bytes) for stage in self.stages], group=group,
+                    itemsize=self.dtype.itemsize, state_kinds=self.state_kinds, master_itemsize=self.master_itemsize)
 
     # -- runs of steps ---------------------------------------------------------------------
     def run_steps(self, first_step: int, steps: int, load: Load, *, seed: int, batch_size: int,

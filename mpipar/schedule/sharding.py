@@ -252,6 +252,19 @@ def make_units(stage: Stage, unit_bytes: float) -> list[tuple[int, int, int, int
     return [tuple(unit) for unit in reversed(units)]
 
 
+UnitSizes = list[tuple[int, int]]  # (first layer, elements) of each unit of a stage, in forward order
+
+
+def unit_sizes(stage: Stage, unit_bytes: float) -> UnitSizes:
+    """Each unit's first layer and elements (make_units), what predicting a peak needs."""
+    return [(first, stop - start) for first, _, start, stop in make_units(stage, unit_bytes)]
+
+
+def largest_unit(units: UnitSizes) -> int:
+    """The elements of the largest of `units` (0 for a stage without parameters)."""
+    return max((elements for _, elements in units), default=0)
+
+
 def unit_spans(stage: Stage, unit_bytes: float) -> list[tuple[int, int]]:
     """The range of layers each unit's Compute runs: from its first layer to the next unit's
     first (every layer belongs to one unit; those without parameters run with the unit

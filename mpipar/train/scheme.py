@@ -32,7 +32,7 @@ from mpipar.runtime.gathered_activations import describe as describe_gathered
 from mpipar.schedule.plans import CdpPlan, PipelinePlan, Plan
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
-from mpipar.schedule.sharding import NAMED_SHARDINGS, bytes_per_rank, make_units, unit_bytes_for
+from mpipar.schedule.sharding import NAMED_SHARDINGS, bytes_per_rank, largest_unit, make_units, unit_bytes_for
 from mpipar.train.config import TrainConfig
 from mpipar.units import format_bytes
 
@@ -166,7 +166,7 @@ class DataParallel(Pipeline):
         if predicted.total <= limit:
             return None
         facts, fits = engine.peak_facts(), []  # one stage, shared by every rank
-        largest = max((size for _, size in facts["units"][0]), default=0)
+        largest = largest_unit(facts["units"][0])
         for name, sharding in NAMED_SHARDINGS.items():
             peak = data_parallel_peak(sharding, engine.plan.stage_sizes[0], largest, self.world_size, facts["group"],
                                       itemsize=facts["itemsize"], state_kinds=facts["state_kinds"],
