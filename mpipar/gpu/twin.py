@@ -52,14 +52,16 @@ PART = 1 << 16  # elements a twin kernel computes at a time
 
 def _in_parts(*cut: int):
     """A twin kernel run on parts of its arguments numbered `cut` (every array, if none is
-    named), cut along their first axis into parts of about PART elements. A kernel computes
-    each element in registers, so the device's pool holds no temporary as large as its
-    arrays; NumPy's whole-array steps would make several, and the stand-in's peak (what the
-    memory tests read) would be the twin's, not mpipar's."""
+    named), cut along their first axis into parts of about PART elements, and handed the
+    memory behind its stand-in arrays. A kernel computes each element in registers, so the
+    device's pool holds no temporary: NumPy's steps make temporaries, which stay host arrays
+    (the stand-in's peak, what the memory tests read, counts none of them), and work on parts,
+    so that the host does not hold several arrays of the kernel's size either."""
     def in_parts(kernel):
         @functools.wraps(kernel)
         def run(*arguments) -> None:
             cut_here = cut or [i for i, argument in enumerate(arguments) if isinstance(argument, StandInArray)]
+            arguments = [memory_of(a) if isinstance(a, StandInArray) else a for a in arguments]
             first = arguments[cut_here[0]]
             step = max(1, PART * first.shape[0] // max(1, first.size))
             for start in range(0, first.shape[0], step):
