@@ -32,26 +32,30 @@ from mpipar.cache import ActivationCache
 from mpipar.models.sequential import Stage
 from mpipar.optim.optimizers import CHUNK
 from mpipar.schedule.cyclic import item_homes, persistent_items
+from mpipar.schedule.flow import job_flow
 from mpipar.schedule.instructions import (
     Backward,
     Compute,
+    CyclicJob,
     Drop,
     EndTimeStep,
     FetchWeights,
     Forward,
+    GatherUnit,
     Item,
     ItemKind,
     Receive,
+    ReduceUnit,
+    ReleaseUnit,
     Send,
     Update,
 )
 from mpipar.schedule.mesh import Mesh
-from mpipar.schedule.plans import CdpPlan, PipelinePlan
+from mpipar.schedule.plans import CdpPlan, PipelinePlan, Run
 from mpipar.schedule.program import Compiled
 from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Scope, Sharding, UnitSizes, largest_unit, sharing_ranks
-from mpipar.schedule.strategies import FORWARD
+from mpipar.schedule.strategies import BACKWARD, FORWARD
 
-SEND_LIFETIME = 3  # time steps a CDP send's buffer may live: posted, received, its completion seen
 INSTRUCTION_BYTES = 160  # a compiled CDP instruction held in memory (116-153 B measured with tracemalloc)
 
 
@@ -108,14 +112,14 @@ class Peak:
 
 def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, world_size: int, group_size: int, *,
                        itemsize: int, state_kinds: int, training: ActivationBytes,
-                       evaluation: ActivationBytes | None = None, prefetch: int = 1,
+                       evaluation: ActivationBytes | None = None, prefetch: int = 1, micro_batches: int = 1,
                        master_itemsize: int = 0, units: UnitSizes | None = None) -> Peak:
     """The peak of one rank of a stage shared by its replica group (per rank sizes rounded up).
     `master_itemsize` (--precision fp16): the optimizer keeps master weights of its blocks in
     that size, its state too, and reads their gradients in it (precision.py). With `units`
     ((first layer, elements) of each, in forward order) and the dry run's stash layer by layer,
-    a sharded flow's transients are those of its worst moment (`_worst_moment`); without
-    them, each transient at its most at once (a bound)."""
+    the transients are those of the worst moment of a step of `micro_batches` (`_flow_walk`);
+    without them, each transient at its most at once (a bound)."""
     P, G, OS = sharding.triple
     share = {scope: sharing_ranks(scope, world_size, group_size) for scope in Scope}
     secondary = math.ceil(parameters / group_size) if sharding.secondary else 0  # ZeRO++'s copy in the group
@@ -141,39 +145,71 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
     step = {"gathered units": gathered, "unit gradients": gradients, "spare": spare,
             "collective scratch": scratch, "activations": training.training()}
     stash_after = training.stashed_by_layer[0] if training.stashed_by_layer else ()
-    if spare and units and stash_after and training.rebuilt([0]) == 0:
-        ring = group_size if sharding.nested else world_size
-        step = _worst_moment([elements * itemsize for _, elements in units], [first for first, _ in units],
-                             stash_after, training.in_flight([0]), gathers=P != Scope.REPLICATED,
-                             reduces=G != Scope.REPLICATED, prefetch=prefetch, ring=ring)
+    if units and stash_after and training.rebuilt([0]) == 0:
+        ring = (group_size if sharding.nested else world_size) if G != Scope.REPLICATED else world_size
+        step = _flow_walk(sharding, [elements * itemsize for _, elements in units], [first for first, _ in units],
+                          stash_after, training.in_flight([0]), prefetch=prefetch, micro_batches=micro_batches,
+                          ring=ring)
     if evaluation is not None and gathered + evaluation.training() > sum(step.values()):
         step = {"gathered units": gathered, "spare": spare, "evaluation": evaluation.training()}
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
 
 
-def _worst_moment(sizes: list[int], firsts: list[int], stash_after: tuple[int, ...], in_flight: int, *,
-                  gathers: bool, reduces: bool, prefetch: int, ring: int) -> dict[str, int]:
-    """The transients of a sharded flow (runtime/sharded_stage.py) at its worst moment, walking the
-    units of `sizes` bytes (their layers from `firsts[u]` on) through a step. While unit u computes,
-    the stash is what the layers up to u's last have saved (`stash_after`, layer by layer), plus
-    what a layer has in flight. Forward: u and the `prefetch` units after it are gathered. Backward:
-    u and the `prefetch` units before it are gathered, u's gradient is open, and the
-    REDUCTIONS_IN_FLIGHT units after it are being reduce-scattered, each with a block of scratch
-    (none on one rank). The pool's spare is one unit, the largest."""
-    count, spare = len(sizes), max(sizes)
+def _flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_after: tuple[int, ...],
+               in_flight: int, *, prefetch: int, micro_batches: int, ring: int) -> dict[str, int]:
+    """The transients of a data-parallel step at its worst moment: the sharding flow's instructions
+    (schedule/flow.py) for `micro_batches`, each forward then backward, walked with the buffers
+    runtime/sharded_stage.py takes and gives for them, for units of `sizes` bytes (their layers
+    from `firsts[u]` on). While a unit computes, the stash is what the layers up to its last have
+    saved (`stash_after`, layer by layer), plus what a layer has in flight. GatherUnit takes a
+    unit of parameters, ReleaseUnit gives it back; a backward Compute takes the unit's gradient
+    where G is sharded, and ReduceUnit first waits for the reductions beyond REDUCTIONS_IN_FLIGHT - 1,
+    each giving its gradient back. The pool (comms/comm.py: ScratchPool) keeps the last buffer
+    given back, which a take of the same size reuses. A reduction in flight holds a block of
+    scratch, 1 / `ring` of its unit (none on one rank); where G is replicated, the last micro-batch's
+    all-reduces stay in flight to the step's end."""
+    reduces = sharding.gradients != Scope.REPLICATED
     stops = firsts[1:] + [len(stash_after)]
-    stash = [stash_after[stop - 1] + in_flight for stop in stops]  # while unit u computes, its own stash saved
-    moments = []
-    for u in range(count):
-        moments.append({"gathered units": sum(sizes[u:u + 1 + prefetch]) if gathers else 0, "spare": spare,
-                        "activations": stash[u]})
-    for u in range(count):
-        reducing = sizes[u + 1:u + 1 + REDUCTIONS_IN_FLIGHT] if reduces else []
-        moments.append({"gathered units": sum(sizes[max(0, u - prefetch):u + 1]) if gathers else 0,
-                        "unit gradients": (sizes[u] + sum(reducing)) if reduces else 0, "spare": spare,
-                        "collective scratch": sum(math.ceil(size / ring) for size in reducing) if ring > 1 else 0,
-                        "activations": stash[u]})
-    return max(moments, key=lambda moment: sum(moment.values()))
+    held = {"gathered units": 0, "unit gradients": 0}
+    pool = {"spare": 0}
+    reducing: list[int] = []  # units whose reduction is in flight
+    worst: dict[str, int] = {}
+
+    def take(kind: str, size: int) -> None:
+        held[kind] += size
+        if pool["spare"] == size:
+            pool["spare"] = 0
+
+    def give(kind: str, size: int) -> None:
+        held[kind] -= size
+        pool["spare"] = size
+
+    def moment(stash: int) -> None:
+        scratch = sum(math.ceil(sizes[v] / ring) for v in reducing) if ring > 1 else 0
+        now = {**held, **pool, "collective scratch": scratch, "activations": stash}
+        if sum(now.values()) > sum(worst.values()):
+            worst.clear()
+            worst.update(now)
+
+    for micro_batch in range(micro_batches):
+        for direction in (FORWARD, BACKWARD):
+            job = CyclicJob(0, micro_batch, 0, direction)
+            for instruction in job_flow(job, len(sizes), sharding, prefetch, first=micro_batch == 0,
+                                        last=micro_batch == micro_batches - 1):
+                if isinstance(instruction, GatherUnit):
+                    take("gathered units", sizes[instruction.unit])
+                elif isinstance(instruction, ReleaseUnit):
+                    give("gathered units", sizes[instruction.unit])
+                elif isinstance(instruction, Compute):
+                    if direction == BACKWARD and reduces:
+                        take("unit gradients", sizes[instruction.unit])
+                    moment(stash_after[stops[instruction.unit] - 1] + in_flight)
+                elif isinstance(instruction, ReduceUnit):
+                    while reduces and len(reducing) > REDUCTIONS_IN_FLIGHT - 1:
+                        give("unit gradients", sizes[reducing.pop(0)])
+                    reducing.append(instruction.unit)
+    moment(0)  # the backward done, its last reductions in flight
+    return {name: nbytes for name, nbytes in worst.items() if nbytes}
 
 
 def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, itemsize: int, state_kinds: int,
@@ -260,10 +296,11 @@ def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, sta
     parallelism (one worker, one stage) is the sharding flow's own figures."""
     worker = mesh.worker(rank)
     if mesh.workers == 1 and len(stage_sizes) == 1 and stage_sizes[0]:
+        micro_batches = sum(isinstance(instruction, Forward) for instruction in compiled.programs[worker])
         return data_parallel_peak(sharding, stage_sizes[0], largest_units[0], mesh.replicas, group_size,
                                   itemsize=itemsize, state_kinds=state_kinds, training=training,
-                                  evaluation=evaluation, prefetch=prefetch, master_itemsize=master_itemsize,
-                                  units=units[0] if units else None)
+                                  evaluation=evaluation, prefetch=prefetch, micro_batches=micro_batches,
+                                  master_itemsize=master_itemsize, units=units[0] if units else None)
     peak = pipeline_peak(worker, compiled, stage_sizes, itemsize=itemsize, state_kinds=state_kinds,
                          training=training, evaluation=evaluation, master_itemsize=master_itemsize)
     shared = [s for s, size in enumerate(stage_sizes) if worker in compiled.holders[s] and size]
@@ -282,40 +319,52 @@ def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes
     plan compiles every rank's program, so any rank's peak is predicted anywhere; a CDP plan
     keeps only its own rank's program."""
     if isinstance(plan, CdpPlan):
-        return cyclic_peak(plan.program(0, steps).program, rank, plan.layout, plan.rule, plan.stage_sizes,
+        return cyclic_peak(plan.program(0, steps), rank, plan.layout, plan.rule, plan.stage_sizes,
                            itemsize=plan.itemsize, state_kinds=plan.state_kinds, training=training,
-                           evaluation=evaluation)
+                           evaluation=evaluation, keeps_spare_weights=plan.keeps_spare_weights,
+                           master_itemsize=master_itemsize)
     largest_units = [largest_unit(mine) for mine in units]
     return mesh_peak(rank, plan.compiled, plan.mesh, plan.sharding, plan.stage_sizes, largest_units, group,
                      itemsize=itemsize, state_kinds=state_kinds, training=training, evaluation=evaluation,
                      prefetch=plan.prefetch, master_itemsize=master_itemsize, units=units)
 
 
-def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[int], *, itemsize: int,
-                state_kinds: int, training: ActivationBytes, evaluation: ActivationBytes | None = None) -> Peak:
-    """The peak of one rank of the CDP engine running `program` (its part of a CyclicPlan).
+def cyclic_peak(run: Run, rank: int, layout: str, rule: str, stage_sizes: list[int], *, itemsize: int,
+                state_kinds: int, training: ActivationBytes, evaluation: ActivationBytes | None = None,
+                keeps_spare_weights: bool = True, master_itemsize: int = 0) -> Peak:
+    """The peak of one rank of the CDP engine running `run` (its part of a CyclicPlan).
 
     The program says when every item comes and goes on this rank: a receive or a job
-    makes one, a Drop forgets it; an update makes the next weight version. Walking it
-    gives the most item bytes alive at once, and the stashes of the micro-batches between
-    their forward and backward here (an input item is also counted in its stage's stash
-    while both live: a bound). A send's buffer outlives its Drop until the send completes:
-    posted at the end of a time step, received in the next, and seen complete by the sender
-    at its next poll, it is counted for SEND_LIFETIME time steps. The program itself is
-    held for the run: about INSTRUCTION_BYTES an instruction, so it grows with the run."""
+    makes one, a Drop forgets it, an update makes the next weight version, in the buffer
+    `run.weight_plan` says (runtime/item_store.py: the old one overwritten, or the old
+    version copied aside into a version only dropped from then on, into the stage's spare,
+    else into a new buffer). A dropped version of a stage this rank updates is kept as that
+    spare where `keeps_spare_weights`. Walking the program gives the most item bytes alive
+    at once, with the stashes of the micro-batches between their forward and backward here
+    (an input item is also counted in its stage's stash while both live: a bound). A sent
+    item outlives its Drop until the end of its time step, where EndTimeStep completes the
+    sends of the buffers dropped (runtime/executor.py). `master_itemsize` (--precision
+    fp16): the optimizer state item holds master weights too, in that size, and the update
+    reads the gradient widened. The program itself is held for the run: about
+    INSTRUCTION_BYTES an instruction, so it grows with the run."""
     count = len(stage_sizes)
     weights = [size * itemsize for size in stage_sizes]
+    state = [(state_kinds + 1) * size * master_itemsize if master_itemsize else state_kinds * size * itemsize
+             for size in stage_sizes]
     size_of = {ItemKind.INPUT: lambda s: training.inputs[s],
                ItemKind.OUTPUT_GRADIENT: lambda s: _output_bytes(training, s),
                ItemKind.WEIGHTS: weights.__getitem__, ItemKind.GRADIENT_SUM: weights.__getitem__,
-               ItemKind.OPTIMIZER_STATE: lambda s: state_kinds * weights[s]}
+               ItemKind.OPTIMIZER_STATE: state.__getitem__}
     alive = {item: size_of[item.kind](item.stage) for item in persistent_items(rule, count, 0)
              if rank in item_homes(layout, rule, count, item, 0)}
-    steady = {"home state": sum(alive.values()), "compiled program": len(program) * INSTRUCTION_BYTES}
+    steady = {"home state": sum(alive.values()), "compiled program": len(run.program) * INSTRUCTION_BYTES}
+    spares: dict[int, int] = {}  # per stage: a dropped weight version kept for the next copy aside
+    taken_over: set[Item] = set()  # versions whose buffer an update gave to another version
+    sent: set[Item] = set()
+    lingering = 0  # the bytes of the items dropped in this time step that a send may still read
     stashed, most = 0, sum(alive.values())
-    sent_per_time_step, sent = [], 0
     updated = set()
-    for instruction in program:
+    for instruction in run.program:
         made = None
         if isinstance(instruction, Receive):
             made = instruction.item
@@ -330,26 +379,43 @@ def cyclic_peak(program, rank: int, layout: str, rule: str, stage_sizes: list[in
             if not forward and instruction.new_gradient:
                 alive[Item(ItemKind.GRADIENT_SUM, job.stage, job.step)] = weights[job.stage]
         elif isinstance(instruction, Update):
-            made = Item(ItemKind.WEIGHTS, instruction.stage, instruction.step + 1)
-            updated.add(instruction.stage)
+            s, old = instruction.stage, Item(ItemKind.WEIGHTS, instruction.stage, instruction.step)
+            made = Item(ItemKind.WEIGHTS, s, instruction.step + 1)
+            overwrite, done = run.weight_plan[(s, instruction.step)]
+            if overwrite:  # the new version is the old one's buffer
+                alive.pop(old, None)
+                taken_over.add(old)
+            elif done is not None:  # the old version is copied into a version only dropped from now on
+                alive.pop(done, None)
+                taken_over.add(done)
+            else:  # into the stage's spare, else a new buffer: the new version is the old one's buffer
+                spares.pop(s, None)
+            updated.add(s)
         elif isinstance(instruction, Send):
-            sent += size_of[instruction.item.kind](instruction.item.stage)
+            sent.add(instruction.item)
         elif isinstance(instruction, Drop):
-            alive.pop(instruction.item, None)
-        elif isinstance(instruction, EndTimeStep):
-            sent_per_time_step.append(sent)
-            sent = 0
+            item = instruction.item
+            if item in taken_over:
+                taken_over.remove(item)
+                continue
+            nbytes = alive.pop(item, 0)
+            if item.kind == ItemKind.WEIGHTS and keeps_spare_weights and item.stage in updated \
+                    and item.stage not in spares:
+                spares[item.stage] = nbytes
+            elif item in sent:
+                lingering += nbytes
+        elif isinstance(instruction, EndTimeStep):  # it completes the sends of the buffers dropped
+            lingering = 0
         if made is not None:
             alive[made] = size_of[made.kind](made.stage)
-        most = max(most, sum(alive.values()) + stashed)
-    sends = max((sum(sent_per_time_step[t:t + SEND_LIFETIME]) for t in range(len(sent_per_time_step))), default=0)
+        most = max(most, sum(alive.values()) + stashed + sum(spares.values()) + lingering)
     computed = range(count)  # every rank may compute every stage (dp, zero); a bound for pp and mp
+    largest_updated = max((stage_sizes[s] for s in updated), default=0)
     step = {"items and stashes": most - steady["home state"],
             "layer outputs": training.in_flight(computed),
             "loaded inputs": training.inputs[0],
-            "sends in flight": sends,
-            "spare weights": sum(weights[s] for s in updated),
-            "workspace": min(CHUNK * itemsize, max((weights[s] for s in updated), default=0))}
+            "workspace": ((largest_updated + min(CHUNK, largest_updated)) * master_itemsize if master_itemsize
+                          else min(CHUNK, largest_updated) * itemsize)}
     if evaluation is not None:  # each stage in turn, broadcast from a home rank
         evaluating = {"broadcast stages": 2 * max(weights), "evaluation": evaluation.training()}
         if sum(evaluating.values()) > sum(step.values()):

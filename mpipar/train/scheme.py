@@ -171,7 +171,8 @@ class DataParallel(Pipeline):
             peak = data_parallel_peak(sharding, engine.plan.stage_sizes[0], largest, self.world_size, facts["group"],
                                       itemsize=facts["itemsize"], state_kinds=facts["state_kinds"],
                                       training=activations[0], evaluation=activations[1],
-                                      prefetch=engine.plan.prefetch, units=facts["units"][0])
+                                      prefetch=engine.plan.prefetch, micro_batches=engine.plan.micro_batches,
+                                      units=facts["units"][0])
             if peak.total <= limit:
                 fits.append(f"{name} ({format_bytes(peak.total)})")
         advice = (f"; {' or '.join(fits)} fit" if fits else
