@@ -112,14 +112,16 @@ class Peak:
 
 def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, world_size: int, group_size: int, *,
                        itemsize: int, state_kinds: int, training: ActivationBytes,
-                       evaluation: ActivationBytes | None = None, prefetch: int = 1, micro_batches: int = 1,
-                       master_itemsize: int = 0, units: UnitSizes | None = None) -> Peak:
+                       evaluation: ActivationBytes | None = None, prefetch: int = 1,
+                       jobs: tuple[str, ...] = (FORWARD, BACKWARD), master_itemsize: int = 0,
+                       units: UnitSizes | None = None, stage: int = 0) -> Peak:
     """The peak of one rank of a stage shared by its replica group (per rank sizes rounded up).
     `master_itemsize` (--precision fp16): the optimizer keeps master weights of its blocks in
     that size, its state too, and reads their gradients in it (precision.py). With `units`
     ((first layer, elements) of each, in forward order) and the dry run's stash layer by layer,
-    the transients are those of the worst moment of a step of `micro_batches` (`_flow_walk`);
-    without them, each transient at its most at once (a bound)."""
+    the transients are those of the worst moment of a step of the model's stage `stage` whose jobs
+    run in the directions `jobs` (`_flow_walk`; under recomputation, with the kept inputs and the
+    largest rebuild throughout); without units, each transient at its most at once (a bound)."""
     P, G, OS = sharding.triple
     share = {scope: sharing_ranks(scope, world_size, group_size) for scope in Scope}
     secondary = math.ceil(parameters / group_size) if sharding.secondary else 0  # ZeRO++'s copy in the group
@@ -144,29 +146,31 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
     spare = unit if P != Scope.REPLICATED or G != Scope.REPLICATED else 0
     step = {"gathered units": gathered, "unit gradients": gradients, "spare": spare,
             "collective scratch": scratch, "activations": training.training()}
-    stash_after = training.stashed_by_layer[0] if training.stashed_by_layer else ()
-    if units and stash_after and training.rebuilt([0]) == 0:
+    if units:  # the stash layer by layer; under recomputation (none recorded) the kept inputs throughout
+        stash_after = (training.stashed_by_layer[stage] if training.stashed_by_layer
+                       else (training.stashed[stage],) * (units[-1][0] + 1))
         ring = (group_size if sharding.nested else world_size) if G != Scope.REPLICATED else world_size
         step = _flow_walk(sharding, [elements * itemsize for _, elements in units], [first for first, _ in units],
-                          stash_after, training.in_flight([0]), prefetch=prefetch, micro_batches=micro_batches,
-                          ring=ring)
+                          stash_after, training.in_flight([stage]) + training.rebuilt([stage]), prefetch=prefetch,
+                          jobs=jobs, ring=ring)
     if evaluation is not None and gathered + evaluation.training() > sum(step.values()):
         step = {"gathered units": gathered, "spare": spare, "evaluation": evaluation.training()}
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
 
 
 def _flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_after: tuple[int, ...],
-               in_flight: int, *, prefetch: int, micro_batches: int, ring: int) -> dict[str, int]:
+               in_flight: int, *, prefetch: int, jobs: tuple[str, ...], ring: int) -> dict[str, int]:
     """The transients of a data-parallel step at its worst moment: the sharding flow's instructions
-    (schedule/flow.py) for `micro_batches`, each forward then backward, walked with the buffers
+    (schedule/flow.py) for a stage's jobs, in the directions `jobs` in order, walked with the buffers
     runtime/sharded_stage.py takes and gives for them, for units of `sizes` bytes (their layers
     from `firsts[u]` on). While a unit computes, the stash is what the layers up to its last have
-    saved (`stash_after`, layer by layer), plus what a layer has in flight. GatherUnit takes a
+    saved (`stash_after`, layer by layer), plus what a layer has in flight, plus the whole stashes
+    of the micro-batches between their forward and backward (a pipeline's jobs interleave). GatherUnit takes a
     unit of parameters, ReleaseUnit gives it back; a backward Compute takes the unit's gradient
     where G is sharded, and ReduceUnit first waits for the reductions beyond REDUCTIONS_IN_FLIGHT - 1,
     each giving its gradient back. The pool (comms/comm.py: ScratchPool) keeps the last buffer
     given back, which a take of the same size reuses. A reduction in flight holds a block of
-    scratch, 1 / `ring` of its unit (none on one rank); where G is replicated, the last micro-batch's
+    scratch, 1 / `ring` of its unit (none on one rank); where G is replicated, the last backward's
     all-reduces stay in flight to the step's end."""
     reduces = sharding.gradients != Scope.REPLICATED
     stops = firsts[1:] + [len(stash_after)]
@@ -174,6 +178,7 @@ def _flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_af
     pool = {"spare": 0}
     reducing: list[int] = []  # units whose reduction is in flight
     worst: dict[str, int] = {}
+    waiting = 0  # micro-batches stashed whole, their backward to come
 
     def take(kind: str, size: int) -> None:
         held[kind] += size
@@ -191,23 +196,27 @@ def _flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_af
             worst.clear()
             worst.update(now)
 
-    for micro_batch in range(micro_batches):
-        for direction in (FORWARD, BACKWARD):
-            job = CyclicJob(0, micro_batch, 0, direction)
-            for instruction in job_flow(job, len(sizes), sharding, prefetch, first=micro_batch == 0,
-                                        last=micro_batch == micro_batches - 1):
-                if isinstance(instruction, GatherUnit):
-                    take("gathered units", sizes[instruction.unit])
-                elif isinstance(instruction, ReleaseUnit):
-                    give("gathered units", sizes[instruction.unit])
-                elif isinstance(instruction, Compute):
-                    if direction == BACKWARD and reduces:
-                        take("unit gradients", sizes[instruction.unit])
-                    moment(stash_after[stops[instruction.unit] - 1] + in_flight)
-                elif isinstance(instruction, ReduceUnit):
-                    while reduces and len(reducing) > REDUCTIONS_IN_FLIGHT - 1:
-                        give("unit gradients", sizes[reducing.pop(0)])
-                    reducing.append(instruction.unit)
+    totals = {direction: jobs.count(direction) for direction in jobs}
+    done = dict.fromkeys(totals, 0)  # per direction, the jobs walked
+    for direction in jobs:
+        job = CyclicJob(0, done[direction], 0, direction)
+        first, last = done[direction] == 0, done[direction] == totals[direction] - 1
+        done[direction] += 1
+        waiting -= direction == BACKWARD
+        for instruction in job_flow(job, len(sizes), sharding, prefetch, first=first, last=last):
+            if isinstance(instruction, GatherUnit):
+                take("gathered units", sizes[instruction.unit])
+            elif isinstance(instruction, ReleaseUnit):
+                give("gathered units", sizes[instruction.unit])
+            elif isinstance(instruction, Compute):
+                if direction == BACKWARD and reduces:
+                    take("unit gradients", sizes[instruction.unit])
+                moment(waiting * stash_after[-1] + stash_after[stops[instruction.unit] - 1] + in_flight)
+            elif isinstance(instruction, ReduceUnit):
+                while reduces and len(reducing) > REDUCTIONS_IN_FLIGHT - 1:
+                    give("unit gradients", sizes[reducing.pop(0)])
+                reducing.append(instruction.unit)
+        waiting += direction == FORWARD
     moment(0)  # the backward done, its last reductions in flight
     return {name: nbytes for name, nbytes in worst.items() if nbytes}
 
@@ -269,12 +278,22 @@ def _brought_stages(lacked: list[int]) -> int:
     return max((size + (before if before != size else 0) for before, size in zip([0] + lacked, lacked)), default=0)
 
 
-def composed_peak(pipeline: Peak, shares: list[Peak]) -> Peak:
+def composed_peak(pipeline: Peak, shares: list[Peak], walked: bool = False) -> Peak:
     """A pipeline rank whose stages are shared by replica groups (mesh.py): the pipeline's
     activations and messages, the state of each stage it holds as data parallelism over
     the replica group keeps it (`shares`, from data_parallel_peak), and the largest of
-    those stages' communication transients (a rank runs one stage's job at a time)."""
+    those stages' communication transients (a rank runs one stage's job at a time). Where the
+    rank computes one stage and its share was `walked` through the rank's jobs of it
+    (`_flow_walk`), the share's worst moment, its stashes included, replaces the pipeline's
+    activations."""
     steady = {kind: sum(share.steady[kind] for share in shares) for kind in shares[0].steady}
+    if walked:  # the pipeline's figures are its evaluation's, or training's besides the activations
+        evaluating = "evaluation" in pipeline.transients
+        messages = {} if evaluating else {name: nbytes for name, nbytes in pipeline.transients.items()
+                                          if name != "activations"}
+        training = {**messages, **shares[0].transients}
+        return Peak(steady, max(training, pipeline.transients if evaluating else {},
+                                key=lambda transients: sum(transients.values())))
     activations = ("activations", "evaluation")  # the pipeline's figures already count them
 
     def communication(share: Peak) -> dict[str, float]:
@@ -296,20 +315,29 @@ def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, sta
     parallelism (one worker, one stage) is the sharding flow's own figures."""
     worker = mesh.worker(rank)
     if mesh.workers == 1 and len(stage_sizes) == 1 and stage_sizes[0]:
-        micro_batches = sum(isinstance(instruction, Forward) for instruction in compiled.programs[worker])
         return data_parallel_peak(sharding, stage_sizes[0], largest_units[0], mesh.replicas, group_size,
                                   itemsize=itemsize, state_kinds=state_kinds, training=training,
-                                  evaluation=evaluation, prefetch=prefetch, micro_batches=micro_batches,
+                                  evaluation=evaluation, prefetch=prefetch, jobs=_jobs(compiled.programs[worker], 0),
                                   master_itemsize=master_itemsize, units=units[0] if units else None)
     peak = pipeline_peak(worker, compiled, stage_sizes, itemsize=itemsize, state_kinds=state_kinds,
                          training=training, evaluation=evaluation, master_itemsize=master_itemsize)
     shared = [s for s, size in enumerate(stage_sizes) if worker in compiled.holders[s] and size]
     if mesh.replicas == 1 or not shared:
         return peak
-    return composed_peak(peak, [data_parallel_peak(sharding, stage_sizes[s], largest_units[s], mesh.replicas,
-                                                   group_size, itemsize=itemsize, state_kinds=state_kinds,
-                                                   training=training, prefetch=prefetch,
-                                                   master_itemsize=master_itemsize) for s in shared])
+    program = compiled.programs[worker]
+    computed = {i.stage for i in program if isinstance(i, (Forward, Backward))}
+    walked = (computed == set(shared) == {shared[0]} and bool(units) and bool(training.stashed_by_layer)
+              and training.rebuilt(shared) == 0 and not training.deferred)
+    return composed_peak(peak, [data_parallel_peak(
+        sharding, stage_sizes[s], largest_units[s], mesh.replicas, group_size, itemsize=itemsize,
+        state_kinds=state_kinds, training=training, prefetch=prefetch, master_itemsize=master_itemsize,
+        jobs=_jobs(program, s), units=units[s] if units else None, stage=s) for s in shared], walked)
+
+
+def _jobs(program, stage: int) -> tuple[str, ...]:
+    """The directions of `stage`'s jobs in a rank's pipeline program, in order."""
+    return tuple(FORWARD if isinstance(i, Forward) else BACKWARD for i in program
+                 if isinstance(i, (Forward, Backward)) and i.stage == stage)
 
 
 def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes,

@@ -33,6 +33,7 @@ from mpipar.schedule.plans import CdpPlan, PipelinePlan, Plan
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
 from mpipar.schedule.sharding import NAMED_SHARDINGS, bytes_per_rank, largest_unit, make_units, unit_bytes_for
+from mpipar.schedule.strategies import BACKWARD, FORWARD
 from mpipar.train.config import TrainConfig
 from mpipar.units import format_bytes
 
@@ -171,8 +172,8 @@ class DataParallel(Pipeline):
             peak = data_parallel_peak(sharding, engine.plan.stage_sizes[0], largest, self.world_size, facts["group"],
                                       itemsize=facts["itemsize"], state_kinds=facts["state_kinds"],
                                       training=activations[0], evaluation=activations[1],
-                                      prefetch=engine.plan.prefetch, micro_batches=engine.plan.micro_batches,
-                                      units=facts["units"][0])
+                                      prefetch=engine.plan.prefetch,
+                                      jobs=(FORWARD, BACKWARD) * engine.plan.micro_batches, units=facts["units"][0])
             if peak.total <= limit:
                 fits.append(f"{name} ({format_bytes(peak.total)})")
         advice = (f"; {' or '.join(fits)} fit" if fits else
