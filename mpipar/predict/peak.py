@@ -7,17 +7,21 @@ live only while they are used, and each has an owner in the engines and a bound:
     unit gradients      G sharded: the unit whose backward runs, plus at most REDUCTIONS_IN_FLIGHT
                         waiting for their reduce-scatter (sharded_stage.py)
     spare               the scratch pool keeps one buffer of a unit for the next take (comms/comm.py)
-    collective scratch  a ring reduce-scatter receives partial sums into one block per operation
+    collective scratch  a ring reduction receives partial sums into one block per operation, and each
+                        communicator's pool keeps its last block
     workspace           the optimizer updates in chunks of optim.CHUNK elements
     activations         what one micro-batch stashes in forward, plus the layer outputs and
                         gradients in flight (three of the largest), measured by a dry run
     evaluation          the same gathers, and three of the largest outputs of an evaluation batch
 
-`data_parallel_peak` is the one formula: the engine calls it with its real units and
-`mpipar estimate` with units of --bucket-mb, so the prediction printed before a run and
-the one `--memory-limit` checks are the same numbers.
+The transients do not all peak at once: data parallelism walks the sharding flow's instructions
+(`_flow_walk`), a pipeline replays its timeline, CDP walks its program (`cyclic_peak`), each
+moment adding what is alive then. `data_parallel_peak` is the one formula: the engine calls it
+with its real units and `mpipar estimate` with units of --bucket-mb, so the prediction printed
+before a run and the one `--memory-limit` checks are the same numbers.
 
 Exercised by: mpiexec -n 4 python tests/scripts/check_memory.py   (via python -m pytest tests/test_memory_held.py)
+              MPIPAR_GPU=standin MPIPAR_HALF_ON_CPU=1 mpiexec -n 2 python tests/scripts/check_standin_memory.py
 """
 
 from __future__ import annotations
@@ -152,46 +156,54 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
         ring = (group_size if sharding.nested else world_size) if G != Scope.REPLICATED else world_size
         step = _flow_walk(sharding, [elements * itemsize for _, elements in units], [first for first, _ in units],
                           stash_after, training.in_flight([stage]) + training.rebuilt([stage]), prefetch=prefetch,
-                          jobs=jobs, ring=ring)
+                          jobs=jobs, ring=ring, world_size=world_size)
     if evaluation is not None and gathered + evaluation.training() > sum(step.values()):
         step = {"gathered units": gathered, "spare": spare, "evaluation": evaluation.training()}
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
 
 
 def _flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_after: tuple[int, ...],
-               in_flight: int, *, prefetch: int, jobs: tuple[str, ...], ring: int) -> dict[str, int]:
+               in_flight: int, *, prefetch: int, jobs: tuple[str, ...], ring: int, world_size: int) -> dict[str, int]:
     """The transients of a data-parallel step at its worst moment: the sharding flow's instructions
     (schedule/flow.py) for a stage's jobs, in the directions `jobs` in order, walked with the buffers
     runtime/sharded_stage.py takes and gives for them, for units of `sizes` bytes (their layers
     from `firsts[u]` on). While a unit computes, the stash is what the layers up to its last have
     saved (`stash_after`, layer by layer), plus what a layer has in flight, plus the whole stashes
-    of the micro-batches between their forward and backward (a pipeline's jobs interleave). GatherUnit takes a
-    unit of parameters, ReleaseUnit gives it back; a backward Compute takes the unit's gradient
-    where G is sharded, and ReduceUnit first waits for the reductions beyond REDUCTIONS_IN_FLIGHT - 1,
-    each giving its gradient back. The pool (comms/comm.py: ScratchPool) keeps the last buffer
-    given back, which a take of the same size reuses. A reduction in flight holds a block of
-    scratch, 1 / `ring` of its unit (none on one rank); where G is replicated, the last backward's
-    all-reduces stay in flight to the step's end."""
+    of the micro-batches between their forward and backward (a pipeline's jobs interleave).
+
+    GatherUnit takes a unit of parameters, ReleaseUnit gives it back; a backward Compute takes the
+    unit's gradient where G is sharded; ReduceUnit first waits for the reductions beyond
+    REDUCTIONS_IN_FLIGHT - 1 (each gives its gradient back), then posts its own, which takes a
+    block of scratch, 1 / `ring` of the unit (where G is replicated, the last backward's
+    all-reduces stay in flight to the step's end). A pool (comms/comm.py: ScratchPool) keeps the
+    last buffer given back, which a take of the same size reuses: the stage has one, and so has
+    each communicator; a sum that goes on beyond the `ring` (across groups) leaves a block of
+    1 / `world_size` of the unit in its communicator's pool. One rank sends nothing, and needs
+    no scratch."""
     reduces = sharding.gradients != Scope.REPLICATED
     stops = firsts[1:] + [len(stash_after)]
-    held = {"gathered units": 0, "unit gradients": 0}
-    pool = {"spare": 0}
+    held = {"gathered units": 0, "unit gradients": 0, "collective scratch": 0}
+    spares = {"spare": 0, "scratch spare": 0, "scratch spare across groups": 0}  # per pool, its kept buffer
+    pool_of = {"gathered units": "spare", "unit gradients": "spare", "collective scratch": "scratch spare"}
     reducing: list[int] = []  # units whose reduction is in flight
     worst: dict[str, int] = {}
     waiting = 0  # micro-batches stashed whole, their backward to come
 
+    def block(unit: int) -> int:
+        return math.ceil(sizes[unit] / ring) if ring > 1 else 0
+
     def take(kind: str, size: int) -> None:
         held[kind] += size
-        if pool["spare"] == size:
-            pool["spare"] = 0
+        if spares[pool_of[kind]] == size:
+            spares[pool_of[kind]] = 0
 
     def give(kind: str, size: int) -> None:
         held[kind] -= size
-        pool["spare"] = size
+        spares[pool_of[kind]] = size
 
     def moment(stash: int) -> None:
-        scratch = sum(math.ceil(sizes[v] / ring) for v in reducing) if ring > 1 else 0
-        now = {**held, **pool, "collective scratch": scratch, "activations": stash}
+        now = {**held, "spare": spares["spare"], "activations": stash}
+        now["collective scratch"] += spares["scratch spare"] + spares["scratch spare across groups"]
         if sum(now.values()) > sum(worst.values()):
             worst.clear()
             worst.update(now)
@@ -214,7 +226,12 @@ def _flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_af
                 moment(waiting * stash_after[-1] + stash_after[stops[instruction.unit] - 1] + in_flight)
             elif isinstance(instruction, ReduceUnit):
                 while reduces and len(reducing) > REDUCTIONS_IN_FLIGHT - 1:
-                    give("unit gradients", sizes[reducing.pop(0)])
+                    finished = reducing.pop(0)
+                    give("unit gradients", sizes[finished])
+                    give("collective scratch", block(finished))
+                    if world_size > ring:
+                        spares["scratch spare across groups"] = math.ceil(sizes[finished] / world_size)
+                take("collective scratch", block(instruction.unit))
                 reducing.append(instruction.unit)
         waiting += direction == FORWARD
     moment(0)  # the backward done, its last reductions in flight
