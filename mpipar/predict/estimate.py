@@ -41,7 +41,8 @@ from mpipar.backend import make_backend
 from mpipar.layers.sequence_parallel import SequenceParallelLayerNorm, SequenceParallelPositionEmbedding
 from mpipar.models.sequential import leaf_layers
 from mpipar.options import recompute_segment
-from mpipar.predict.peak import ActivationBytes, Peak, dry_run, mesh_peak
+from mpipar.predict.dry_run import ActivationBytes, dry_run
+from mpipar.predict.peak import Peak, mesh_peak
 from mpipar.schedule.instructions import Backward
 from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.plans import replica_shared_stages

@@ -15,7 +15,7 @@ live only while they are used, and each has an owner in the engines and a bound:
     evaluation          the same gathers, and three of the largest outputs of an evaluation batch
 
 The transients do not all peak at once: data parallelism walks the sharding flow's instructions
-(`_flow_walk`), a pipeline replays its timeline, CDP walks its program (`cyclic_peak`), each
+(`flow_walk`), a pipeline replays its timeline, CDP walks its program (`cyclic_peak`), each
 moment adding what is alive then. `data_parallel_peak` is the one formula: the engine calls it
 with its real units and `mpipar estimate` with units of --bucket-mb, so the prediction printed
 before a run and the one `--memory-limit` checks are the same numbers.
@@ -27,30 +27,22 @@ Exercised by: mpiexec -n 4 python tests/scripts/check_memory.py   (via python -m
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
-
-from mpipar.cache import ActivationCache
-from mpipar.models.sequential import Stage
 from mpipar.optim.optimizers import CHUNK
+from mpipar.predict.dry_run import ActivationBytes
+from mpipar.predict.flow_walk import flow_walk
 from mpipar.schedule.cyclic import item_homes, persistent_items
-from mpipar.schedule.flow import job_flow
 from mpipar.schedule.instructions import (
     Backward,
     Compute,
-    CyclicJob,
     Drop,
     EndTimeStep,
     FetchWeights,
     Forward,
-    GatherUnit,
     Item,
     ItemKind,
     Receive,
-    ReduceUnit,
-    ReleaseUnit,
     Send,
     Update,
 )
@@ -61,45 +53,6 @@ from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Scope, Sharding, Unit
 from mpipar.schedule.strategies import BACKWARD, FORWARD
 
 INSTRUCTION_BYTES = 160  # a compiled CDP instruction held in memory (116-153 B measured with tracemalloc)
-
-
-@dataclass(frozen=True)
-class ActivationBytes:
-    """What one micro-batch costs in activations, stage by stage: the bytes each stage
-    stashes for its backward (its input included, when a layer keeps it), the bytes of
-    each stage's input (what crosses a stage boundary), and each stage's largest output."""
-
-    stashed: tuple[int, ...]
-    inputs: tuple[int, ...]
-    largest_output: tuple[int, ...]
-    recomputed_stash: tuple[int, ...] = ()  # --recompute stage: what each stage's backward rebuilds
-    deferred: tuple[int, ...] = ()  # a split backward (zero-bubble): what each stage's B leaves for its W
-    during_backward: tuple[int, ...] = ()  # and the most its stash weighs while B runs
-    workspace: tuple[int, ...] = ()  # per stage, the largest temporary a layer makes (Layer.workspace)
-    stashed_by_layer: tuple[tuple[int, ...], ...] = ()  # per stage, the stash after each layer's forward
-
-    def in_flight(self, stages) -> int:
-        """What a layer of `stages` has in flight besides the stashes: its output, that output's
-        gradient and the gradient below (three of the largest output), and its own temporaries."""
-        scratch = max((self.workspace[s] for s in stages), default=0) if self.workspace else 0
-        return 3 * max(self.largest_output[s] for s in stages) + scratch
-
-    def stash_peaks(self, timeline) -> list[int]:
-        """Per worker of `timeline` (simulate.Timeline), the most its micro-batches' stashes
-        weigh at once."""
-        return timeline.peak_activation_bytes(list(self.stashed), list(self.deferred) or None,
-                                              list(self.during_backward) or None)
-
-    def training(self, stages: list[int] | None = None) -> int:
-        """Stashes of `stages` (all by default) plus what a layer has in flight in them:
-        its output, that output's gradient and the gradient below (three of the largest);
-        under recomputation, plus the largest stash a backward rebuilds."""
-        stages = range(len(self.stashed)) if stages is None else stages
-        return sum(self.stashed[s] for s in stages) + self.in_flight(stages) + self.rebuilt(stages)
-
-    def rebuilt(self, stages) -> int:
-        """The largest stash a backward of `stages` rebuilds (0 without recomputation)."""
-        return max((self.recomputed_stash[s] for s in stages), default=0) if self.recomputed_stash else 0
 
 
 @dataclass(frozen=True)
@@ -124,7 +77,7 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
     that size, its state too, and reads their gradients in it (precision.py). With `units`
     ((first layer, elements) of each, in forward order) and the dry run's stash layer by layer,
     the transients are those of the worst moment of a step of the model's stage `stage` whose jobs
-    run in the directions `jobs` (`_flow_walk`; under recomputation, with the kept inputs and the
+    run in the directions `jobs` (`flow_walk`; under recomputation, with the kept inputs and the
     largest rebuild throughout); without units, each transient at its most at once (a bound)."""
     P, G, OS = sharding.triple
     share = {scope: sharing_ranks(scope, world_size, group_size) for scope in Scope}
@@ -154,88 +107,12 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
         stash_after = (training.stashed_by_layer[stage] if training.stashed_by_layer
                        else (training.stashed[stage],) * (units[-1][0] + 1))
         ring = (group_size if sharding.nested else world_size) if G != Scope.REPLICATED else world_size
-        step = _flow_walk(sharding, [elements * itemsize for _, elements in units], [first for first, _ in units],
+        step = flow_walk(sharding, [elements * itemsize for _, elements in units], [first for first, _ in units],
                           stash_after, training.in_flight([stage]) + training.rebuilt([stage]), prefetch=prefetch,
                           jobs=jobs, ring=ring, world_size=world_size)
     if evaluation is not None and gathered + evaluation.training() > sum(step.values()):
         step = {"gathered units": gathered, "spare": spare, "evaluation": evaluation.training()}
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
-
-
-def _flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_after: tuple[int, ...],
-               in_flight: int, *, prefetch: int, jobs: tuple[str, ...], ring: int, world_size: int) -> dict[str, int]:
-    """The transients of a data-parallel step at its worst moment: the sharding flow's instructions
-    (schedule/flow.py) for a stage's jobs, in the directions `jobs` in order, walked with the buffers
-    runtime/sharded_stage.py takes and gives for them, for units of `sizes` bytes (their layers
-    from `firsts[u]` on). While a unit computes, the stash is what the layers up to its last have
-    saved (`stash_after`, layer by layer), plus what a layer has in flight, plus the whole stashes
-    of the micro-batches between their forward and backward (a pipeline's jobs interleave).
-
-    GatherUnit takes a unit of parameters, ReleaseUnit gives it back; a backward Compute takes the
-    unit's gradient where G is sharded; ReduceUnit first waits for the reductions beyond
-    REDUCTIONS_IN_FLIGHT - 1 (each gives its gradient back), then posts its own, which takes a
-    block of scratch, 1 / `ring` of the unit (where G is replicated, the last backward's
-    all-reduces stay in flight to the step's end). A pool (comms/comm.py: ScratchPool) keeps the
-    last buffer given back, which a take of the same size reuses: the stage has one, and so has
-    each communicator; a sum that goes on beyond the `ring` (across groups) leaves a block of
-    1 / `world_size` of the unit in its communicator's pool. One rank sends nothing, and needs
-    no scratch."""
-    reduces = sharding.gradients != Scope.REPLICATED
-    stops = firsts[1:] + [len(stash_after)]
-    held = {"gathered units": 0, "unit gradients": 0, "collective scratch": 0}
-    spares = {"spare": 0, "scratch spare": 0, "scratch spare across groups": 0}  # per pool, its kept buffer
-    pool_of = {"gathered units": "spare", "unit gradients": "spare", "collective scratch": "scratch spare"}
-    reducing: list[int] = []  # units whose reduction is in flight
-    worst: dict[str, int] = {}
-    waiting = 0  # micro-batches stashed whole, their backward to come
-
-    def block(unit: int) -> int:
-        return math.ceil(sizes[unit] / ring) if ring > 1 else 0
-
-    def take(kind: str, size: int) -> None:
-        held[kind] += size
-        if spares[pool_of[kind]] == size:
-            spares[pool_of[kind]] = 0
-
-    def give(kind: str, size: int) -> None:
-        held[kind] -= size
-        spares[pool_of[kind]] = size
-
-    def moment(stash: int) -> None:
-        now = {**held, "spare": spares["spare"], "activations": stash}
-        now["collective scratch"] += spares["scratch spare"] + spares["scratch spare across groups"]
-        if sum(now.values()) > sum(worst.values()):
-            worst.clear()
-            worst.update(now)
-
-    totals = {direction: jobs.count(direction) for direction in jobs}
-    done = dict.fromkeys(totals, 0)  # per direction, the jobs walked
-    for direction in jobs:
-        job = CyclicJob(0, done[direction], 0, direction)
-        first, last = done[direction] == 0, done[direction] == totals[direction] - 1
-        done[direction] += 1
-        waiting -= direction == BACKWARD
-        for instruction in job_flow(job, len(sizes), sharding, prefetch, first=first, last=last):
-            if isinstance(instruction, GatherUnit):
-                take("gathered units", sizes[instruction.unit])
-            elif isinstance(instruction, ReleaseUnit):
-                give("gathered units", sizes[instruction.unit])
-            elif isinstance(instruction, Compute):
-                if direction == BACKWARD and reduces:
-                    take("unit gradients", sizes[instruction.unit])
-                moment(waiting * stash_after[-1] + stash_after[stops[instruction.unit] - 1] + in_flight)
-            elif isinstance(instruction, ReduceUnit):
-                while reduces and len(reducing) > REDUCTIONS_IN_FLIGHT - 1:
-                    finished = reducing.pop(0)
-                    give("unit gradients", sizes[finished])
-                    give("collective scratch", block(finished))
-                    if world_size > ring:
-                        spares["scratch spare across groups"] = math.ceil(sizes[finished] / world_size)
-                take("collective scratch", block(instruction.unit))
-                reducing.append(instruction.unit)
-        waiting += direction == FORWARD
-    moment(0)  # the backward done, its last reductions in flight
-    return {name: nbytes for name, nbytes in worst.items() if nbytes}
 
 
 def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, itemsize: int, state_kinds: int,
@@ -266,7 +143,7 @@ def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, item
         steady["optimizer_state"] = (1 + state_kinds) * held_size * master_itemsize
         steady["workspace"] = (largest + min(CHUNK, largest)) * master_itemsize
     in_flight = compiled.timeline.peak_activations()[rank]
-    boundary = max((nbytes for s in computed for nbytes in (training.inputs[s], _output_bytes(training, s))),
+    boundary = max((nbytes for s in computed for nbytes in (training.inputs[s], training.output(s))),
                    default=0)
     fetched = max((stage_sizes[i.stage] for i in compiled.programs[rank] if isinstance(i, FetchWeights)), default=0)
     scratch = sum(math.ceil(stage_sizes[s] / len(compiled.members[s])) for s in members
@@ -301,7 +178,7 @@ def composed_peak(pipeline: Peak, shares: list[Peak], walked: bool = False) -> P
     the replica group keeps it (`shares`, from data_parallel_peak), and the largest of
     those stages' communication transients (a rank runs one stage's job at a time). Where the
     rank computes one stage and its share was `walked` through the rank's jobs of it
-    (`_flow_walk`), the share's worst moment, its stashes included, replaces the pipeline's
+    (`flow_walk`), the share's worst moment, its stashes included, replaces the pipeline's
     activations."""
     steady = {kind: sum(share.steady[kind] for share in shares) for kind in shares[0].steady}
     if walked:  # the pipeline's figures are its evaluation's, or training's besides the activations
@@ -397,7 +274,7 @@ def cyclic_peak(run: Run, rank: int, layout: str, rule: str, stage_sizes: list[i
     state = [(state_kinds + 1) * size * master_itemsize if master_itemsize else state_kinds * size * itemsize
              for size in stage_sizes]
     size_of = {ItemKind.INPUT: lambda s: training.inputs[s],
-               ItemKind.OUTPUT_GRADIENT: lambda s: _output_bytes(training, s),
+               ItemKind.OUTPUT_GRADIENT: lambda s: training.output(s),
                ItemKind.WEIGHTS: weights.__getitem__, ItemKind.GRADIENT_SUM: weights.__getitem__,
                ItemKind.OPTIMIZER_STATE: state.__getitem__}
     alive = {item: size_of[item.kind](item.stage) for item in persistent_items(rule, count, 0)
@@ -468,148 +345,3 @@ def cyclic_peak(run: Run, rank: int, layout: str, rule: str, stage_sizes: list[i
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes > 0})
 
 
-def _output_bytes(training: ActivationBytes, stage: int) -> int:
-    """What stage `stage` sends on: the next stage's input (the last stage sends nothing)."""
-    return training.inputs[stage + 1] if stage + 1 < len(training.inputs) else 0
-
-
-def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 0,
-                     recompute_spans: list[list[tuple[int, int]]] | None = None,
-                     split: bool = False) -> ActivationBytes:
-    """Run one micro-batch forward through every stage, layer by layer, with zeros for
-    weights, each stage in a cache of its own (as on a pipeline rank, whose received input
-    is its own buffer), and count what each stashes. Only one layer's parameters exist at
-    a time, so a sharded rank can measure without building the model.
-
-    With `recompute_spans` (per stage, the layer ranges of its Computes: the whole stage, or
-    a shared stage's units), the figures are those of --recompute stage, measured the way the
-    executor runs it: each span keeps only its input (`stashed`), and its backward pops that
-    input and rebuilds the span's stash (`recomputed_stash`: the most a rebuild adds to all
-    the kept inputs, the spans after it having released theirs). With `split` (a zero-bubble
-    schedule) each stage also runs its B on a zero output gradient: `during_backward` is the
-    most its stash weighs meanwhile, `deferred` what it weighs after, until W."""
-    x, stashed, boundary, largest, rebuilt, deferred, during, workspaces = inputs, [], [], [], [], [], [], []
-    stashed_by_layer = []
-    for stage in stages:
-        x = x.copy()
-        boundary.append(x.nbytes)
-        last = stage is stages[-1]
-        spans = [(0, len(stage.layers))] if recompute_spans is None else recompute_spans[stage.index]
-        most, scratch, stash, rebuilds = 0, 0, 0, []  # rebuilds: per span (its kept bytes, what its rebuild adds)
-        kept = ActivationCache()  # the spans' inputs, each kept until its backward (targets are one array)
-        by_layer: list[int] = []  # (without recomputation) the stash after each layer's forward
-        holder = kept.context(stage.index, 0)
-        for first, stop in spans:
-            before = kept.live_bytes
-            if recompute_spans is not None:  # as the executor keeps it (the first and last stages load targets)
-                holder.save(("input", (first, stop)), x, targets if last or stage.index == 0 else None)
-            cache = ActivationCache()  # what the span stashes (rebuilt, under recomputation)
-            after_each = ((lambda cache=cache, by_layer=by_layer: by_layer.append(cache.live_bytes))
-                          if recompute_spans is None else None)
-            ctx = cache.context(stage.index, 0, sample_ids=range(len(inputs)), seed=seed)
-            # its backward pops the kept input before it reruns: the rebuild adds what lies beyond it
-            popped = x.nbytes if recompute_spans is not None else 0
-            x, output, temporary = _forward_zeros(stage, first, stop, x, ctx, after_each)
-            most, scratch = max(most, output), max(scratch, temporary)
-            if last and stop == len(stage.layers):
-                loss_fn.forward(x, targets, ctx, len(inputs))
-                by_layer[-1:] = [cache.live_bytes] if by_layer else []  # the loss's stash with the last layer's
-            stash = cache.peak_bytes
-            rebuilds.append((kept.live_bytes - before, cache.peak_bytes - popped))
-            if split:  # (never with recomputation: train/config/parallelism.py)
-                dy = loss_fn.backward(ctx) if last else stage.flat.backend.xp.zeros_like(x)
-                cache.peak_bytes = cache.live_bytes
-                _backward_input_zeros(stage, dy, ctx)
-                deferred.append(cache.live_bytes)
-                during.append(cache.peak_bytes)
-            cache.release(stage.index, 0)
-        # The backward runs the spans last first, each releasing its input: while span u is
-        # rebuilt, the inputs of the spans after it are gone already.
-        most_rebuilt = max(max(0, adds - sum(later for later, _ in rebuilds[u + 1:])) for u, (_, adds) in
-                           enumerate(rebuilds))
-        stashed.append(stash if recompute_spans is None else kept.live_bytes)
-        stashed_by_layer.append(tuple(by_layer))
-        rebuilt.append(most_rebuilt)
-        largest.append(most)
-        workspaces.append(scratch)
-    return ActivationBytes(tuple(stashed), tuple(boundary), tuple(largest),
-                           tuple(rebuilt) if recompute_spans is not None else (), tuple(deferred), tuple(during),
-                           tuple(workspaces), tuple(stashed_by_layer) if recompute_spans is None else ())
-
-
-def _forward_zeros(stage: Stage, first: int, stop: int, x, ctx, after_each=None) -> tuple[object, int]:
-    """Layers [first, stop) of `stage` on x with zero weights, bound one layer at a time
-    (`after_each()` called after each); returns the output, the largest output on the way
-    (inner layers' included) and the largest workspace of a layer."""
-    most = workspace = 0
-    for layer in stage.layers[first:stop]:
-        inner = _largest_inner_output(layer, x.shape, x.dtype.itemsize) if x.dtype.kind == "f" else 0
-        workspace = max(workspace, layer.workspace(tuple(x.shape[1:])) * x.shape[0] * x.dtype.itemsize
-                        if x.dtype.kind == "f" else 0)
-        with _zero_bound(stage, layer):
-            x = layer.forward(x, ctx)
-        most = max(most, x.nbytes, inner)
-        if after_each is not None:
-            after_each()
-    return x, most, workspace
-
-
-def _largest_inner_output(layer, shape: tuple[int, ...], itemsize: int) -> int:
-    """The largest output of the layers inside `layer` (a residual block's branch) for an input
-    of `shape` (batch first): in its backward those are in flight too, not only its own output."""
-    most = 0
-    for child in layer.children():
-        most = max(most, _largest_inner_output(child, shape, itemsize))
-        shape = (shape[0], *child.output_shape(tuple(shape[1:])))
-        most = max(most, math.prod(shape) * itemsize)
-    return most
-
-
-def _backward_input_zeros(stage: Stage, dy, ctx) -> None:
-    """A split backward's B of `stage` from `dy`, with zero weights and gradients bound one
-    layer at a time (a layer that cannot split writes its gradients here)."""
-    for layer in reversed(stage.layers):
-        if dy is None:
-            break
-        with _zero_bound(stage, layer, grads=True):
-            dy = layer.backward_input(dy, ctx)
-
-
-@contextmanager
-def _zero_bound(stage: Stage, layer, grads: bool = False):
-    """`layer`'s parameters (and gradients) bound to zeros while the block runs: only one
-    layer's exist at a time, so a dry run never builds the model."""
-    span = stage.flat.span_of(layer)
-    if span is None:
-        yield
-        return
-    (start, end), xp = span, stage.flat.backend.xp
-    stage.flat.bind(start, end, data=xp.zeros(end - start, dtype=stage.flat.dtype),
-                    grad=xp.zeros(end - start, dtype=stage.flat.dtype) if grads else None)
-    try:
-        yield
-    finally:
-        stage.flat.unbind(start, end, grads=grads)
-
-
-def dry_run(stages: list[Stage], train_set, loss_fn, micro_batch: int, eval_batch: int, seed: int,
-            to_device=lambda inputs, targets: (inputs, targets),
-            recompute_spans: list[list[tuple[int, int]]] | None = None,
-            split: bool = False) -> tuple[ActivationBytes, ActivationBytes]:
-    """What a training micro-batch and an evaluation batch cost (a dry run of the first
-    `micro_batch` samples of `train_set`; evaluation scales its outputs). With
-    `recompute_spans`, training's figures are those of --recompute stage, and with `split`
-    those of a split backward (activation_bytes)."""
-    inputs, targets = to_device(*train_set.batch(np.arange(micro_batch)))
-    training = activation_bytes(stages, inputs, targets, loss_fn, seed, recompute_spans, split)
-    plain = training if recompute_spans is None else activation_bytes(stages, inputs, targets, loss_fn, seed)
-    return training, evaluation_bytes(plain, micro_batch, eval_batch)
-
-
-def evaluation_bytes(training: ActivationBytes, micro_batch: int, eval_batch: int) -> ActivationBytes:
-    """An evaluation batch stashes nothing; its inputs and outputs scale with the batch
-    from the dry run's."""
-    def scale(sizes: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(math.ceil(nbytes * eval_batch / micro_batch) for nbytes in sizes)
-    return ActivationBytes((0,) * len(training.stashed), scale(training.inputs), scale(training.largest_output),
-                           workspace=scale(training.workspace))

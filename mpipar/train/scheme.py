@@ -26,7 +26,8 @@ from mpi4py import MPI
 
 from mpipar.models.sequential import Sequential, Stage
 from mpipar.optim.optimizers import state_kinds
-from mpipar.predict.peak import ActivationBytes, Peak, data_parallel_peak, plan_peak
+from mpipar.predict.dry_run import ActivationBytes
+from mpipar.predict.peak import Peak, data_parallel_peak, plan_peak
 from mpipar.runtime.gathered_activations import choose as choose_gathered
 from mpipar.runtime.gathered_activations import describe as describe_gathered
 from mpipar.schedule.plans import CdpPlan, PipelinePlan, Plan

@@ -59,7 +59,8 @@ from mpipar.optim.optimizers import make_schedule
 from mpipar.optim.precision import LossScaler, Precision, arithmetic_dtype
 from mpipar.optim.tying import TiedGradients, tied_copies
 from mpipar.options import recompute_segment
-from mpipar.predict.peak import ActivationBytes, Peak, dry_run, plan_peak
+from mpipar.predict.dry_run import ActivationBytes, dry_run
+from mpipar.predict.peak import Peak, plan_peak
 from mpipar.report.divergence import DivergenceWatch, non_finite_advice
 from mpipar.report.events import EvalResult, RunFacts, StepResult
 from mpipar.runtime.executor import Executor
@@ -180,7 +181,7 @@ class Trainer:
                         if optim.grad_clip or self.loss_scaler else None)
 
     def _activation_bytes(self) -> tuple[ActivationBytes, ActivationBytes]:
-        """What a training micro-batch and an evaluation batch cost in activations (peak.dry_run)."""
+        """What a training micro-batch and an evaluation batch cost in activations (dry_run.py)."""
         cfg, parallel, training = self.config, self.config.parallel, self.config.training
         per_rank = self.scheme.replicas
         spans, segment = None, recompute_segment(parallel.recompute)

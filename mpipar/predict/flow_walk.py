@@ -1,0 +1,95 @@
+"""The worst moment of a data-parallel step: the sharding flow's instructions walked with the
+buffers they take and give back.
+
+A stage shared by its replica group runs its jobs unit by unit (schedule/flow.py); what it
+holds at a moment depends on the order of the gathers, releases and reductions, and on which
+buffers the pools (comms/comm.py: ScratchPool) keep. peak.data_parallel_peak adds the steady
+state to what this walk finds.
+
+Exercised by: MPIPAR_GPU=standin MPIPAR_HALF_ON_CPU=1 mpiexec -n 2 python tests/scripts/check_standin_memory.py
+"""
+
+from __future__ import annotations
+
+import math
+
+from mpipar.schedule.flow import job_flow
+from mpipar.schedule.instructions import Compute, CyclicJob, GatherUnit, ReduceUnit, ReleaseUnit
+from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Scope, Sharding
+from mpipar.schedule.strategies import BACKWARD, FORWARD
+
+
+def flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_after: tuple[int, ...],
+               in_flight: int, *, prefetch: int, jobs: tuple[str, ...], ring: int, world_size: int) -> dict[str, int]:
+    """The transients of a data-parallel step at its worst moment: the sharding flow's instructions
+    (schedule/flow.py) for a stage's jobs, in the directions `jobs` in order, walked with the buffers
+    runtime/sharded_stage.py takes and gives for them, for units of `sizes` bytes (their layers
+    from `firsts[u]` on). While a unit computes, the stash is what the layers up to its last have
+    saved (`stash_after`, layer by layer), plus what a layer has in flight, plus the whole stashes
+    of the micro-batches between their forward and backward (a pipeline's jobs interleave).
+
+    GatherUnit takes a unit of parameters, ReleaseUnit gives it back; a backward Compute takes the
+    unit's gradient where G is sharded; ReduceUnit first waits for the reductions beyond
+    REDUCTIONS_IN_FLIGHT - 1 (each gives its gradient back), then posts its own, which takes a
+    block of scratch, 1 / `ring` of the unit (where G is replicated, the last backward's
+    all-reduces stay in flight to the step's end). A pool (comms/comm.py: ScratchPool) keeps the
+    last buffer given back, which a take of the same size reuses: the stage has one, and so has
+    each communicator; a sum that goes on beyond the `ring` (across groups) leaves a block of
+    1 / `world_size` of the unit in its communicator's pool. One rank sends nothing, and needs
+    no scratch."""
+    reduces = sharding.gradients != Scope.REPLICATED
+    stops = firsts[1:] + [len(stash_after)]
+    held = {"gathered units": 0, "unit gradients": 0, "collective scratch": 0}
+    spares = {"spare": 0, "scratch spare": 0, "scratch spare across groups": 0}  # per pool, its kept buffer
+    pool_of = {"gathered units": "spare", "unit gradients": "spare", "collective scratch": "scratch spare"}
+    reducing: list[int] = []  # units whose reduction is in flight
+    worst: dict[str, int] = {}
+    waiting = 0  # micro-batches stashed whole, their backward to come
+
+    def block(unit: int) -> int:
+        return math.ceil(sizes[unit] / ring) if ring > 1 else 0
+
+    def take(kind: str, size: int) -> None:
+        held[kind] += size
+        if spares[pool_of[kind]] == size:
+            spares[pool_of[kind]] = 0
+
+    def give(kind: str, size: int) -> None:
+        held[kind] -= size
+        spares[pool_of[kind]] = size
+
+    def moment(stash: int) -> None:
+        now = {**held, "spare": spares["spare"], "activations": stash}
+        now["collective scratch"] += spares["scratch spare"] + spares["scratch spare across groups"]
+        if sum(now.values()) > sum(worst.values()):
+            worst.clear()
+            worst.update(now)
+
+    totals = {direction: jobs.count(direction) for direction in jobs}
+    done = dict.fromkeys(totals, 0)  # per direction, the jobs walked
+    for direction in jobs:
+        job = CyclicJob(0, done[direction], 0, direction)
+        first, last = done[direction] == 0, done[direction] == totals[direction] - 1
+        done[direction] += 1
+        waiting -= direction == BACKWARD
+        for instruction in job_flow(job, len(sizes), sharding, prefetch, first=first, last=last):
+            if isinstance(instruction, GatherUnit):
+                take("gathered units", sizes[instruction.unit])
+            elif isinstance(instruction, ReleaseUnit):
+                give("gathered units", sizes[instruction.unit])
+            elif isinstance(instruction, Compute):
+                if direction == BACKWARD and reduces:
+                    take("unit gradients", sizes[instruction.unit])
+                moment(waiting * stash_after[-1] + stash_after[stops[instruction.unit] - 1] + in_flight)
+            elif isinstance(instruction, ReduceUnit):
+                while reduces and len(reducing) > REDUCTIONS_IN_FLIGHT - 1:
+                    finished = reducing.pop(0)
+                    give("unit gradients", sizes[finished])
+                    give("collective scratch", block(finished))
+                    if world_size > ring:
+                        spares["scratch spare across groups"] = math.ceil(sizes[finished] / world_size)
+                take("collective scratch", block(instruction.unit))
+                reducing.append(instruction.unit)
+        waiting += direction == FORWARD
+    moment(0)  # the backward done, its last reductions in flight
+    return {name: nbytes for name, nbytes in worst.items() if nbytes}
