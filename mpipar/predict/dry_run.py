@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpipar.cache import ActivationCache
-from mpipar.models.sequential import Stage
+from mpipar.layers.base import ACCUMULATE_BLOCK_BYTES
+from mpipar.models.sequential import Stage, leaf_layers
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ActivationBytes:
     during_backward: tuple[int, ...] = ()  # and the most its stash weighs while B runs
     workspace: tuple[int, ...] = ()  # per stage, the largest temporary a layer makes (Layer.workspace)
     stashed_by_layer: tuple[tuple[int, ...], ...] = ()  # per stage, the stash after each layer's forward
+    adding_by_layer: tuple[tuple[int, ...], ...] = ()  # per stage and layer, what adding a weight gradient makes
 
     def in_flight(self, stages) -> int:
         """What a layer of `stages` has in flight besides the stashes: its output, that output's
@@ -56,6 +58,16 @@ class ActivationBytes:
         under recomputation, plus the largest stash a backward rebuilds."""
         stages = range(len(self.stashed)) if stages is None else stages
         return sum(self.stashed[s] for s in stages) + self.in_flight(stages) + self.rebuilt(stages)
+
+    def backward_stash(self, stage: int, adds: bool) -> int:
+        """The most a micro-batch's stash of `stage` and its backward's temporaries weigh while the
+        backward runs, layer by layer (the stash of the layers below still held). With `adds`, each
+        layer adds its weight gradients into ones that hold a sum already (a second micro-batch,
+        CDP's gradient sums), through a temporary (Layer.grad_matmul); a fresh one is written."""
+        if not self.stashed_by_layer:
+            return self.stashed[stage]
+        adding = self.adding_by_layer[stage] if adds else (0,) * len(self.stashed_by_layer[stage])
+        return max((stash + add for stash, add in zip(self.stashed_by_layer[stage], adding)), default=0)
 
     def rebuilt(self, stages) -> int:
         """The largest stash a backward of `stages` rebuilds (0 without recomputation)."""
@@ -82,7 +94,7 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
     schedule) each stage also runs its B on a zero output gradient: `during_backward` is the
     most its stash weighs meanwhile, `deferred` what it weighs after, until W."""
     x, stashed, boundary, largest, rebuilt, deferred, during, workspaces = inputs, [], [], [], [], [], [], []
-    stashed_by_layer = []
+    stashed_by_layer, adding = [], []
     for stage in stages:
         x = x.copy()
         boundary.append(x.nbytes)
@@ -125,9 +137,11 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
         rebuilt.append(most_rebuilt)
         largest.append(most)
         workspaces.append(scratch)
+        adding.append(tuple(_adding_block(layer, np.dtype(stage.flat.dtype).itemsize) for layer in stage.layers))
     return ActivationBytes(tuple(stashed), tuple(boundary), tuple(largest),
                            tuple(rebuilt) if recompute_spans is not None else (), tuple(deferred), tuple(during),
-                           tuple(workspaces), tuple(stashed_by_layer) if recompute_spans is None else ())
+                           tuple(workspaces), tuple(stashed_by_layer) if recompute_spans is None else (),
+                           tuple(adding))
 
 
 def _forward_zeros(stage: Stage, first: int, stop: int, x, ctx, after_each=None) -> tuple[object, int]:
@@ -145,6 +159,20 @@ def _forward_zeros(stage: Stage, first: int, stop: int, x, ctx, after_each=None)
         if after_each is not None:
             after_each()
     return x, most, workspace
+
+
+def _adding_block(layer, itemsize: int) -> int:
+    """The largest temporary of `layer`'s Layer.grad_matmul (its branch's, for a residual block) when
+    it adds: the product of a block of at most ACCUMULATE_BLOCK_BYTES of a weight gradient's rows
+    (the gradient seen as a matrix, as it adds them)."""
+    most = 0
+    for leaf in leaf_layers([layer]):
+        for spec in leaf.param_specs():
+            if len(spec.shape) >= 2:
+                rows, columns = spec.shape[0], math.prod(spec.shape[1:])
+                block = min(rows, max(1, ACCUMULATE_BLOCK_BYTES // (itemsize * columns)))
+                most = max(most, block * columns * itemsize)
+    return most
 
 
 def _largest_inner_output(layer, shape: tuple[int, ...], itemsize: int) -> int:

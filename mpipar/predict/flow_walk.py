@@ -20,13 +20,17 @@ from mpipar.schedule.strategies import BACKWARD, FORWARD
 
 
 def flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_after: tuple[int, ...],
-               in_flight: int, *, prefetch: int, jobs: tuple[str, ...], ring: int, world_size: int) -> dict[str, int]:
+               in_flight: int, *, prefetch: int, jobs: tuple[str, ...], ring: int, world_size: int,
+               adding_after: tuple[int, ...] = ()) -> dict[str, int]:
     """The transients of a data-parallel step at its worst moment: the sharding flow's instructions
     (schedule/flow.py) for a stage's jobs, in the directions `jobs` in order, walked with the buffers
     runtime/sharded_stage.py takes and gives for them, for units of `sizes` bytes (their layers
     from `firsts[u]` on). While a unit computes, the stash is what the layers up to its last have
     saved (`stash_after`, layer by layer), plus what a layer has in flight, plus the whole stashes
-    of the micro-batches between their forward and backward (a pipeline's jobs interleave).
+    of the micro-batches between their forward and backward (a pipeline's jobs interleave). Where G
+    is replicated, a backward after the first adds each layer's weight gradients into the stage's,
+    through a temporary (`adding_after`, layer by layer: Layer.grad_matmul), while the stash below
+    that layer is still held; a sharded G's unit gradient is fresh for every micro-batch.
 
     GatherUnit takes a unit of parameters, ReleaseUnit gives it back; a backward Compute takes the
     unit's gradient where G is sharded; ReduceUnit first waits for the reductions beyond
@@ -80,7 +84,11 @@ def flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_aft
             elif isinstance(instruction, Compute):
                 if direction == BACKWARD and reduces:
                     take("unit gradients", sizes[instruction.unit])
-                moment(waiting * stash_after[-1] + stash_after[stops[instruction.unit] - 1] + in_flight)
+                layers = range(firsts[instruction.unit], stops[instruction.unit])
+                stash = stash_after[layers[-1]]
+                if direction == BACKWARD and not reduces and not first and adding_after:
+                    stash = max(stash, max(stash_after[layer] + adding_after[layer] for layer in layers))
+                moment(waiting * stash_after[-1] + stash + in_flight)
             elif isinstance(instruction, ReduceUnit):
                 while reduces and len(reducing) > REDUCTIONS_IN_FLIGHT - 1:
                     finished = reducing.pop(0)

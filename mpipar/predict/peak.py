@@ -109,7 +109,8 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
         ring = (group_size if sharding.nested else world_size) if G != Scope.REPLICATED else world_size
         step = flow_walk(sharding, [elements * itemsize for _, elements in units], [first for first, _ in units],
                           stash_after, training.in_flight([stage]) + training.rebuilt([stage]), prefetch=prefetch,
-                          jobs=jobs, ring=ring, world_size=world_size)
+                          jobs=jobs, ring=ring, world_size=world_size,
+                          adding_after=training.adding_by_layer[stage] if training.stashed_by_layer else ())
     if evaluation is not None and gathered + evaluation.training() > sum(step.values()):
         step = {"gathered units": gathered, "spare": spare, "evaluation": evaluation.training()}
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
@@ -286,6 +287,10 @@ def cyclic_peak(run: Run, rank: int, layout: str, rule: str, stage_sizes: list[i
     lingering = 0  # the bytes of the items dropped in this time step that a send may still read
     stashed, most = 0, sum(alive.values())
     updated = set()
+
+    def held() -> int:
+        return sum(alive.values()) + stashed + sum(spares.values()) + lingering
+
     for instruction in run.program:
         made = None
         if isinstance(instruction, Receive):
@@ -293,13 +298,20 @@ def cyclic_peak(run: Run, rank: int, layout: str, rule: str, stage_sizes: list[i
         elif isinstance(instruction, Compute):
             job = instruction.job
             forward, g = job.direction == FORWARD, job.global_batch(count)
-            stashed += training.stashed[job.stage] if forward else -training.stashed[job.stage]
+            if forward:
+                stashed += training.stashed[job.stage]
+            elif instruction.new_gradient:
+                alive[Item(ItemKind.GRADIENT_SUM, job.stage, job.step)] = weights[job.stage]
+            # while it computes: a layer's outputs in flight; in backward, the stash layer by layer, each
+            # layer adding its weight gradients into the sum (a temporary each)
+            computing = 0 if forward else training.backward_stash(job.stage, adds=True) - training.stashed[job.stage]
+            most = max(most, held() + computing + training.in_flight([job.stage]))
+            if not forward:
+                stashed -= training.stashed[job.stage]
             if forward and job.stage + 1 < count:
                 made = Item(ItemKind.INPUT, job.stage + 1, g)
             elif not forward and job.stage > 0:
                 made = Item(ItemKind.OUTPUT_GRADIENT, job.stage - 1, g)
-            if not forward and instruction.new_gradient:
-                alive[Item(ItemKind.GRADIENT_SUM, job.stage, job.step)] = weights[job.stage]
         elif isinstance(instruction, Update):
             s, old = instruction.stage, Item(ItemKind.WEIGHTS, instruction.stage, instruction.step)
             made = Item(ItemKind.WEIGHTS, s, instruction.step + 1)
@@ -330,16 +342,17 @@ def cyclic_peak(run: Run, rank: int, layout: str, rule: str, stage_sizes: list[i
             lingering = 0
         if made is not None:
             alive[made] = size_of[made.kind](made.stage)
-        most = max(most, sum(alive.values()) + stashed + sum(spares.values()) + lingering)
-    computed = range(count)  # every rank may compute every stage (dp, zero); a bound for pp and mp
+        most = max(most, held())
+    computed = sorted({i.job.stage for i in run.program if isinstance(i, Compute)})
     largest_updated = max((stage_sizes[s] for s in updated), default=0)
-    step = {"items and stashes": most - steady["home state"],
-            "layer outputs": training.in_flight(computed),
-            "loaded inputs": training.inputs[0],
+    step = {"items, stashes and layer outputs": most - steady["home state"],
+            "loaded inputs": training.inputs[0] if {0, count - 1} & set(computed) else 0,  # samples, or targets
             "workspace": ((largest_updated + min(CHUNK, largest_updated)) * master_itemsize if master_itemsize
                           else min(CHUNK, largest_updated) * itemsize)}
-    if evaluation is not None:  # each stage in turn, broadcast from a home rank
-        evaluating = {"broadcast stages": 2 * max(weights), "evaluation": evaluation.training()}
+    if evaluation is not None:  # each stage it lacks in turn, broadcast from a home rank into a pool buffer
+        newest = 1 + max((i.job.step for i in run.program if isinstance(i, Compute)), default=-1)  # updates made
+        lacked = [weights[s] for s in range(count) if Item(ItemKind.WEIGHTS, s, newest) not in alive]
+        evaluating = {"broadcast stages": _brought_stages(lacked), "evaluation": evaluation.training()}
         if sum(evaluating.values()) > sum(step.values()):
             step = evaluating
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes > 0})
