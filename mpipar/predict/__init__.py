@@ -1,7 +1,9 @@
 """What a layout costs before it runs: memory per rank and the seeds' tables.
 
     peak.py         the peak a rank should hold: Table 1's steady state plus named transients,
-                    walked from the compiled programs; the dry run that measures activation bytes
+                    walked from the compiled programs (pipelines, CDP)
+    flow_walk.py    the worst moment of a data-parallel step: the sharding flow's buffers, walked
+    dry_run.py      what a micro-batch costs in activations, stage by stage and layer by layer
     estimate.py     `mpipar estimate`: every scheme's predicted peak for a model and a world size
     seed_tables.py  the seeds' Table 1 (ZeRO memory) and Table 2 (communication) as formulas
 

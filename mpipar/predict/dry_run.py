@@ -28,7 +28,9 @@ from mpipar.models.sequential import Stage, leaf_layers
 class ActivationBytes:
     """What one micro-batch costs in activations, stage by stage: the bytes each stage
     stashes for its backward (its input included, when a layer keeps it), the bytes of
-    each stage's input (what crosses a stage boundary), and each stage's largest output."""
+    each stage's input (what crosses a stage boundary), and each stage's largest output;
+    and, layer by layer, the stash after each layer and the temporary each adds its weight
+    gradients through (the walks of peak.py and flow_walk.py read those)."""
 
     stashed: tuple[int, ...]
     inputs: tuple[int, ...]
@@ -59,15 +61,14 @@ class ActivationBytes:
         stages = range(len(self.stashed)) if stages is None else stages
         return sum(self.stashed[s] for s in stages) + self.in_flight(stages) + self.rebuilt(stages)
 
-    def backward_stash(self, stage: int, adds: bool) -> int:
+    def adding_backward(self, stage: int) -> int:
         """The most a micro-batch's stash of `stage` and its backward's temporaries weigh while the
-        backward runs, layer by layer (the stash of the layers below still held). With `adds`, each
-        layer adds its weight gradients into ones that hold a sum already (a second micro-batch,
-        CDP's gradient sums), through a temporary (Layer.grad_matmul); a fresh one is written."""
+        backward adds its weight gradients into a sum (CDP's gradient sums): stash_while_adding
+        over the stage's layers."""
         if not self.stashed_by_layer:
             return self.stashed[stage]
-        adding = self.adding_by_layer[stage] if adds else (0,) * len(self.stashed_by_layer[stage])
-        return max((stash + add for stash, add in zip(self.stashed_by_layer[stage], adding)), default=0)
+        return stash_while_adding(self.stashed_by_layer[stage], self.adding_by_layer[stage],
+                                  range(len(self.stashed_by_layer[stage])))
 
     def rebuilt(self, stages) -> int:
         """The largest stash a backward of `stages` rebuilds (0 without recomputation)."""
@@ -76,6 +77,14 @@ class ActivationBytes:
     def output(self, stage: int) -> int:
         """What stage `stage` sends on: the next stage's input (the last stage sends nothing)."""
         return self.inputs[stage + 1] if stage + 1 < len(self.inputs) else 0
+
+
+def stash_while_adding(stash_after: tuple[int, ...], adding: tuple[int, ...], layers: range) -> int:
+    """The most a backward over `layers` weighs when it adds each layer's weight gradients into
+    ones that hold a sum already (a second micro-batch, CDP's gradient sums): at layer l, the
+    stash up to l still held (`stash_after`) and the temporary of its adding (`adding`,
+    Layer.grad_matmul); a fresh gradient is written in place."""
+    return max(stash_after[layer] + adding[layer] for layer in layers)
 
 
 def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 0,
@@ -144,7 +153,7 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
                            tuple(adding))
 
 
-def _forward_zeros(stage: Stage, first: int, stop: int, x, ctx, after_each=None) -> tuple[object, int]:
+def _forward_zeros(stage: Stage, first: int, stop: int, x, ctx, after_each=None) -> tuple[object, int, int]:
     """Layers [first, stop) of `stage` on x with zero weights, bound one layer at a time
     (`after_each()` called after each); returns the output, the largest output on the way
     (inner layers' included) and the largest workspace of a layer."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from mpipar.predict.dry_run import stash_while_adding
 from mpipar.schedule.flow import job_flow
 from mpipar.schedule.instructions import Compute, CyclicJob, GatherUnit, ReduceUnit, ReleaseUnit
 from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Scope, Sharding
@@ -46,9 +47,10 @@ def flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_aft
     held = {"gathered units": 0, "unit gradients": 0, "collective scratch": 0}
     spares = {"spare": 0, "scratch spare": 0, "scratch spare across groups": 0}  # per pool, its kept buffer
     pool_of = {"gathered units": "spare", "unit gradients": "spare", "collective scratch": "scratch spare"}
-    reducing: list[int] = []  # units whose reduction is in flight
+    reducing: list[tuple[int, bool]] = []  # units whose reduction is in flight, and whether it sums across groups
     worst: dict[str, int] = {}
     waiting = 0  # micro-batches stashed whole, their backward to come
+    across_groups = world_size > ring  # a sum beyond the first ring's ranks
 
     def block(unit: int) -> int:
         return math.ceil(sizes[unit] / ring) if ring > 1 else 0
@@ -72,10 +74,11 @@ def flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_aft
     totals = {direction: jobs.count(direction) for direction in jobs}
     done = dict.fromkeys(totals, 0)  # per direction, the jobs walked
     for direction in jobs:
-        job = CyclicJob(0, done[direction], 0, direction)
+        job = CyclicJob(step=0, micro_batch=done[direction], stage=0, direction=direction)
         first, last = done[direction] == 0, done[direction] == totals[direction] - 1
         done[direction] += 1
-        waiting -= direction == BACKWARD
+        if direction == BACKWARD:
+            waiting -= 1
         for instruction in job_flow(job, len(sizes), sharding, prefetch, first=first, last=last):
             if isinstance(instruction, GatherUnit):
                 take("gathered units", sizes[instruction.unit])
@@ -87,17 +90,20 @@ def flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_aft
                 layers = range(firsts[instruction.unit], stops[instruction.unit])
                 stash = stash_after[layers[-1]]
                 if direction == BACKWARD and not reduces and not first and adding_after:
-                    stash = max(stash, max(stash_after[layer] + adding_after[layer] for layer in layers))
+                    stash = max(stash, stash_while_adding(stash_after, adding_after, layers))
                 moment(waiting * stash_after[-1] + stash + in_flight)
             elif isinstance(instruction, ReduceUnit):
                 while reduces and len(reducing) > REDUCTIONS_IN_FLIGHT - 1:
-                    finished = reducing.pop(0)
+                    finished, summed_across = reducing.pop(0)
                     give("unit gradients", sizes[finished])
                     give("collective scratch", block(finished))
-                    if world_size > ring:
+                    if summed_across:  # its last hop's block stays in the groups' communicator's pool
                         spares["scratch spare across groups"] = math.ceil(sizes[finished] / world_size)
                 take("collective scratch", block(instruction.unit))
-                reducing.append(instruction.unit)
-        waiting += direction == FORWARD
+                # nested ZeRO sums across groups every time; a group-sharded G with the step's sum (then_to_os)
+                summed_across = across_groups and (sharding.gradients == Scope.GLOBAL or instruction.then_to_os)
+                reducing.append((instruction.unit, summed_across))
+        if direction == FORWARD:
+            waiting += 1
     moment(0)  # the backward done, its last reductions in flight
     return {name: nbytes for name, nbytes in worst.items() if nbytes}

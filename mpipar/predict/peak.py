@@ -1,7 +1,7 @@
 """What one rank is predicted to hold at its peak: the steady state plus named transients.
 
 Seed 004's Table 1 is the steady state between steps. A step also holds buffers that
-live only while they are used, and each has an owner in the engines and a bound:
+live only while they are used, each with an owner in the engines:
 
     gathered units      P sharded: the unit being computed and the --prefetch units after it
     unit gradients      G sharded: the unit whose backward runs, plus at most REDUCTIONS_IN_FLIGHT
@@ -11,8 +11,10 @@ live only while they are used, and each has an owner in the engines and a bound:
                         communicator's pool keeps its last block
     workspace           the optimizer updates in chunks of optim.CHUNK elements
     activations         what one micro-batch stashes in forward, plus the layer outputs and
-                        gradients in flight (three of the largest), measured by a dry run
+                        gradients in flight (three of the largest), measured by a dry run (dry_run.py)
     evaluation          the same gathers, and three of the largest outputs of an evaluation batch
+    (CDP)               its items (inputs, gradients, weight versions, gradient sums, optimizer state),
+                        the sends still reading dropped ones, the spare weight versions
 
 The transients do not all peak at once: data parallelism walks the sharding flow's instructions
 (`flow_walk`), a pipeline replays its timeline, CDP walks its program (`cyclic_peak`), each
@@ -91,28 +93,29 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
         steady["optimizer_state"] = (1 + state_kinds) * updated * master_itemsize
         steady["workspace"] = (updated + min(CHUNK, updated)) * master_itemsize  # the gradients read in it, a chunk
     unit = largest_unit * itemsize
-    gathered = (1 + prefetch) * unit if P != Scope.REPLICATED else 0
-    if G != Scope.REPLICATED:
-        gradients = (REDUCTIONS_IN_FLIGHT + 1) * unit
-        ring = group_size if sharding.nested else world_size  # the first reduce-scatter's ranks
-        scratch = (REDUCTIONS_IN_FLIGHT + 1) * math.ceil(unit / ring)
-    else:  # every bucket's all-reduce may be in flight at once, each with one block of scratch
-        gradients, scratch = 0, math.ceil(parameters / world_size) * itemsize
-    if world_size == 1:  # one rank sums nothing: its collectives send no message and need no scratch
-        scratch = 0
-    spare = unit if P != Scope.REPLICATED or G != Scope.REPLICATED else 0
-    step = {"gathered units": gathered, "unit gradients": gradients, "spare": spare,
-            "collective scratch": scratch, "activations": training.training()}
+    # the first reduction's ranks: where G is sharded a reduce-scatter in the group when nested, else an all-reduce
+    ring = group_size if sharding.nested and G != Scope.REPLICATED else world_size
     if units:  # the stash layer by layer; under recomputation (none recorded) the kept inputs throughout
         stash_after = (training.stashed_by_layer[stage] if training.stashed_by_layer
-                       else (training.stashed[stage],) * (units[-1][0] + 1))
-        ring = (group_size if sharding.nested else world_size) if G != Scope.REPLICATED else world_size
+                       else (training.stashed[stage],) * (units[-1][0] + 1))  # as many entries as the walk reads
         step = flow_walk(sharding, [elements * itemsize for _, elements in units], [first for first, _ in units],
-                          stash_after, training.in_flight([stage]) + training.rebuilt([stage]), prefetch=prefetch,
-                          jobs=jobs, ring=ring, world_size=world_size,
-                          adding_after=training.adding_by_layer[stage] if training.stashed_by_layer else ())
-    if evaluation is not None and gathered + evaluation.training() > sum(step.values()):
-        step = {"gathered units": gathered, "spare": spare, "evaluation": evaluation.training()}
+                         stash_after, training.in_flight([stage]) + training.rebuilt([stage]), prefetch=prefetch,
+                         jobs=jobs, ring=ring, world_size=world_size,
+                         adding_after=training.adding_by_layer[stage] if training.stashed_by_layer else ())
+    else:  # each transient at its most, at once
+        reducing = REDUCTIONS_IN_FLIGHT + 1 if G != Scope.REPLICATED else 0  # the open gradient and those behind
+        step = {"gathered units": (1 + prefetch) * unit if P != Scope.REPLICATED else 0,
+                "unit gradients": reducing * unit,
+                # where G is replicated every bucket's all-reduce may be in flight, each with a block of scratch
+                "collective scratch": (reducing * math.ceil(unit / ring) if reducing
+                                       else math.ceil(parameters / world_size) * itemsize) if world_size > 1 else 0,
+                "spare": unit if P != Scope.REPLICATED or G != Scope.REPLICATED else 0,
+                "activations": training.training()}
+    if evaluation is not None:  # the units gathered as in a forward, and the pool's spare
+        evaluating = {"gathered units": (1 + prefetch) * unit if P != Scope.REPLICATED else 0,
+                      "spare": unit if P != Scope.REPLICATED else 0, "evaluation": evaluation.training()}
+        if sum(evaluating.values()) > sum(step.values()):
+            step = evaluating
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
 
 
@@ -182,13 +185,11 @@ def composed_peak(pipeline: Peak, shares: list[Peak], walked: bool = False) -> P
     (`flow_walk`), the share's worst moment, its stashes included, replaces the pipeline's
     activations."""
     steady = {kind: sum(share.steady[kind] for share in shares) for kind in shares[0].steady}
-    if walked:  # the pipeline's figures are its evaluation's, or training's besides the activations
-        evaluating = "evaluation" in pipeline.transients
-        messages = {} if evaluating else {name: nbytes for name, nbytes in pipeline.transients.items()
-                                          if name != "activations"}
-        training = {**messages, **shares[0].transients}
-        return Peak(steady, max(training, pipeline.transients if evaluating else {},
-                                key=lambda transients: sum(transients.values())))
+    if walked and "evaluation" not in pipeline.transients:  # training's figures: the share's moment replaces
+        transients = {name: nbytes for name, nbytes in pipeline.transients.items() if name != "activations"}
+        for name, nbytes in shares[0].transients.items():
+            transients[name] = transients.get(name, 0) + nbytes
+        return Peak(steady, transients)
     activations = ("activations", "evaluation")  # the pipeline's figures already count them
 
     def communication(share: Peak) -> dict[str, float]:
@@ -242,7 +243,7 @@ def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes
     plan compiles every rank's program, so any rank's peak is predicted anywhere; a CDP plan
     keeps only its own rank's program."""
     if isinstance(plan, CdpPlan):
-        return cyclic_peak(plan.program(0, steps), rank, plan.layout, plan.rule, plan.stage_sizes,
+        return cyclic_peak(plan.program(0, steps), steps, rank, plan.layout, plan.rule, plan.stage_sizes,
                            itemsize=plan.itemsize, state_kinds=plan.state_kinds, training=training,
                            evaluation=evaluation, keeps_spare_weights=plan.keeps_spare_weights,
                            master_itemsize=master_itemsize)
@@ -252,10 +253,10 @@ def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes
                      prefetch=plan.prefetch, master_itemsize=master_itemsize, units=units)
 
 
-def cyclic_peak(run: Run, rank: int, layout: str, rule: str, stage_sizes: list[int], *, itemsize: int,
+def cyclic_peak(run: Run, steps: int, rank: int, layout: str, rule: str, stage_sizes: list[int], *, itemsize: int,
                 state_kinds: int, training: ActivationBytes, evaluation: ActivationBytes | None = None,
                 keeps_spare_weights: bool = True, master_itemsize: int = 0) -> Peak:
-    """The peak of one rank of the CDP engine running `run` (its part of a CyclicPlan).
+    """The peak of one rank of the CDP engine running `run` (its part of a CyclicPlan, `steps` steps).
 
     The program says when every item comes and goes on this rank: a receive or a job
     makes one, a Drop forgets it, an update makes the next weight version, in the buffer
@@ -304,7 +305,7 @@ def cyclic_peak(run: Run, rank: int, layout: str, rule: str, stage_sizes: list[i
                 alive[Item(ItemKind.GRADIENT_SUM, job.stage, job.step)] = weights[job.stage]
             # while it computes: a layer's outputs in flight; in backward, the stash layer by layer, each
             # layer adding its weight gradients into the sum (a temporary each)
-            computing = 0 if forward else training.backward_stash(job.stage, adds=True) - training.stashed[job.stage]
+            computing = 0 if forward else max(0, training.adding_backward(job.stage) - training.stashed[job.stage])
             most = max(most, held() + computing + training.in_flight([job.stage]))
             if not forward:
                 stashed -= training.stashed[job.stage]
@@ -345,14 +346,15 @@ def cyclic_peak(run: Run, rank: int, layout: str, rule: str, stage_sizes: list[i
         most = max(most, held())
     computed = sorted({i.job.stage for i in run.program if isinstance(i, Compute)})
     largest_updated = max((stage_sizes[s] for s in updated), default=0)
-    step = {"items, stashes and layer outputs": most - steady["home state"],
-            "loaded inputs": training.inputs[0] if {0, count - 1} & set(computed) else 0,  # samples, or targets
+    step = {"items and buffers in flight": most - steady["home state"],
+            # the last stage loads its micro-batch's targets (stage 0's stash holds the samples it loads)
+            "loaded inputs": training.inputs[0] if count - 1 in computed and count > 1 else 0,
             "workspace": ((largest_updated + min(CHUNK, largest_updated)) * master_itemsize if master_itemsize
                           else min(CHUNK, largest_updated) * itemsize)}
     if evaluation is not None:  # each stage it lacks in turn, broadcast from a home rank into a pool buffer
-        newest = 1 + max((i.job.step for i in run.program if isinstance(i, Compute)), default=-1)  # updates made
-        lacked = [weights[s] for s in range(count) if Item(ItemKind.WEIGHTS, s, newest) not in alive]
-        evaluating = {"broadcast stages": _brought_stages(lacked), "evaluation": evaluation.training()}
+        lacked = [weights[s] for s in range(count) if Item(ItemKind.WEIGHTS, s, steps) not in alive]
+        evaluating = {"broadcast stages": _brought_stages(lacked), "evaluation": evaluation.training(),
+                      "spare weights": sum(spares.values()), "workspace": step["workspace"]}  # kept from the steps
         if sum(evaluating.values()) > sum(step.values()):
             step = evaluating
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes > 0})
