@@ -112,8 +112,14 @@ def data_parallel_peak(sharding: Sharding, parameters: int, largest_unit: int, w
                 "spare": unit if P != Scope.REPLICATED or G != Scope.REPLICATED else 0,
                 "activations": training.training()}
     if evaluation is not None:  # the units gathered as in a forward, and the pool's spare
-        evaluating = {"gathered units": (1 + prefetch) * unit if P != Scope.REPLICATED else 0,
-                      "spare": unit if P != Scope.REPLICATED else 0, "evaluation": evaluation.training()}
+        if units:  # a forward walked, the evaluation's outputs at every moment
+            evaluating = flow_walk(sharding, [elements * itemsize for _, elements in units],
+                                   [first for first, _ in units], (0,) * (units[-1][0] + 1), evaluation.training(),
+                                   prefetch=prefetch, jobs=(FORWARD,), ring=ring, world_size=world_size)
+            evaluating["evaluation"] = evaluating.pop("activations", 0)
+        else:
+            evaluating = {"gathered units": (1 + prefetch) * unit if P != Scope.REPLICATED else 0,
+                          "spare": unit if P != Scope.REPLICATED else 0, "evaluation": evaluation.training()}
         if sum(evaluating.values()) > sum(step.values()):
             step = evaluating
     return Peak(steady, {name: nbytes for name, nbytes in step.items() if nbytes})
