@@ -191,11 +191,15 @@ def composed_peak(pipeline: Peak, shares: list[Peak], walked: bool = False) -> P
     (`flow_walk`), the share's worst moment, its stashes included, replaces the pipeline's
     activations."""
     steady = {kind: sum(share.steady[kind] for share in shares) for kind in shares[0].steady}
-    if walked and "evaluation" not in pipeline.transients:  # training's figures: the share's moment replaces
-        transients = {name: nbytes for name, nbytes in pipeline.transients.items() if name != "activations"}
-        for name, nbytes in shares[0].transients.items():
-            transients[name] = transients.get(name, 0) + nbytes
-        return Peak(steady, transients)
+    if walked:  # the share's worst moment replaces the pipeline's activations; or the pipeline's evaluation
+        share, evaluating = shares[0].transients, "evaluation" in pipeline.transients
+        training = {} if evaluating else {name: nbytes for name, nbytes in pipeline.transients.items()
+                                          if name != "activations"}
+        for name, nbytes in share.items():
+            training[name] = training.get(name, 0) + nbytes
+        evaluation = {**pipeline.transients, "gathered units": share.get("gathered units", 0),
+                      "spare": share.get("spare", 0)} if evaluating else {}
+        return Peak(steady, max(training, evaluation, key=lambda transients: sum(transients.values())))
     activations = ("activations", "evaluation")  # the pipeline's figures already count them
 
     def communication(share: Peak) -> dict[str, float]:
