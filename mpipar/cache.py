@@ -34,7 +34,9 @@ class Context:
     It also carries what a layer may need to know about the data it sees: the
     training step, the position of each sample in the global batch (dropout masks
     are a function of these, so they do not depend on how the batch was split) and
-    the run seed. With `training=False` nothing is saved (evaluation).
+    the run seed. With `training=False` nothing is saved (evaluation). `step_on_device`, where
+    given, is the step as a one-element uint64 array where the arrays live: a CUDA graph's replay
+    reads its own step there (the GPU's dropout kernel does), not the one captured.
     """
 
     cache: "ActivationCache | None"
@@ -42,6 +44,7 @@ class Context:
     step: int = 0
     sample_ids: object = None
     seed: int = 0
+    step_on_device: object = None
     training: bool = True
     _saved: dict = field(default_factory=dict)
 
@@ -90,12 +93,12 @@ class ActivationCache:
         self._buffers: dict[int, list] = {}  # id(owner) -> [owner, nbytes, references, kind]
 
     def context(self, stage: int, micro_batch: int, *, step: int = 0, sample_ids=None,
-                seed: int = 0) -> Context:
+                seed: int = 0, step_on_device=None) -> Context:
         """Open the context of (stage, micro_batch) for a training forward pass."""
         key = (stage, micro_batch)
         if key in self.contexts:
             raise RuntimeError(f"context {key} is already open: release it after its backward")
-        ctx = Context(self, key, step=step, sample_ids=sample_ids, seed=seed)
+        ctx = Context(self, key, step=step, sample_ids=sample_ids, seed=seed, step_on_device=step_on_device)
         self.contexts[key] = ctx
         return ctx
 

@@ -104,7 +104,8 @@ def test_the_dropout_kernel_drops_what_numpy_drops_bit_for_bit(cuda, dtype):
     samples = np.array([17, 3, 40, 8], dtype=np.uint64)
     for p, (first, whole) in ((0.2, (0, 300)), (0.37, (300, 1200))):  # whole samples; a block of positions
         stream = stream_key(5, 3, 11)
-        got = cuda.dropout(xp.asarray(x), xp.asarray(samples), stream, first, whole, p)
+        step = xp.asarray(np.array([11], dtype=np.uint64))  # the kernel reads the step where it lies
+        got = cuda.dropout(xp.asarray(x), xp.asarray(samples), 5, 3, step, first, whole, p)
         expected = dropped(x, samples, stream, first, whole, p)
         assert 0 < (expected[1] == 0).sum() < x.size
         for name, device, host in zip(("output", "mask"), got, expected):

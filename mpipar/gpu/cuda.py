@@ -6,7 +6,8 @@ asks `mpipar.gpu.parts_for(xp)` for one of the two and never knows which.
     fused(name)                  an optimizer update, or its weight decay over a span, as one
                                  kernel (KERNELS)
     gelu, gelu_grad              GELU's forward and backward, each one kernel of the NumPy steps
-    dropout                      dropout's mask and output, one kernel of the NumPy steps' integer hash
+    dropout                      dropout's mask and output, one kernel of the NumPy steps' integer hash,
+                                 the step read from device memory (a graph's replays each read theirs)
     layer_norm,                  LayerNorm's forward and its input gradient, and attention's
     layer_norm_input_gradient    masked softmax and its backward: each one kernel with a block
     causal_softmax,              of threads per row (RAW_KERNELS), float16 rows computed in
@@ -24,6 +25,7 @@ asks `mpipar.gpu.parts_for(xp)` for one of the two and never knows which.
     read_values(a)               a small array's values on the host (a synchronisation)
     synchronize()                wait for the compute stream (before MPI reads device memory)
     PoolPeak                     the memory pool's used bytes now and at their highest
+    StepGraph                    a step's device work captured once as a CUDA graph, then replayed
 
 Exercised by: python tests/scripts/check_gpu.py (each against its twin and NumPy, on the GPU)
 """
@@ -197,10 +199,19 @@ __global__ void gelu_grad(const T* x, const T* dy, T* dx, const long long n, con
 // Dropout (layers/dropout.py): element e of the sample at global position samples[s] keeps its value
 // when u >= p, u the top 53 bits of SplitMix64(samples[s] whole + first + e + stream) over 2^53, all
 // in wrapping uint64 arithmetic as NumPy's; mask = 1 / (1 - p) or 0, rounded once from double to T.
+// stream is stream_key(seed, layer, step), with the step read from device memory: a CUDA graph's
+// replay of the kernel then draws the coins of the step it replays.
 __device__ unsigned long long splitmix64(unsigned long long z) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
     return z ^ (z >> 31);
+}
+
+__device__ unsigned long long stream_key(unsigned long long seed, unsigned long long layer, unsigned long long step) {
+    const unsigned long long golden = 0x9E3779B97F4A7C15ULL;
+    unsigned long long stream = splitmix64(golden + seed);
+    stream = splitmix64(stream + golden + layer);
+    return splitmix64(stream + golden + step);
 }
 
 template <typename T> __device__ T from_double(double value) { return T(value); }
@@ -209,7 +220,9 @@ template <> __device__ __half from_double<__half>(double value) { return __doubl
 template <typename T, typename A>
 __global__ void dropout(const T* x, T* y, T* mask, const unsigned long long* samples, const long long per_sample,
                         const unsigned long long whole, const unsigned long long first,
-                        const unsigned long long stream, const double p, const double scale, const long long n) {
+                        const unsigned long long seed, const unsigned long long layer,
+                        const unsigned long long* step, const double p, const double scale, const long long n) {
+    const unsigned long long stream = stream_key(seed, layer, step[0]);
     for (long long i = FIRST_ELEMENT; i < n; i += ELEMENT_STRIDE) {
         const long long sample = i / per_sample;
         const unsigned long long element = first + (unsigned long long)(i - sample * per_sample);
@@ -271,15 +284,16 @@ def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -
             scalar(b), scalar(limit), scalar(h), scalar(k)))
 
 
-def dropout(x, samples, stream: int, first: int, whole: int, p: float):
+def dropout(x, samples, seed: int, layer: int, step, first: int, whole: int, p: float):
     """(x m / (1 - p), m / (1 - p)) for x (samples first), m = [u >= p]: layers/dropout.py's
-    `dropped` as one kernel, the same bits (its coins are integer arithmetic)."""
+    `dropped` with stream_key(seed, layer, step[0]) as one kernel, the same bits (its coins are
+    integer arithmetic); `step` is a one-element uint64 device array."""
     x = cupy.ascontiguousarray(x)
     y, mask = cupy.empty_like(x), cupy.empty_like(x)
     kernel, _ = _raw_kernel("dropout", x.dtype, _elementwise_blocks(x.size))
     kernel((x, y, mask, cupy.ascontiguousarray(samples, dtype=cupy.uint64), np.int64(x.size // x.shape[0]),
-            np.uint64(whole), np.uint64(first), np.uint64(stream), np.float64(p), np.float64(1.0 / (1.0 - p)),
-            np.int64(x.size)))
+            np.uint64(whole), np.uint64(first), np.uint64(seed), np.uint64(layer), step, np.float64(p),
+            np.float64(1.0 / (1.0 - p)), np.int64(x.size)))
     return y, mask
 
 
@@ -411,3 +425,34 @@ class PoolPeak:
 
     def reset(self) -> None:
         self._hook.peak = self._pool.used_bytes()
+
+
+class StepGraph:
+    """A step's device work as one CUDA graph. `capture` runs `work` once, its Python only, on a
+    stream of its own in capture mode: every kernel, product and copy it queues is recorded, none
+    runs. Its arrays come from a memory pool of the graph's own, so that what a replay writes is
+    never given to another array. `replay` launches the graph on the current stream."""
+
+    def __init__(self) -> None:
+        self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._pool = cupy.cuda.MemoryPool()
+        self._graph = None
+
+    def capture(self, work):
+        self._graph = None  # a graph captured before gives its memory back to the pool first
+        self._stream.wait_event(cupy.cuda.get_current_stream().record())
+        with self._stream, cupy.cuda.using_allocator(self._pool.malloc):
+            self._stream.begin_capture()
+            try:
+                result = work()
+            except BaseException:
+                try:
+                    self._stream.end_capture()
+                except Exception:  # the capture was invalidated by what failed; its error is the one to see
+                    pass
+                raise
+            self._graph = self._stream.end_capture()
+        return result
+
+    def replay(self) -> None:
+        self._graph.launch(stream=cupy.cuda.get_current_stream())

@@ -13,6 +13,12 @@ asked for by name:
     a.set(host)                      a copy to the device, counted
     read_scalars(a)                  the approved way to read values: counted as a host sync
 
+`Capture` is a CUDA graph's stream capture on the stand-in (twin.StepGraph): while one is open,
+every operation on device arrays is recorded with the arguments it had (host scalars baked in,
+as a kernel's arguments are) and every copy to or from the host is refused; when it closes,
+the device memory is as it was before (what the capture allocated holds garbage), as a
+capture only records; a replay reruns the operations on the memory they were handed.
+
 `DEVICE_MEMORY` counts the bytes of the device arrays alive, as CuPy's pool does (the twin's
 PoolPeak reads it for --memory-profile).
 
@@ -79,6 +85,7 @@ class DeviceMemory:
     def __init__(self) -> None:
         self.live = self.peak = 0
         self._counted: set[int] = set()
+        self.owners: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()
 
     def count(self, memory: np.ndarray) -> None:
         owner = memory
@@ -87,6 +94,7 @@ class DeviceMemory:
         if owner.base is not None or id(owner) in self._counted:  # a view of memory counted already
             return
         self._counted.add(id(owner))
+        self.owners[id(owner)] = owner
         self.live += owner.nbytes
         self.peak = max(self.peak, self.live)
         weakref.finalize(owner, self._free, id(owner), owner.nbytes)
@@ -97,6 +105,70 @@ class DeviceMemory:
 
 
 DEVICE_MEMORY = DeviceMemory()
+
+
+class Capture:
+    """The device work of a stream capture: (operation, the memory it writes) in the order made.
+    An operation is a call that recomputes its results from the memory it was handed; a result
+    that is new memory is copied into the memory the capture gave it, as a graph's kernel writes
+    where its capture's allocation was."""
+
+    def __init__(self) -> None:
+        self.operations: list[tuple[object, list[np.ndarray]]] = []
+        self.inside_kernel = 0  # > 0 while a twin kernel runs: its own NumPy steps are not operations
+        self._before = {key: (owner, owner.copy()) for key, owner in DEVICE_MEMORY.owners.items()}
+
+    def record(self, call, result) -> None:
+        if not self.inside_kernel:
+            self.operations.append((call, [memory_of(array) for array in _flat(result)]))
+
+    def close(self) -> None:
+        """Leave the device memory as the capture found it: nothing ran, the capture only recorded."""
+        for key, owner in list(DEVICE_MEMORY.owners.items()):
+            if key in self._before:
+                owner[...] = self._before[key][1]
+            else:  # allocated by the capture: what a graph's replay will write, not yet written
+                owner.reshape(-1).view(np.uint8).fill(0xFF)  # NaN in every float type
+        self._before.clear()
+
+    def replay(self) -> None:
+        for call, targets in self.operations:
+            for target, value in zip(targets, _flat(call(), memory=True)):
+                if not _same_memory(target, value):
+                    target[...] = value
+
+
+CAPTURE: list[Capture | None] = [None]  # the capture open now, if any (one device, one stream)
+
+
+def _flat(result, memory: bool = False) -> list:
+    """The arrays of an operation's result, in order (tuples flattened; scalars count as 0-d arrays)."""
+    if isinstance(result, (tuple, list)):
+        return [array for item in result for array in _flat(item, memory)]
+    if memory:  # a replay's values: NumPy's, or a twin kernel's new stand-in arrays
+        if isinstance(result, StandInArray):
+            return [result._memory]
+        return [result] if isinstance(result, (np.ndarray, np.generic)) else []
+    return [result] if isinstance(result, StandInArray) else []
+
+
+def _same_memory(target: np.ndarray, value) -> bool:
+    return isinstance(value, np.ndarray) and value.shape == target.shape and value.strides == target.strides \
+        and value.__array_interface__["data"][0] == target.__array_interface__["data"][0]
+
+
+def _recorded(call, result):
+    """`result` of `call`, recorded in the capture open now (if any) to be recomputed by its replays."""
+    capture = CAPTURE[0]
+    if capture is not None:
+        capture.record(call, result)
+    return result
+
+
+def refuse_during_capture(what: str) -> None:
+    if CAPTURE[0] is not None and not CAPTURE[0].inside_kernel:
+        raise HostConversion(f"{what} during a CUDA graph's capture: a graph replays device work only, and a "
+                             "capture may not wait for the device; copy before the capture or after a replay")
 
 
 class HostConversion(TypeError):
@@ -141,6 +213,7 @@ class StandInArray(NDArrayOperatorsMixin):
 
     def get(self, out: np.ndarray | None = None) -> np.ndarray:
         """A host copy (into `out` if given), counted."""
+        refuse_during_capture("a copy to the host")
         CROSSINGS.to_host_copies += 1
         CROSSINGS.to_host_bytes += self._memory.nbytes
         if out is None:
@@ -152,6 +225,7 @@ class StandInArray(NDArrayOperatorsMixin):
         """Copy `host` into this array, counted."""
         if not isinstance(host, np.ndarray):
             raise TypeError(f"set() takes a host (NumPy) array, got {type(host).__name__}")
+        refuse_during_capture("a copy from the host")
         CROSSINGS.to_device_copies += 1
         CROSSINGS.to_device_bytes += host.nbytes
         self._memory[...] = host
@@ -174,12 +248,14 @@ class StandInArray(NDArrayOperatorsMixin):
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if "out" in kwargs:
             kwargs["out"] = tuple(_unwrap(out, ufunc.__name__) for out in kwargs["out"])
-        result = getattr(ufunc, method)(*(_unwrap(x, ufunc.__name__) for x in inputs), **kwargs)
-        return _wrap(result)
+        inputs = tuple(_unwrap(x, ufunc.__name__) for x in inputs)
+        return _recorded(lambda: getattr(ufunc, method)(*inputs, **kwargs),
+                         _wrap(getattr(ufunc, method)(*inputs, **kwargs)))
 
     def __array_function__(self, func, types_, args, kwargs):
         name = getattr(func, "__name__", str(func))
-        return _wrap(func(*_unwrap(args, name), **_unwrap(kwargs, name)))
+        args, kwargs = _unwrap(args, name), _unwrap(kwargs, name)
+        return _recorded(lambda: func(*args, **kwargs), _wrap(func(*args, **kwargs)))
 
     def __getattr__(self, name: str):
         if name.startswith("__"):  # __array_interface__, __dlpack__, __array_struct__: ways to the host
@@ -187,15 +263,19 @@ class StandInArray(NDArrayOperatorsMixin):
         attribute = getattr(self._memory, name)
         if callable(attribute):
             def method(*args, **kwargs):
-                return _wrap(attribute(*_unwrap(args, name), **_unwrap(kwargs, name)))
+                args, kwargs = _unwrap(args, name), _unwrap(kwargs, name)
+                return _recorded(lambda: attribute(*args, **kwargs), _wrap(attribute(*args, **kwargs)))
             return method
-        return _wrap(attribute)
+        return _wrap(attribute)  # a view (a.T) or a fact (a.shape): no work for a graph
 
     def __getitem__(self, key):
-        return _wrap(self._memory[_unwrap(key, "indexing")])
+        memory, key = self._memory, _unwrap(key, "indexing")
+        return _recorded(lambda: memory[key], _wrap(memory[key]))  # a copy where the index is an array
 
     def __setitem__(self, key, value) -> None:
-        self._memory[_unwrap(key, "indexing")] = _unwrap(value, "assignment")
+        memory, key, value = self._memory, _unwrap(key, "indexing"), _unwrap(value, "assignment")
+        memory[key] = value
+        _recorded(lambda: memory.__setitem__(key, value), None)
 
     def __len__(self) -> int:
         return len(self._memory)
@@ -258,6 +338,7 @@ def memory_of(array: StandInArray) -> np.ndarray:
 
 def read_scalars(array: StandInArray) -> np.ndarray:
     """The values of a small device array on the host: the one approved read, counted as a sync."""
+    refuse_during_capture("reading values")
     CROSSINGS.syncs += 1
     CROSSINGS.sync_bytes += array.nbytes
     return array.get()
@@ -273,14 +354,19 @@ class _Module(types.ModuleType):
         if name in ("asarray", "array", "ascontiguousarray"):
             def from_anything(value, *args, **kwargs):
                 if isinstance(value, np.ndarray) and value.ndim:  # cupy.asarray(host): an explicit copy
+                    refuse_during_capture("a copy from the host")
                     CROSSINGS.to_device_copies += 1
                     CROSSINGS.to_device_bytes += value.nbytes
                     return StandInArray(np.array(value, *args, **kwargs))
-                return _wrap(attribute(_unwrap(value, name), *args, **kwargs))
+                value = _unwrap(value, name)
+                return _recorded(lambda: attribute(value, *args, **kwargs), _wrap(attribute(value, *args, **kwargs)))
             return from_anything
 
         def function(*args, **kwargs):
-            return _wrap(attribute(*_unwrap(args, name), **_unwrap(kwargs, name)))
+            args, kwargs = _unwrap(args, name), _unwrap(kwargs, name)
+            result = _wrap(attribute(*args, **kwargs))
+            # a new array's memory holds what it held; zeros, ones, full and arange are work a graph repeats
+            return result if name.startswith("empty") else _recorded(lambda: attribute(*args, **kwargs), result)
         function.__name__ = name
         return function
 

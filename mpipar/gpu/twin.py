@@ -1,7 +1,8 @@
 """The NumPy twin of `cuda.py` for the stand-in device: the same names, the same results.
 
-The kernels are NumPy's operations in the kernel's order; the copies go through the
-stand-in arrays' counted `get` and `set`; the pool is the stand-in's count of its arrays' bytes.
+The kernels are NumPy's operations in the kernel's order, each one operation of a stream
+capture (a graph node); the copies go through the stand-in arrays' counted `get` and `set`;
+the pool is the stand-in's count of its arrays' bytes; the CUDA graph is standin.Capture.
 
 Exercised by: python -m pytest tests/test_standin.py
 """
@@ -14,7 +15,16 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from mpipar.gpu.batched_gemm import column_major_call
-from mpipar.gpu.standin import CROSSINGS, DEVICE_MEMORY, StandInArray, memory_of, read_scalars
+from mpipar.gpu.standin import (
+    CAPTURE,
+    CROSSINGS,
+    DEVICE_MEMORY,
+    Capture,
+    StandInArray,
+    memory_of,
+    read_scalars,
+    refuse_during_capture,
+)
 
 
 def _sgd(g, lr, p):
@@ -50,6 +60,24 @@ _UPDATES = {"sgd": _sgd, "sgd_momentum": _sgd_momentum, "add_decay": _add_decay,
 PART = 1 << 16  # elements a twin kernel computes at a time
 
 
+def _kernel(kernel):
+    """A twin kernel as one operation of an open stream capture, as a CUDA kernel is one node of
+    its graph: the NumPy steps inside it are not operations of their own."""
+    @functools.wraps(kernel)
+    def launch(*arguments, **options):
+        capture = CAPTURE[0]
+        if capture is None:
+            return kernel(*arguments, **options)
+        capture.inside_kernel += 1
+        try:
+            result = kernel(*arguments, **options)
+        finally:
+            capture.inside_kernel -= 1
+        capture.record(lambda: kernel(*arguments, **options), result)
+        return result
+    return launch
+
+
 def _in_parts(*cut: int):
     """A twin kernel run on parts of its arguments numbered `cut` (every array, if none is
     named), cut along their first axis into parts of about PART elements, and handed the
@@ -72,7 +100,7 @@ def _in_parts(*cut: int):
 
 
 def fused(name: str):
-    return _in_parts()(_UPDATES[name])
+    return _kernel(_in_parts()(_UPDATES[name]))
 
 
 def _computed(a):
@@ -80,6 +108,7 @@ def _computed(a):
     return a.astype(np.float32) if a.dtype == np.float16 else a
 
 
+@_kernel
 @_in_parts(0, 1)
 def gelu(x, y, a: float, b: float, limit: float) -> None:
     x = _computed(x)
@@ -91,6 +120,7 @@ def gelu(x, y, a: float, b: float, limit: float) -> None:
     y[...] = x / (np.exp(u) + 1)
 
 
+@_kernel
 @_in_parts(0, 1, 2)
 def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -> None:
     x, dy = _computed(x), _computed(dy)
@@ -115,6 +145,7 @@ def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -
     dx[...] = d * dy
 
 
+@_kernel
 @_in_parts(0, 4, 5, 6)
 def layer_norm(x, gain, shift, eps: float, y, normed, rstd) -> None:
     x, gain, shift = _computed(x), _computed(gain), _computed(shift)
@@ -125,6 +156,7 @@ def layer_norm(x, gain, shift, eps: float, y, normed, rstd) -> None:
     rstd[...], normed[...], y[...] = r, n, n * gain + shift
 
 
+@_kernel
 @_in_parts(0, 2, 3, 4)
 def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
     dy, gain, normed, rstd = _computed(dy), _computed(gain), _computed(normed), _computed(rstd)
@@ -135,6 +167,7 @@ def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
     dx[...] = (g - mean_g - normed * mean_gn) * rstd
 
 
+@_kernel
 @_in_parts(0)
 def causal_softmax(scores, scale: float) -> None:
     from mpipar.layers.attention import causal_softmax as numpy_steps  # the layers import this package
@@ -142,6 +175,7 @@ def causal_softmax(scores, scale: float) -> None:
     numpy_steps(scores, scale)
 
 
+@_kernel
 @_in_parts(0, 1)
 def causal_softmax_backward(d_scores, probs, scale: float) -> None:
     from mpipar.layers.attention import causal_softmax_backward as numpy_steps
@@ -149,6 +183,7 @@ def causal_softmax_backward(d_scores, probs, scale: float) -> None:
     numpy_steps(d_scores, probs, scale)
 
 
+@_kernel
 def batched_product(a, b, out, transpose_a: bool = False, transpose_b: bool = False) -> None:
     """cuBLAS's strided-batched GEMM of batched_gemm.py's call, read back from the memory: element
     (i, j) of a column-major matrix with leading dimension ld lies i + j ld elements from its start."""
@@ -171,16 +206,20 @@ def batched_product(a, b, out, transpose_a: bool = False, transpose_b: bool = Fa
         written[start:start + step] = np.matmul(*map(_computed, parts))  # float16 summed in float32, as asked
 
 
-def dropout(x, samples, stream: int, first: int, whole: int, p: float):
-    from mpipar.layers.dropout import dropped as numpy_steps  # the layers import this package
+@_kernel
+def dropout(x, samples, seed: int, layer: int, step, first: int, whole: int, p: float):
+    from mpipar.layers.dropout import dropped, stream_key  # the layers import this package
 
-    return numpy_steps(x, samples, stream, first, whole, p)
+    step_now = int(memory_of(step)[0])  # the kernel reads the step where it lies, at each replay
+    return dropped(x, samples, stream_key(seed, layer, step_now), first, whole, p)
 
 
+@_kernel
 def column_sum(a):
     return a.sum(axis=0)
 
 
+@_kernel
 def scatter_add(target, indices, values, wide) -> None:
     summed = target if target.dtype == wide else target.astype(wide)
     np.add.at(summed, indices, values)
@@ -207,7 +246,29 @@ def read_values(array) -> np.ndarray:
 
 
 def synchronize() -> None:
-    pass
+    refuse_during_capture("waiting for the device")
+
+
+class StepGraph:
+    """A CUDA graph of a step's device work, on the stand-in: `capture` runs `work` (its Python,
+    once) and records its device work (standin.Capture), which only `replay` does."""
+
+    def __init__(self) -> None:
+        self._capture: Capture | None = None
+
+    def capture(self, work):
+        if CAPTURE[0] is not None:
+            raise RuntimeError("a stream capture is open already: one graph is captured at a time")
+        capture = CAPTURE[0] = Capture()
+        try:
+            return work()
+        finally:
+            CAPTURE[0] = None
+            capture.close()
+            self._capture = capture
+
+    def replay(self) -> None:
+        self._capture.replay()
 
 
 class PoolPeak:

@@ -93,9 +93,12 @@ class Dropout(Layer):
         if ctx.sample_ids is None or len(ctx.sample_ids) != x.shape[0]:
             raise RuntimeError(f"{self.name} needs the global-batch position of each of the "
                                f"{x.shape[0]} samples in ctx.sample_ids")
-        drop = dropped if xp is np else parts_for(xp).dropout  # on a GPU one kernel, not eighteen
-        y, scaled_mask = drop(x, sample_positions(xp, ctx.sample_ids), stream_key(ctx.seed, self.index, ctx.step),
-                              *self.elements(math.prod(x.shape[1:])), self.p)
+        samples, elements = sample_positions(xp, ctx.sample_ids), self.elements(math.prod(x.shape[1:]))
+        if xp is np:
+            y, scaled_mask = dropped(x, samples, stream_key(ctx.seed, self.index, ctx.step), *elements, self.p)
+        else:  # on a GPU one kernel, not eighteen, reading the step where the arrays live (a graph's replay its own)
+            step = ctx.step_on_device if ctx.step_on_device is not None else xp.full(1, ctx.step, dtype=xp.uint64)
+            y, scaled_mask = parts_for(xp).dropout(x, samples, ctx.seed, self.index, step, *elements, self.p)
         ctx.save(self, scaled_mask)
         return y
 

@@ -145,7 +145,7 @@ class Executor:
         """Train steps [first_step, first_step + steps), updates included; returns this rank's
         [loss sum, correct, predictions] per step. `on_step` is called as soon as this rank has
         run its last job of a step (for progress while the run goes)."""
-        run, position = self._start(first_step, steps, load, seed, batch_size, lr_at), 0
+        run, position = self._start(first_step, steps, load, seed, batch_size, lr_at, None), 0
         for end, step in run.step_ends:
             self._execute(run.program[position:end])
             position, index = end, step + run.shift - first_step
@@ -158,9 +158,10 @@ class Executor:
         self._end()
         return read_values(self.totals)
 
-    def run_step(self, step: int, seed: int, load: Load, batch_size: int) -> np.ndarray:
-        """Every instruction of step `step` before its updates; returns this rank's [loss sum, correct, predictions]."""
-        self._start(step, 1, load, seed, batch_size, None)
+    def run_step(self, step: int, seed: int, load: Load, batch_size: int, step_on_device=None) -> np.ndarray:
+        """Every instruction of step `step` before its updates; returns this rank's [loss sum, correct,
+        predictions]. `step_on_device`: the step where the arrays live, for a CUDA graph (Context)."""
+        self._start(step, 1, load, seed, batch_size, None, step_on_device)
         self._execute(self.run.program[:self.run.updates_from])
         return self.totals[0]  # where the arrays live: the trainer reads it with the step's other figures
 
@@ -186,7 +187,7 @@ class Executor:
         return {instruction.stage for instruction in self.run.program[self.run.updates_from:]
                 if isinstance(instruction, Update)}
 
-    def _start(self, first_step: int, steps: int, load: Load, seed: int, batch_size: int, lr_at) -> Run:
+    def _start(self, first_step: int, steps: int, load: Load, seed: int, batch_size: int, lr_at, step_on_device) -> Run:
         self.run = self.plan.program(first_step, steps)
         micro_size = batch_size // self.mesh.replicas // self.plan.micro_batches
         self.items.begin(self.run, micro_size, first_step)
@@ -194,7 +195,8 @@ class Executor:
         self.losses_computed = np.zeros(steps, dtype=int)  # per step: micro-batches whose loss is in totals
         self.time_offset, self.job_times = len(self.timeline), []
         self.jobs.begin(self.run, first_step, load, seed=seed, batch_size=batch_size, micro_size=micro_size,
-                        totals=self.totals, losses_computed=self.losses_computed, job_times=self.job_times)
+                        totals=self.totals, losses_computed=self.losses_computed, job_times=self.job_times,
+                        step_on_device=step_on_device)
         for shared in self.shared.values():
             shared.start_step()
         return self.run

@@ -52,11 +52,12 @@ class JobRunner:
         self.job_start = 0.0
 
     def begin(self, run: Run, first_step: int, load: Load, *, seed: int, batch_size: int, micro_size: int,
-              totals: np.ndarray, losses_computed: np.ndarray, job_times: list) -> None:
+              totals: np.ndarray, losses_computed: np.ndarray, job_times: list, step_on_device=None) -> None:
         """A run from `first_step`: `load` gives a micro-batch's data; each job's loss goes into
         `totals` ([loss sum, correct, predictions] per step) and `losses_computed`; a one-step
-        run's jobs their times into `job_times`."""
-        self.run, self.first_step, self.load = run, first_step, load
+        run's jobs their times into `job_times`; `step_on_device` is its step where the arrays
+        live, for a CUDA graph's replays (Context)."""
+        self.run, self.first_step, self.load, self.step_on_device = run, first_step, load, step_on_device
         self.seed, self.batch_size, self.micro_size = seed, batch_size, micro_size
         self.totals, self.losses_computed, self.job_times = totals, losses_computed, job_times
         self.flowing = (None, None)
@@ -97,15 +98,16 @@ class JobRunner:
             inputs, targets = self.load(step, i) if s == 0 or last else (None, None)
             x = inputs if s == 0 else self.items.get(Item(ItemKind.INPUT, s, g))
             first = self.replica * (self.batch_size // self.plan.mesh.replicas) + i * self.micro_size
-            ctx = self.cache.context(s, g, step=step, seed=self.seed,
-                                     sample_ids=range(first, first + self.micro_size))
+            ctx = self.cache.context(s, g, step=step, seed=self.seed, sample_ids=range(first, first + self.micro_size),
+                                     step_on_device=self.step_on_device)
         else:
             (x, targets), ctx, self.flowing = self.flowing, self.cache.contexts[(s, g)], (None, None)
         stash, y = ctx, x
         if self.recompute is None:
             y = self.stages[s].forward(x, ctx, self.after_layer, span)
         else:  # keep only each segment's input; the layers stash into a context forgotten after the forward
-            stash = Context(None, ctx.key, step=ctx.step, sample_ids=ctx.sample_ids, seed=ctx.seed)
+            stash = Context(None, ctx.key, step=ctx.step, sample_ids=ctx.sample_ids, seed=ctx.seed,
+                            step_on_device=ctx.step_on_device)
             for segment in self._segments(s, span):
                 ctx.save(("input", segment), y, targets)
                 y = self.stages[s].forward(y, stash, self.after_layer, segment)

@@ -70,6 +70,7 @@ from mpipar.schedule.plans import replica_shared_stages
 from mpipar.schedule.sharding import compute_spans, unit_bytes_for
 from mpipar.train.checkpoints import FLAGS, CheckpointedRun, Checkpoints
 from mpipar.train.config import TrainConfig
+from mpipar.train.graphed_step import GraphedStep
 from mpipar.train.model_assembly import chain_torch_layers, configured_model
 from mpipar.train.scheme import scheme_for
 from mpipar.units import format_bytes
@@ -167,6 +168,7 @@ class Trainer:
         # (clipping.py), which also tells every rank whether a float16 gradient overflowed
         self.step_totals = np.zeros(3 + FLAGS + 1, dtype=np.float64)  # summed over ranks on the host
         self.device_figures = self.backend.xp.zeros(4, dtype=np.float64)  # loss, correct, predictions, square sum
+        self.graphed = GraphedStep(self.backend.xp) if cfg.model.cuda_graph else None
         self.evaluation_seconds = 0.0  # of the whole run: what --eval-every and --eval-batches cost
         self.said_evaluation_cap = False  # rank 0 says once that --eval-batches asks for more than the split has
         pairs = tied_copies(self.stages)
@@ -322,17 +324,27 @@ class Trainer:
         data = self.train_set.for_epoch(epoch, cfg.training.seed)  # a token stream's windows are cut anew each epoch
         if self.loss_scaler:
             self.loss_fn.set_gradient_scale(self.loss_scaler.scale)
-        with self._advice_on_non_finite_loss():
-            self.device_figures[:3] = self.engine.run_step(step, cfg.training.seed, lambda _step, b: self._to_device(
-                *data.batch(micro_batches[b])), cfg.training.batch_size)
-        self.engine.finish_gradients()
-        gradients = []  # views, until the update
-        if self.tied or self.clipper:
-            gradients = self.engine.whole_model.gradient_pieces(self.engine.updated_stages())
-        if self.tied:  # the two copies of a tied matrix take the sum of their gradients
-            self.tied.sum(gradients)
-        if self.clipper:
-            self.device_figures[3] = self.clipper.local_square_sum(gradients)
+        load, step_on_device = (lambda _step, b: self._to_device(*data.batch(micro_batches[b]))), None
+        if self.graphed:  # the batches and the step where the graph reads them
+            self.graphed.stage(step, [data.batch(batch) for batch in micro_batches], self._to_device)
+            load, step_on_device = self.graphed.load, self.graphed.step_on_device
+
+        def forward_and_backward() -> None:
+            with self._advice_on_non_finite_loss():
+                self.device_figures[:3] = self.engine.run_step(step, cfg.training.seed, load, cfg.training.batch_size,
+                                                               step_on_device)
+            self.engine.finish_gradients()
+            gradients = self._gradient_pieces()
+            if self.tied:  # the two copies of a tied matrix take the sum of their gradients
+                self.tied.sum(gradients)
+            if self.clipper:
+                self.device_figures[3] = self.clipper.local_square_sum(gradients)
+
+        if self.graphed:
+            self.graphed.run(forward_and_backward, self.loss_scaler.scale if self.loss_scaler else None)
+        else:
+            forward_and_backward()
+        gradients = self._gradient_pieces()  # views, until the update (a replay runs no Python to make them)
         # the step's one host synchronisation: loss, accuracy and gradient norm (or overflow) together
         figures = read_values(self.device_figures)
         self.step_totals[:3], self.step_totals[-1] = figures[:3], figures[3]
@@ -355,6 +367,12 @@ class Trainer:
         self.engine.step(lr)
         accuracy = float(self.step_totals[1] / self.step_totals[2])
         return StepResult(step, epoch, loss, accuracy, lr, time.perf_counter() - start)
+
+    def _gradient_pieces(self) -> list:
+        """Views of the gradients this rank updates in this step, where tying or clipping needs them."""
+        if not (self.tied or self.clipper):
+            return []
+        return self.engine.whole_model.gradient_pieces(self.engine.updated_stages())
 
     def _epoch(self, epoch: int, step: int, report, watch: DivergenceWatch | None = None) -> int:
         """The steps of one epoch from `step` on (a resumed run may start inside it), one after the

@@ -288,7 +288,8 @@ def dropout_equals_numpy_bit_for_bit() -> str:
         for p, (first, whole) in ((0.2, (0, 256 * 384)), (0.37, (256 * 384, 4 * 256 * 384))):
             stream = stream_key(5, 3, 11)
             expected = dropped(x, samples, stream, first, whole, p)
-            got = cuda.dropout(cupy.asarray(x), cupy.asarray(samples), stream, first, whole, p)
+            step = cupy.asarray(np.array([11], dtype=np.uint64))  # the kernel computes the stream from it
+            got = cuda.dropout(cupy.asarray(x), cupy.asarray(samples), 5, 3, step, first, whole, p)
             if not all(np.array_equal(cupy.asnumpy(a), b) for a, b in zip(got, expected)):
                 different.append(f"{np.dtype(dtype).name} p={p}")
     return f"FAILED: differ in {different}" if different else "ok, 6 cases, every bit equal"

@@ -43,6 +43,9 @@ class ModelOptions(OptionGroup):
                                             "Parallelism needs a fixed one)", FloatRange(0.0, min_open=True), "model")
     device: str = option("cpu", "where the arrays live (gpu needs CuPy: pip install 'mpipar[gpu]')",
                          click.Choice(DEVICES), "model")
+    cuda_graph: bool = option(False, "with --device gpu on one rank: capture a step's forward and backward once as "
+                                     "a CUDA graph and replay it each step, so that Python launches none of its "
+                                     "kernels (docs/gpu.md)", click.BOOL, "model")
 
     def validate(self) -> None:
         """Refuse in one sentence a model that cannot be built as asked."""
@@ -53,6 +56,8 @@ class ModelOptions(OptionGroup):
                 raise ConfigError("--device gpu needs CuPy, which is not installed here: pip install "
                                   "'mpipar[gpu]' (or the cupy-cudaXXx wheel matching your CUDA)") from None
         check_precision(self.precision, self.device)
+        if self.cuda_graph and self.device != "gpu":
+            raise ConfigError(f"--cuda-graph captures GPU work; --device {self.device} has none: give --device gpu")
         if self.loss_scale is not None and self.precision != Precision.FP16:
             raise ConfigError(f"--loss-scale scales the gradients of --precision fp16; --precision {self.precision} "
                               "has no loss scale")

@@ -152,12 +152,13 @@ class TrainConfig:
         if not self.training.micro_batches or parallel.ddp is None or (
                 parallel.stages and not parallel.cyclic and not parallel.replicas):
             return self.for_world(world_size).validate(world_size)
-        world_size = self.engine_ranks(world_size)
+        processes, world_size = world_size, self.engine_ranks(world_size)
         self.model.validate()
         self.data.validate()
         self.optim.validate()
         self.parallel.validate(world_size)
         self.checkpoint.validate()
+        self._refuse_a_graph_of_more_than_one_process_step(processes)
         self._refuse_half_precision_where_updates_do_not_settle()
         self._refuse_gathered_activations_outside_plain_data_parallelism()
         self._refuse_a_model_for_other_data()
@@ -191,6 +192,26 @@ class TrainConfig:
                        "--ddp allgather-activations" if parallel.ddp == "allgather-activations" else None)
         if unsupported:
             raise ConfigError(f"--tensor {tensor} does not yet run with {unsupported}: use --tensor 1 there")
+
+    def _refuse_a_graph_of_more_than_one_process_step(self, processes: int) -> None:
+        """--cuda-graph captures the step of plain data parallelism on one process (graphed_step.py)."""
+        if not self.model.cuda_graph:
+            return
+        parallel = self.parallel
+        if processes > 1:
+            raise ConfigError(f"--cuda-graph captures one process's step, and on {processes} ranks a step sends "
+                              "messages through MPI from Python, which a CUDA graph cannot hold: run on one rank, "
+                              "or drop --cuda-graph")
+        if parallel.cyclic or parallel.stages or parallel.sharding() != NAMED_SHARDINGS["ddp"]:
+            raise ConfigError(f"--cuda-graph captures the step of --scheme ddp without --stages; --scheme "
+                              f"{parallel.scheme}{f' --stages {parallel.stages}' if parallel.stages else ''} "
+                              "runs other work: drop --cuda-graph")
+        if self.model.model not in MODELS:
+            raise ConfigError("--cuda-graph captures mpipar's own layers; a PyTorch or JAX model launches its "
+                              "kernels itself: drop --cuda-graph")
+        if self.output.memory_profile:
+            raise ConfigError("--cuda-graph keeps the graph's arrays in a memory pool of its own, which "
+                              "--memory-profile does not read: drop one of the two")
 
     def _refuse_half_precision_where_updates_do_not_settle(self) -> None:
         """What --precision fp16 covers: the built-in models, under CDP with a fixed loss scale."""

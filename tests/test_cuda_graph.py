@@ -1,0 +1,95 @@
+"""--cuda-graph on the stand-in device: a capture records and runs nothing, a replay does the step's
+device work, and a run whose steps are replays trains exactly as the run that launches every kernel.
+
+The stand-in's capture (standin.Capture) keeps what makes a CUDA graph hard to get right: the
+scalars a kernel is given are fixed when it is captured, a capture may not copy to or from the
+host, and the Python of a step runs once, at the capture, not at its replays.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpipar.errors import ConfigError
+from mpipar.gpu import twin
+from mpipar.gpu.standin import HostConversion
+from mpipar.gpu.standin import module as xp
+from mpipar.train.config import TrainConfig
+from mpipar.train.graphed_step import GraphedStep
+from mpipar.train.trainer import Trainer
+
+TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+RECIPE = dict(model="transformer", dataset="text", seq_len=8, width=24, heads=2, blocks=2, tie_embeddings=True,
+              dropout=0.2, optimizer="adamw", weight_decay=0.1, grad_clip=0.05, lr=1e-3, batch_size=4,
+              micro_batches=2, device="gpu", seed=0, log_every=10**6, max_steps=10**6)
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    monkeypatch.setenv("MPIPAR_GPU", "standin")
+    monkeypatch.setenv("MPIPAR_HALF_ON_CPU", "1")
+
+
+def test_a_capture_runs_nothing_and_each_replay_does_the_work(standin):
+    total, step = xp.zeros(3), xp.zeros(1, dtype=np.uint64)
+    graph = twin.StepGraph()
+
+    def work():
+        made = xp.ones(3) * 2.0  # made by the capture: garbage until a replay writes it
+        total[...] += made
+        return made
+
+    made = graph.capture(work)
+    assert np.array_equal(total.get(), np.zeros(3)), "a capture ran the work it recorded"
+    assert np.isnan(made.get()).all()
+    graph.replay()
+    graph.replay()
+    assert np.array_equal(total.get(), np.full(3, 4.0)) and np.array_equal(made.get(), np.full(3, 2.0))
+    for copy in (lambda: total.get(), lambda: xp.asarray(np.ones(3)), lambda: step.set(np.ones(1, np.uint64))):
+        with pytest.raises(HostConversion, match="during a CUDA graph's capture"):
+            twin.StepGraph().capture(copy)
+
+
+def test_a_new_loss_scale_captures_the_graph_again(standin):
+    graphed, captured = GraphedStep(xp), []
+    graphed.graph.capture = lambda work: captured.append(graphed.steps_run)
+    graphed.graph.replay = lambda: None
+    for scale in (8.0, 8.0, 8.0, 4.0, 4.0):
+        graphed.run(lambda: None, scale)
+    assert captured == [1, 3], "captured at the second step and at the first with a new scale"
+
+
+def trained(**options) -> tuple[Trainer, list[float], int]:
+    """5 steps of RECIPE with `options`: the trainer, the losses and how often the engine's step ran from Python."""
+    trainer = Trainer(TrainConfig.of(**{**RECIPE, **options}, text_file=str(TEXT)))
+    calls, run_step = [], trainer.engine.run_step
+    trainer.engine.run_step = lambda *args: calls.append(1) or run_step(*args)
+    per_epoch = trainer.sampler.steps_per_epoch
+    losses = [trainer.train_step(step, step // per_epoch, step % per_epoch).loss for step in range(5)]
+    return trainer, losses, len(calls)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_replayed_steps_train_as_steps_launched_from_python_bit_for_bit(standin, precision):
+    runs = {graph: trained(cuda_graph=graph, precision=precision) for graph in (False, True)}
+    (launched, launched_losses, launched_calls), (graphed, graphed_losses, graphed_calls) = runs[False], runs[True]
+    assert (launched_calls, graphed_calls) == (5, 2), "steps 3 to 5 were not replays"
+    assert graphed_losses == launched_losses
+    launched_parameters, graphed_parameters = (run.engine.whole_model.full_parameters() for run in (launched, graphed))
+    differ = np.flatnonzero(launched_parameters != graphed_parameters)
+    assert differ.size == 0, f"{differ.size} of {launched_parameters.size} parameters differ, from {differ[:1]}"
+
+
+@pytest.mark.parametrize("options, ranks, refusal", [
+    (dict(device="cpu"), 1, "--cuda-graph captures GPU work; --device cpu has none"),
+    ({}, 2, "on 2 ranks a step sends messages through MPI"),
+    (dict(scheme="zero3"), 1, "--scheme zero3 runs other work"),
+    (dict(scheme="lpp", stages=2, micro_batches=2), 1, "--scheme lpp --stages 2 runs other work"),
+    (dict(memory_profile=True), 1, "--memory-profile does not read"),
+])
+def test_cuda_graph_is_refused_where_a_step_is_not_one_process_work(standin, options, ranks, refusal):
+    config = TrainConfig.of(**{**RECIPE, "dataset": "synthetic", "model": "mlp", "tie_embeddings": False,
+                               "cuda_graph": True, **options})
+    with pytest.raises(ConfigError, match=refusal):
+        config.validate(ranks)
