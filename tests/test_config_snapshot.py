@@ -40,6 +40,8 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "precision": (["--precision", "fp16"], "fp16"),
     "loss_scale": (["--loss-scale", "1024"], 1024.0),
     "device": (["--device", "gpu"], "gpu"),
+    "cuda_graph": (["--cuda-graph"], True),
+    "no_cuda_graph": (["--no-cuda-graph"], False),
     "dataset": (["--dataset", "mnist"], "mnist"),
     "data_dir": (["--data-dir", "/data/mnist"], "/data/mnist"),
     "text_file": (["--text-file", "corpus.txt"], "corpus.txt"),

@@ -431,12 +431,22 @@ class StepGraph:
     """A step's device work as one CUDA graph. `capture` runs `work` once, its Python only, on a
     stream of its own in capture mode: every kernel, product and copy it queues is recorded, none
     runs. Its arrays come from a memory pool of the graph's own, so that what a replay writes is
-    never given to another array. `replay` launches the graph on the current stream."""
+    never given to another array. `warm` runs `work` as it is on that stream and pool first, so
+    that the capture finds its kernels compiled, the libraries' handles set up for the stream and
+    the pool holding blocks of every size it asks for. `replay` launches the graph on the
+    current stream."""
 
     def __init__(self) -> None:
         self._stream = cupy.cuda.Stream(non_blocking=True)
         self._pool = cupy.cuda.MemoryPool()
         self._graph = None
+
+    def warm(self, work):
+        self._stream.wait_event(cupy.cuda.get_current_stream().record())
+        with self._stream, cupy.cuda.using_allocator(self._pool.malloc):
+            result = work()
+        cupy.cuda.get_current_stream().wait_event(self._stream.record())  # what follows reads its results
+        return result
 
     def capture(self, work):
         self._graph = None  # a graph captured before gives its memory back to the pool first

@@ -256,6 +256,9 @@ class StepGraph:
     def __init__(self) -> None:
         self._capture: Capture | None = None
 
+    def warm(self, work):
+        return work()
+
     def capture(self, work):
         if CAPTURE[0] is not None:
             raise RuntimeError("a stream capture is open already: one graph is captured at a time")

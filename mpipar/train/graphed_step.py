@@ -6,7 +6,8 @@ device work is the same every step: the same kernels on the same buffers, in the
 Only the batch and the step number differ. So the trainer copies those two into buffers that
 stay in one place (`stage`), and the work that reads them runs three ways:
 
-    the run's first step       as it is: kernels compile, buffers made on first use are made
+    the run's first step       as it is, on the graph's stream and memory pool (StepGraph.warm):
+                               kernels compile, buffers made on first use are made
     the second step            captured (gpu StepGraph: its Python runs once, its device work is
                                recorded, none of it runs), then replayed
     every later step           replayed: one launch, no Python between the kernels
@@ -56,7 +57,7 @@ class GraphedStep:
     def run(self, work: Callable[[], object], loss_scale: object) -> None:
         """`work` (the step's forward and backward) as the step's place in the run says."""
         if self.steps_run == 0:
-            work()
+            self.graph.warm(work)
         else:
             if self.captured_with != (loss_scale,):
                 self.graph.capture(work)

@@ -34,6 +34,8 @@ error (rank 0's traceback goes to stderr). The cases:
     on two each keeps its own; the same for the residual blocks of examples/torch_residual.py;
   - the built-in transformer (float64, tied embeddings, clipping, AdamW, 3 steps) on the GPU
     equals the same run on the CPU, rtol 1e-10 and atol 1e-12;
+  - one process: the transformer with --cuda-graph (float64, dropout, 2 micro-batches, 5 steps,
+    3 of them replays) equals the run that launches every kernel from Python, rtol 1e-10;
   - two ranks: a 64 MB float32 sum across ranks through each path a device array can take:
     fresh pageable copies, the wire (pinned copies per message) to the library's all-reduce
     and to mpipar's ring; every result is the exact sum; times are medians of 7;
@@ -41,7 +43,8 @@ error (rank 0's traceback goes to stderr). The cases:
     plain torch CUDA loop; tokens/s of the transformer at nanoGPT's GPU recipe shapes (6
     blocks of width 384, 6 heads, context 256, batch 64, dropout 0.2, AdamW, tied) against the same model
     in torch eager and torch.compile, float32 and --precision fp16 (torch: autocast(float16)
-    and GradScaler), 3 alternating rounds of 10 steps, and the kernels each runs a step;
+    and GradScaler), 3 alternating rounds of 10 steps, mpipar with --cuda-graph beside them,
+    and the kernels each runs a step;
   - --precision fp16 (docs/precision.md): the transformer trained 200 steps in fp16 and in
     float32 on the GPU, the evaluation losses within 2%; a loss scale started at 2^28,
     so that the first steps overflow: on every rank the same steps are skipped; and under
@@ -293,6 +296,14 @@ def dropout_equals_numpy_bit_for_bit() -> str:
             if not all(np.array_equal(cupy.asnumpy(a), b) for a, b in zip(got, expected)):
                 different.append(f"{np.dtype(dtype).name} p={p}")
     return f"FAILED: differ in {different}" if different else "ok, 6 cases, every bit equal"
+
+
+def graph_equals_launched() -> str:
+    """The transformer (float64, dropout, tied embeddings, clipping, AdamW, 2 micro-batches, 5
+    steps and its evaluation) with --cuda-graph: steps 3 to 5 are replays of the graph captured
+    at step 2; its parameters against the same run with every kernel launched from Python."""
+    options = dict(**TRANSFORMER, text_file=text_file(), device="gpu", dropout=0.2, micro_batches=2, max_steps=5)
+    return compared(parameters(trained(**options, cuda_graph=True)), parameters(trained(**options)), atol=1e-12)
 
 
 def every_scheme_gpu_equals_cpu() -> str:
@@ -584,6 +595,14 @@ def transformer_speed_on_cuda(precision: str = "fp32") -> str:
     tokens = steps * GPU_RECIPE["batch_size"] * GPU_RECIPE["seq_len"]
     mpipar_run, eager_run = mpipar_steps(trainer, steps), torch_side(False)
     mpipar, torch_eager, ratio = side_by_side(mpipar_run, eager_run, tokens, 3)
+    try:  # --cuda-graph: the same steps replayed from one graph (its first two steps are the warm-up round's)
+        graphed = Trainer(TrainConfig.of(**{**TRANSFORMER, **GPU_RECIPE, "precision": precision, "cuda_graph": True},
+                                         text_file=text_file()))
+        graph_rate, _, graph_ratio = side_by_side(mpipar_steps(graphed, steps), eager_run, tokens, 3)
+        del graphed
+        graph_line = f"; mpipar --cuda-graph {graph_rate:,.0f} tokens/s, / torch eager {graph_ratio:.3f}"
+    except Exception as error:  # the graph's figure is beside the others, which must still print
+        graph_line = f"; --cuda-graph FAILED ({type(error).__name__}: {str(error)[:300]})"
     try:  # CUPTI (through torch's profiler) sees CuPy's kernels as well as torch's
         launches = (f"; kernels a step: mpipar {kernels_per_step(mpipar_run, steps):.0f}, torch eager "
                     f"{kernels_per_step(eager_run, steps):.0f}")
@@ -599,7 +618,7 @@ def transformer_speed_on_cuda(precision: str = "fp32") -> str:
     return (f"{precision}: mpipar {mpipar:,.0f} tokens/s, torch eager{' autocast' if half else ''} "
             f"{torch_eager:,.0f} tokens/s, mpipar / torch eager {ratio:.3f}; torch.compile "
             f"{statistics.median(rates):,.0f} tokens/s (matmuls: torch allow_tf32="
-            f"{torch.backends.cuda.matmul.allow_tf32}, CuPy's cuBLAS default){launches}")
+            f"{torch.backends.cuda.matmul.allow_tf32}, CuPy's cuBLAS default){graph_line}{launches}")
 
 
 def kernels_per_step(run: Callable[[], None], steps: int) -> float:
@@ -758,7 +777,8 @@ PARTS = {  # `check_gpu.py PART` runs one part alone (a device's minutes are few
     "kernels": lambda: (case("optimizer updates on the gpu = cpu", optimizers_on_gpu_equal_cpu_bit_for_bit),
                         case("fused layers on the gpu = numpy", fused_layers_equal_numpy),
                         case("batched products on the gpu = numpy", batched_products_equal_numpy),
-                        case("dropout on the gpu = numpy", dropout_equals_numpy_bit_for_bit)),
+                        case("dropout on the gpu = numpy", dropout_equals_numpy_bit_for_bit),
+                        case("a replayed cuda graph = steps launched from python", graph_equals_launched)),
     "profile": lambda: case("where a step of the transformer goes on the gpu, ms", where_a_step_goes),
     "fp16": lambda: case("fp16 overflow skipped by every rank on the gpu", fp16_overflow_skipped_by_every_rank),
     "fp16-memory": lambda: case("fp16 holds 2 + 2 + 12 bytes a parameter on the gpu", fp16_holds_table_1),
@@ -773,6 +793,8 @@ case("optimizer updates on the gpu = cpu", optimizers_on_gpu_equal_cpu_bit_for_b
 case("fused layers on the gpu = numpy", fused_layers_equal_numpy)
 case("batched products on the gpu = numpy", batched_products_equal_numpy)
 case("dropout on the gpu = numpy", dropout_equals_numpy_bit_for_bit)
+if world.size == 1:
+    case("a replayed cuda graph = steps launched from python", graph_equals_launched)
 case("mlp ddp gpu = cpu", gpu_equals_cpu(dict(scheme="ddp")))
 case("mlp ddp sgd gpu = cpu", gpu_equals_cpu(dict(scheme="ddp", optimizer="sgd", momentum=0.9)))
 case("every scheme of device_cases.py gpu = cpu", every_scheme_gpu_equals_cpu)
