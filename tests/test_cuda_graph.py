@@ -70,9 +70,10 @@ def trained(**options) -> tuple[Trainer, list[float], int]:
     return trainer, losses, len(calls)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_replayed_steps_train_as_steps_launched_from_python_bit_for_bit(standin, precision):
-    runs = {graph: trained(cuda_graph=graph, precision=precision) for graph in (False, True)}
+@pytest.mark.parametrize("options", [dict(precision="fp32"), dict(precision="fp16"),
+                                     dict(precision="fp32", recompute="every-2", ddp="overlap")])
+def test_replayed_steps_train_as_steps_launched_from_python_bit_for_bit(standin, options):
+    runs = {graph: trained(cuda_graph=graph, **options) for graph in (False, True)}
     (launched, launched_losses, launched_calls), (graphed, graphed_losses, graphed_calls) = runs[False], runs[True]
     assert (launched_calls, graphed_calls) == (5, 2), "steps 3 to 5 were not replays"
     assert graphed_losses == launched_losses
