@@ -292,7 +292,7 @@ def dropout(x, samples, seed: int, layer: int, step, first: int, whole: int, p: 
     y, mask = cupy.empty_like(x), cupy.empty_like(x)
     kernel, _ = _raw_kernel("dropout", x.dtype, _elementwise_blocks(x.size))
     kernel((x, y, mask, cupy.ascontiguousarray(samples, dtype=cupy.uint64), np.int64(x.size // x.shape[0]),
-            np.uint64(whole), np.uint64(first), np.uint64(seed), np.uint64(layer), step, np.float64(p),
+            np.uint64(whole), np.uint64(first), np.uint64(seed % 2**64), np.uint64(layer), step, np.float64(p),
             np.float64(1.0 / (1.0 - p)), np.int64(x.size)))
     return y, mask
 
@@ -442,6 +442,7 @@ class StepGraph:
         self._graph = None
 
     def warm(self, work):
+        cupy.get_default_memory_pool().free_all_blocks()  # what it cached is not kept beside the graph's pool
         self._stream.wait_event(cupy.cuda.get_current_stream().record())
         with self._stream, cupy.cuda.using_allocator(self._pool.malloc):
             result = work()
@@ -449,7 +450,7 @@ class StepGraph:
         return result
 
     def capture(self, work):
-        self._graph = None  # a graph captured before gives its memory back to the pool first
+        self._graph = None  # a graph captured before is destroyed: one at a time is launched
         self._stream.wait_event(cupy.cuda.get_current_stream().record())
         with self._stream, cupy.cuda.using_allocator(self._pool.malloc):
             self._stream.begin_capture()

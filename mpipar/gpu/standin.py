@@ -84,23 +84,21 @@ class DeviceMemory:
 
     def __init__(self) -> None:
         self.live = self.peak = 0
-        self._counted: set[int] = set()
         self.owners: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()
 
     def count(self, memory: np.ndarray) -> None:
         owner = memory
         while isinstance(owner.base, np.ndarray):
             owner = owner.base
-        if owner.base is not None or id(owner) in self._counted:  # a view of memory counted already
+        if owner.base is not None or id(owner) in self.owners:  # a view of memory counted already
             return
-        self._counted.add(id(owner))
         self.owners[id(owner)] = owner
         self.live += owner.nbytes
         self.peak = max(self.peak, self.live)
         weakref.finalize(owner, self._free, id(owner), owner.nbytes)
 
     def _free(self, key: int, nbytes: int) -> None:
-        self._counted.discard(key)
+        self.owners.pop(key, None)
         self.live -= nbytes
 
 
@@ -116,6 +114,7 @@ class Capture:
     def __init__(self) -> None:
         self.operations: list[tuple[object, list[np.ndarray]]] = []
         self.inside_kernel = 0  # > 0 while a twin kernel runs: its own NumPy steps are not operations
+        # the device memory as the capture found it; each owner held, so that its id names it until close
         self._before = {key: (owner, owner.copy()) for key, owner in DEVICE_MEMORY.owners.items()}
 
     def record(self, call, result) -> None:
@@ -142,7 +141,8 @@ CAPTURE: list[Capture | None] = [None]  # the capture open now, if any (one devi
 
 
 def _flat(result, memory: bool = False) -> list:
-    """The arrays of an operation's result, in order (tuples flattened; scalars count as 0-d arrays)."""
+    """The stand-in arrays of an operation's result, in order (tuples flattened); with `memory`, the
+    values of a replay's result in the same order: NumPy arrays and scalars (a reduction's)."""
     if isinstance(result, (tuple, list)):
         return [array for item in result for array in _flat(item, memory)]
     if memory:  # a replay's values: NumPy's, or a twin kernel's new stand-in arrays
@@ -225,10 +225,13 @@ class StandInArray(NDArrayOperatorsMixin):
         """Copy `host` into this array, counted."""
         if not isinstance(host, np.ndarray):
             raise TypeError(f"set() takes a host (NumPy) array, got {type(host).__name__}")
+        if host.size != self._memory.size or host.dtype != self._memory.dtype:  # CuPy copies bytes, as they are
+            raise ValueError(f"set() of a {host.dtype} array of {host.size} elements into a {self._memory.dtype} "
+                             f"array of {self._memory.size}")
         refuse_during_capture("a copy from the host")
         CROSSINGS.to_device_copies += 1
         CROSSINGS.to_device_bytes += host.nbytes
-        self._memory[...] = host
+        self._memory[...] = host.reshape(self._memory.shape)
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -353,6 +356,8 @@ class _Module(types.ModuleType):
             return attribute  # dtypes (np.float32), constants (np.inf), submodules are the same as NumPy's
         if name in ("asarray", "array", "ascontiguousarray"):
             def from_anything(value, *args, **kwargs):
+                if not isinstance(value, StandInArray):  # from the host, even a scalar or a list
+                    refuse_during_capture("a copy from the host")
                 if isinstance(value, np.ndarray) and value.ndim:  # cupy.asarray(host): an explicit copy
                     refuse_during_capture("a copy from the host")
                     CROSSINGS.to_device_copies += 1

@@ -262,13 +262,15 @@ class StepGraph:
     def capture(self, work):
         if CAPTURE[0] is not None:
             raise RuntimeError("a stream capture is open already: one graph is captured at a time")
-        capture = CAPTURE[0] = Capture()
+        capture, self._capture = Capture(), None
+        CAPTURE[0] = capture
         try:
-            return work()
+            result = work()
         finally:
             CAPTURE[0] = None
             capture.close()
-            self._capture = capture
+        self._capture = capture
+        return result
 
     def replay(self) -> None:
         self._capture.replay()

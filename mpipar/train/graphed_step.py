@@ -19,7 +19,11 @@ step, and a kernel's scalar arguments are fixed when it is captured. For the sam
 dropout kernel reads the step from `step_on_device`, and a new fp16 loss scale (a scalar of
 the loss's gradient) captures the graph again.
 
-Exercised by: MPIPAR_GPU=standin python -m pytest tests/test_standin.py -k graph
+The engine's own bookkeeping (its run's program, the step its items are named for) stays the
+captured step's, as no Python of a replayed step runs: plain data parallelism on one rank runs
+the same program every step, and the update is handed its learning rate (`Executor.step`).
+
+Exercised by: python -m pytest tests/test_cuda_graph.py
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class GraphedStep:
         self.graph = parts_for(xp).StepGraph()
         self.step_on_device = xp.zeros(1, dtype=np.uint64)
         self.batches: list[tuple] = []  # per micro-batch: (inputs, targets) on the device, never moved
-        self.captured_with: tuple | None = None  # (the loss scale,) of the graph captured, if one is
+        self.captured, self.captured_scale = False, None  # a graph, and the loss scale it was captured with
         self.steps_run = 0
 
     def stage(self, step: int, host_batches: list[tuple], to_device: Callable) -> None:
@@ -59,8 +63,8 @@ class GraphedStep:
         if self.steps_run == 0:
             self.graph.warm(work)
         else:
-            if self.captured_with != (loss_scale,):
+            if not self.captured or loss_scale != self.captured_scale:
                 self.graph.capture(work)
-                self.captured_with = (loss_scale,)
+                self.captured, self.captured_scale = True, loss_scale
             self.graph.replay()
         self.steps_run += 1
