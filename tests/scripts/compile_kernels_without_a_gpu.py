@@ -12,12 +12,20 @@ CuPy). In a scratch environment:
 """
 
 import sys
+import types
 from pathlib import Path
 
 import cupy
+import cupy_backends.cuda.libs
 from cupy.cuda import compiler
 
-from mpipar.gpu import cuda
+# cuda.py names cuBLAS's constants for its batched products; compiling kernels needs no cuBLAS, so
+# its names stand in here and the library (a large wheel) need not be installed
+cublas = types.SimpleNamespace(CUBLAS_COMPUTE_32F=0, CUBLAS_COMPUTE_64F=0, CUBLAS_OP_N=0, CUBLAS_OP_T=1,
+                               CUBLAS_GEMM_DEFAULT=-1)
+sys.modules["cupy_backends.cuda.libs.cublas"] = cupy_backends.cuda.libs.cublas = cublas
+
+from mpipar.gpu import cuda  # noqa: E402  (after the stand-in names)
 
 # CuPy's private hook that would ask the (missing) device for its compute capability
 compiler._get_arch_for_options_for_nvrtc = lambda arch=None: ("-arch=compute_90", "ptx")
