@@ -6,10 +6,12 @@ scalars a kernel is given are fixed when it is captured, a capture may not copy 
 host, and the Python of a step runs once, at the capture, not at its replays.
 """
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_checkpoint import SMALL, assert_same_state, step_dir, train
 
 from mpipar.errors import ConfigError
 from mpipar.gpu import twin
@@ -102,3 +104,23 @@ def test_cuda_graph_is_refused_where_a_step_is_not_one_process_work(standin, opt
                                "cuda_graph": True, **options})
     with pytest.raises(ConfigError, match=refusal):
         config.validate(ranks)
+
+
+def test_a_graphed_run_checkpoints_and_resumes_as_a_launched_one(standin, tmp_path):
+    """The command line with --cuda-graph (one rank, the digits MLP with dropout): 8 steps saved at
+    4 and 8; the run resumed from step 4 ends with the state of the whole run, and that state is the
+    state of the same run without the flag, bit for bit."""
+    common = [*SMALL, "--dtype", "float32", "--device", "gpu", "--optimizer", "adam", "--max-steps", "8",
+              "--save-every", "4", "--keep", "5"]
+    environment = {"MPIPAR_GPU": "standin"}
+    for name, flags in (("graphed", ["--cuda-graph"]), ("launched", [])):
+        result = train(1, *common, *flags, "--checkpoint-dir", str(tmp_path / name), env_extra=environment)
+        assert result.returncode == 0, result.stderr
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(step_dir(tmp_path / "graphed", 4), step_dir(resumed, 4))
+    result = train(1, *common, "--cuda-graph", "--checkpoint-dir", str(resumed), "--resume", "auto",
+                   env_extra=environment)
+    assert result.returncode == 0, result.stderr
+    assert_same_state(step_dir(tmp_path / "graphed", 8), step_dir(resumed, 8))
+    assert_same_state(step_dir(tmp_path / "graphed", 8), step_dir(tmp_path / "launched", 8))
