@@ -18,10 +18,6 @@ Exercised by: python -m pytest tests/test_cache.py
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from mpipar.backend import Array
 
 
 def _owning_buffer(array):
@@ -48,7 +44,7 @@ class Context:
     step: int = 0
     sample_ids: object = None
     seed: int = 0
-    step_on_device: Array | None = None
+    step_on_device: object = None  # an array of the run's module (cache sits below backend)
     training: bool = True
     _saved: dict = field(default_factory=dict)
 
