@@ -69,7 +69,7 @@ template <typename A> A __shfl_xor_sync(unsigned int, A value, int offset) {
 
 using __half = _Float16;
 inline __half __double2half(double value) { return static_cast<_Float16>(value); }
-using std::exp; using std::sqrt; using std::fmax; using std::fmin; using std::max;
+using std::exp; using std::log; using std::sqrt; using std::fmax; using std::fmin; using std::max;
 """
 
 LAUNCH = r"""

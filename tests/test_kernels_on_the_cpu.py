@@ -1,12 +1,14 @@
 """mpipar/gpu/cuda.py's CUDA kernels, compiled by g++ and run on the CPU (tests/cuda_on_cpu.py),
-against the NumPy path they replace: LayerNorm, the causal softmax, GELU (each forward and
-backward) and dropout, in float64, float32 and float16.
+against the NumPy path they replace: LayerNorm, the causal softmax, GELU, the softmax
+cross-entropy (each forward and backward), dropout and the optimizers' weight decay, in float64,
+float32 and float16.
 
 The rows are longer than a block's 128 threads, so each thread takes several of a row's
 elements and the block's sums cross warps. Tolerances are of the largest output: 1e-13 in
 float64 and 1e-5 in float32 (exp and sqrt round differently in glibc and NumPy), 2e-3 in
 float16 against NumPy's float32 steps on the same numbers (float16 keeps 11 bits). Dropout's
-coins are integer arithmetic: its output and mask equal NumPy's bit for bit.
+coins are integer arithmetic: its output and mask equal NumPy's bit for bit, and so do the
+weights the decay kernel leaves (one product and one sum, each rounded as NumPy rounds it).
 """
 
 import numpy as np
@@ -15,13 +17,14 @@ from cuda_on_cpu import kernel_names, load_cuda_module
 
 from mpipar.cache import Context
 from mpipar.gpu.standin import module as xp
-from mpipar.layers import GELU, LayerNorm
+from mpipar.layers import GELU, LayerNorm, SoftmaxCrossEntropy
 from mpipar.layers.attention import causal_softmax, causal_softmax_backward
 from mpipar.layers.dropout import dropped, stream_key
+from mpipar.optim.optimizers import make_optimizer
 
 DTYPES = [(np.float64, 1e-13), (np.float32, 1e-5), (np.float16, 2e-3)]
 TESTED = {"layer_norm", "layer_norm_input_gradient", "causal_softmax", "causal_softmax_backward", "gelu", "gelu_grad",
-          "dropout"}
+          "dropout", "cross_entropy", "cross_entropy_backward", "decay_in_spans"}
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +100,24 @@ def test_the_gelu_kernels_compute_numpys_gelu(cuda, dtype, tolerance, monkeypatc
     assert_close(sides[0][1], sides[1][1], tolerance, "gelu_grad")
 
 
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+def test_the_cross_entropy_kernels_compute_numpys_softmax_cross_entropy(cuda, dtype, tolerance, monkeypatch):
+    rng = np.random.default_rng(4)
+    logits = (rng.standard_normal((2, 3, 300)) * 4).astype(dtype)  # 6 rows of 300 classes
+    targets = rng.integers(0, 300, size=(2, 3))
+    monkeypatch.setattr("mpipar.gpu.twin.cross_entropy", cuda.cross_entropy)  # the stand-in's loss runs the kernels
+    monkeypatch.setattr("mpipar.gpu.twin.cross_entropy_backward", cuda.cross_entropy_backward)
+    sides = []
+    for array in (xp.asarray, numpy_side):
+        loss, ctx = SoftmaxCrossEntropy(), Context(None, (0, 0))
+        loss.set_gradient_scale(8.0)
+        value = loss.forward(array(logits), array(targets), ctx, global_batch=4)
+        sides.append((value, loss.backward(ctx)))
+    kernels_loss = float(sides[0][0].get())
+    assert abs(kernels_loss - float(sides[1][0])) <= tolerance * abs(float(sides[1][0])), "the loss differs"
+    assert_close(sides[0][1], sides[1][1], tolerance, "cross_entropy_backward")
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
 def test_the_dropout_kernel_drops_what_numpy_drops_bit_for_bit(cuda, dtype):
     rng = np.random.default_rng(3)
@@ -110,3 +131,26 @@ def test_the_dropout_kernel_drops_what_numpy_drops_bit_for_bit(cuda, dtype):
         assert 0 < (expected[1] == 0).sum() < x.size
         for name, device, host in zip(("output", "mask"), got, expected):
             assert np.array_equal(device.get(), host), f"p={p}: the dropout kernel's {name} differs from NumPy's"
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("name", ["adamw", "sgd"])  # decoupled decay (p -= lr wd p), coupled (g += wd p)
+def test_the_decay_kernel_decays_what_numpy_decays_bit_for_bit(cuda, dtype, name, monkeypatch):
+    rng = np.random.default_rng(5)
+    start, gradients = rng.standard_normal(1000).astype(dtype), rng.standard_normal((3, 1000)).astype(dtype)
+    # two pieces; spans that are empty, one element long, back to back, and ending at the piece's end
+    decay = [[(10, 200), (200, 203), (300, 300), (350, 351)], [(0, 40), (420, 600)]]
+    monkeypatch.setattr("mpipar.gpu.twin.decay_table", cuda.decay_table)  # the stand-in's optimizer runs the kernel
+    monkeypatch.setattr("mpipar.gpu.twin.decay_in_spans", cuda.decay_in_spans)
+    sides = []
+    for on_device, array in ((True, xp.asarray), (False, np.array)):
+        params, grads = array(start), array(np.zeros(1000, dtype))
+        optimizer = make_optimizer(name, [params[:400], params[400:]], [grads[:400], grads[400:]], decay,
+                                   weight_decay=0.3, momentum=0.0, eps=1e-3)  # an eps float16 holds
+        for g in gradients:
+            grads[...] = array(g)
+            optimizer.step(0.25)
+        sides.append(params.get() if on_device else params)
+    assert not np.array_equal(sides[1], start)
+    assert np.array_equal(sides[0], sides[1]), (
+        f"the decay kernel's {name} weights differ from NumPy's in {np.sum(sides[0] != sides[1])} of 1000")

@@ -3,15 +3,17 @@
 `twin.py` has the same names in NumPy for the stand-in device of the tests; code above
 asks `mpipar.gpu.parts_for(xp)` for one of the two and never knows which.
 
-    fused(name)                  an optimizer update, or its weight decay over a span, as one
-                                 kernel (KERNELS)
+    fused(name)                  an optimizer update as one kernel (KERNELS)
+    decay_table, decay_in_spans  weight decay inside every decay span of a piece, one kernel
     gelu, gelu_grad              GELU's forward and backward, each one kernel of the NumPy steps
     dropout                      dropout's mask and output, one kernel of the NumPy steps' integer hash,
                                  the step read from device memory (a graph's replays each read theirs)
-    layer_norm,                  LayerNorm's forward and its input gradient, and attention's
-    layer_norm_input_gradient    masked softmax and its backward: each one kernel with a block
-    causal_softmax,              of threads per row (RAW_KERNELS), float16 rows computed in
-    causal_softmax_backward      float32
+    layer_norm,                  LayerNorm's forward and its input gradient, attention's masked
+    layer_norm_input_gradient    softmax and its backward, and the softmax cross-entropy's
+    causal_softmax,              forward: each one kernel with a block of threads per row
+    causal_softmax_backward      (RAW_KERNELS), float16 rows computed in float32; the
+    cross_entropy,               cross-entropy's backward one elementwise kernel
+    cross_entropy_backward
     batched_product(a, b, out)   out[i] = a[i] @ b[i] (either transposed) for a batch of matrices, one
                                  cuBLAS call reading the operands where they lie (batched_gemm.py)
     column_sum(a)                the sums of a 2-D array's columns, as a product with a vector of
@@ -49,8 +51,6 @@ from mpipar.gpu.batched_gemm import column_major_call
 KERNELS = {
     "sgd": ("T g, T lr", "T p", "p = p - g * lr"),
     "sgd_momentum": ("T g, T momentum, T lr", "T p, T v", "v = v * momentum; v = v + g; p = p - v * lr"),
-    "add_decay": ("T coefficient, T p", "T g", "g = g + p * coefficient"),  # coupled weight decay
-    "decay_weights": ("T coefficient", "T p", "p = p - p * coefficient"),  # decoupled (AdamW's)
     "adam": ("T g, T beta1, T one_minus_beta1, T beta2, T one_minus_beta2, T inv_sqrt_bias2, T eps, T step_size",
              "T p, T m1, T m2",
              "m1 = m1 * beta1; m1 = m1 + g * one_minus_beta1; m2 = m2 * beta2; m2 = m2 + g * g * one_minus_beta2; "
@@ -170,11 +170,67 @@ __global__ void layer_norm_input_gradient(const T* dy, const T* gain, const T* n
     }
 }
 
-// GELU as layers/activations.py computes it, step for step: -2u = x x a - b, times x, clipped;
-// y = x / (exp(-2u) + 1). The backward follows _gelu_grad's steps (d is its dx, t its temporary).
-// Elementwise: every thread takes elements a grid apart.
+// Elementwise kernels: every thread takes elements a grid apart.
 #define FIRST_ELEMENT (blockIdx.x * (long long)blockDim.x + threadIdx.x)
 #define ELEMENT_STRIDE ((long long)gridDim.x * blockDim.x)
+
+// Softmax cross-entropy (layers/losses.py), one block per row of `classes` logits z: m the row's
+// largest, s = z - m, log_norm = log(sum exp(s)), log_probs = s - log_norm, each rounded to T where
+// NumPy's steps round it; the row's loss -log_probs[target] in A (float32 at least, as the loss is
+// summed), recomputed by thread 0 from the values it rounds to, so no thread waits for another's write.
+template <typename T, typename A>
+__global__ void cross_entropy(const T* logits, const long long* targets, const int classes, T* log_probs,
+                              A* losses) {
+    __shared__ A shared[32];
+    const long long first = (long long)blockIdx.x * classes;
+    A largest = A(logits[first]);
+    for (int c = threadIdx.x; c < classes; c += blockDim.x) largest = max(largest, A(logits[first + c]));
+    largest = block_reduce<A, true>(largest, shared);
+    A sum = 0;
+    for (int c = threadIdx.x; c < classes; c += blockDim.x) sum += exp(A(T(A(logits[first + c]) - largest)));
+    const A log_norm = A(T(log(block_reduce<A, false>(sum, shared))));
+    for (int c = threadIdx.x; c < classes; c += blockDim.x)
+        log_probs[first + c] = T(A(T(A(logits[first + c]) - largest)) - log_norm);
+    if (threadIdx.x == 0)
+        losses[blockIdx.x] = -A(T(A(T(A(logits[first + targets[blockIdx.x]]) - largest)) - log_norm));
+}
+
+// Its backward, elementwise: grad = (exp(log_probs) - onehot(target)) factor, rounded as NumPy's steps
+// round (`factor` is handed already rounded to T).
+template <typename T, typename A>
+__global__ void cross_entropy_backward(const T* log_probs, const long long* targets, const int classes,
+                                       const A factor, T* grad, const long long n) {
+    for (long long i = FIRST_ELEMENT; i < n; i += ELEMENT_STRIDE) {
+        const long long row = i / classes;
+        A e = A(T(exp(A(log_probs[i]))));
+        if (i - row * classes == targets[row]) e = A(T(e - A(1)));
+        grad[i] = T(e * factor);
+    }
+}
+
+// Weight decay inside a flat piece's decay spans, every span in one launch: `table` holds the
+// spans' starts (`count` of them), then the running count of decayed elements at each span's end,
+// so the i-th decayed element lies in the first span whose running count exceeds i (a binary
+// search over a few dozen). Coupled: g = g + p c; else (AdamW's) p = p - p c; each operation
+// rounded to T, as CuPy's elementwise arithmetic in T rounds (`c` is handed already rounded to T).
+template <typename T, typename A>
+__global__ void decay_in_spans(T* p, T* g, const long long* table, const int count, const A c, const int coupled,
+                               const long long n) {
+    const long long* ends = table + count;
+    for (long long i = FIRST_ELEMENT; i < n; i += ELEMENT_STRIDE) {
+        int low = 0, high = count - 1;
+        while (low < high) {
+            const int middle = (low + high) / 2;
+            if (ends[middle] > i) high = middle; else low = middle + 1;
+        }
+        const long long at = table[low] + i - (low > 0 ? ends[low - 1] : 0);
+        const A decay = A(T(A(p[at]) * c));
+        if (coupled) g[at] = T(A(g[at]) + decay); else p[at] = T(A(p[at]) - decay);
+    }
+}
+
+// GELU as layers/activations.py computes it, step for step: -2u = x x a - b, times x, clipped;
+// y = x / (exp(-2u) + 1). The backward follows _gelu_grad's steps (d is its dx, t its temporary).
 template <typename T, typename A>
 __global__ void gelu(const T* x, T* y, const long long n, const A a, const A b, const A limit) {
     for (long long i = FIRST_ELEMENT; i < n; i += ELEMENT_STRIDE) {
@@ -239,7 +295,7 @@ RAW_TYPES = {np.dtype(np.float16): ("__half", "float", np.float32),
              np.dtype(np.float64): ("double", "double", np.float64)}
 RAW_THREADS = 128  # a multiple of 32: the reductions shuffle within whole warps
 RAW_KERNEL_NAMES = ("causal_softmax", "causal_softmax_backward", "layer_norm", "layer_norm_input_gradient", "gelu",
-                    "gelu_grad", "dropout")
+                    "gelu_grad", "dropout", "cross_entropy", "cross_entropy_backward", "decay_in_spans")
 
 
 @functools.cache
@@ -295,6 +351,43 @@ def dropout(x, samples, seed: int, layer: int, step, first: int, whole: int, p: 
             np.uint64(whole), np.uint64(first), np.uint64(seed % 2**64), np.uint64(layer), step, np.float64(p),
             np.float64(1.0 / (1.0 - p)), np.int64(x.size)))
     return y, mask
+
+
+def cross_entropy(logits, targets, log_probs, losses) -> None:
+    """log_probs <- the log-softmax of the rows of logits (2-D), losses[r] <- -log_probs[r, targets[r]]
+    (losses in float32 at least)."""
+    rows, classes = logits.shape
+    kernel, _ = _raw_kernel("cross_entropy", logits.dtype, rows)
+    kernel((cupy.ascontiguousarray(logits), cupy.ascontiguousarray(targets, dtype=cupy.int64), np.int32(classes),
+            _contiguous(log_probs), _contiguous(losses)))
+
+
+def cross_entropy_backward(log_probs, targets, factor: float, grad) -> None:
+    """grad <- (exp(log_probs) - onehot(targets)) factor, for rows of log_probs (2-D)."""
+    rows, classes = log_probs.shape
+    kernel, scalar = _raw_kernel("cross_entropy_backward", log_probs.dtype, _elementwise_blocks(log_probs.size))
+    kernel((_contiguous(log_probs), cupy.ascontiguousarray(targets, dtype=cupy.int64), np.int32(classes),
+            scalar(log_probs.dtype.type(factor)), _contiguous(grad), np.int64(log_probs.size)))
+
+
+def decay_table(spans: list[tuple[int, int]]) -> tuple:
+    """A piece's decay spans as `decay_in_spans` reads them, made once with the optimizer: on the
+    device, the starts and then the running count of decayed elements at each span's end (int64);
+    and that count at the last end, on the host (the kernel's size)."""
+    ends = np.cumsum([stop - start for start, stop in spans], dtype=np.int64)
+    starts = np.asarray([start for start, _ in spans], dtype=np.int64)
+    return cupy.asarray(np.concatenate([starts, ends])), int(ends[-1]) if len(spans) else 0
+
+
+def decay_in_spans(p, g, table: tuple, coefficient: float, coupled: bool) -> None:
+    """Weight decay inside the spans of `table` (decay_table), one kernel: g += p c (coupled), or
+    p -= p c (decoupled, AdamW's; g is not read)."""
+    on_device, decayed = table
+    if decayed == 0:
+        return
+    kernel, scalar = _raw_kernel("decay_in_spans", p.dtype, _elementwise_blocks(decayed))
+    kernel((_contiguous(p), _contiguous(g if coupled else p), on_device, np.int32(on_device.size // 2),
+            scalar(p.dtype.type(coefficient)), np.int32(coupled), np.int64(decayed)))
 
 
 def _elementwise_blocks(size: int) -> int:

@@ -45,16 +45,7 @@ def _adam(g, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_sqrt_bias2, eps
     p -= m1 / (np.sqrt(m2) * inv_sqrt_bias2 + eps) * step_size
 
 
-def _add_decay(coefficient, p, g):
-    g += p * coefficient
-
-
-def _decay_weights(coefficient, p):
-    p -= p * coefficient
-
-
-_UPDATES = {"sgd": _sgd, "sgd_momentum": _sgd_momentum, "add_decay": _add_decay, "decay_weights": _decay_weights,
-            "adam": _adam}
+_UPDATES = {"sgd": _sgd, "sgd_momentum": _sgd_momentum, "adam": _adam}
 
 
 PART = 1 << 16  # elements a twin kernel computes at a time
@@ -101,6 +92,23 @@ def _in_parts(*cut: int):
 
 def fused(name: str):
     return _kernel(_in_parts()(_UPDATES[name]))
+
+
+def decay_table(spans: list[tuple[int, int]]) -> tuple:
+    return list(spans), sum(stop - start for start, stop in spans)
+
+
+@_kernel
+def decay_in_spans(p, g, table: tuple, coefficient: float, coupled: bool) -> None:
+    p, g = memory_of(p), memory_of(g) if coupled else None
+    for start, stop in table[0]:
+        for part in range(start, stop, PART):
+            span = slice(part, min(stop, part + PART))
+            decay = p[span] * coefficient
+            if coupled:
+                g[span] += decay
+            else:
+                p[span] -= decay
 
 
 def _computed(a):
@@ -181,6 +189,23 @@ def causal_softmax_backward(d_scores, probs, scale: float) -> None:
     from mpipar.layers.attention import causal_softmax_backward as numpy_steps
 
     numpy_steps(d_scores, probs, scale)
+
+
+@_kernel
+@_in_parts(0, 1, 2, 3)
+def cross_entropy(logits, targets, log_probs, losses) -> None:
+    shifted = logits - logits.max(axis=1, keepdims=True)  # in the logits' type, as layers/losses.py's
+    log_norm = np.log(np.exp(_computed(shifted)).sum(axis=1, keepdims=True)).astype(shifted.dtype)
+    log_probs[...] = shifted - log_norm
+    losses[...] = -log_probs[np.arange(len(targets)), targets]
+
+
+@_kernel
+@_in_parts(0, 1, 3)
+def cross_entropy_backward(log_probs, targets, factor: float, grad) -> None:
+    grad[...] = np.exp(log_probs)
+    grad[np.arange(len(targets)), targets] -= 1.0
+    grad *= factor
 
 
 @_kernel

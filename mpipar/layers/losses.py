@@ -11,7 +11,8 @@ Every parallel scheme in mpipar is proven against that identity. `set_gradient_s
 the gradient alone (not the loss): float16 training's loss scaling (optim/precision.py), applied in
 the same multiplication as the batch's share, so that no gradient underflows before it.
 The loss is summed in float32 at least: a float16 sum of a batch's losses overflows from
-65504 on (64 sequences of 256 tokens at a loss of 4 already do).
+65504 on (64 sequences of 256 tokens at a loss of 4 already do). On a GPU the softmax
+cross-entropy's steps are one kernel a row, and its backward one kernel (mpipar/gpu/cuda.py).
 
     SoftmaxCrossEntropy   p = softmax(z);   loss = -log p[target];   dz = (p - onehot) * scale
     MSE                   loss = mean (y - t)^2;                     dy = 2 (y - t) * scale
@@ -23,9 +24,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from mpipar.backend import Array, accumulation_dtype, array_module
 from mpipar.cache import Context
 from mpipar.errors import ShapeError
+from mpipar.gpu import parts_for
 
 
 class Loss:
@@ -54,21 +58,31 @@ class SoftmaxCrossEntropy(Loss):
         xp = array_module(logits)
         classes = logits.shape[-1]
         rows = logits.reshape(-1, classes)
-        shifted = rows - rows.max(axis=1, keepdims=True)
-        log_norm = xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
-        log_probs = shifted - log_norm
         flat_targets = targets.reshape(-1)
         positions = math.prod(targets.shape[1:])
         scale = 1.0 / (positions * global_batch)
+        if xp is np:
+            shifted = rows - rows.max(axis=1, keepdims=True)
+            log_norm = xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+            log_probs = shifted - log_norm
+            losses = -log_probs[xp.arange(rows.shape[0]), flat_targets]
+        else:  # a GPU: these steps as one kernel a row (mpipar/gpu/cuda.py), float16 computed in float32
+            log_probs = xp.empty_like(rows)
+            losses = xp.empty(rows.shape[0], dtype=accumulation_dtype(rows))
+            parts_for(xp).cross_entropy(rows, flat_targets, log_probs, losses)
         ctx.save(self, log_probs, flat_targets, logits.shape, scale)
-        return -log_probs[xp.arange(rows.shape[0]), flat_targets].sum(dtype=accumulation_dtype(log_probs)) * scale
+        return losses.sum(dtype=accumulation_dtype(log_probs)) * scale
 
     def backward(self, ctx: Context) -> Array:
         log_probs, flat_targets, shape, scale = ctx.pop(self)
         xp = array_module(log_probs)
-        grad = xp.exp(log_probs)
-        grad[xp.arange(grad.shape[0]), flat_targets] -= 1.0
-        grad *= scale * self.gradient_scale
+        if xp is np:
+            grad = xp.exp(log_probs)
+            grad[xp.arange(grad.shape[0]), flat_targets] -= 1.0
+            grad *= scale * self.gradient_scale
+        else:  # a GPU: one elementwise kernel
+            grad = xp.empty_like(log_probs)
+            parts_for(xp).cross_entropy_backward(log_probs, flat_targets, scale * self.gradient_scale, grad)
         return grad.reshape(shape)
 
 

@@ -19,8 +19,8 @@ chunks of CHUNK elements, so its only workspace is one chunk (`workspace_bytes`)
 whatever the model's size: a full-size scratch buffer would cost as much memory as the
 parameters of a ZeRO-3 rank. On a GPU (CuPy) each update of a piece is one fused kernel
 (`_fused`, mpipar/gpu/cuda.py), with NumPy's operations in NumPy's order and no fused multiply-adds, so it
-rounds as the CPU does, bit for bit (tests/scripts/check_gpu.py checks it); only the
-decay terms still use the workspace there. In a run of torch stages on the CPU, torch's
+rounds as the CPU does, bit for bit (tests/scripts/check_gpu.py checks it), and the weight
+decay of every decay span of a piece is one more kernel. In a run of torch stages on the CPU, torch's
 in-place kernels update each piece instead, on torch's threads and in torch.optim's order
 (`updates`, mpipar/adapters/torch_updates.py). The gradient buffer is overwritten with g + wd p by
 coupled decay, because the next backward overwrites it anyway. `state_bytes` is the
@@ -83,6 +83,9 @@ class _PiecewiseOptimizer:
             raise ValueError(f"a workspace of {len(workspace)} elements given; this optimizer needs {needed}")
         self.workspace = workspace
         self.updates = updates  # another way to update a piece on the CPU (mpipar/adapters/torch_updates.py)
+        # on a GPU, each piece's decay spans where its one decay kernel reads them (made here, not in a step)
+        self._decay_tables = (None if xp is None or xp is np
+                              else [parts_for(xp).decay_table(spans) for spans in self.decay])
 
     def _bind_state(self, state) -> None:
         # All state kinds live in one flat buffer (`state`), so the whole state of a stage
@@ -138,14 +141,11 @@ class _PiecewiseOptimizer:
     def _decay(self, piece: int, coefficient: float, decoupled: bool = False) -> None:
         """Weight decay inside the decay spans: grad += coefficient * params, or, decoupled (AdamW's,
         before the Adam step: the moments do not read p, so each element sees the textbook update's
-        operations in its order), params -= coefficient * params. On a GPU, one kernel per span."""
+        operations in its order), params -= coefficient * params. On a GPU, one kernel for all spans."""
         p, g = self.params[piece], self.grads[piece]
         xp = array_module(p)
-        fused = _fused(xp, "decay_weights" if decoupled else "add_decay")
-        if fused is not None:
-            arrays = (p,) if decoupled else (p, g)
-            for start, stop in self.decay[piece]:
-                fused(coefficient, *(array[start:stop] for array in arrays))
+        if self._decay_tables is not None:
+            parts_for(xp).decay_in_spans(p, g, self._decay_tables[piece], coefficient, coupled=not decoupled)
             return
         for span in self._decayed(piece):
             scratch = self.workspace[:span.stop - span.start]
