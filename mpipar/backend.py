@@ -114,6 +114,14 @@ def accumulation_dtype(array):
     return array_module(array).promote_types(array.dtype, "float32")
 
 
+def matmul(a: Array, b: Array) -> Array:
+    """a @ b of two matrices: NumPy's on the CPU; on a GPU the GPU parts' product, one cuBLAS call
+    that reads a transposed operand (x.T) where it lies and that a CUDA graph can capture (CuPy's
+    own matmul cannot be captured: its cuBLAS wrappers refuse to run while a stream captures)."""
+    xp = array_module(a)
+    return a @ b if xp is np else parts_for(xp).product(a, b)
+
+
 def scatter_add(target, indices, values) -> None:
     """target[indices] += values, with repeated indices adding up (embedding gradients), summed in
     float32 at least (a token seen a thousand times adds a thousand terms). On NumPy the rows

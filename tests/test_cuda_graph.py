@@ -15,7 +15,7 @@ from test_checkpoint import SMALL, assert_same_state, step_dir, train
 
 from mpipar.errors import ConfigError
 from mpipar.gpu import twin
-from mpipar.gpu.standin import HostConversion
+from mpipar.gpu.standin import CapturedLibraryCall, HostConversion
 from mpipar.gpu.standin import module as xp
 from mpipar.train.config import TrainConfig
 from mpipar.train.graphed_step import GraphedStep
@@ -51,6 +51,10 @@ def test_a_capture_runs_nothing_and_each_replay_does_the_work(standin):
     for copy in (lambda: total.get(), lambda: xp.asarray(np.ones(3)), lambda: step.set(np.ones(1, np.uint64))):
         with pytest.raises(HostConversion, match="during a CUDA graph's capture"):
             twin.StepGraph().capture(copy)
+    # CuPy's cuBLAS wrappers refuse to run while a stream captures: so does the stand-in
+    for library in (lambda: total @ xp.ones((3, 3)), lambda: xp.vdot(total, total), lambda: xp.matmul(total, total)):
+        with pytest.raises(CapturedLibraryCall, match="during a CUDA graph's capture"):
+            twin.StepGraph().capture(library)
 
 
 def test_a_new_loss_scale_captures_the_graph_again(standin):

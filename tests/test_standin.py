@@ -135,6 +135,36 @@ def test_the_twins_batched_product_reads_each_operand_where_it_lies(transpose_a,
     assert not got[:, :, columns:].any(), "the product wrote past the rows of its output"
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-14), (np.float32, 1e-6), (np.float16, 1e-3)])
+def test_the_twins_product_reads_transposed_views_where_they_lie_and_adds_when_asked(dtype, tolerance):
+    """twin.product multiplies through the call cuda.product works out (batched_gemm.as_matrix_batch:
+    x, or x.T read as the row-major matrix it views), into an output whose rows lie further apart
+    than their length, written or added to; an operand that is neither is copied first."""
+    rng = np.random.default_rng(4)
+    host = {name: rng.standard_normal(shape).astype(dtype) for name, shape in
+            (("x", (7, 5)), ("w", (6, 5)), ("strided", (5, 12)), ("out", (7, 9)))}
+    x, w, strided, out_buffer = (xp.asarray(host[name]) for name in ("x", "w", "strided", "out"))
+    wide = {name: array.astype(np.float64) for name, array in host.items()}
+    cases = [  # (a, b, a @ b on the host)
+        (x, w.T, wide["x"] @ wide["w"].T),  # a transposed view, read in place
+        (w.T[:3], strided.T[:6], wide["w"].T[:3] @ wide["strided"].T[:6]),  # both; rows 12 apart
+        (x, strided[:, ::2], wide["x"] @ wide["strided"][:, ::2]),  # neither row-major nor transposed: copied
+    ]
+    for a, b, expected in cases:
+        got = twin.product(a, b).get().astype(np.float64)
+        assert np.max(np.abs(got - expected)) <= tolerance * np.max(np.abs(expected))
+    into = out_buffer[:, :6]  # rows 9 apart
+    twin.product(x, w.T, into, accumulate=True)
+    expected = wide["out"][:, :6] + wide["x"] @ wide["w"].T
+    got = out_buffer.get().astype(np.float64)
+    assert np.max(np.abs(got[:, :6] - expected)) <= tolerance * np.max(np.abs(expected))
+    assert np.array_equal(got[:, 6:], wide["out"][:, 6:]), "the product wrote past the rows of its output"
+    column_sums = xp.asarray(np.ones(5, dtype))
+    twin.column_sum(x, column_sums, accumulate=True)
+    expected = 1 + wide["x"].sum(axis=0)
+    assert np.max(np.abs(column_sums.get().astype(np.float64) - expected)) <= 4 * tolerance * np.max(np.abs(expected))
+
+
 def test_a_batched_product_refuses_an_operand_cublas_cannot_read_in_place():
     a = xp.ones((2, 3, 4))
     with pytest.raises(ValueError, match="cannot read it in place"):

@@ -19,7 +19,8 @@ leading dimension ld. So the product is asked for transposed, out^T = op(b)^T op
     m, n, k      out's columns, out's rows, the shared dimension
 
 Each operand is (batch, rows, columns) with unit stride along a row, and one stride between
-its matrices (0 repeats one matrix for the whole batch). `cuda.batched_product` makes the
+its matrices (0 repeats one matrix for the whole batch). A product of two matrices is a batch
+of one (`as_matrix_batch`). `cuda.batched_product` makes the
 call; `twin.batched_product` reads the same numbers back into NumPy views of the memory, as
 cuBLAS would, so the CPU tests check this arithmetic.
 
@@ -68,6 +69,16 @@ def column_major_call(a, b, out, transpose_a: bool = False, transpose_b: bool = 
                               lda=strides["b"][1], stride_a=strides["b"][0], ldb=strides["a"][1],
                               stride_b=strides["a"][0], ldc=strides["out"][1], stride_c=strides["out"][0],
                               batch=batch)
+
+
+def as_matrix_batch(x) -> tuple[object, bool] | None:
+    """A 2-D operand as a batch of one row-major matrix and whether cuBLAS is to transpose it: x
+    itself, or x.T when x is the transposed view of a row-major matrix (x.T is read where it
+    lies); None when neither is (the caller copies it)."""
+    for matrix, transposed in ((x, False), (x.T, True)):
+        if matrix.strides[1] == matrix.dtype.itemsize and matrix.strides[0] >= matrix.shape[1] * matrix.strides[1]:
+            return matrix[None], transposed
+    return None
 
 
 def _element_strides(array, name: str) -> tuple[int, int]:

@@ -14,11 +14,14 @@ asks `mpipar.gpu.parts_for(xp)` for one of the two and never knows which.
     causal_softmax_backward      (RAW_KERNELS), float16 rows computed in float32; the
     cross_entropy,               cross-entropy's backward one elementwise kernel
     cross_entropy_backward
-    batched_product(a, b, out)   out[i] = a[i] @ b[i] (either transposed) for a batch of matrices, one
-                                 cuBLAS call reading the operands where they lie (batched_gemm.py)
-    column_sum(a)                the sums of a 2-D array's columns, as a product with a vector of
+    product(a, b, out)           a @ b of two matrices (into out, or added to it), and out[i] = a[i] @ b[i]
+    batched_product(a, b, out)   (either transposed) for a batch: one cuBLAS call each, reading the
+                                 operands where they lie (batched_gemm.py), made through ctypes:
+                                 CuPy's cuBLAS wrappers refuse to be captured in a CUDA graph
+    column_sum(a)                the sums of a 2-D array's columns, as a product with a row of
                                  ones (cuBLAS reads the rows in order; a reduction over axis 0 reads
                                  them strided, and took a millisecond for a bias's gradient)
+    square_sum(a)                the sum of a's squares, in float32 at least (the clipping's norm)
     scatter_add(t, i, v)         t[i] += v with repeats adding, summed in float32 at least
     empty_pinned(size, dtype)    page-locked host memory, which the GPU copies at full speed
     copy_to_host(a, host)        host <- a, after the work queued so far on the compute stream,
@@ -34,6 +37,7 @@ Exercised by: python tests/scripts/check_gpu.py (each against its twin and NumPy
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import cupy
@@ -42,7 +46,7 @@ import numpy as np
 from cupy_backends.cuda.api import runtime
 from cupy_backends.cuda.libs import cublas
 
-from mpipar.gpu.batched_gemm import column_major_call
+from mpipar.gpu.batched_gemm import as_matrix_batch, column_major_call
 
 # The optimizers' updates, each the chunked NumPy update of optim/optimizers.py written as one
 # kernel: CuPy would launch a kernel per operation and chunk (44 a step for a 670k-parameter MLP
@@ -421,27 +425,90 @@ GEMM_TYPES = {np.dtype(np.float16): (runtime.CUDA_R_16F, cublas.CUBLAS_COMPUTE_3
               np.dtype(np.float64): (runtime.CUDA_R_64F, cublas.CUBLAS_COMPUTE_64F, np.float64)}
 
 
+CUBLAS_WORKSPACE_BYTES = 32 << 20  # PyTorch's size on Hopper; outside CuPy's pool, as cuBLAS's own would be
+
+
+class _Cublas:
+    """libcublas called through ctypes, on a handle of mpipar's own. CuPy's wrappers of cuBLAS
+    (cupy.matmul, cupy_backends' gemm) refuse to run while a stream captures ("calling cuBLAS
+    API during stream capture is currently unsupported", CuPy 14), so a CUDA graph of a step
+    could hold none of its products. Each call runs on CuPy's current stream, with a workspace
+    set beforehand (cuBLAS may not allocate one while a stream captures) and alpha and beta read
+    from the host when the call is made (a graph keeps the values it captured)."""
+
+    def __init__(self) -> None:
+        cupy.cuda.device.get_cublas_handle()  # CuPy loads libcublas with its first handle
+        with open("/proc/self/maps") as maps:  # the library CuPy loaded, wherever it lies
+            paths = sorted({line.split()[-1] for line in maps if "/libcublas.so" in line})
+        self.library = ctypes.CDLL(paths[0] if paths else "libcublas.so.12")
+        pointer, integer, index = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        self.library.cublasGemmStridedBatchedEx.argtypes = [
+            pointer, integer, integer, integer, integer, integer, pointer, pointer, integer, integer, index,
+            pointer, integer, integer, index, pointer, pointer, integer, integer, index, integer, integer, integer]
+        self.library.cublasSetStream_v2.argtypes = [pointer, pointer]
+        self.library.cublasSetWorkspace_v2.argtypes = [pointer, pointer, ctypes.c_size_t]
+        self.library.cublasSetPointerMode_v2.argtypes = [pointer, integer]
+        self.handle = pointer()
+        self._check(self.library.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        self.workspace = runtime.malloc(CUBLAS_WORKSPACE_BYTES)
+
+    @staticmethod
+    def _check(status: int, call: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{call} failed with cuBLAS status {status}")
+
+    def gemm(self, call, a, b, out, accumulate: bool) -> None:
+        data_type, compute_type, scalar = GEMM_TYPES[out.dtype]
+        alpha, beta = np.ones(1, scalar), np.full(1, 1.0 if accumulate else 0.0, scalar)
+        operation = {False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T}
+        self._check(self.library.cublasSetStream_v2(self.handle, cupy.cuda.get_current_stream().ptr),
+                    "cublasSetStream")
+        # setting a stream gives the handle cuBLAS's default workspace again
+        self._check(self.library.cublasSetWorkspace_v2(self.handle, self.workspace, CUBLAS_WORKSPACE_BYTES),
+                    "cublasSetWorkspace")
+        self._check(self.library.cublasSetPointerMode_v2(self.handle, cublas.CUBLAS_POINTER_MODE_HOST),
+                    "cublasSetPointerMode")
+        self._check(self.library.cublasGemmStridedBatchedEx(
+            self.handle, operation[call.transpose_a], operation[call.transpose_b], call.m, call.n, call.k,
+            alpha.ctypes.data, b.data.ptr, data_type, call.lda, call.stride_a, a.data.ptr, data_type, call.ldb,
+            call.stride_b, beta.ctypes.data, out.data.ptr, data_type, call.ldc, call.stride_c, call.batch,
+            compute_type, cublas.CUBLAS_GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
+
+
+@functools.cache
+def _cublas() -> _Cublas:
+    return _Cublas()
+
+
 def batched_product(a, b, out, transpose_a: bool = False, transpose_b: bool = False) -> None:
     """out[i] = op(a[i]) @ op(b[i]) over the batch, op a transpose where asked: one strided-batched
     GEMM on the current stream, each operand read where it lies (see batched_gemm.py)."""
-    call = column_major_call(a, b, out, transpose_a, transpose_b)
-    data_type, compute_type, scalar = GEMM_TYPES[out.dtype]
-    one, zero = np.ones(1, scalar), np.zeros(1, scalar)  # alpha and beta, read from the host during the call
-    operation = {False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T}
-    cublas.gemmStridedBatchedEx(
-        cupy.cuda.device.get_cublas_handle(), operation[call.transpose_a], operation[call.transpose_b],
-        call.m, call.n, call.k, one.ctypes.data, b.data.ptr, data_type, call.lda, call.stride_a,
-        a.data.ptr, data_type, call.ldb, call.stride_b, zero.ctypes.data, out.data.ptr, data_type, call.ldc,
-        call.stride_c, call.batch, compute_type, cublas.CUBLAS_GEMM_DEFAULT)
+    _cublas().gemm(column_major_call(a, b, out, transpose_a, transpose_b), a, b, out, accumulate=False)
+
+
+def product(a, b, out=None, accumulate: bool = False):
+    """a @ b of two matrices, into `out` (made if None) or, with `accumulate`, added to it: one
+    cuBLAS call, reading an operand that is a transposed view (x.T) where it lies; returns out."""
+    if out is None:
+        out = cupy.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
+    if out.size == 0:
+        return out
+    (a_batch, transpose_a), (b_batch, transpose_b) = (as_matrix_batch(x) or (cupy.ascontiguousarray(x)[None], False)
+                                                      for x in (a, b))
+    call = column_major_call(a_batch, b_batch, out[None], transpose_a, transpose_b)
+    _cublas().gemm(call, a_batch, b_batch, out, accumulate)
+    return out
 
 
 @functools.cache
 def _ones(size: int, dtype) -> "cupy.ndarray":
-    return cupy.ones(size, dtype=dtype)
+    return cupy.ones((1, size), dtype=dtype)
 
 
-def column_sum(a):
-    return cupy.matmul(_ones(a.shape[0], a.dtype), a)
+def column_sum(a, out=None, accumulate: bool = False):
+    """The sums of the columns of `a` (2-D), into `out` (made if None) or added to it."""
+    summed = product(_ones(a.shape[0], a.dtype), a, None if out is None else out.reshape(1, -1), accumulate)
+    return summed.reshape(-1)
 
 
 def scatter_add(target, indices, values, wide) -> None:
@@ -449,6 +516,18 @@ def scatter_add(target, indices, values, wide) -> None:
     cupyx.scatter_add(summed, indices, values)
     if summed is not target:
         target[...] = summed
+
+
+@functools.cache
+def _square_sum_kernel(wide: str) -> "cupy.ReductionKernel":
+    computed = {"float32": "float", "float64": "double"}[wide]
+    return cupy.ReductionKernel("T x", f"{wide} y", f"({computed})x * ({computed})x", "a + b", "y = a", "0",
+                                f"mpipar_square_sum_{wide}", reduce_type=computed)
+
+
+def square_sum(part):
+    """The sum of the squares of a 1-D array, in float32 at least, as a 0-d array: one reduction."""
+    return _square_sum_kernel(np.promote_types(part.dtype, np.float32).name)(part)
 
 
 def empty_pinned(size: int, dtype) -> np.ndarray:

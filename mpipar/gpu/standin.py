@@ -15,7 +15,9 @@ asked for by name:
 
 `Capture` is a CUDA graph's stream capture on the stand-in (twin.StepGraph): while one is open,
 every operation on device arrays is recorded with the arguments it had (host scalars baked in,
-as a kernel's arguments are) and every copy to or from the host is refused; when it closes,
+as a kernel's arguments are), every copy to or from the host is refused, and so is every
+product CuPy leaves to cuBLAS (matmul, dot, einsum...: CuPy's cuBLAS wrappers refuse to be
+captured, so a graph's products are the GPU parts' `product`); when it closes,
 the device memory is as it was before (what the capture allocated holds garbage), as a
 capture only records; a replay reruns the operations on the memory they were handed.
 
@@ -171,6 +173,22 @@ def refuse_during_capture(what: str) -> None:
                              "capture may not wait for the device; copy before the capture or after a replay")
 
 
+# NumPy's names for what CuPy computes with cuBLAS, whose CuPy wrappers refuse to run while a
+# stream captures (CuPy 14: "calling cuBLAS API during stream capture is currently unsupported"):
+# a graph's products go through the GPU parts' `product` instead, which calls cuBLAS itself
+LIBRARY_PRODUCTS = frozenset({"matmul", "dot", "vdot", "inner", "outer", "tensordot", "einsum", "kron"})
+
+
+def refuse_library_product_during_capture(name: str) -> None:
+    if name in LIBRARY_PRODUCTS and CAPTURE[0] is not None and not CAPTURE[0].inside_kernel:
+        raise CapturedLibraryCall(f"{name} during a CUDA graph's capture: CuPy computes it with cuBLAS, whose CuPy "
+                                  "wrappers refuse to be captured; use the GPU parts' product (mpipar/gpu)")
+
+
+class CapturedLibraryCall(RuntimeError):
+    """A product that CuPy leaves to cuBLAS, asked for while a stream captures."""
+
+
 class HostConversion(TypeError):
     """A stand-in device array was used where a host array was needed, without asking by name."""
 
@@ -249,6 +267,7 @@ class StandInArray(NDArrayOperatorsMixin):
 
     # -- NumPy computes on the device memory -----------------------------------------------
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        refuse_library_product_during_capture(ufunc.__name__)
         if "out" in kwargs:
             kwargs["out"] = tuple(_unwrap(out, ufunc.__name__) for out in kwargs["out"])
         inputs = tuple(_unwrap(x, ufunc.__name__) for x in inputs)
@@ -257,6 +276,7 @@ class StandInArray(NDArrayOperatorsMixin):
 
     def __array_function__(self, func, types_, args, kwargs):
         name = getattr(func, "__name__", str(func))
+        refuse_library_product_during_capture(name)
         args, kwargs = _unwrap(args, name), _unwrap(kwargs, name)
         return _recorded(lambda: func(*args, **kwargs), _wrap(func(*args, **kwargs)))
 
@@ -367,6 +387,7 @@ class _Module(types.ModuleType):
             return from_anything
 
         def function(*args, **kwargs):
+            refuse_library_product_during_capture(name)
             args, kwargs = _unwrap(args, name), _unwrap(kwargs, name)
             result = _wrap(attribute(*args, **kwargs))
             # a new array's memory holds what it held; zeros, ones, full and arange are work a graph repeats

@@ -14,7 +14,7 @@ import functools
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from mpipar.gpu.batched_gemm import column_major_call
+from mpipar.gpu.batched_gemm import as_matrix_batch, column_major_call
 from mpipar.gpu.standin import (
     CAPTURE,
     CROSSINGS,
@@ -22,6 +22,7 @@ from mpipar.gpu.standin import (
     Capture,
     StandInArray,
     memory_of,
+    module,
     read_scalars,
     refuse_during_capture,
 )
@@ -210,10 +211,26 @@ def cross_entropy_backward(log_probs, targets, factor: float, grad) -> None:
 
 @_kernel
 def batched_product(a, b, out, transpose_a: bool = False, transpose_b: bool = False) -> None:
-    """cuBLAS's strided-batched GEMM of batched_gemm.py's call, read back from the memory: element
-    (i, j) of a column-major matrix with leading dimension ld lies i + j ld elements from its start."""
-    call = column_major_call(a, b, out, transpose_a, transpose_b)
+    _gemm(column_major_call(a, b, out, transpose_a, transpose_b), a, b, out, accumulate=False)
 
+
+@_kernel
+def product(a, b, out=None, accumulate: bool = False):
+    if out is None:
+        out = module.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
+    if out.size == 0:
+        return out
+    (a_batch, transpose_a), (b_batch, transpose_b) = (as_matrix_batch(x) or (module.ascontiguousarray(x)[None], False)
+                                                      for x in (a, b))
+    _gemm(column_major_call(a_batch, b_batch, out[None], transpose_a, transpose_b), a_batch, b_batch, out,
+          accumulate)
+    return out
+
+
+def _gemm(call, a, b, out, accumulate: bool) -> None:
+    """cuBLAS's strided-batched GEMM of batched_gemm.py's call, read back from the memory: element
+    (i, j) of a column-major matrix with leading dimension ld lies i + j ld elements from its start.
+    The product is NumPy's (float16 summed in float32), written into out's memory or added to it."""
     def column_major(array, rows, columns, ld, stride):
         memory = memory_of(array)
         size = memory.itemsize
@@ -228,7 +245,11 @@ def batched_product(a, b, out, transpose_a: bool = False, transpose_b: bool = Fa
     step = max(1, PART // (call.m * call.n))  # no float32 product of the whole batch: cuBLAS writes in place
     for start in range(0, call.batch, step):
         parts = (op[start:start + step] for op in (op_a, op_b))
-        written[start:start + step] = np.matmul(*map(_computed, parts))  # float16 summed in float32, as asked
+        result = np.matmul(*map(_computed, parts))
+        if accumulate:
+            written[start:start + step] += result
+        else:
+            written[start:start + step] = result
 
 
 @_kernel
@@ -240,8 +261,22 @@ def dropout(x, samples, seed: int, layer: int, step, first: int, whole: int, p: 
 
 
 @_kernel
-def column_sum(a):
-    return a.sum(axis=0)
+def column_sum(a, out=None, accumulate: bool = False):
+    summed = a.sum(axis=0)
+    if out is None:
+        return summed
+    if accumulate:
+        out += summed
+    else:
+        out[...] = summed
+    return out
+
+
+@_kernel
+def square_sum(part):
+    if part.dtype == np.promote_types(part.dtype, np.float32):  # the CPU's steps (optim/clipping.py)
+        return np.vdot(part, part)
+    return np.einsum("i,i->", part, part, dtype=np.float32)
 
 
 @_kernel

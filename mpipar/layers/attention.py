@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from mpipar.backend import Array, array_module
+from mpipar.backend import Array, array_module, matmul
 from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.gpu import parts_for
@@ -72,12 +72,12 @@ class CausalSelfAttention(Layer):
     def _heads(self, x: Array) -> tuple[Array, Array, Array]:
         """q, k, v, each (N, H, T, d): views into one product over the rows of x."""
         n, t, _ = x.shape
-        qkv = x.reshape(n * t, self.dim) @ self.params["qkv_weight"]
+        qkv = matmul(x.reshape(n * t, self.dim), self.params["qkv_weight"])
         qkv += self.params["qkv_bias"]
         return qkv.reshape(n, t, 3, self.heads, self.head_dim).transpose(2, 0, 3, 1, 4)
 
     def _project_out(self, merged: Array, n: int, t: int) -> Array:
-        y = merged @ self.params["out_weight"]
+        y = matmul(merged, self.params["out_weight"])
         y += self.params["out_bias"]
         return y.reshape(n, t, self.dim)
 
@@ -88,14 +88,15 @@ class CausalSelfAttention(Layer):
         dy_rows = dy.reshape(n * t, d)
         self.grad_matmul(self.grads["out_weight"], merged.T, dy_rows)
         self.grad_sum(self.grads["out_bias"], dy_rows, axis=0)
-        d_out = (dy_rows @ self.params["out_weight"].T).reshape(n, t, self.heads, self.head_dim).transpose(0, 2, 1, 3)
+        d_out = matmul(dy_rows, self.params["out_weight"].T).reshape(n, t, self.heads, self.head_dim)
+        d_out = d_out.transpose(0, 2, 1, 3)
         # d_qkv in the layout of the forward's qkv, so its rows multiply as one matrix
         d_qkv = xp.empty((n, t, 3, self.heads, self.head_dim), dtype=dy.dtype)
         attend_backward(d_out, q, k, v, probs, *d_qkv.transpose(2, 0, 3, 1, 4))
         d_qkv = d_qkv.reshape(n * t, 3 * d)
         self.grad_matmul(self.grads["qkv_weight"], x.reshape(n * t, d).T, d_qkv)
         self.grad_sum(self.grads["qkv_bias"], d_qkv, axis=0)
-        return (d_qkv @ self.params["qkv_weight"].T).reshape(n, t, d)
+        return matmul(d_qkv, self.params["qkv_weight"].T).reshape(n, t, d)
 
 
 def attend(q: Array, k: Array, v: Array) -> tuple[Array, Array, Array, Array, Array]:

@@ -133,8 +133,12 @@ class Layer:
 
     def grad_matmul(self, grad: Array, a: Array, b: Array) -> None:
         """grad += a @ b (or grad = a @ b while the gradients are fresh)."""
+        xp = array_module(grad)
+        if xp is not np:  # a GPU: one cuBLAS call that writes or adds into the gradient (mpipar/gpu/cuda.py)
+            parts_for(xp).product(a, b, grad, accumulate=not self.fresh_grads)
+            return
         if self.fresh_grads:
-            array_module(grad).matmul(a, b, out=grad)
+            np.matmul(a, b, out=grad)
             return
         rows = max(1, ACCUMULATE_BLOCK_BYTES // (grad.itemsize * grad.shape[1]))
         for start in range(0, grad.shape[0], rows):
@@ -145,11 +149,7 @@ class Layer:
         float16 gradient through a float32 sum of its own: one small temporary)."""
         wide, xp = accumulation_dtype(values), array_module(values)
         if xp is not np and axis == 0 and values.ndim == 2 and wide == values.dtype:  # a GPU: mpipar/gpu/cuda.py
-            summed = parts_for(xp).column_sum(values)
-            if self.fresh_grads:
-                grad[...] = summed
-            else:
-                grad += summed
+            parts_for(xp).column_sum(values, grad, accumulate=not self.fresh_grads)
         elif self.fresh_grads and wide == grad.dtype:
             values.sum(axis=axis, out=grad)
         elif self.fresh_grads:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from mpipar.backend import Array, array_module
+from mpipar.backend import Array, array_module, matmul
 from mpipar.cache import Context
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
 
@@ -78,7 +78,7 @@ class Conv2d(Layer):
                 cols[:, i, j] = padded[:, :, i:i + s * oh:s, j:j + s * ow:s]
         cols = cols.reshape(c * k * k, n * oh * ow)
         ctx.save(self, cols, x.shape)
-        out = self.params["weight"].reshape(self.out_channels, -1) @ cols
+        out = matmul(self.params["weight"].reshape(self.out_channels, -1), cols)
         out += self.params["bias"][:, None]
         return xp.ascontiguousarray(out.reshape(self.out_channels, n, oh, ow).transpose(1, 0, 2, 3))
 
@@ -92,7 +92,7 @@ class Conv2d(Layer):
         self.grad_sum(self.grads["bias"], dy_cols, axis=1)
         if not self.needs_input_grad:
             return None
-        dcols = (self.params["weight"].reshape(self.out_channels, -1).T @ dy_cols).reshape(c, k, k, n, oh, ow)
+        dcols = matmul(self.params["weight"].reshape(self.out_channels, -1).T, dy_cols).reshape(c, k, k, n, oh, ow)
         dpadded = xp.zeros((c, n, h + 2 * p, w + 2 * p), dtype=dy.dtype)  # channels first, as in forward
         for i in range(k):
             for j in range(k):

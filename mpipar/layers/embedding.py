@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from mpipar.backend import Array, on_host, scatter_add
+from mpipar.backend import Array, matmul, on_host, scatter_add
 from mpipar.cache import Context
 from mpipar.errors import DataError, ShapeError
 from mpipar.layers.base import Layer, ParamSpec, normal_init
@@ -117,4 +117,4 @@ class TiedOutput(Layer):
         (x,) = ctx.pop(self)
         dy_rows = dy.reshape(-1, self.vocab_size)
         self.grad_matmul(self.grads["weight"], dy_rows.T, x.reshape(-1, self.dim))
-        return (dy_rows @ self.params["weight"]).reshape(x.shape) if self.needs_input_grad else None
+        return matmul(dy_rows, self.params["weight"]).reshape(x.shape) if self.needs_input_grad else None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from mpipar.backend import Array
+from mpipar.backend import Array, matmul
 from mpipar.cache import Context
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
 
@@ -54,7 +54,7 @@ class Linear(Layer):
         if x.ndim < 2 or x.shape[-1] != self.in_features:
             raise self.shape_error(f"(batch, ..., {self.in_features})", x.shape)
         ctx.save(self, x)
-        y = x.reshape(-1, self.in_features) @ self.params["weight"]
+        y = matmul(x.reshape(-1, self.in_features), self.params["weight"])
         if self.has_bias:
             y += self.params["bias"]
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -77,7 +77,7 @@ class Linear(Layer):
     def _input_gradient(self, dy: Array) -> Array | None:
         if not self.needs_input_grad:
             return None
-        dx_rows = dy.reshape(-1, self.out_features) @ self.params["weight"].T
+        dx_rows = matmul(dy.reshape(-1, self.out_features), self.params["weight"].T)
         return dx_rows.reshape(*dy.shape[:-1], self.in_features)
 
     def own_weight_gradients(self, x: Array, dy: Array) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from mpipar.backend import Array, array_module
+from mpipar.backend import Array, array_module, matmul
 from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.layers.attention import attend, attend_backward
@@ -70,12 +70,12 @@ class ParallelSelfAttention(Layer):
             raise self.shape_error(f"(batch, T, {self.dim})", x.shape)
         x = self.boundary.enter(x)
         n, t, _ = x.shape
-        qkv = x.reshape(n * t, self.dim) @ self.params["qkv_weight"].T
+        qkv = matmul(x.reshape(n * t, self.dim), self.params["qkv_weight"].T)
         qkv += self.params["qkv_bias"]
         q, k, v = qkv.reshape(n, t, self.heads_here, 3, self.head_dim).transpose(3, 0, 2, 1, 4)
         q, k, v, probs, merged = attend(q, k, v)
         ctx.save(self, x, q, k, v, probs, merged)
-        y = self.boundary.leave((merged @ self.params["out_weight"]).reshape(n, t, self.dim))
+        y = self.boundary.leave(matmul(merged, self.params["out_weight"]).reshape(n, t, self.dim))
         y += self.params["out_bias"]
         return y
 
@@ -87,10 +87,10 @@ class ParallelSelfAttention(Layer):
         dy_rows = dy.reshape(n * t, d)
         self.grad_matmul(self.grads["out_weight"], merged.T, dy_rows)
         self.grad_sum(self.grads["out_bias"], dy_rows, axis=0)
-        d_out = (dy_rows @ self.params["out_weight"].T).reshape(n, t, self.heads_here, self.head_dim)
+        d_out = matmul(dy_rows, self.params["out_weight"].T).reshape(n, t, self.heads_here, self.head_dim)
         d_qkv = xp.empty((n, t, self.heads_here, 3, self.head_dim), dtype=dy.dtype)  # the forward's qkv layout
         attend_backward(d_out.transpose(0, 2, 1, 3), q, k, v, probs, *d_qkv.transpose(3, 0, 2, 1, 4))
         d_qkv = d_qkv.reshape(n * t, 3 * self.width_here)
         self.grad_matmul(self.grads["qkv_weight"], d_qkv.T, x.reshape(n * t, d))
         self.grad_sum(self.grads["qkv_bias"], d_qkv, axis=0)
-        return self.boundary.enter_backward((d_qkv @ self.params["qkv_weight"]).reshape(n, t, d))
+        return self.boundary.enter_backward(matmul(d_qkv, self.params["qkv_weight"]).reshape(n, t, d))

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-from mpipar.backend import Array, array_module
+from mpipar.backend import Array, array_module, matmul
 from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
@@ -228,7 +228,7 @@ class ColumnParallelLinear(Layer):
     def forward(self, x: Array, ctx: Context) -> Array:
         x = self.boundary.enter(x)
         ctx.save(self, x)
-        y = x.reshape(-1, self.in_features) @ self.params["weight"].T
+        y = matmul(x.reshape(-1, self.in_features), self.params["weight"].T)
         if self.has_bias:
             y += self.params["bias"]
         return y.reshape(*x.shape[:-1], self.out_here)
@@ -241,7 +241,7 @@ class ColumnParallelLinear(Layer):
             self.grad_sum(self.grads["bias"], dy_rows, axis=0)
         if not self.needs_input_grad:
             return None
-        dx = dy_rows @ self.params["weight"]  # this rank's part of dx: its output features' share
+        dx = matmul(dy_rows, self.params["weight"])  # this rank's part of dx: its output features' share
         return self.boundary.enter_backward(dx.reshape(x.shape))
 
 
@@ -277,7 +277,7 @@ class RowParallelLinear(Layer):
 
     def forward(self, x: Array, ctx: Context) -> Array:
         ctx.save(self, x)
-        y = x.reshape(-1, self.in_here) @ self.params["weight"]
+        y = matmul(x.reshape(-1, self.in_here), self.params["weight"])
         y = self.boundary.leave(y.reshape(*x.shape[:-1], self.out_features))
         if self.has_bias:
             y += self.params["bias"]
@@ -292,4 +292,4 @@ class RowParallelLinear(Layer):
             self.grad_sum(self.grads["bias"], dy_rows, axis=0)
         if not self.needs_input_grad:
             return None
-        return (dy_rows @ self.params["weight"].T).reshape(x.shape)
+        return matmul(dy_rows, self.params["weight"].T).reshape(x.shape)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mpipar.backend import Array, accumulation_dtype, array_module, scatter_add
+from mpipar.backend import Array, accumulation_dtype, array_module, matmul, scatter_add
 from mpipar.cache import Context
 from mpipar.errors import ShapeError
 from mpipar.layers.base import Layer, normal_init, uniform_init
@@ -118,7 +118,7 @@ class VocabParallelOutput(Layer):
     def forward(self, x: Array, ctx: Context) -> Array:
         x = self.boundary.enter(x)
         ctx.save(self, x)
-        logits = x.reshape(-1, self.dim) @ self.params["weight"].T
+        logits = matmul(x.reshape(-1, self.dim), self.params["weight"].T)
         if self.embedding is None:
             logits += self.params["bias"]
         return logits.reshape(*x.shape[:-1], self.rows_here)
@@ -131,7 +131,7 @@ class VocabParallelOutput(Layer):
             self.grad_sum(self.grads["bias"], dy_rows, axis=0)
         if not self.needs_input_grad:
             return None
-        return self.boundary.enter_backward((dy_rows @ self.params["weight"]).reshape(x.shape))
+        return self.boundary.enter_backward(matmul(dy_rows, self.params["weight"]).reshape(x.shape))
 
 
 class VocabParallelCrossEntropy(Loss):

@@ -33,6 +33,7 @@ import numpy as np
 from mpipar.backend import accumulation_dtype, array_module
 from mpipar.checkpoint.format import Piece
 from mpipar.checkpoint.layout import own_share, piece_holding
+from mpipar.gpu import parts_for
 
 EPSILON = 1e-6  # torch's clip_grad_norm_ adds it to the norm
 
@@ -61,6 +62,8 @@ class GradientClipper:
     @staticmethod
     def _square_sum(part):
         xp, wide = array_module(part), accumulation_dtype(part)
+        if xp is not np:  # a GPU: one reduction kernel, which a CUDA graph can capture (cuBLAS's dot it cannot)
+            return parts_for(xp).square_sum(part)
         if part.dtype == wide:
             return xp.vdot(part, part)
         return xp.einsum("i,i->", part, part, dtype=wide)

@@ -146,7 +146,10 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
         rebuilt.append(most_rebuilt)
         largest.append(most)
         workspaces.append(scratch)
-        adding.append(tuple(_adding_block(layer, np.dtype(stage.flat.dtype).itemsize) for layer in stage.layers))
+        # on a GPU, cuBLAS adds a product into the gradient where it lies (Layer.grad_matmul): no temporary
+        adds_through_a_block = stage.flat.backend.xp is np
+        adding.append(tuple(_adding_block(layer, np.dtype(stage.flat.dtype).itemsize) if adds_through_a_block else 0
+                            for layer in stage.layers))
     return ActivationBytes(tuple(stashed), tuple(boundary), tuple(largest),
                            tuple(rebuilt) if recompute_spans is not None else (), tuple(deferred), tuple(during),
                            tuple(workspaces), tuple(stashed_by_layer) if recompute_spans is None else (),

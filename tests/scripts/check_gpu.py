@@ -240,7 +240,8 @@ def attention_outputs(xp, x, dy, weights) -> list:
 def batched_products_equal_numpy() -> str:
     """cuda.batched_product (one cuBLAS strided-batched call, batched_gemm.py's arithmetic) for each
     pair of transposes, on operands whose rows lie further apart than their length and an output
-    inside a wider buffer, as attention's heads do: against NumPy's float64 product of the same
+    inside a wider buffer, as attention's heads do, and cuda.product (cuBLAS through ctypes, as
+    batched_product) for a Linear's products: against NumPy's float64 product of the same
     numbers, within 1e-12 (float64), 1e-5 (float32) and 2e-3 (float16, summed in float32) of the
     largest entry; the output's buffer past its rows left as it was."""
     import itertools
@@ -271,6 +272,20 @@ def batched_products_equal_numpy() -> str:
             worst[name] = float(np.max(np.abs(got[:, :, :columns] - expected)) / np.max(np.abs(expected)))
             if worst[name] > tolerance or got[:, :, columns:].any():
                 failed.append(name)
+        # cuda.product: a Linear's three products at the recipe's shapes (x W, dy W^T, and x^T dy
+        # added to a gradient), W^T and x^T read where they lie
+        x, dy, w = (rng.standard_normal(shape).astype(dtype) for shape in ((16384, 384), (16384, 1536), (384, 1536)))
+        grad = rng.standard_normal((384, 1536)).astype(dtype)
+        on_gpu = {name: cupy.asarray(value) for name, value in (("x", x), ("dy", dy), ("w", w), ("grad", grad))}
+        cuda.product(on_gpu["x"].T, on_gpu["dy"], on_gpu["grad"], accumulate=True)
+        wide = {name: value.astype(np.float64) for name, value in (("x", x), ("dy", dy), ("w", w), ("grad", grad))}
+        for name, got, expected in (("x W", cuda.product(on_gpu["x"], on_gpu["w"]), wide["x"] @ wide["w"]),
+                                    ("dy W^T", cuda.product(on_gpu["dy"], on_gpu["w"].T), wide["dy"] @ wide["w"].T),
+                                    ("grad + x^T dy", on_gpu["grad"], wide["grad"] + wide["x"].T @ wide["dy"])):
+            label = f"{np.dtype(dtype).name} {name}"
+            worst[label] = float(np.max(np.abs(cupy.asnumpy(got) - expected)) / np.max(np.abs(expected)))
+            if worst[label] > tolerance:
+                failed.append(label)
     figures = ", ".join(f"{name} {error:.1e}" for name, error in worst.items())
     return f"{'FAILED: ' + str(failed) if failed else 'ok'}; largest differences over the largest entry: {figures}"
 
