@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from test_checkpoint import SMALL, assert_same_state, step_dir, train
 
+from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.gpu import twin
 from mpipar.gpu.standin import CapturedLibraryCall, HostConversion
 from mpipar.gpu.standin import module as xp
+from mpipar.layers import CausalSelfAttention, Conv2d, Embedding, Linear, TiedOutput
 from mpipar.train.config import TrainConfig
 from mpipar.train.graphed_step import GraphedStep
 from mpipar.train.trainer import Trainer
@@ -55,6 +57,45 @@ def test_a_capture_runs_nothing_and_each_replay_does_the_work(standin):
     for library in (lambda: total @ xp.ones((3, 3)), lambda: xp.vdot(total, total), lambda: xp.matmul(total, total)):
         with pytest.raises(CapturedLibraryCall, match="during a CUDA graph's capture"):
             twin.StepGraph().capture(library)
+
+
+# every layer of mpipar's own that multiplies, with an input of its shape (each one's products must
+# go through the GPU parts' `product`: CuPy's matmul cannot be captured)
+LAYERS_THAT_MULTIPLY = {
+    "Linear": (lambda: Linear(6, 5), (4, 3, 6)),
+    "TiedOutput": (lambda: TiedOutput(Embedding(7, 6)), (4, 3, 6)),
+    "CausalSelfAttention": (lambda: CausalSelfAttention(6, heads=2), (4, 3, 6)),
+    "Conv2d": (lambda: Conv2d(2, 3, kernel_size=3, padding=1), (2, 2, 5, 5)),
+}
+
+
+@pytest.mark.parametrize("name", LAYERS_THAT_MULTIPLY)
+def test_each_layer_that_multiplies_is_captured_and_replays_its_launched_results(standin, name):
+    make, shape = LAYERS_THAT_MULTIPLY[name]
+    rng = np.random.default_rng(0)
+    x = xp.asarray(rng.standard_normal(shape))
+    sides = []
+    for graphed in (False, True):
+        layer = make()
+        layer.params = {spec.name: xp.asarray(np.random.default_rng(1).standard_normal(spec.shape) * 0.1)
+                        for spec in layer.param_specs()}
+        layer.grads = {name: xp.ones(value.shape) for name, value in layer.params.items()}
+        layer.fresh_grads = False  # the gradients are added to, as from a second micro-batch on
+
+        def step(layer=layer):
+            ctx = Context(None, (0, 0))
+            y = layer.forward(x, ctx)
+            return y, layer.backward(y * 0.5, ctx)
+
+        if graphed:
+            graph = twin.StepGraph()
+            y, dx = graph.capture(step)
+            graph.replay()
+        else:
+            y, dx = step()
+        sides.append([y.get(), dx.get(), *(grad.get() for grad in layer.grads.values())])
+    for launched, replayed in zip(*sides, strict=True):
+        assert np.array_equal(launched, replayed)
 
 
 def test_a_new_loss_scale_captures_the_graph_again(standin):

@@ -214,17 +214,24 @@ def batched_product(a, b, out, transpose_a: bool = False, transpose_b: bool = Fa
     _gemm(column_major_call(a, b, out, transpose_a, transpose_b), a, b, out, accumulate=False)
 
 
-@_kernel
 def product(a, b, out=None, accumulate: bool = False):
-    if out is None:
+    if out is None:  # made outside the kernel, as cuda.product makes it: a replay writes into it
         out = module.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
-    if out.size == 0:
-        return out
+    if out.size:
+        _product_into(a, b, out, accumulate)
+    return out
+
+
+@_kernel
+def _product_into(a, b, out, accumulate: bool) -> None:
+    if a.shape[1] == 0:  # a sum of no products
+        if not accumulate:
+            memory_of(out).fill(0)
+        return
     (a_batch, transpose_a), (b_batch, transpose_b) = (as_matrix_batch(x) or (module.ascontiguousarray(x)[None], False)
                                                       for x in (a, b))
     _gemm(column_major_call(a_batch, b_batch, out[None], transpose_a, transpose_b), a_batch, b_batch, out,
           accumulate)
-    return out
 
 
 def _gemm(call, a, b, out, accumulate: bool) -> None:
@@ -262,6 +269,8 @@ def dropout(x, samples, seed: int, layer: int, step, first: int, whole: int, p: 
 
 @_kernel
 def column_sum(a, out=None, accumulate: bool = False):
+    if out is not None and not out.flags.c_contiguous:
+        raise ValueError(f"column_sum writes into a contiguous array, not one of strides {out.strides}")
     summed = a.sum(axis=0)
     if out is None:
         return summed

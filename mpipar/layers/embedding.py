@@ -110,7 +110,7 @@ class TiedOutput(Layer):
         if x.ndim < 2 or x.shape[-1] != self.dim:
             raise self.shape_error(f"(batch, ..., {self.dim})", x.shape)
         ctx.save(self, x)
-        logits = x.reshape(-1, self.dim) @ self.params["weight"].T  # one product over the rows (linear.py)
+        logits = matmul(x.reshape(-1, self.dim), self.params["weight"].T)  # one product over the rows (linear.py)
         return logits.reshape(*x.shape[:-1], self.vocab_size)
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
