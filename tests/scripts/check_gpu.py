@@ -345,6 +345,40 @@ def dropout_equals_numpy_bit_for_bit() -> str:
     return f"FAILED: differ in {different}" if different else "ok, 6 cases, every bit equal"
 
 
+def captured_products_equal_launched() -> str:
+    """cuda.product, batched_product, column_sum and square_sum captured in a CUDA graph
+    (cuda.StepGraph) and replayed twice, against the same calls launched: the same bits. CuPy's
+    own cuBLAS calls refuse to be captured; these must not."""
+    import cupy
+
+    from mpipar.gpu import cuda
+
+    rng = np.random.default_rng(6)
+    x, w = (cupy.asarray(rng.standard_normal(shape)) for shape in ((256, 64), (96, 64)))
+    heads = cupy.asarray(rng.standard_normal((8, 32, 16)))
+
+    def work():
+        grad = cupy.zeros((64, 96))
+        cuda.product(x.T, cuda.product(x, w.T), grad, accumulate=True)
+        scores = cupy.empty((8, 32, 32))
+        cuda.batched_product(heads, heads, scores, transpose_b=True)
+        return cuda.product(x, w.T), grad, scores, cuda.column_sum(x), cuda.square_sum(x.reshape(-1))
+
+    launched = [cupy.asnumpy(array) for array in work()]
+    graph = cuda.StepGraph()
+    graph.warm(work)
+    outputs = graph.capture(work)
+    replayed = []
+    for _ in range(2):
+        graph.replay()
+        cupy.cuda.get_current_stream().synchronize()
+        replayed.append([cupy.asnumpy(array) for array in outputs])
+    different = [name for name, *sides in zip(("x w^T", "x^T (x w^T) added", "q k^T", "column sums", "square sum"),
+                                              launched, *replayed) if not all(np.array_equal(sides[0], side)
+                                                                             for side in sides[1:])]
+    return f"FAILED: {different} differ" if different else "ok, 5 products captured, replayed twice, every bit equal"
+
+
 def graph_equals_launched() -> str:
     """The transformer (float64, dropout, tied embeddings, clipping, AdamW, 2 micro-batches, 5
     steps and its evaluation) with --cuda-graph: steps 3 to 5 are replays of the graph captured
@@ -826,6 +860,7 @@ PARTS = {  # `check_gpu.py PART` runs one part alone (a device's minutes are few
                         case("batched products on the gpu = numpy", batched_products_equal_numpy),
                         case("cross-entropy on the gpu = numpy", cross_entropy_equals_numpy),
                         case("dropout on the gpu = numpy", dropout_equals_numpy_bit_for_bit),
+                        case("captured cublas products = launched ones", captured_products_equal_launched),
                         case("a replayed cuda graph = steps launched from python", graph_equals_launched)),
     "profile": lambda: case("where a step of the transformer goes on the gpu, ms", where_a_step_goes),
     "fp16": lambda: case("fp16 overflow skipped by every rank on the gpu", fp16_overflow_skipped_by_every_rank),
@@ -843,6 +878,7 @@ case("batched products on the gpu = numpy", batched_products_equal_numpy)
 case("cross-entropy on the gpu = numpy", cross_entropy_equals_numpy)
 case("dropout on the gpu = numpy", dropout_equals_numpy_bit_for_bit)
 if world.size == 1:
+    case("captured cublas products = launched ones", captured_products_equal_launched)
     case("a replayed cuda graph = steps launched from python", graph_equals_launched)
 case("mlp ddp gpu = cpu", gpu_equals_cpu(dict(scheme="ddp")))
 case("mlp ddp sgd gpu = cpu", gpu_equals_cpu(dict(scheme="ddp", optimizer="sgd", momentum=0.9)))

@@ -5,8 +5,9 @@
 #     mkdir -p .gpu-data && cp ../shared/data/tinyshakespeare.txt .gpu-data/     (here, once)
 #     bash tests/scripts/device_run.sh "$OUT" [PART ...]                          (on the device)
 #
-# kernels: every kernel of mpipar/gpu/cuda.py against NumPy (if these fail, nothing after means
-# much), and a replayed CUDA graph against steps launched from Python; speed: tokens/s against
+# kernels: every kernel of mpipar/gpu/cuda.py and its cuBLAS products against NumPy (if these
+# fail, nothing after means much), cuBLAS products captured in a CUDA graph, and a replayed
+# graph of the step against steps launched from Python; speed: tokens/s against
 # torch eager and torch.compile, float32 and fp16, --cuda-graph beside them, kernels a step;
 # schemes: every scheme of device_cases.py on 2 ranks sharing the GPU against the CPU; profile:
 # where a step goes; fp16-memory and memory: the pool peak against the prediction. Named PARTs
