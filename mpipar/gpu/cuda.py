@@ -213,8 +213,8 @@ class _Cublas:
     (cupy.matmul, cupy_backends' gemm) refuse to run while a stream captures ("calling cuBLAS
     API during stream capture is currently unsupported", CuPy 14), so a CUDA graph of a step
     could hold none of its products. Each call runs on CuPy's current stream, with a workspace
-    set beforehand (cuBLAS may not allocate one while a stream captures) and alpha and beta read
-    from the host when the call is made (a graph keeps the values it captured). One handle and
+    set with the stream (cuBLAS may not allocate one while a stream captures) and alpha and beta
+    read from the host when the call is made (a graph keeps the values it captured). One handle and
     one workspace serve the process: every product runs on the compute stream, eager or
     replayed, one after another (the copy stream runs none), so no two use the workspace at once."""
 
@@ -232,7 +232,13 @@ class _Cublas:
         self.library.cublasSetPointerMode_v2.argtypes = [pointer, integer]
         self.handle = pointer()
         self._check(self.library.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        self._check(self.library.cublasSetPointerMode_v2(self.handle, cublas.CUBLAS_POINTER_MODE_HOST),
+                    "cublasSetPointerMode")  # the handle is mpipar's alone: nothing sets it back
         self.workspace = runtime.malloc(CUBLAS_WORKSPACE_BYTES)
+        self.stream = None  # the stream the handle was last set to
+        # alpha and beta per scalar type, (1, 0) to write and (1, 1) to add: host memory the calls read
+        self.scalars = {(scalar, accumulate): (np.ones(1, scalar), np.full(1, float(accumulate), scalar))
+                        for scalar in (np.float32, np.float64) for accumulate in (False, True)}
 
     @staticmethod
     def _check(status: int, call: str) -> None:
@@ -241,15 +247,15 @@ class _Cublas:
 
     def gemm(self, call, a, b, out, accumulate: bool) -> None:
         data_type, compute_type, scalar = GEMM_TYPES[out.dtype]
-        alpha, beta = np.ones(1, scalar), np.full(1, 1.0 if accumulate else 0.0, scalar)
-        operation = {False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T}
-        self._check(self.library.cublasSetStream_v2(self.handle, cupy.cuda.get_current_stream().ptr),
-                    "cublasSetStream")
-        # setting a stream gives the handle cuBLAS's default workspace again
-        self._check(self.library.cublasSetWorkspace_v2(self.handle, self.workspace, CUBLAS_WORKSPACE_BYTES),
-                    "cublasSetWorkspace")
-        self._check(self.library.cublasSetPointerMode_v2(self.handle, cublas.CUBLAS_POINTER_MODE_HOST),
-                    "cublasSetPointerMode")
+        alpha, beta = self.scalars[scalar, accumulate]
+        stream = cupy.cuda.get_current_stream().ptr
+        if stream != self.stream:  # (a graph's stream, then the compute stream again)
+            self._check(self.library.cublasSetStream_v2(self.handle, stream), "cublasSetStream")
+            # setting a stream gives the handle cuBLAS's default workspace again
+            self._check(self.library.cublasSetWorkspace_v2(self.handle, self.workspace, CUBLAS_WORKSPACE_BYTES),
+                        "cublasSetWorkspace")
+            self.stream = stream
+        operation = (cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T)
         self._check(self.library.cublasGemmStridedBatchedEx(
             self.handle, operation[call.transpose_a], operation[call.transpose_b], call.m, call.n, call.k,
             alpha.ctypes.data, b.data.ptr, data_type, call.lda, call.stride_a, a.data.ptr, data_type, call.ldb,
