@@ -52,6 +52,22 @@ def test_the_named_ways_are_counted(staged):
     assert (CROSSINGS.to_device_bytes, CROSSINGS.to_host_bytes, CROSSINGS.syncs) == (32, 32 + 8, 1)
 
 
+def test_a_result_sized_by_the_values_is_counted_as_a_host_sync(staged):
+    """CuPy reads from the device how many elements a boolean index or nonzero selects before it
+    can allocate the result: a synchronisation each, which the stand-in counts."""
+    a = xp.arange(6.0)
+    mask = a > 2.0
+    sized = [lambda: a[mask], lambda: a.__setitem__(mask, 0.0), lambda: xp.flatnonzero(mask),
+             lambda: np.nonzero(mask), lambda: mask.nonzero(), lambda: xp.where(mask), lambda: xp.unique(a)]
+    for count, make in enumerate(sized, start=1):
+        make()
+        assert CROSSINGS.size_reads == count
+    fixed = [lambda: xp.where(mask, a, 0.0), lambda: a * mask, lambda: a[xp.arange(3)], lambda: a[1:]]
+    for make in fixed:  # shapes the host knows without asking the device
+        make()
+    assert CROSSINGS.size_reads == len(sized)
+
+
 def test_arrays_compute_as_numpy_and_stay_on_the_device(staged):
     a = xp.arange(6.0).reshape(2, 3)
     for result in (a @ a.T, a.sum(axis=0), np.einsum("ij->j", a), a[1:], a.T.copy(), xp.exp(a), a.max()):

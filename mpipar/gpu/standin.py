@@ -12,6 +12,8 @@ asked for by name:
     a.get()                          a copy to the host, counted in CROSSINGS
     a.set(host)                      a copy to the device, counted
     read_scalars(a)                  the approved way to read values: counted as a host sync
+    a[mask], a[mask] = v, nonzero(a) a result sized by the values: CuPy reads that size from the
+                                     device first, so each is counted as a host sync (size_reads)
 
 `Capture` is a CUDA graph's stream capture on the stand-in (twin.StepGraph): while one is open,
 every operation on device arrays is recorded with the arguments it had (host scalars baked in,
@@ -56,6 +58,7 @@ class Crossings:
     to_device_copies: int = 0
     to_device_bytes: int = 0
     syncs: int = 0  # reads of values the host needs now (read_scalars): each one a synchronisation
+    size_reads: int = 0  # results sized by the values (a boolean index, nonzero): a synchronisation each
     sync_bytes: int = 0
     wire_to_host_bytes: int = 0  # of the above, the copies the wire made for MPI (twin.copy_to_host)
     wire_to_device_bytes: int = 0  # (twin.copy_to_device)
@@ -185,6 +188,35 @@ def refuse_library_product_during_capture(name: str) -> None:
                                   "wrappers refuse to be captured; use the GPU parts' product (mpipar/gpu)")
 
 
+# NumPy's names for what makes a result whose size depends on the values: CuPy must read that
+# size from the device before it can allocate the result, as it does for a boolean index
+# (CuPy 14's _prepare_mask_indexing_single: `n_true = int(mask_scanned[-1])`)
+SIZED_BY_VALUES = frozenset({"nonzero", "flatnonzero", "argwhere", "unique", "compress", "extract"})
+
+
+def read_result_size(what: str) -> None:
+    """CuPy reading the size of `what`'s result from the device: a host synchronisation, counted,
+    and refused while a stream captures (a capture may not wait for the device)."""
+    if CAPTURE[0] is not None and not CAPTURE[0].inside_kernel:
+        raise HostConversion(f"{what} during a CUDA graph's capture: its result's size depends on the values, "
+                             "which CuPy reads from the device first; keep the shape fixed (xp.where, a mask "
+                             "multiplied in)")
+    CROSSINGS.size_reads += 1
+
+
+def _sized_by_values(name: str, args: tuple) -> bool:
+    """Whether NumPy's `name` on `args` makes a result sized by the values (np.where of one argument
+    is nonzero)."""
+    return name in SIZED_BY_VALUES or (name == "where" and len(args) == 1)
+
+
+def _boolean_index(key) -> bool:
+    """Whether an index (unwrapped) holds a boolean array, which selects a number of elements
+    that only the values say."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, np.ndarray) and k.dtype == np.bool_ and k.ndim for k in keys)
+
+
 class CapturedLibraryCall(RuntimeError):
     """A product that CuPy leaves to cuBLAS, asked for while a stream captures."""
 
@@ -277,6 +309,8 @@ class StandInArray(NDArrayOperatorsMixin):
     def __array_function__(self, func, types_, args, kwargs):
         name = getattr(func, "__name__", str(func))
         refuse_library_product_during_capture(name)
+        if _sized_by_values(name, args):
+            read_result_size(name)
         args, kwargs = _unwrap(args, name), _unwrap(kwargs, name)
         return _recorded(lambda: func(*args, **kwargs), _wrap(func(*args, **kwargs)))
 
@@ -286,6 +320,8 @@ class StandInArray(NDArrayOperatorsMixin):
         attribute = getattr(self._memory, name)
         if callable(attribute):
             def method(*args, **kwargs):
+                if _sized_by_values(name, (self, *args)):
+                    read_result_size(name)
                 args, kwargs = _unwrap(args, name), _unwrap(kwargs, name)
                 return _recorded(lambda: attribute(*args, **kwargs), _wrap(attribute(*args, **kwargs)))
             return method
@@ -293,10 +329,14 @@ class StandInArray(NDArrayOperatorsMixin):
 
     def __getitem__(self, key):
         memory, key = self._memory, _unwrap(key, "indexing")
+        if _boolean_index(key):
+            read_result_size("a boolean index")
         return _recorded(lambda: memory[key], _wrap(memory[key]))  # a copy where the index is an array
 
     def __setitem__(self, key, value) -> None:
         memory, key, value = self._memory, _unwrap(key, "indexing"), _unwrap(value, "assignment")
+        if _boolean_index(key):
+            read_result_size("an assignment through a boolean index")
         memory[key] = value
         _recorded(lambda: memory.__setitem__(key, value), None)
 
@@ -388,6 +428,8 @@ class _Module(types.ModuleType):
 
         def function(*args, **kwargs):
             refuse_library_product_during_capture(name)
+            if _sized_by_values(name, args):
+                read_result_size(name)
             args, kwargs = _unwrap(args, name), _unwrap(kwargs, name)
             result = _wrap(attribute(*args, **kwargs))
             # a new array's memory holds what it held; zeros, ones, full and arange are work a graph repeats

@@ -62,23 +62,27 @@ class VocabParallelEmbedding(Layer):
     def flops(self, in_shape: tuple[int, ...]) -> int:
         return 0
 
+    # Every shape here is the batch's, whichever ids fall in the block: an id outside reads row 0,
+    # its output row is zeroed and its gradient adds zero to row 0. Selecting the ids inside
+    # instead (a boolean index) would size a result by the values, which on a GPU makes CuPy
+    # read that size from the device: a synchronisation, and one that a CUDA graph cannot hold.
     def forward(self, ids: Array, ctx: Context) -> Array:
         check_ids(self.name, ids, self.vocab_size)
-        xp = array_module(ids)
         local = ids - self.first
-        outside = (local < 0) | (local >= self.rows_here)
-        local[outside] = 0
+        inside = (local >= 0) & (local < self.rows_here)
+        local *= inside
         y = self.params["weight"][local]
-        y[outside] = 0
-        ctx.save(self, local[~outside], xp.flatnonzero(~outside.reshape(-1)))
+        y *= inside[..., None]
+        ctx.save(self, local, inside)
         return self.boundary.leave(y)
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
-        rows, positions = ctx.pop(self)
+        local, inside = ctx.pop(self)
         dy = self.boundary.leave_backward(dy)
         if self.fresh_grads:  # a scatter only touches the rows it hits: the rest must be zero
             self.grads["weight"].fill(0)
-        scatter_add(self.grads["weight"], rows, dy.reshape(-1, self.dim)[positions])
+        rows = array_module(dy).where(inside.reshape(-1, 1), dy.reshape(-1, self.dim), dy.dtype.type(0))
+        scatter_add(self.grads["weight"], local.reshape(-1), rows)
         return None
 
 
@@ -174,7 +178,7 @@ class VocabParallelCrossEntropy(Loss):
         shifted, log_norm, local, inside, shape, scale = ctx.pop(self)
         xp = array_module(shifted)
         grad = xp.exp(shifted - log_norm[:, None])  # a masked column: exp(-inf) = 0
-        grad[xp.flatnonzero(inside), local[inside]] -= 1.0
+        grad[xp.arange(len(local)), xp.where(inside, local, 0)] -= inside  # the one-hot, where the target is here
         grad *= scale * self.gradient_scale
         return grad.reshape(shape)
 

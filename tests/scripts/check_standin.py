@@ -7,7 +7,8 @@ refuse every implicit way to the host), and checks on every rank:
 
   - the parameters equal the CPU run's (rtol 1e-10, atol 1e-12: the same arithmetic, a few
     sums in another order);
-  - host synchronisations (values read by the host) at most 3 a step;
+  - host synchronisations at most 3 a step: values read by the host, and the sizes CuPy reads
+    for a result sized by the values (a boolean index, nonzero);
   - nothing but the wire, the step's figures and the batches crossed between host and device:
     bytes to the host = the wire's + the figures read; bytes to the device = the wire's + the
     batches handed to the trainer (counted where the trainer copies them);
@@ -75,8 +76,9 @@ def check(name: str, options: dict) -> list[str]:
     failures = []
     if not np.allclose(got, expected, rtol=1e-10, atol=1e-12):
         failures.append(f"parameters differ from the CPU's by up to {np.abs(got - expected).max():.3g}")
-    if crossed.syncs > 3 * STEPS:
-        failures.append(f"{crossed.syncs} host synchronisations in {STEPS} steps")
+    if crossed.syncs + crossed.size_reads > 3 * STEPS:
+        failures.append(f"{crossed.syncs + crossed.size_reads} host synchronisations in {STEPS} steps "
+                        f"({crossed.size_reads} of them sizes read for results sized by the values)")
     if crossed.to_host_bytes != crossed.wire_to_host_bytes + crossed.sync_bytes:
         failures.append(f"{crossed.to_host_bytes} bytes went to the host: the wire's {crossed.wire_to_host_bytes} "
                         f"and the figures' {crossed.sync_bytes} account for "
