@@ -630,7 +630,10 @@ def device_messages() -> str:
     return f"{verdict}; library CUDA-aware: {aware}; " + ", ".join(report)
 
 
-def transformer_speed_on_cuda(precision: str = "fp32") -> str:
+def torch_gpt_steps(trainer: Trainer, steps: int, half: bool, compiled: bool) -> Callable[[], None]:
+    """`steps` steps of benchmarks/language_model.py's GPT in torch at the GPU recipe, on the
+    trainer's batches (autocast float16 and a GradScaler if `half`; `torch.compile`d if asked),
+    finished on the GPU when it returns."""
     import contextlib
 
     import torch
@@ -639,67 +642,84 @@ def transformer_speed_on_cuda(precision: str = "fp32") -> str:
     sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
     from language_model import GPT
 
-    trainer = Trainer(TrainConfig.of(**{**TRANSFORMER, **GPU_RECIPE, "precision": precision}, text_file=text_file()))
     train_set = trainer.train_set
     sampler = GlobalBatchSampler(len(train_set), GPU_RECIPE["batch_size"], 0)
-    steps = 10
-    half = precision == "fp16"
+    torch.manual_seed(0)
+    model = GPT(train_set.num_classes, GPU_RECIPE["seq_len"], GPU_RECIPE["width"], GPU_RECIPE["heads"],
+                GPU_RECIPE["blocks"], GPU_RECIPE["dropout"]).cuda()
+    forward = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    scaler = torch.amp.GradScaler("cuda", enabled=half)
+    position = [0]
 
-    def torch_side(compiled: bool) -> Callable[[], None]:
-        torch.manual_seed(0)
-        model = GPT(train_set.num_classes, GPU_RECIPE["seq_len"], GPU_RECIPE["width"], GPU_RECIPE["heads"], GPU_RECIPE["blocks"],
-                    GPU_RECIPE["dropout"]).cuda()
-        forward = torch.compile(model) if compiled else model
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
-        scaler = torch.amp.GradScaler("cuda", enabled=half)
-        position = [0]
+    def torch_steps() -> None:
+        for _ in range(steps):
+            epoch, within = divmod(position[0], sampler.steps_per_epoch)
+            inputs, targets = train_set.for_epoch(epoch, 0).batch(sampler.global_batch_indices(epoch, within))
+            with torch.autocast("cuda", dtype=torch.float16) if half else contextlib.nullcontext():
+                logits = forward(torch.from_numpy(inputs).cuda())
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(targets).cuda().reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            float(loss.detach())
+            position[0] += 1
+        torch.cuda.synchronize()
+    return torch_steps
 
-        def torch_steps() -> None:
-            for _ in range(steps):
-                epoch, within = divmod(position[0], sampler.steps_per_epoch)
-                inputs, targets = train_set.for_epoch(epoch, 0).batch(sampler.global_batch_indices(epoch, within))
-                with torch.autocast("cuda", dtype=torch.float16) if half else contextlib.nullcontext():
-                    logits = forward(torch.from_numpy(inputs).cuda())
-                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                           torch.from_numpy(targets).cuda().reshape(-1))
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                scaler.step(optimizer)
-                scaler.update()
-                float(loss.detach())
-                position[0] += 1
-            torch.cuda.synchronize()
-        return torch_steps
 
-    tokens = steps * GPU_RECIPE["batch_size"] * GPU_RECIPE["seq_len"]
-    mpipar_run, eager_run = mpipar_steps(trainer, steps), torch_side(False)
+SPEED_STEPS = 10  # steps a round of the speed check, on each side
+
+
+def recipe_trainer(precision: str, **options) -> Trainer:
+    return Trainer(TrainConfig.of(**{**TRANSFORMER, **GPU_RECIPE, "precision": precision, **options},
+                                  text_file=text_file()))
+
+
+def transformer_speed_on_cuda(precision: str = "fp32") -> str:
+    """mpipar against torch eager at the GPU recipe (alternating rounds), then mpipar with
+    --cuda-graph against torch eager, then the kernels each runs a step. torch.compile's figure
+    is a case of its own (`torch_compile_speed`), run after both precisions' figures: its
+    compilation takes the longest, and a device's minutes are few."""
+    import torch
+
+    trainer = recipe_trainer(precision)
+    tokens = SPEED_STEPS * GPU_RECIPE["batch_size"] * GPU_RECIPE["seq_len"]
+    mpipar_run = mpipar_steps(trainer, SPEED_STEPS)
+    eager_run = torch_gpt_steps(trainer, SPEED_STEPS, precision == "fp16", compiled=False)
     mpipar, torch_eager, ratio = side_by_side(mpipar_run, eager_run, tokens, 3)
     try:  # --cuda-graph: the same steps replayed from one graph (its first two steps are the warm-up round's)
-        graphed = Trainer(TrainConfig.of(**{**TRANSFORMER, **GPU_RECIPE, "precision": precision, "cuda_graph": True},
-                                         text_file=text_file()))
-        graph_rate, _, graph_ratio = side_by_side(mpipar_steps(graphed, steps), eager_run, tokens, 3)
+        graphed = recipe_trainer(precision, cuda_graph=True)
+        graph_rate, _, graph_ratio = side_by_side(mpipar_steps(graphed, SPEED_STEPS), eager_run, tokens, 3)
         del graphed
         graph_line = f"; mpipar --cuda-graph {graph_rate:,.0f} tokens/s, / torch eager {graph_ratio:.3f}"
     except Exception as error:  # the graph's figure is beside the others, which must still print
         graph_line = f"; --cuda-graph FAILED ({type(error).__name__}: {str(error)[:300]})"
     try:  # CUPTI (through torch's profiler) sees CuPy's kernels as well as torch's
-        launches = (f"; kernels a step: mpipar {kernels_per_step(mpipar_run, steps):.0f}, torch eager "
-                    f"{kernels_per_step(eager_run, steps):.0f}")
+        launches = (f"; kernels a step: mpipar {kernels_per_step(mpipar_run, SPEED_STEPS):.0f}, torch eager "
+                    f"{kernels_per_step(eager_run, SPEED_STEPS):.0f}")
     except Exception as error:  # the count is a figure beside the speeds, which must still print
         launches = f"; kernels a step not counted ({type(error).__name__}: {error})"
-    compiled = torch_side(True)
+    return (f"{precision}: mpipar {mpipar:,.0f} tokens/s, torch eager{' autocast' if precision == 'fp16' else ''} "
+            f"{torch_eager:,.0f} tokens/s, mpipar / torch eager {ratio:.3f} (matmuls: torch allow_tf32="
+            f"{torch.backends.cuda.matmul.allow_tf32}, CuPy's cuBLAS default){graph_line}{launches}")
+
+
+def torch_compile_speed(precision: str) -> str:
+    """torch.compile's tokens/s at the GPU recipe (median of 3 rounds after the compiling one),
+    printed beside mpipar's and torch eager's."""
+    trainer = recipe_trainer(precision)
+    compiled = torch_gpt_steps(trainer, SPEED_STEPS, precision == "fp16", compiled=True)
     compiled()  # compiles
-    rates = []
+    tokens, rates = SPEED_STEPS * GPU_RECIPE["batch_size"] * GPU_RECIPE["seq_len"], []
     for _ in range(3):
         start = time.perf_counter()
         compiled()
         rates.append(tokens / (time.perf_counter() - start))
-    return (f"{precision}: mpipar {mpipar:,.0f} tokens/s, torch eager{' autocast' if half else ''} "
-            f"{torch_eager:,.0f} tokens/s, mpipar / torch eager {ratio:.3f}; torch.compile "
-            f"{statistics.median(rates):,.0f} tokens/s (matmuls: torch allow_tf32="
-            f"{torch.backends.cuda.matmul.allow_tf32}, CuPy's cuBLAS default){graph_line}{launches}")
+    return f"{precision}: torch.compile {statistics.median(rates):,.0f} tokens/s"
 
 
 def kernels_per_step(run: Callable[[], None], steps: int) -> float:
@@ -867,7 +887,9 @@ PARTS = {  # `check_gpu.py PART` runs one part alone (a device's minutes are few
     "fp16-memory": lambda: case("fp16 holds 2 + 2 + 12 bytes a parameter on the gpu", fp16_holds_table_1),
     "speed": lambda: (case("transformer at the gpu recipe's shapes, speed on cuda", transformer_speed_on_cuda),
                       case("transformer at the gpu recipe's shapes in fp16, speed on cuda",
-                           lambda: transformer_speed_on_cuda("fp16"))),
+                           lambda: transformer_speed_on_cuda("fp16")),
+                      case("torch.compile at the gpu recipe's shapes", lambda: torch_compile_speed("fp32")),
+                      case("torch.compile at the gpu recipe's shapes in fp16", lambda: torch_compile_speed("fp16"))),
 }
 if sys.argv[1:]:
     PARTS[sys.argv[1]]()
@@ -896,6 +918,8 @@ if world.size == 1:
     case("torch mlp 784-512-512-10 speed on cuda", torch_speed_on_cuda)
     case("transformer at the gpu recipe's shapes, speed on cuda", transformer_speed_on_cuda)
     case("transformer at the gpu recipe's shapes in fp16, speed on cuda", lambda: transformer_speed_on_cuda("fp16"))
+    case("torch.compile at the gpu recipe's shapes", lambda: torch_compile_speed("fp32"))
+    case("torch.compile at the gpu recipe's shapes in fp16", lambda: torch_compile_speed("fp16"))
     case("transformer fp16 follows float32 over 200 steps on the gpu", fp16_follows_float32)
 case("fp16 overflow skipped by every rank on the gpu", fp16_overflow_skipped_by_every_rank)
 case("fp16 holds 2 + 2 + 12 bytes a parameter on the gpu", fp16_holds_table_1)
