@@ -58,7 +58,8 @@ def test_a_result_sized_by_the_values_is_counted_as_a_host_sync(staged):
     a = xp.arange(6.0)
     mask = a > 2.0
     sized = [lambda: a[mask], lambda: a.__setitem__(mask, 0.0), lambda: xp.flatnonzero(mask),
-             lambda: np.nonzero(mask), lambda: mask.nonzero(), lambda: xp.where(mask), lambda: xp.unique(a)]
+             lambda: np.nonzero(mask), lambda: mask.nonzero(), lambda: xp.where(mask), lambda: xp.unique(a),
+             lambda: np.unique_values(a), lambda: xp.bincount(xp.arange(3)), lambda: np.add.at(a, mask, 1.0)]
     for count, make in enumerate(sized, start=1):
         make()
         assert CROSSINGS.size_reads == count
@@ -66,6 +67,18 @@ def test_a_result_sized_by_the_values_is_counted_as_a_host_sync(staged):
     for make in fixed:  # shapes the host knows without asking the device
         make()
     assert CROSSINGS.size_reads == len(sized)
+
+
+def test_a_host_scalar_scattered_through_an_index_array_is_a_copy_to_the_device(staged):
+    """CuPy copies the scalar of `a[indices] = 0.0` to the device before it scatters it; a view's
+    fill (`a[1:] = 0.0`) and a device value copy nothing."""
+    a = xp.zeros(4)
+    a[1:] = 1.0
+    a[xp.arange(2)] = a[2:]
+    assert CROSSINGS.to_device_copies == 0
+    a[xp.arange(2)] = 5.0
+    assert (CROSSINGS.to_device_copies, CROSSINGS.to_device_bytes) == (1, 8)
+    assert np.array_equal(a.get(), [5.0, 5.0, 1.0, 1.0])
 
 
 def test_arrays_compute_as_numpy_and_stay_on_the_device(staged):

@@ -14,6 +14,7 @@ asked for by name:
     read_scalars(a)                  the approved way to read values: counted as a host sync
     a[mask], a[mask] = v, nonzero(a) a result sized by the values: CuPy reads that size from the
                                      device first, so each is counted as a host sync (size_reads)
+    a[indices] = 0.0                 a host scalar scattered: CuPy copies it first, counted
 
 `Capture` is a CUDA graph's stream capture on the stand-in (twin.StepGraph): while one is open,
 every operation on device arrays is recorded with the arguments it had (host scalars baked in,
@@ -190,8 +191,11 @@ def refuse_library_product_during_capture(name: str) -> None:
 
 # NumPy's names for what makes a result whose size depends on the values: CuPy must read that
 # size from the device before it can allocate the result, as it does for a boolean index
-# (CuPy 14's _prepare_mask_indexing_single: `n_true = int(mask_scanned[-1])`)
-SIZED_BY_VALUES = frozenset({"nonzero", "flatnonzero", "argwhere", "unique", "compress", "extract"})
+# (CuPy 14's _prepare_mask_indexing_single: `n_true = int(mask_scanned[-1])`; bincount reads
+# the largest value: `size = int(cupy.max(x)) + 1`); the set operations sort and call unique
+SIZED_BY_VALUES = frozenset({"nonzero", "flatnonzero", "argwhere", "compress", "extract", "place", "bincount",
+                             "unique", "unique_values", "unique_counts", "unique_inverse", "unique_all",
+                             "union1d", "intersect1d", "setdiff1d", "setxor1d"})
 
 
 def read_result_size(what: str) -> None:
@@ -215,6 +219,20 @@ def _boolean_index(key) -> bool:
     that only the values say."""
     keys = key if isinstance(key, tuple) else (key,)
     return any(isinstance(k, np.ndarray) and k.dtype == np.bool_ and k.ndim for k in keys)
+
+
+def _advanced_index(key) -> bool:
+    """Whether an index (unwrapped) holds an array: a scatter, not a view's fill."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, np.ndarray) and k.ndim for k in keys)
+
+
+def _copy_of_host_scalar(dtype) -> None:
+    """CuPy scatters a host scalar (`a[indices] = 0.0`) by copying it to the device first
+    (`core.array(value)`): counted as a copy, and refused while a stream captures."""
+    refuse_during_capture("a copy from the host (a scalar scattered through an index array)")
+    CROSSINGS.to_device_copies += 1
+    CROSSINGS.to_device_bytes += np.dtype(dtype).itemsize
 
 
 class CapturedLibraryCall(RuntimeError):
@@ -300,6 +318,8 @@ class StandInArray(NDArrayOperatorsMixin):
     # -- NumPy computes on the device memory -----------------------------------------------
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         refuse_library_product_during_capture(ufunc.__name__)
+        if method == "at" and _boolean_index(_unwrap(inputs[1], "indexing")):  # np.add.at(a, mask, v)
+            read_result_size(f"{ufunc.__name__}.at with a boolean index")
         if "out" in kwargs:
             kwargs["out"] = tuple(_unwrap(out, ufunc.__name__) for out in kwargs["out"])
         inputs = tuple(_unwrap(x, ufunc.__name__) for x in inputs)
@@ -334,9 +354,12 @@ class StandInArray(NDArrayOperatorsMixin):
         return _recorded(lambda: memory[key], _wrap(memory[key]))  # a copy where the index is an array
 
     def __setitem__(self, key, value) -> None:
+        from_host = not isinstance(value, StandInArray)
         memory, key, value = self._memory, _unwrap(key, "indexing"), _unwrap(value, "assignment")
         if _boolean_index(key):
             read_result_size("an assignment through a boolean index")
+        if from_host and _advanced_index(key):
+            _copy_of_host_scalar(memory.dtype)
         memory[key] = value
         _recorded(lambda: memory.__setitem__(key, value), None)
 
@@ -416,12 +439,12 @@ class _Module(types.ModuleType):
             return attribute  # dtypes (np.float32), constants (np.inf), submodules are the same as NumPy's
         if name in ("asarray", "array", "ascontiguousarray"):
             def from_anything(value, *args, **kwargs):
-                if not isinstance(value, StandInArray):  # from the host, even a scalar or a list
+                if not isinstance(value, StandInArray):  # cupy.asarray(host), even of a scalar or a list: a copy
                     refuse_during_capture("a copy from the host")
-                if isinstance(value, np.ndarray) and value.ndim:  # cupy.asarray(host): an explicit copy
+                    copy = np.array(value, *args, **kwargs)
                     CROSSINGS.to_device_copies += 1
-                    CROSSINGS.to_device_bytes += value.nbytes
-                    return StandInArray(np.array(value, *args, **kwargs))
+                    CROSSINGS.to_device_bytes += copy.nbytes
+                    return StandInArray(copy)
                 value = _unwrap(value, name)
                 return _recorded(lambda: attribute(value, *args, **kwargs), _wrap(attribute(value, *args, **kwargs)))
             return from_anything

@@ -62,17 +62,22 @@ class VocabParallelEmbedding(Layer):
     def flops(self, in_shape: tuple[int, ...]) -> int:
         return 0
 
-    # Every shape here is the batch's, whichever ids fall in the block: an id outside reads row 0,
-    # its output row is zeroed and its gradient adds zero to row 0. Selecting the ids inside
-    # instead (a boolean index) would size a result by the values, which on a GPU makes CuPy
-    # read that size from the device: a synchronisation, and one that a CUDA graph cannot hold.
+    # On several ranks every shape here is still the batch's, whichever ids fall in the block: an
+    # id outside reads row 0, its output row is zeroed and its gradient adds zero to row 0.
+    # Selecting the ids inside instead (a boolean index) would size a result by the values,
+    # which on a GPU makes CuPy read that size from the device: a synchronisation, and one that a
+    # CUDA graph cannot hold. One rank holds the whole vocabulary: every id is inside.
     def forward(self, ids: Array, ctx: Context) -> Array:
         check_ids(self.name, ids, self.vocab_size)
+        if self.group.size == 1:
+            ctx.save(self, ids, None)
+            return self.boundary.leave(self.params["weight"][ids])
+        xp = array_module(ids)
         local = ids - self.first
         inside = (local >= 0) & (local < self.rows_here)
         local *= inside
         y = self.params["weight"][local]
-        y *= inside[..., None]
+        y = xp.where(inside[..., None], y, y.dtype.type(0))
         ctx.save(self, local, inside)
         return self.boundary.leave(y)
 
@@ -81,7 +86,9 @@ class VocabParallelEmbedding(Layer):
         dy = self.boundary.leave_backward(dy)
         if self.fresh_grads:  # a scatter only touches the rows it hits: the rest must be zero
             self.grads["weight"].fill(0)
-        rows = array_module(dy).where(inside.reshape(-1, 1), dy.reshape(-1, self.dim), dy.dtype.type(0))
+        rows = dy.reshape(-1, self.dim)
+        if inside is not None:  # an inf outside the block adds 0, not NaN
+            rows = array_module(dy).where(inside.reshape(-1, 1), rows, dy.dtype.type(0))
         scatter_add(self.grads["weight"], local.reshape(-1), rows)
         return None
 

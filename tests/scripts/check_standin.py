@@ -11,7 +11,7 @@ refuse every implicit way to the host), and checks on every rank:
     for a result sized by the values (a boolean index, nonzero);
   - nothing but the wire, the step's figures and the batches crossed between host and device:
     bytes to the host = the wire's + the figures read; bytes to the device = the wire's + the
-    batches handed to the trainer (counted where the trainer copies them);
+    batches as they arrive on the device (counted where the trainer copies them);
   - the wire's copies are the messages' bytes: on the staged path, what this rank's messages
     sent (Traffic's sent_bytes) went to the host once and what they received came back once
     (routed collectives and point to point, where every message is this rank's own; with
@@ -56,9 +56,10 @@ class Measured:
                 self.outside = self.outside + (CROSSINGS.snapshot() - before)
 
         def batches(inputs, targets):
-            if not evaluating[0]:
-                self.batch_bytes += inputs.nbytes + targets.nbytes
-            return to_device(inputs, targets)
+            moved = to_device(inputs, targets)
+            if not evaluating[0]:  # as they arrive: CuPy converts a type on the host, before the copy
+                self.batch_bytes += sum(array.nbytes for array in moved)
+            return moved
 
         trainer.evaluate, trainer._to_device = evaluation, batches
         CROSSINGS.reset()
