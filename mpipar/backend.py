@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from mpipar.errors import ConfigError, unknown_name
-from mpipar.gpu import gpu_array_module, parts_for
+from mpipar.gpu import gpu_array_module, open_device, parts_for
 
 Array = Any  # a numpy.ndarray, or a cupy.ndarray on a GPU
 
@@ -75,6 +75,7 @@ def make_backend(device: str = "cpu", dtype: str = "float32") -> Backend:
     except ImportError as error:
         raise ConfigError(f"--device gpu needs CuPy, which is not importable ({error}); "
                           "install it with: pip install 'mpipar[gpu]'") from None
+    open_device(xp)  # no driver, no device, an old driver: one sentence here, not CuPy's error later
     return Backend(xp, np.dtype(ARITHMETIC_DTYPES[dtype]), device)
 
 

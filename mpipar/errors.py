@@ -11,6 +11,12 @@ class MpiparError(Exception):
 
     exit_status = 2  # what the CLI exits with
 
+    def __init__(self, message: str = "", *, on_every_rank: bool = False) -> None:
+        super().__init__(message)
+        # True where every rank raises the same error at the same point, so the CLI can let each exit
+        # on its own instead of aborting the job from one of them.
+        self.on_every_rank = on_every_rank
+
 
 class ConfigError(MpiparError):
     """A run configuration that cannot work (bad value, unknown name, bad combination)."""

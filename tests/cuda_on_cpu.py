@@ -148,7 +148,7 @@ def _fake_modules() -> dict[str, types.ModuleType]:
 
     cupy = FakeCupy("cupy")
     cupy.RawModule = CpuRawModule
-    runtime = types.SimpleNamespace(CUDA_R_16F=2, CUDA_R_32F=0, CUDA_R_64F=1)
+    runtime = types.SimpleNamespace(CUDA_R_16F=2, CUDA_R_32F=0, CUDA_R_64F=1, CUDARuntimeError=standin.CUDARuntimeError)
     cublas = types.SimpleNamespace(CUBLAS_COMPUTE_32F=68, CUBLAS_COMPUTE_64F=70)
     packages = {name: types.ModuleType(name) for name in
                 ("cupyx", "cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.api", "cupy_backends.cuda.libs")}

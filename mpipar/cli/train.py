@@ -45,6 +45,7 @@ def train(config_path: str | None, **options) -> None:
     from mpipar.comms import agree_on_setup, world
     from mpipar.report.progress import Report
     from mpipar.system.launch import oversubscription_warning
+    from mpipar.train.config.job import Job
     from mpipar.train.trainer import Trainer
 
     comm = world()
@@ -53,7 +54,10 @@ def train(config_path: str | None, **options) -> None:
         config = load_config(config_path, options)
         return config, (Report.for_config(config) if comm.rank == 0 else None)
 
-    config, report = agree_on_setup(comm, read_options)
+    # The first collective: every rank's options are compared too (each rank may have been given
+    # its own command line), so a rank launched differently stops them all before any other message.
+    config, report = agree_on_setup(comm, read_options, identify=lambda read: Job.of(read[0]),
+                                    warn=lambda text: click.echo(f"mpipar: warning: {text}", err=True))
     trainer = Trainer(config, comm)  # a configuration that cannot run stops here, before any warning
     crowded = oversubscription_warning(comm)  # collective: every rank learns the same
     if crowded and comm.rank == 0:

@@ -21,13 +21,14 @@ import os
 import sys
 import time
 import traceback
-from typing import Callable, TypeVar
+from collections.abc import Sequence
+from typing import Callable, Protocol, TypeVar
 
 from mpi4py import MPI
 
 from mpipar.comms.collectives import all_reduce
 from mpipar.comms.comm import Comm
-from mpipar.errors import MpiparError
+from mpipar.errors import ConfigError, MpiparError
 
 T = TypeVar("T")
 
@@ -43,22 +44,51 @@ def sum_across_ranks(comm: Comm, array, algorithm: str = "mpi") -> None:
         all_reduce(comm, array, algorithm)
 
 
-def agree_on_setup(comm: MPI.Intracomm, setup: Callable[[], T]) -> T:
-    """setup() on every rank; if it raised a MpiparError anywhere, raise it everywhere."""
+class Identity(Protocol):
+    """What a rank says it was launched to do (train/config/job.py's Job): every rank's travels in
+    setup's one allgather, and every rank judges the same gathered list alike."""
+
+    def refusal(self, every_rank: Sequence[Identity]) -> str | None:
+        """None if every rank's identity is one job; else the sentence that says why not."""
+
+    def warning(self, every_rank: Sequence[Identity]) -> str | None:
+        """A sentence worth saying once about differences that do not stop the job, or None."""
+
+
+def agree_on_setup(comm: MPI.Intracomm, setup: Callable[[], T], identify: Callable[[T], Identity] | None = None,
+                   warn: Callable[[str], None] | None = None) -> T:
+    """setup() on every rank; if it raised a MpiparError anywhere, raise it everywhere (running out
+    of memory too, in a sentence: set-up is where a model too large for a rank shows first).
+
+    With `identify`, each rank's identity of its result travels in the same allgather: if they
+    differ, every rank raises one ConfigError saying how; a `warning` they give is handed to
+    `warn` on rank 0 alone."""
     result, failure = None, None
     try:
         result = setup()
     except MpiparError as error:
         failure = (type(error), str(error))
-    failures = comm.allgather(failure) if comm.size > 1 else [failure]
+    except MemoryError as error:  # the host's, or the GPU's (CuPy's OutOfMemoryError is one): said by every rank
+        failure = (ConfigError, f"a rank ran out of memory while setting up ({error or 'MemoryError'}); `mpipar "
+                                "estimate` predicts what each rank holds: use more ranks, a scheme that shards more "
+                                "(--scheme zero3) or a smaller model")
+    identity = identify(result) if identify is not None and failure is None else None
+    gathered = comm.allgather((failure, identity)) if comm.size > 1 else [(failure, identity)]
+    failures = [failed for failed, _ in gathered]
     for rank, failed in enumerate(failures):
         if failed is not None:
             error_type, message = failed
             if comm.size > 1 and any(other != failed for other in failures):
                 message = f"{message} (on rank {rank})"
-            error = error_type(message)
-            error.on_every_rank = True  # the CLI may exit without aborting: no rank is left waiting
-            raise error
+            raise error_type(message, on_every_rank=True)  # the CLI may exit without aborting: no rank waits
+    if identity is not None:
+        every_rank = [other for _, other in gathered]
+        refusal = identity.refusal(every_rank)
+        if refusal is not None:
+            raise ConfigError(refusal, on_every_rank=True)
+        warning = identity.warning(every_rank)
+        if warning is not None and warn is not None and comm.rank == 0:
+            warn(warning)
     return result
 
 

@@ -64,6 +64,23 @@ KERNELS = {
 }
 
 
+CUDA_RUNTIME_ERROR = runtime.CUDARuntimeError  # what CuPy raises when the runtime refuses
+
+
+def touch_device() -> None:
+    """Make the current device's context and allocate once (set-up: gpu.open_device explains a failure)."""
+    runtime.getDeviceCount()
+    cupy.empty(1, dtype=np.uint8)
+
+
+def cuda_versions() -> tuple[int, int]:
+    """(the driver's CUDA version, 0 where no driver is loaded; the runtime's CuPy uses)."""
+    try:
+        return runtime.driverGetVersion(), runtime.runtimeGetVersion()
+    except CUDA_RUNTIME_ERROR:
+        return 0, 0
+
+
 @functools.cache
 def fused(name: str):
     in_params, out_params, operation = KERNELS[name]

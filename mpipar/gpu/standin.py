@@ -49,6 +49,10 @@ from dataclasses import dataclass, fields
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
+# A test's fault at set-up, on the ranks it is set for: no-device, no-driver or old-driver (the
+# runtime refuses), or a number of bytes, the device memory the stand-in offers.
+FAULT_VARIABLE = "MPIPAR_TEST_GPU_FAULT"
+
 
 @dataclass
 class Crossings:
@@ -90,6 +94,8 @@ class DeviceMemory:
 
     def __init__(self) -> None:
         self.live = self.peak = 0
+        fault = os.environ.get(FAULT_VARIABLE, "")
+        self.limit = int(fault) if fault.isdigit() else float("inf")  # bytes the device offers
         self.owners: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()
 
     def count(self, memory: np.ndarray) -> None:
@@ -98,6 +104,8 @@ class DeviceMemory:
             owner = owner.base
         if owner.base is not None or id(owner) in self.owners:  # a view of memory counted already
             return
+        if self.live + owner.nbytes > self.limit:
+            raise OutOfMemoryError(owner.nbytes, self.live)
         self.owners[id(owner)] = owner
         self.live += owner.nbytes
         self.peak = max(self.peak, self.live)
@@ -237,6 +245,28 @@ def _copy_of_host_scalar(dtype) -> None:
 
 class CapturedLibraryCall(RuntimeError):
     """A product that CuPy leaves to cuBLAS, asked for while a stream captures."""
+
+
+class CUDARuntimeError(RuntimeError):
+    """CuPy's error class for a refusal of the CUDA runtime, as CuPy makes it: a status, and the
+    message 'cudaErrorName: what it means'. The stand-in raises it at set-up where a test asks
+    for a fault (FAULT_VARIABLE), so the translation into a sentence is tested without a GPU."""
+
+    NAMES = {100: ("cudaErrorNoDevice", "no CUDA-capable device is detected"),
+             35: ("cudaErrorInsufficientDriver", "CUDA driver version is insufficient for CUDA runtime version"),
+             2: ("cudaErrorMemoryAllocation", "out of memory")}
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        name, meaning = self.NAMES[status]
+        super().__init__(f"{name}: {meaning}")
+
+
+class OutOfMemoryError(MemoryError):
+    """CuPy's error class for an allocation its pool cannot make, with CuPy's message."""
+
+    def __init__(self, size: int, total: int) -> None:
+        super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes).")
 
 
 class HostConversion(TypeError):

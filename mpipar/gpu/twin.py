@@ -10,6 +10,7 @@ Exercised by: python -m pytest tests/test_standin.py
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -19,13 +20,32 @@ from mpipar.gpu.standin import (
     CAPTURE,
     CROSSINGS,
     DEVICE_MEMORY,
+    FAULT_VARIABLE,
     Capture,
+    CUDARuntimeError,
     StandInArray,
     memory_of,
     module,
     read_scalars,
     refuse_during_capture,
 )
+
+CUDA_RUNTIME_ERROR = CUDARuntimeError
+# what each fault a test asks for (standin.FAULT_VARIABLE) makes the runtime say at set-up, and the
+# (driver, runtime) CUDA versions it reports then: no driver loaded reads as version 0
+FAULTS = {"no-device": (100, (12090, 12090)), "no-driver": (35, (0, 12090)), "old-driver": (35, (11080, 12090))}
+
+
+def touch_device() -> None:
+    """The stand-in's set-up: the fault a test asked for, else one allocation (which a memory limit can refuse)."""
+    fault = os.environ.get(FAULT_VARIABLE, "")
+    if fault in FAULTS:
+        raise CUDARuntimeError(FAULTS[fault][0])
+    StandInArray(np.empty(1, dtype=np.uint8))
+
+
+def cuda_versions() -> tuple[int, int]:
+    return FAULTS.get(os.environ.get(FAULT_VARIABLE, ""), (0, (12090, 12090)))[1]
 
 
 def _sgd(g, lr, p):

@@ -11,13 +11,14 @@ import click
 
 from mpipar.errors import ConfigError
 from mpipar.options import FloatRange
-from mpipar.train.config.option import NATURAL, POSITIVE, OptionGroup, option
+from mpipar.train.config.option import NATURAL, POSITIVE, Across, OptionGroup, option
 
 
 @dataclass
 class CheckpointOptions(OptionGroup):
     checkpoint_dir: str | None = option(None, "directory of this run's checkpoints (step-N/ subdirectories; "
-                                              "docs/checkpoints.md)", click.STRING, "checkpoints")
+                                              "docs/checkpoints.md)", click.STRING, "checkpoints",
+                                        across=Across.PLACE)
     resume: str | None = option(None, "resume from a checkpoint: auto (the newest valid one in --checkpoint-dir, "
                                       "else a fresh start), the path of one, or of a directory of them "
                                       "(its latest)", click.STRING, "checkpoints")

@@ -11,7 +11,7 @@ import click
 
 from mpipar.data import DATASETS
 from mpipar.errors import ConfigError
-from mpipar.train.config.option import POSITIVE, OptionGroup, option
+from mpipar.train.config.option import POSITIVE, Across, OptionGroup, option
 
 
 @dataclass
@@ -20,8 +20,9 @@ class DataOptions(OptionGroup):
     data_dir: str | None = option(None, "directory with the data set's IDX files (else $MPIPAR_DATA/NAME, "
                                         "/usr/share/datasets/NAME or $MPIPAR_SYSTEM_DATA/NAME), or --dataset "
                                         "tokens' train.bin and val.bin",
-                                  click.STRING, "data")
-    text_file: str | None = option(None, "UTF-8 text file for --dataset text", click.STRING, "data")
+                                  click.STRING, "data", across=Across.DATA)
+    text_file: str | None = option(None, "UTF-8 text file for --dataset text", click.STRING, "data",
+                                   across=Across.DATA)
     seq_len: int = option(64, "tokens per window (context) for --dataset text and tokens", POSITIVE, "data")
 
     def validate(self) -> None:
