@@ -190,6 +190,27 @@ def test_a_flipped_byte_is_named_and_auto_falls_back_to_the_previous_checkpoint(
     assert f"resuming from {step_dir(root, 2)} after step 2" in result.stdout
 
 
+
+def test_a_latest_pointing_into_another_run_is_refused_on_every_rank_not_resumed(tmp_path):
+    """Another run's checkpoint of the same model would load: the pointer itself is what is refused."""
+    other, run = tmp_path / "other", tmp_path / "run"
+    assert train(1, *SMALL, "--max-steps", "1", "--checkpoint-dir", str(other)).returncode == 0
+    run.mkdir()
+    (run / "latest").write_text("../other/step-00000001\n")
+    sentence = (f"{run / 'latest'} names '../other/step-00000001', which is not a step-N directory beside it (a "
+                "`latest` that points elsewhere, such as into another run, is not followed): name the checkpoint "
+                f"itself, or remove {run / 'latest'}")
+    result = run_mpi(2, "sh", "-c", '"$@"; echo "exit status $?" >&2', "sh", sys.executable, "-m", "mpipar", "train",
+                     *SMALL, "--max-steps", "2", "--checkpoint-dir", str(run), "--resume", "auto", timeout=120)
+    assert result.stderr.count("exit status 2") == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("exit status")]
+    assert errors == [f"mpipar: error: {sentence}"], result.stderr
+    assert "resuming from" not in result.stdout and not list(run.glob("step-*")), result.stdout
+    for command in (["checkpoint", "info"], ["sample", "--checkpoint-dir"]):
+        refused = subprocess.run([sys.executable, "-m", "mpipar", *command, str(run)], capture_output=True,
+                                 text=True, timeout=60)
+        assert refused.returncode == 2 and refused.stderr == f"mpipar: error: {sentence}\n", refused.stderr
+
 def rank_pids(launcher_pid: int) -> list[int]:
     """The processes under the launcher that run mpipar (the ranks, not the launcher's helpers)."""
     parents = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import zlib
 
 import numpy as np
@@ -140,6 +141,28 @@ def test_auto_tries_latest_first_then_the_newest_and_ignores_unfinished_saves(tm
     assert [p.name for p in store.candidates("auto", tmp_path)] == ["step-00000004", "step-00000010",
                                                                     "step-00000002"]
 
+
+
+@pytest.mark.parametrize("pointer", ["../other/step-00000004", "/elsewhere/step-00000004", "step-00000004/../..",
+                                     "other", ""])
+def test_a_latest_that_points_outside_its_directory_is_refused_not_followed(tmp_path, pointer):
+    """Another run's checkpoint (beside this one, or anywhere) would be resumed or read as this run's."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    for directory in (run / "step-00000002", other / "step-00000004"):
+        directory.mkdir(parents=True)
+    (run / store.LATEST).write_text(pointer + "\n")
+    for resume, root in (("auto", run), (str(run), None)):
+        with pytest.raises(CheckpointError) as refused:
+            store.candidates(resume, root)
+        assert str(refused.value) == (f"{run / store.LATEST} names {pointer!r}, which is not a step-N directory "
+                                      "beside it (a `latest` that points elsewhere, such as into another run, is "
+                                      f"not followed): name the checkpoint itself, or remove {run / store.LATEST}")
+
+
+def test_a_latest_that_is_not_text_is_one_sentence(tmp_path):
+    (tmp_path / store.LATEST).write_bytes(b"\xff\xfe step")
+    with pytest.raises(CheckpointError, match="^" + re.escape(f"cannot read {tmp_path / store.LATEST}: 'utf-8' codec")):
+        store.candidates("auto", tmp_path)
 
 def test_keep_leaves_the_newest_checkpoints_and_removes_older_ones_and_stale_saves(tmp_path):
     """Pruning renames what it drops step-N.removing at once (so no reader takes it), and a

@@ -19,14 +19,18 @@ CONFIG = ROOT / "train" / "config"
 OUTSIDE_THE_CONFIG = {
     # Rules the config package calls with the options: the sentence lives with the rule it states.
     "options.py": "the option types' own check (click types applied to TOML and Python values)",
-    "optim/precision.py": "check_precision, called by the model group",
+    "optim/precision.py": "check_precision and check_loss_scale, called by the model group (and the latter where "
+                          "a loss scaler is made from Python)",
     "schedule/cyclic.py": "check_layout (CDP's N for a layout and a world size), called by TrainConfig",
     "schedule/sharding.py": "parse_sharding's refusal of a bad triple, called by the parallelism group",
     "schedule/strategies.py": "a strategy's preconditions on a shape, used by the config and by `mpipar schedule`",
     "comms/topology.py": "check_group_size, called by the parallelism group; and nodes of unequal sizes (the launch)",
     "comms/handle.py": "comm_timeout_seconds and $MPIPAR_COMM_TIMEOUT, called by the config",
     "comms/device.py": "$MPIPAR_CUDA_AWARE, checked by check_environment",
-    "gpu/__init__.py": "$MPIPAR_GPU, checked by check_environment",
+    "gpu/__init__.py": "$MPIPAR_GPU, checked by check_environment; a GPU that cannot run, found when the backend "
+                       "touches it",
+    "comms/world.py": "ranks launched with different jobs (train/config/job.py describes them), and a rank out of "
+                      "memory during set-up: both known only once every rank has said",
     "report/progress.py": "$MPIPAR_PROGRESS, checked by check_environment",
     # Need the loaded model, its parameters or the data.
     "train/trainer.py": "the built model's state against the node's memory; --memory-limit against the predicted "
@@ -61,6 +65,7 @@ OUTSIDE_THE_CONFIG = {
     "units.py": "sizes, bandwidths and times as text",
     "errors.py": "unknown_name, the sentence for an unknown name",
     # Other commands' own options, not mpipar train's.
+    "cli/__init__.py": "a rank of mpipar train whose own command line does not parse, said in the first collective",
     "cli/bench.py": "mpipar bench's --json path",
     "cli/cdp.py": "mpipar cdp's --png",
     "cli/estimate.py": "mpipar estimate's --params, --model and --world-size",

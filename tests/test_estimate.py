@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from mpipar.cli import cli
+from mpipar.errors import MpiparError
 from mpipar.predict.estimate import PHASES, make_layout, scheme_rows, traffic_per_step
 from mpipar.predict.seed_tables import SCHEMES_004, WHY_TABLE_2, seed_table_2
 from mpipar.schedule.sharding import NAMED_SHARDINGS
@@ -167,3 +168,155 @@ def test_estimate_refuses_tensor_parallelism_without_the_transformer():
                                       "--tensor", "2"])
     assert "--tensor 2 splits the layers of the built-in transformer: give --model transformer" in str(
         result.exception)
+
+
+GPT_175B = ["--model", "transformer", "--dataset", "tokens", "--vocab-size", "50257", "--seq-len", "2048",
+            "--width", "12288", "--heads", "96", "--blocks", "96"]
+
+
+def estimate_in_a_process(*args: str) -> tuple[int, str, float]:
+    """(exit status, output, peak resident MiB) of `mpipar estimate ARGS` run in a process of its own,
+    its resident memory read by resource.getrusage inside it."""
+    import subprocess
+    import sys
+
+    script = ("import resource, sys\nfrom mpipar.cli import cli\n"
+              "try:\n    cli.main(['estimate', *sys.argv[1:]], standalone_mode=False)\n    status = 0\n"
+              "except Exception as error:\n    print(error)\n    status = 2\n"
+              "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\nsys.exit(status)\n")
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    *lines, rss = done.stdout.strip().splitlines()
+    return done.returncode, "\n".join(lines) + done.stderr, float(rss.split()[1])
+
+
+def test_a_175b_gpt_is_estimated_without_allocating_it():
+    """GPT-3's shape (seed 005: 96 blocks of width 12288, 96 heads, windows of 2048 of GPT-2's
+    vocabulary): its activations counted from the layers' shapes. A dry run's one float16 Linear of
+    12288 x 49152 zeros would be 1.2 GB alone."""
+    status, output, rss = estimate_in_a_process(*GPT_175B, "--world-size", "1024", "--group-size", "8",
+                                                "--batch-size", "1024", "--json")
+    print(f"175B estimate: {rss:.1f} MiB resident")
+    assert status == 0, output
+    report = json.loads(output)
+    assert 174e9 < report["parameters"] < 176e9
+    assert report["schemes"]["ddp"]["peak"] > report["schemes"]["ddp"]["memory"]["parameters"]  # activations in it
+    assert rss < 300
+
+
+def test_resident_memory_does_not_grow_with_the_world_size():
+    """Every figure is arithmetic over the ranks: no list of them, however many."""
+    resident = {}
+    for exponent in (10, 20):
+        world = str(2 ** exponent)
+        status, output, resident[exponent] = estimate_in_a_process(
+            "--params", "7e9", "--world-size", world, "--group-size", "8", "--batch-size", world)
+        assert status == 0, output
+    print(f"resident memory at --world-size 2^10: {resident[10]:.1f} MiB, at 2^20: {resident[20]:.1f} MiB")
+    assert abs(resident[20] - resident[10]) < 4
+
+
+def test_a_billion_ranks_are_answered():
+    result = CliRunner().invoke(cli, ["estimate", *GPT_175B, "--world-size", str(2 ** 30), "--group-size", "8",
+                                      "--batch-size", str(2 ** 30), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["world_size"] == 2 ** 30
+
+
+def test_a_replica_group_s_ranks_in_the_first_one_s_group_are_counted_by_arithmetic():
+    """ranks_beside_the_first against the ranks enumerated: slice rank r is world rank r T + t,
+    a group is `group_size` consecutive world ranks."""
+    from mpipar.predict.estimate import ranks_beside_the_first
+
+    for first in range(0, 12):
+        for count in range(1, 9):
+            for tensor in (1, 2, 4):
+                for group_size in (1, 2, 3, 4, 8, 16):
+                    enumerated = sum(rank * tensor // group_size == first * tensor // group_size
+                                     for rank in range(first, first + count))
+                    assert ranks_beside_the_first(first, count, tensor, group_size) == enumerated
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--params", "1e9", "--world-size", "8", "--group-size", "8", "--micro-batches", "1000000000000000"],
+     "1000000000000000 micro-batches a step is more than the 1024 that a plan simulates"),
+    (["--params", "1e9", "--world-size", "64", "--group-size", "8", "--stages", "64", "--scheme", "1f1b",
+      "--micro-batches", "128", "--batch-size", "8192"],
+     "64 stages x 128 micro-batches is 8192 jobs a step, more than the 4096"),
+    (["--params", "1e9", "--world-size", "8", "--group-size", "8", "--stages", "4096", "--scheme", "1f1b"],
+     "4096"),
+    (["--model", "transformer", "--dataset", "tokens", "--world-size", "2", "--group-size", "2"],
+     "--dataset tokens needs its vocabulary: give --vocab-size V"),
+])
+def test_a_plan_beyond_the_bounds_is_one_sentence(args, message):
+    """An MpiparError, which the command line prints as its one sentence, exit 2 (tests/test_user_errors.py)."""
+    result = CliRunner().invoke(cli, ["estimate", *args])
+    assert isinstance(result.exception, MpiparError) and message in str(result.exception)
+
+
+def test_huge_figures_keep_their_columns_apart():
+    result = CliRunner().invoke(cli, ["estimate", "--params", "1e300", "--world-size", "8", "--group-size", "8"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines() if line.split()[:1] == ["zero3"]]
+    assert len(rows) == 1 and len(rows[0]) == 1 + 2 * 8  # the name, then eight figures of a number and a unit
+
+
+def test_a_token_data_set_is_estimated_from_its_vocabulary_or_its_directory(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("abcdefghij klmnop. " * 200)
+    prepared = CliRunner().invoke(cli, ["data", "prepare-text", str(text), "--out", str(tmp_path / "tokens")])
+    assert prepared.exit_code == 0, prepared.output
+    vocabulary = len(set(text.read_text()))
+
+    def parameters(*source: str) -> int:
+        result = CliRunner().invoke(cli, ["estimate", "--model", "transformer", "--dataset", "tokens", *source,
+                                          "--seq-len", "16", "--world-size", "2", "--group-size", "2", "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["parameters"]
+
+    assert parameters("--data-dir", str(tmp_path / "tokens")) == parameters("--vocab-size", str(vocabulary))
+    refused = CliRunner().invoke(cli, ["estimate", "--model", "transformer", "--dataset", "tokens", "--data-dir",
+                                       str(tmp_path / "tokens"), "--vocab-size", "7", "--world-size", "2",
+                                       "--group-size", "2"])
+    assert isinstance(refused.exception, MpiparError) and "--vocab-size 7 contradicts --data-dir" in str(refused.exception)
+
+
+BUILDER = '''
+import numpy as np
+
+from mpipar.layers import Flatten, Layer, Linear, ReLU
+
+
+class Rectifier(Layer):
+    """ReLU as a user writes it: no shape-only declaration."""
+
+    def forward(self, x, ctx):
+        y = np.maximum(x, 0)
+        ctx.save(self, y)
+        return y
+
+    def backward(self, dy, ctx):
+        (y,) = ctx.pop(self)
+        return dy * (y > 0)
+
+
+def declared(input_shape, classes):
+    return [Flatten(), Linear(64, 32), ReLU(), Linear(32, classes)]
+
+
+def undeclared(input_shape, classes):
+    return [Flatten(), Linear(64, 32), Rectifier(), Linear(32, classes)]
+'''
+
+
+def test_a_builder_s_layer_without_a_declaration_is_measured_by_a_dry_run(tmp_path):
+    """The same model with the built-in ReLU (counted from its declaration) and with a user's
+    undeclared copy of it (a micro-batch run on the digits): the same figures."""
+    (tmp_path / "builders.py").write_text(BUILDER)
+
+    def report(function: str) -> dict:
+        result = CliRunner().invoke(cli, ["estimate", "--model", f"{tmp_path / 'builders.py'}:{function}",
+                                          "--world-size", "2", "--group-size", "2", "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    assert report("declared") == report("undeclared")

@@ -94,6 +94,35 @@ def test_a_prompt_with_unknown_characters_names_them(corpus, tmp_path):
     assert refused.returncode == 2 and "the prompt has characters the model never saw: '€'" in refused.stderr
 
 
+
+def sample_on_each_rank(ranks: int, checkpoint: Path, *args: str):
+    """`mpipar sample` on `ranks` ranks; each rank prints its exit status on stderr as 'exit status N'."""
+    return run_mpi(ranks, "sh", "-c", '"$@"; echo "exit status $?" >&2', "sh", sys.executable, "-m", "mpipar",
+                   "sample", "--checkpoint-dir", str(checkpoint), *args, timeout=120)
+
+
+def test_under_two_ranks_the_text_is_printed_once_and_a_bad_prompt_is_one_sentence(corpus, tmp_path):
+    train(1, corpus, "--max-steps", "1", "--checkpoint-dir", str(tmp_path / "run"))
+    alone = sample(tmp_path / "run", "--prompt", "LORD", "--seed", "2")
+    result = sample_on_each_rank(2, tmp_path / "run", "--tokens", "60", "--prompt", "LORD", "--seed", "2")
+    assert result.stderr.count("exit status 0") == 2, result.stderr
+    assert result.stdout == alone, "rank 0 alone prints the text"
+    assert result.stderr.count(" tokens in ") == 1, result.stderr
+    refused = sample_on_each_rank(2, tmp_path / "run", "--prompt", "ROMEO€")
+    assert refused.stderr.count("exit status 2") == 2 and not refused.stdout, refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if not line.startswith("exit status")]
+    assert len(errors) == 1 and errors[0].startswith("mpipar: error: the prompt has characters the model never "
+                                                     "saw: '€'"), refused.stderr
+
+
+def test_more_tokens_than_the_cap_are_refused_in_one_sentence(corpus, tmp_path):
+    train(1, corpus, "--max-steps", "1", "--checkpoint-dir", str(tmp_path / "run"))
+    refused = subprocess.run([sys.executable, "-m", "mpipar", "sample", "--checkpoint-dir", str(tmp_path / "run"),
+                              "--tokens", "100000000000"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and not refused.stdout, refused.stderr
+    assert refused.stderr == ("mpipar: error: Invalid value for '--tokens': 100000000000 is not in the range "
+                              "1<=x<=1000000. (see mpipar sample --help)\n")
+
 @pytest.mark.parametrize("tied, dropout", [(False, 0.0), (True, 0.1)])
 def test_the_decoder_gives_the_full_forward_s_logits_at_every_position(tied, dropout):
     model = build_model("transformer", input_shape=(12,), num_classes=11, width=16, heads=4, blocks=2,

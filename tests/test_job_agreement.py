@@ -131,6 +131,12 @@ def test_ranks_launched_with_different_options_stop_in_one_sentence_and_write_no
     assert not (tmp_path / "run").exists()
 
 
+def test_a_rank_whose_command_line_does_not_parse_stops_the_others_naming_it(tmp_path):
+    result = mpmd(tmp_path, [], [], ["--lr", "abc"])
+    assert_one_sentence(result, "Invalid value for '--lr': 'abc' is not a valid float range. (see mpipar train "
+                                "--help) (on rank 1)")
+
+
 def test_checkpoint_directories_are_compared_by_what_they_are(tmp_path):
     (tmp_path / "shared").mkdir()
     (tmp_path / "alias").symlink_to(tmp_path / "shared")

@@ -8,12 +8,14 @@ Run: python -m pytest tests/test_launch.py
 
 import json
 import os
+import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import SCRIPTS, mpi_implementation, run_mpi
-from mpipar.system.launch import launcher, mpi_library, rank_from_environment
+from mpipar.system.launch import NodeLayout, busy_cores_warning, launcher, mpi_library, rank_from_environment
 
 MACHINE_CORES = len(os.sched_getaffinity(0))
 
@@ -101,3 +103,57 @@ def test_mpipar_info_on_four_ranks_of_this_machine_warns_once():
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("warning: 4 ranks share") == 1, result.stdout  # rank 0 alone prints
     assert f"start at most {MACHINE_CORES} rank" in result.stdout, result.stdout
+
+
+def node(ranks: int, cores: int, blas_threads: int, busy_elsewhere: float, host: str = "vm") -> NodeLayout:
+    return NodeLayout(host=host, ranks=tuple(range(ranks)), cores=cores, cores_per_rank=(cores,),
+                      thread_settings=("OPENBLAS_NUM_THREADS=unset",), blas_threads=blas_threads,
+                      busy_elsewhere=busy_elsewhere)
+
+
+def test_blas_threads_that_other_processes_leave_no_core_for_warn_naming_the_setting_that_fits():
+    assert busy_cores_warning([node(1, 2, 2, 1.2)]) == (
+        "other processes keep about 1 of the 2 cores of host vm busy, and this rank runs 2 BLAS threads: BLAS's "
+        "threads wait for each other at every matrix product, so each step can be several times slower than with "
+        "1 thread; set OPENBLAS_NUM_THREADS=1 (and OMP_NUM_THREADS, MKL_NUM_THREADS) to use only the free cores")
+    assert "each of its 2 ranks runs 4 BLAS threads" in busy_cores_warning([node(2, 8, 4, 3.6)])
+    assert "than with 2 threads; set OPENBLAS_NUM_THREADS=2 " in busy_cores_warning([node(2, 8, 4, 3.6)])
+    assert busy_cores_warning([node(1, 2, 8, 0.0)]).startswith("host vm has 2 cores, and this rank runs 8 BLAS threads")
+    assert "(and on 1 other node(s))" in busy_cores_warning([node(1, 2, 2, 2.0, "a"), node(1, 2, 2, 1.0, "b")])
+
+
+@pytest.mark.parametrize("layout", [
+    node(1, 2, 2, 0.4),  # a little other work: less than half a core
+    node(1, 2, 1, 1.0),  # one thread: it takes its turn like any process, and nothing spins
+    node(2, 8, 3, 2.0),  # 6 threads and 2 busy cores: 8 on 8
+])
+def test_threads_that_fit_beside_other_processes_do_not_warn(layout):
+    assert busy_cores_warning([layout]) is None
+
+
+def launch_report_alone(threads: str | None) -> dict:
+    """check_launch.py as one process without a launcher, with OPENBLAS_NUM_THREADS=`threads` (None: unset)."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    if threads is not None:
+        env["OPENBLAS_NUM_THREADS"] = threads
+    result = subprocess.run([sys.executable, str(SCRIPTS / "check_launch.py")], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)[0]
+
+
+@pytest.mark.skipif(MACHINE_CORES < 2, reason="one process uses every core for BLAS: needs 2 to run threads")
+def test_one_process_whose_blas_threads_share_cores_with_a_busy_process_is_warned():
+    """A process that spins on one core (as another user's job would) is measured; the default pool of
+    one thread per core then lacks a core, and one thread per process does not."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # let it start spinning
+        warned = launch_report_alone(None)["warning"]
+        assert warned is not None and warned.startswith("other processes keep about ") and \
+            f"this rank runs {MACHINE_CORES} BLAS threads" in warned, warned
+        assert launch_report_alone("1")["warning"] is None
+    finally:
+        spinner.kill()
+        spinner.wait()

@@ -8,6 +8,7 @@ NumPy's float16 stands in for a GPU's (MPIPAR_HALF_ON_CPU=1): the maths is the s
 """
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from mpipar.layers.activations import reference_gelu, reference_gelu_grad
 from mpipar.layers.norm import reference_layer_norm, reference_layer_norm_grad
 from mpipar.models.sequential import FlatParams, Sequential, mark_written
 from mpipar.optim.optimizers import make_optimizer
-from mpipar.optim.precision import HALF_ON_CPU, LossScaler
+from mpipar.optim.precision import FIXED_SCALE_OVERFLOWS, HALF_ON_CPU, LossScaler
+from mpipar.report.divergence import non_finite_advice
 from mpipar.train.trainer import Trainer
 
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -62,6 +64,91 @@ def test_a_gradient_that_overflows_at_every_scale_stops_the_run():
     scaler.update(finite=False)
     with pytest.raises(NonFiniteLossError, match="overflows float16 at every loss scale"):
         scaler.update(finite=False)
+
+
+STOPPED = (f"overflows float16: the gradient overflowed at each of this run's first {FIXED_SCALE_OVERFLOWS} steps, "
+           f"and all {FIXED_SCALE_OVERFLOWS} were skipped")
+
+
+def test_a_fixed_scale_that_overflows_each_of_the_first_k_steps_stops_the_run():
+    scaler = LossScaler(initial=1e6, fixed=True)
+    for _ in range(FIXED_SCALE_OVERFLOWS - 1):
+        scaler.update(finite=False)  # skipped, one short of K: the run goes on
+    with pytest.raises(NonFiniteLossError, match=rf"^--loss-scale 1e\+06 {STOPPED}") as raised:
+        scaler.update(finite=False)
+    assert raised.value.on_every_rank and scaler.skipped == FIXED_SCALE_OVERFLOWS
+
+
+def test_a_fixed_scale_that_has_applied_a_step_overflows_without_stopping():
+    """Only a scale that never let a step through is stopped: after one good step, overflows
+    (as many as K in a row) are skips, as they always were; a dynamic scale is never stopped so."""
+    scaler = LossScaler(initial=1e6, fixed=True)
+    scaler.update(finite=True)
+    for _ in range(2 * FIXED_SCALE_OVERFLOWS):
+        scaler.update(finite=False)
+    assert scaler.skipped == 2 * FIXED_SCALE_OVERFLOWS and scaler.skipped_at == 1e6
+    dynamic = LossScaler(initial=2.0**40)
+    for _ in range(FIXED_SCALE_OVERFLOWS + 1):
+        dynamic.update(finite=False)
+    assert dynamic.scale == 2.0**(40 - FIXED_SCALE_OVERFLOWS - 1)
+
+
+@pytest.mark.parametrize("scale, rounds", [(1e-300, "rounds to 0 in float32"), (1e300, "rounds to infinity in float32"),
+                                           (3.5e38, "rounds to infinity in float32"),
+                                           (1e-39, "has an inverse (what the update multiplies the gradients by) "
+                                                   "that rounds to infinity in float32")])
+def test_a_loss_scale_that_float32_cannot_hold_is_refused_and_the_bounds_it_gives_are_taken(scale, rounds):
+    with pytest.raises(ConfigError, match=rf"^--loss-scale {scale:g} ".replace("+", r"\+")) as raised:
+        LossScaler(initial=scale, fixed=True)
+    sentence = str(raised.value)
+    assert rounds in sentence, sentence
+    low, high = (float(bound) for bound in re.search(r"between (\S+) and (\S+) ", sentence).groups())
+    for bound in (low, high):  # the range the sentence offers: its ends train (finite scale and inverse)
+        scaler = LossScaler(initial=bound, fixed=True)
+        assert np.isfinite(np.float32(scaler.scale)) and np.isfinite(np.float32(1) / np.float32(scaler.scale))
+        assert np.float32(scaler.scale) != 0
+    assert non_finite_advice(lr=1e-3, weight_decay=0.0, eps=1e-8, optimizer="adam", dtype="float32",
+                             loss_scale=scale) == sentence, "the NaN advice names --loss-scale where it is the cause"
+
+
+def test_the_nan_advice_of_fp16_reads_the_master_weights_dtype_not_float16s(monkeypatch):
+    """Adam's --eps 1e-8 is below float16's smallest normal number but is applied in the float32 master
+    weights: a NaN of an fp16 run (here --lr 1e30) is not blamed on --eps, nor on a sound --loss-scale."""
+    monkeypatch.setenv(HALF_ON_CPU, "1")
+    trainer = Trainer(small_config(precision="fp16", dtype="float32", lr=1e30, loss_scale=1024.0, max_steps=5))
+    with np.errstate(over="ignore", invalid="ignore"), pytest.raises(NonFiniteLossError) as raised:
+        trainer.run()
+    assert str(raised.value).endswith("stopped before the update (try a lower --lr)"), str(raised.value)
+
+
+def one_sentence_on_every_rank(result, sentence: str) -> None:
+    """Each rank exited 2 (the launch prints 'exit status N' per rank) and rank 0 printed `sentence` once."""
+    assert result.stderr.count("exit status 2") == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mpipar: error")]
+    assert errors == [f"mpipar: error: {sentence}"] and "Traceback" not in result.stderr, result.stderr
+
+
+def train_on_two_ranks(*args: str):
+    return run_mpi(2, "sh", "-c", '"$@"; echo "exit status $?" >&2', "sh", sys.executable, "-m", "mpipar", "train",
+                   "--precision", "fp16", *args, timeout=120, env_extra={HALF_ON_CPU: "1"})
+
+
+def test_a_fixed_scale_too_large_for_float16_says_each_skip_then_stops_every_rank():
+    result = train_on_two_ranks("--loss-scale", "1e8", "--max-steps", "40", "--log-every", "100")
+    one_sentence_on_every_rank(result, f"--loss-scale 1e+08 {STOPPED} (no update made); lower --loss-scale, or "
+                                       "leave it out for a dynamic scale that halves on an overflow")
+    skipped = re.findall(r"^step (\d+)/40 .* skipped: the float16 gradient overflowed at loss scale 1e\+08, no update$",
+                         result.stdout, flags=re.M)
+    assert skipped == [str(step) for step in range(1, FIXED_SCALE_OVERFLOWS)], result.stdout  # the K-th stops
+    assert "done:" not in result.stdout
+
+
+def test_a_loss_scale_that_rounds_to_0_is_refused_on_every_rank_before_a_step():
+    result = train_on_two_ranks("--loss-scale", "1e-300", "--max-steps", "3", "--log-every", "1")
+    one_sentence_on_every_rank(result, "--loss-scale 1e-300 rounds to 0 in float32, which would make every step's "
+                                       "update NaN or skip it: give a scale between 2.94e-39 and 3.4e+38 (1024 to "
+                                       "65536 is usual), or leave --loss-scale out for a dynamic one")
+    assert "step 1/" not in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])

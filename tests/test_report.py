@@ -53,7 +53,7 @@ def digits_run(total_steps: int = 46) -> RunFacts:
     """A run as the report sees it: built here, without a trainer."""
     return RunFacts(model="mlp", dataset="digits", train_samples=1437, test_samples=360, parameter_count=13002,
                     world_size=1, scheme="ddp (N,N,N)", placement=(), device="cpu", arithmetic="float32",
-                    batch_size=32, micro_batches=1, micro_batches_per_rank=True, total_steps=total_steps, epochs=2,
+                    batch_size=32, micro_batches=1, micro_batches_per_rank=True, total_steps=total_steps, steps_per_epoch=23,
                     tokens_per_sample=0, flops_per_sample=1e5, peak_flops=0.0, memory=None)
 
 
@@ -93,7 +93,8 @@ def test_quiet_prints_no_progress(monkeypatch):
     run_steps(report, digits_run(), 0.01, monkeypatch)
     assert stream.getvalue().splitlines() == [
         "mpipar: mlp on digits (1437 train / 360 test), 13,002 parameters, 1 rank(s), scheme ddp (N,N,N), cpu float32, "
-        "global batch 32 in 1 micro-batch(es) per rank, 46 steps"], "--quiet keeps the start line and no progress"
+        "global batch 32 in 1 micro-batch(es) per rank, 46 steps (2 epochs of 23 steps)"], \
+        "--quiet keeps the start line and no progress"
 
 
 def test_a_cdp_line_says_whose_loss_it_shows(monkeypatch):

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from conftest import SCRIPTS, run_mpi
+from mpipar.comms.handle import _stalled, grace_for
 
 COMM_TIMEOUT = 3  # as tests/scripts/check_stall.py sets it
 # From the stall to the end of mpiexec: the timeout, then the traceback, the abort's half-second
@@ -53,6 +54,11 @@ def _run_stalled(ranks: int, run: str, stalled: int, *options: str) -> tuple[str
 def _named(stalled: int) -> str:
     return f"rank(s) [{stalled}] stopped making progress (no answer within 1 s; --comm-timeout {COMM_TIMEOUT} fired)\n"
 
+
+def test_the_wait_for_an_answer_is_said_in_three_digits_not_six():
+    """A 5 s timeout waits 5/3 s for the side channel's answers: said as a person would write it."""
+    sentence = str(_stalled(0, "the all-reduce", 5.0, [1], grace_for(5.0)))
+    assert "rank(s) [1] stopped making progress (no answer within 1.67 s; a timeout of 5 s fired)" in sentence, sentence
 
 @pytest.mark.parametrize("run, stalled, waiting, operation", P2P_RUNS)
 def test_a_rank_stalled_before_a_send_ends_every_rank_naming_the_wait_and_the_rank(run, stalled, waiting, operation):

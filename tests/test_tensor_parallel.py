@@ -1,6 +1,7 @@
 """Tensor parallelism: the split layers against mpipar's whole layers on 2 and 4 ranks, in float64."""
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,6 +48,9 @@ def test_tensor_parallel_training_equals_one_process_and_sends_megatrons_bytes(r
     (dict(tensor=4, heads=2), "--tensor 4 must divide the 2 attention heads"),
     (dict(tensor=2, scheme="cdp-v1"), "--tensor 2 does not yet run with --scheme cdp-v1"),
     (dict(tensor=2, ddp="allgather-activations"), "--tensor 2 does not yet run with --ddp allgather-activations"),
+    # the schedule runs on a tensor slice's W / T ranks, and the sentence says which ranks it means
+    (dict(tensor=2, scheme="gpipe", stages=3), r"^--scheme gpipe --stages 3 cannot run on the 2 ranks of a tensor "
+                                               r"slice \(4 ranks / --tensor 2\): .*; on such a slice --stages 2 can run$"),
 ])
 def test_what_tensor_parallelism_cannot_split_is_refused_in_one_sentence(options, sentence):
     config = small_config(**{**dict(model="transformer", dataset="text", text_file="t.txt", heads=4), **options})
@@ -131,6 +135,23 @@ def test_a_checkpoint_written_at_t_2_loads_at_t_1_and_4_and_continues_as_one_pro
             np.testing.assert_allclose(vectors[vector], expected, rtol=1e-10, atol=1e-13,
                                        err_msg=f"{vector} at T = {tensor} on {ranks} rank(s)")
 
+
+def test_quiet_leaves_out_the_tensor_groups_and_a_resume_and_checkpoint_info_name_the_split(tmp_path):
+    """--quiet: the start line without the tensor layout block; what a --tensor 2 checkpoint says of the run
+    that saved it names the split, not the slice's scheme alone."""
+    saved = train(2, "--tensor", "2", "--sequence-parallel", "--max-steps", "1", "--checkpoint-dir", str(tmp_path))
+    assert saved.returncode == 0, saved.stderr
+    assert "scheme ddp (N,N,N) x tensor 2" in saved.stdout and "tensor group" not in saved.stdout, saved.stdout
+    layout = ("2 rank(s), ddp (N,N,N) x tensor 2 (1 tensor slice(s) of 2 ranks that split each layer, with "
+              "--sequence-parallel)")
+    resumed = train(2, "--tensor", "2", "--max-steps", "2", "--no-quiet", "--resume", str(tmp_path),
+                    "--checkpoint-dir", str(tmp_path / "continued"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {tmp_path / 'step-00000001'} after step 1 (saved by {layout})" in resumed.stdout
+    assert "  tensor group ranks [0, 1]" in resumed.stdout, "without --quiet the block is printed"
+    info = subprocess.run([sys.executable, "-m", "mpipar", "checkpoint", "info", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert info.returncode == 0 and f"saved by {layout}; adamw optimizer" in info.stdout, info.stdout + info.stderr
 
 def allocator_peak_mib(output: str) -> float:
     return float(re.search(r"array allocator peak max ([\d.]+) MiB", output).group(1))

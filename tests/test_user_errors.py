@@ -1,7 +1,8 @@
 """What a user can get wrong is one sentence, printed once, with exit status 2 and no traceback,
 before any training where it can be known then: a --model file that cannot be imported, a
 --checkpoint-dir that cannot hold checkpoints, a resume on other data, a pipeline width that
-no number of replicas fits, more micro-batches than samples.
+no number of replicas fits, more micro-batches than samples; a --config file that is not UTF-8, a
+TOML value of the wrong TOML type (before click's lenient conversion), an empty string.
 
     python -m pytest tests/test_user_errors.py -q
 """
@@ -15,6 +16,8 @@ import pytest
 
 from conftest import SCRIPTS, assert_one_sentence, run_mpi
 from mpipar.checkpoint import store
+from mpipar.errors import ConfigError
+from mpipar.train.config import FIELDS, load_config, toml_types
 
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 
@@ -136,3 +139,68 @@ def test_a_full_disk_on_one_rank_names_that_rank_once(tmp_path):
     assert sentence.group(1).startswith(f"cannot write this rank's checkpoint file in {tmp_path}/"), sentence.group(1)
     assert sentence.group(1).endswith(": No space left on device (on rank 1)"), sentence.group(1)
     assert sentence.group(1).count("rank 1") == 1, f"the rank is named once: {sentence.group(1)}"
+
+
+def config_file(tmp_path, content: bytes) -> str:
+    path = tmp_path / "run.toml"
+    path.write_bytes(content)
+    return str(path)
+
+
+@pytest.mark.parametrize("line, sentence", [
+    ('metrics = 5', "option 'metrics' in config file {path} takes a string in quotes, got the integer 5"),
+    ('quiet = "yes"', "option 'quiet' in config file {path} takes true or false, got the string 'yes'"),
+    ('epochs = 2.5', "option 'epochs' in config file {path} takes an integer, got the number 2.5"),
+    ('epochs = 2.0', "option 'epochs' in config file {path} takes an integer, got the number 2.0"),
+    ('lr = "0.1"', "option 'lr' in config file {path} takes a number, got the string '0.1'"),
+    ('lr = true', "option 'lr' in config file {path} takes a number, got the boolean True"),
+    ('max-steps = false', "option 'max-steps' in config file {path} takes an integer, got the boolean False"),
+    ('scheme = 3', "option 'scheme' in config file {path} takes a string in quotes, got the integer 3"),
+    ('hidden = 64', "option 'hidden' in config file {path} takes an array of integers or a string such as "
+                    '"512,512", got the integer 64'),
+    ('memory-limit = true', "option 'memory-limit' in config file {path} takes an integer number of bytes or a "
+                            'string such as "2GB", got the boolean True'),
+    ('checkpoint_dir = {a = 1}', "option 'checkpoint_dir' in config file {path} takes a string in quotes, got the "
+                                 "table {{'a': 1}}"),
+    ('metrics = ""', "option 'metrics' in config file {path} is an empty string: give it a value, or leave the "
+                     "option out"),
+])
+def test_a_toml_value_of_the_wrong_toml_type_is_one_sentence_naming_the_key(tmp_path, line, sentence):
+    path = config_file(tmp_path, line.encode() + b"\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(path, {})
+    assert str(raised.value) == sentence.format(path=path)
+
+
+def test_toml_values_of_the_right_types_are_taken(tmp_path):
+    path = config_file(tmp_path, b'hidden = [32, 16]\nmemory-limit = "2GB"\nlr = 1\nquiet = true\n'
+                                 b'metrics = "m.jsonl"\nepochs = 2\nseed = 0\n')
+    config = load_config(path, {})
+    assert (config.model.hidden, config.output.memory_limit, config.optim.lr, config.output.quiet,
+            config.output.metrics, config.training.epochs) == ((32, 16), 2_000_000_000, 1.0, True, "m.jsonl", 2)
+
+
+def test_every_option_declares_the_toml_types_it_takes():
+    for name, (_, spec) in FIELDS.items():
+        types, words = toml_types(spec.metadata["type"])  # raises TypeError for a type no one classified
+        assert types and words, name
+
+
+def test_an_empty_string_on_the_command_line_is_one_sentence():
+    with pytest.raises(ConfigError, match=r"^--metrics is an empty string: give it a value, or leave the option out$"):
+        load_config(None, {"metrics": ""})
+    with pytest.raises(ConfigError, match=r"^--checkpoint-dir is an empty string"):
+        load_config(None, {"checkpoint_dir": "  "})
+
+
+def test_a_config_file_that_is_not_utf8_is_one_sentence_on_two_ranks(tmp_path):
+    path = config_file(tmp_path, "# a run of Fran\u00e7ois's\nepochs = 1\n".encode("latin-1"))
+    assert_one_sentence(mpipar_on_two_ranks("--config", path),
+                        f"config file {path} is not UTF-8 text (byte 0xe7 on line 1 is not UTF-8): save it as "
+                        "UTF-8, as TOML must be")
+
+
+def test_a_string_where_a_boolean_goes_is_one_sentence_on_two_ranks(tmp_path):
+    path = config_file(tmp_path, b'quiet = "yes"\n')
+    assert_one_sentence(mpipar_on_two_ranks("--config", path),
+                        f"option 'quiet' in config file {path} takes true or false, got the string 'yes'")

@@ -153,6 +153,19 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
+def saved_layout(manifest: dict) -> str:
+    """How the run that saved a checkpoint laid out its ranks, as its start line said it: its ranks,
+    its scheme (a pipeline's names its stages) and, with --tensor T, the tensor split, which the
+    scheme's name leaves out (the manifest's configuration records it)."""
+    world, config = manifest["world"], manifest.get("config", {})
+    tensor = config.get("tensor") or 1  # a checkpoint from before --tensor records none
+    words = f"{world['ranks']} rank(s), {world['scheme']}"
+    if tensor > 1:
+        words += (f" x tensor {tensor} ({world['ranks'] // tensor} tensor slice(s) of {tensor} ranks that split "
+                  "each layer" + (", with --sequence-parallel" if config.get("sequence_parallel") else "") + ")")
+    return words
+
+
 def check_compatible(manifest: dict, table: list[dict], dtype: np.dtype, optimizer: str,
                      where: Path) -> list[Reorder]:
     """Refuse, naming the first difference, a checkpoint of another model, data type or optimizer;

@@ -41,6 +41,7 @@ from mpi4py import MPI
 from mpipar.backend import array_module, to_host
 from mpipar.checkpoint.format import Piece, read_manifest, read_shard, vector_dtype, write_manifest, write_shard
 from mpipar.checkpoint.layout import assign_writers, sources
+from mpipar.checkpoint.same_place import check_same_place
 from mpipar.checkpoint.upgrade import Reorder
 from mpipar.comms.world import agree_on_setup
 from mpipar.errors import CheckpointError
@@ -71,8 +72,10 @@ def _agree(comm: MPI.Intracomm, failure: str | None) -> None:
 def check_directory(comm: MPI.Intracomm, root: Path, checkpoint_bytes: int) -> None:
     """Before the first step (collective): `root` is a directory rank 0 can make and write
     in, with room for one checkpoint of about `checkpoint_bytes`; else every rank stops with
-    one sentence, instead of training first and failing at the first save."""
+    one sentence, instead of training first and failing at the first save; and every rank's
+    `root`, however spelled, is that one directory (same_place.py)."""
     _agree(comm, _directory_problem(root, checkpoint_bytes) if comm.rank == 0 else None)
+    check_same_place(comm, root)
 
 
 def _directory_problem(root: Path, checkpoint_bytes: int) -> str | None:
@@ -228,17 +231,33 @@ def wait_for_removal() -> None:
         _removal.join()
 
 
+def named_by_latest(root: Path) -> Path | None:
+    """The checkpoint `root`'s `latest` names, None without one. It names a step-N directory
+    beside it, as a save writes it; anything else (a path into another run, a name of another
+    form) is refused, since following it would resume or read some other run's checkpoint."""
+    pointer = Path(root) / LATEST
+    if not pointer.is_file():
+        return None
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"cannot read {pointer}: {getattr(error, 'strerror', None) or error}") from None
+    if not STEP_DIRECTORY.fullmatch(name):
+        raise CheckpointError(f"{pointer} names {name!r}, which is not a step-N directory beside it (a `latest` "
+                              f"that points elsewhere, such as into another run, is not followed): name the "
+                              f"checkpoint itself, or remove {pointer}")
+    return Path(root) / name
+
+
 def candidates(resume: str, root: str | None) -> list[Path]:
     """The checkpoints to try, in order: `resume` itself (or the one it names as `latest`), or
     for 'auto' the one `latest` names and then every other one under `root`, newest first."""
     if resume != "auto":  # a checkpoint, or a --checkpoint-dir: the one its `latest` names
-        pointer = Path(resume) / LATEST
-        return [Path(resume) / pointer.read_text().strip() if pointer.is_file() else Path(resume)]
+        return [named_by_latest(Path(resume)) or Path(resume)]
     root = Path(root)
     ordered = checkpoints(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
+    named = named_by_latest(root)
+    if named is not None:
         ordered = [named] + [path for path in ordered if path != named]
     return ordered
 
@@ -251,7 +270,15 @@ def load(comm: MPI.Intracomm, resume: str, root: str | None, pieces_for: Callabl
     and reordered before a piece takes its part. With 'auto', a checkpoint that is incomplete
     or corrupt is skipped with a `note` and the next one tried. Returns the checkpoint loaded
     and its manifest, or None when 'auto' finds no checkpoint at all."""
-    tried = comm.bcast(candidates(resume, root) if comm.rank == 0 else None, root=0)
+    found: list[Path] | str | None = None
+    if comm.rank == 0:
+        try:
+            found = candidates(resume, root)
+        except CheckpointError as error:  # a `latest` that is refused: every rank stops with the sentence
+            found = str(error)
+    tried = comm.bcast(found, root=0)
+    if isinstance(tried, str):
+        _raise_everywhere(tried)
     skipped = []
     for path in tried:
         manifest, needed, reordered, tensors, failure = None, [], [], {}, None

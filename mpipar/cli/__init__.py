@@ -28,7 +28,7 @@ from mpipar.cli.sample import sample
 from mpipar.cli.schedule import schedule
 from mpipar.cli.simulate import simulate
 from mpipar.cli.train import train
-from mpipar.errors import MpiparError, StoppedToRequeue
+from mpipar.errors import ConfigError, MpiparError, StoppedToRequeue
 from mpipar.system.launch import rank_from_environment
 from mpipar.system.signals import install_signal_report
 
@@ -71,11 +71,14 @@ def main() -> None:
         sys.exit(done.exit_code)
     except click.Abort:
         sys.exit(1)
-    except click.ClickException as error:  # a bad option: every rank parsed the same words
-        if _world()[0] == 0:
-            context = getattr(error, "ctx", None)
-            hint = f" (see {context.command_path} --help)" if context is not None else ""
-            sys.stderr.write(f"mpipar: error: {error.format_message()}{hint}\n")
+    except click.ClickException as error:  # a bad option
+        context = getattr(error, "ctx", None)
+        hint = f" (see {context.command_path} --help)" if context is not None else ""
+        sentence = f"{error.format_message()}{hint}"
+        if context is not None and context.command.name == "train" and rank_from_environment(os.environ) is not None:
+            _join_the_first_collective(sentence)  # each rank may have been given its own command line
+        if _world()[0] == 0:  # every rank parsed the same words
+            sys.stderr.write(f"mpipar: error: {sentence}\n")
         sys.exit(error.exit_code)
     except MpiparError as error:
         rank, size = _world()
@@ -98,6 +101,28 @@ def main() -> None:
         if size == 1:
             raise
         _abort(1, f"mpipar: rank {rank} of {size} failed; aborting the job:\n{traceback.format_exc()}")
+
+
+def _join_the_first_collective(sentence: str) -> None:
+    """A rank of `mpipar train` whose own command line did not parse: its sentence goes into the
+    run's first collective, where the ranks that parsed theirs wait (cli/train.py's agree_on_setup),
+    so that every rank stops with one sentence naming this rank instead of waiting for it forever."""
+    from mpi4py import MPI
+
+    from mpipar.comms import agree_on_setup
+
+    if MPI.COMM_WORLD.size == 1:
+        return
+
+    def refuse() -> None:
+        raise ConfigError(sentence)
+
+    try:
+        agree_on_setup(MPI.COMM_WORLD, refuse)
+    except MpiparError as agreed:
+        if MPI.COMM_WORLD.rank == 0:
+            sys.stderr.write(f"mpipar: error: {agreed}\n")
+        sys.exit(2)
 
 
 def _abort(status: int, message: str) -> None:

@@ -33,19 +33,19 @@ def checkpoint() -> None:
 @click.option("--verify/--no-verify", default=False, help="read every file and check its size and CRC-32")
 def info(path: str, verify: bool) -> None:
     """What a checkpoint holds."""
-    from mpipar.checkpoint.format import read_manifest, read_shard
+    from mpipar.checkpoint.format import read_manifest, read_shard, saved_layout
     from mpipar.units import format_bytes
 
     directory = checkpoint_directory(path)
     manifest = read_manifest(directory)
-    training, world = manifest["training"], manifest["world"]
+    training = manifest["training"]
     total = sum(entry["bytes"] for entry in manifest["files"])
     epoch, in_epoch, per_epoch = training["epoch"], training["step_in_epoch"], training["steps_per_epoch"]
     where = (f"the end of epoch {epoch}" if in_epoch == 0 and epoch else
              f"step {in_epoch} of {per_epoch} in epoch {epoch + 1}")
     click.echo(f"checkpoint {directory}: after step {training['step']} ({where}), mpipar "
                f"{manifest['mpipar_version']}")
-    click.echo(f"saved by {world['ranks']} rank(s), {world['scheme']}; {training['optimizer']} optimizer, "
+    click.echo(f"saved by {saved_layout(manifest)}; {training['optimizer']} optimizer, "
                f"{training['optimizer_steps']} updates, next learning rate {training['next_lr']:g}, seed "
                f"{training['seed']}")
     click.echo(f"{len(manifest['parameters'])} parameters, {manifest['size']:,} {manifest['dtype']} values; vectors: "

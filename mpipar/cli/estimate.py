@@ -17,10 +17,17 @@ activations and float32 update workspace): Table 1
 plus what a step holds on top, with units of --ddp/--bucket-mb, or, without --ddp, each
 scheme's default as `mpipar train` takes it (one layer where the scheme shards the
 parameters, buckets of --bucket-mb elsewhere). With --model the
-activations come from a dry run of one micro-batch of --batch-size (global) on the
-data set, and the figure is the one `mpipar train --memory-limit` checks; with
---params there is no model to run, so activations are left out and every unit is
+activations of one micro-batch of --batch-size (global) are counted from the layers'
+shape-only declarations (predict/shape_only.py: the dry run's figures, nothing allocated, so
+a 175B GPT answers in a second), and the figure is the one `mpipar train --memory-limit`
+checks; --dataset tokens needs only --vocab-size (or a --data-dir, whose meta and file sizes
+are read). With --params there is no model, so activations are left out and every unit is
 taken to be one bucket.
+
+Everything is arithmetic on the figures, so any --world-size answers in the same memory; a
+step's schedule is simulated job by job, so at most MAX_MICRO_BATCHES micro-batches and
+MAX_JOBS stages x micro-batches (1,024 and 4,096) are planned, more
+refused in a sentence.
 
 With --stages the layout is a mesh of pipeline workers x replicas, as `mpipar train`
 places it, and every row says how each stage's replica group shares it (estimate.py). With
@@ -42,7 +49,15 @@ from mpipar.errors import ConfigError
 from mpipar.models.builtin import MODELS
 from mpipar.optim.optimizers import OPTIMIZERS, state_kinds
 from mpipar.options import FloatRange, IntListType, ModelType, RecomputeType, RenamedOption
-from mpipar.predict.estimate import PHASES, make_layout, predicted_peaks, scheme_rows, tensor_sent_per_step
+from mpipar.predict.estimate import (
+    PHASES,
+    layout_config,
+    make_layout,
+    predicted_peaks,
+    scheme_rows,
+    tensor_sent_per_step,
+)
+from mpipar.predict.shape_only import Samples, declares_shapes, token_samples
 from mpipar.schedule.sharding import DDP_MODES
 from mpipar.schedule.strategies import STRATEGIES
 from mpipar.units import format_bytes
@@ -52,11 +67,12 @@ POSITIVE = click.IntRange(min=1)
 
 
 def built_model(model: str, dataset: str, hidden: tuple[int, ...], *, world_size: int = 1, tensor: int = 1,
-                **options):
+                vocab_size: int | None = None, **options):
     """(the training set, the evaluation batch `mpipar train` uses by default, the model's layers,
     its loss): built-in or a builder's, as `mpipar train --model` builds it, with `options`
-    (train's: text_file, seq_len, width, ...). With `tensor` T: rank 0's shards of the split
-    layers (a PlaceInGroup: shapes, no messages), refused where `mpipar train` refuses it."""
+    (train's: text_file, data_dir, seq_len, width, ...). With `tensor` T: rank 0's shards of the
+    split layers (a PlaceInGroup: shapes, no messages), refused where `mpipar train` refuses it.
+    --dataset tokens is read for its shapes only (token_samples): the training set is then a Samples."""
     from mpipar.data import load_dataset
     from mpipar.layers.tensor_parallel import PlaceInGroup
     from mpipar.train.config import TrainConfig
@@ -64,10 +80,20 @@ def built_model(model: str, dataset: str, hidden: tuple[int, ...], *, world_size
 
     config = TrainConfig.of(model=model, dataset=dataset, hidden=hidden, tensor=tensor, **options)
     config.refuse_what_tensor_parallelism_cannot_split(world_size)
-    train_set, test_set = load_dataset(config.data.dataset, data_dir=config.data.data_dir,
-                                       text_file=config.data.text_file, seq_len=config.data.seq_len)
+    if config.data.dataset == "tokens":
+        train_set = token_samples(config.data.data_dir, vocab_size, config.data.seq_len)
+        test_size = train_set.test_size
+    else:
+        train_set, test_set = load_dataset(config.data.dataset, data_dir=config.data.data_dir,
+                                           text_file=config.data.text_file, seq_len=config.data.seq_len)
+        test_size = len(test_set)
     built, loss = configured_model(config, train_set, PlaceInGroup(tensor) if tensor > 1 else None)
-    return train_set, min(config.training.eval_batch, len(test_set)), built, loss  # 0: a training micro-batch
+    if isinstance(train_set, Samples) and not declares_shapes(built.layers, loss):
+        raise ConfigError(f"--model {model} has layers without a shape-only declaration, so one micro-batch of "
+                          "--dataset tokens must run to size them, which reads its ids: use mpipar train "
+                          "--memory-limit to check this model's peak")
+    eval_batch = config.training.eval_batch if test_size is None else min(config.training.eval_batch, test_size)
+    return train_set, eval_batch, built, loss  # 0: a training micro-batch
 
 
 def parameter_count(model) -> int:
@@ -92,6 +118,32 @@ def pcie_staged(sent: float) -> float:
     return 2 * sent
 
 
+# A step's schedule is simulated job by job (schedule/simulate.py), in time that grows with the
+# (stage, micro-batch) jobs times those ready at once: within these it answers in seconds.
+MAX_MICRO_BATCHES = 1024
+MAX_JOBS = 4096  # stages x micro-batches of one step
+
+
+def refuse_beyond_simulated(stages: int, micro_batches: int) -> None:
+    """One sentence where a step is more than estimate simulates (MAX_MICRO_BATCHES, MAX_JOBS)."""
+    if micro_batches > MAX_MICRO_BATCHES:
+        raise ConfigError(f"{micro_batches} micro-batches a step is more than the {MAX_MICRO_BATCHES} that a plan "
+                          "simulates (each is a job of the schedule): give fewer --micro-batches")
+    if stages * micro_batches > MAX_JOBS:
+        raise ConfigError(f"{stages} stages x {micro_batches} micro-batches is {stages * micro_batches} jobs a "
+                          f"step, more than the {MAX_JOBS} that a plan simulates: give fewer --micro-batches "
+                          "or --stages")
+
+
+COLUMN_WIDTHS = (10, 10, 10, 11, 10, 13, 13, 11)  # of the table's figures, after the scheme's name
+
+
+def table_line(name: str, cells: tuple[str, ...]) -> str:
+    """A line of the table: each cell right-aligned in its column, and at least a space before it
+    however long it is (a figure of 1e300 parameters is wider than its column)."""
+    return f"{name:<10}" + "".join(f" {cell:>{width - 1}}" for cell, width in zip(cells, COLUMN_WIDTHS))
+
+
 @click.command()
 @click.option("--params", type=FloatRange(min=0, min_open=True), default=None,
               help="the number of parameters of the model, e.g. 7e9 (or give --model)")
@@ -103,6 +155,10 @@ def pcie_staged(sent: float) -> float:
               help="hidden widths of --model mlp")
 @click.option("--text-file", type=click.Path(dir_okay=False), default=None,
               help="the text of --dataset text, as in mpipar train")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="the data set's directory (--dataset tokens: its meta and file sizes are read, not its ids)")
+@click.option("--vocab-size", type=POSITIVE, default=None,
+              help="--dataset tokens without --data-dir: the vocabulary's size, e.g. 50257 for GPT-2's")
 @click.option("--seq-len", type=POSITIVE, default=64, show_default=True, help="tokens per window (transformer)")
 @click.option("--width", type=POSITIVE, default=64, show_default=True, help="model width (transformer)")
 @click.option("--heads", type=POSITIVE, default=4, show_default=True, help="attention heads (transformer)")
@@ -112,10 +168,12 @@ def pcie_staged(sent: float) -> float:
               help="ranks T that split each layer of --model transformer, as in mpipar train: the rows are per "
                    "rank of a T x S x D layout, and the tensor groups' bytes a line of their own")
 @click.option("--sequence-parallel", is_flag=True, help="with --tensor, as mpipar train --sequence-parallel")
-@click.option("--world-size", type=POSITIVE, required=True, help="number of ranks")
+@click.option("--world-size", type=POSITIVE, required=True,
+              help="number of ranks (any: every figure over them is arithmetic)")
 @click.option("--group-size", type=POSITIVE, required=True, help="ranks per group (a node); divides --world-size")
 @click.option("--micro-batches", type=POSITIVE, default=None,
-              help="micro-batches per rank per step  [default: 1; with --stages, the pipeline's workers]")
+              help=f"micro-batches per rank per step, at most {MAX_MICRO_BATCHES}, and stages x micro-batches at "
+                   f"most {MAX_JOBS} (the step is simulated)  [default: 1; with --stages, the pipeline's workers]")
 @click.option("--stages", type=click.IntRange(min=0), default=0,
               help="pipeline stages S, as in mpipar train (0: data parallelism); the rows are then how each "
                    "stage's replica group shares it (--shard)")
@@ -144,8 +202,9 @@ def pcie_staged(sent: float) -> float:
                    "mpipar train --precision fp16's); float32 and float64: mpipar train --dtype's")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def estimate(params: float | None, model: str | None, dataset: str, hidden: tuple[int, ...], text_file: str | None,
-             seq_len: int, width: int, heads: int, blocks: int, tie_embeddings: bool, tensor: int,
-             sequence_parallel: bool, world_size: int, group_size: int, micro_batches: int | None, stages: int,
+             data_dir: str | None, vocab_size: int | None, seq_len: int, width: int, heads: int, blocks: int,
+             tie_embeddings: bool, tensor: int, sequence_parallel: bool, world_size: int, group_size: int,
+             micro_batches: int | None, stages: int,
              scheme: str | None, replicas: int, loops: int, batch_size: int, ddp: str | None, bucket_mb: float,
              prefetch: int, recompute: str, optimizer: str, momentum: float, precision: str, as_json: bool) -> None:
     """Memory per rank and bytes sent per step of every sharding scheme, and the predicted peak.
@@ -160,15 +219,20 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
         raise ConfigError(f"--tensor {tensor} splits the layers of the built-in transformer: give --model "
                           "transformer (and its shape) instead of --params")
     built = None if model is None else built_model(
-        model, dataset, hidden, world_size=world_size, tensor=tensor, text_file=text_file, seq_len=seq_len,
-        width=width, heads=heads, blocks=blocks, tie_embeddings=tie_embeddings, sequence_parallel=sequence_parallel)
+        model, dataset, hidden, world_size=world_size, tensor=tensor, text_file=text_file, data_dir=data_dir,
+        vocab_size=vocab_size, seq_len=seq_len, width=width, heads=heads, blocks=blocks, tie_embeddings=tie_embeddings,
+        sequence_parallel=sequence_parallel)
+    step = layout_config(world_size, group_size, stages, scheme, replicas, micro_batches, loops, batch_size,
+                         tensor=tensor).schedule_shape(world_size // tensor)
+    refuse_beyond_simulated(step.stages, step.micro_batches)
     element, k = state_bytes_per_parameter(precision, optimizer, momentum)
     layouts = {mode: make_layout(params, built, world_size, group_size, stages, scheme, replicas, micro_batches,
                                  loops, batch_size, mode, bucket_mb, element, recompute, tensor)
                for mode in ([ddp] if ddp else ["bucketed", "overlap"])}  # overlap: where P is sharded
     layout = next(iter(layouts.values()))
     count = params if params is not None else sum(layout.stage_sizes) if tensor == 1 else parameter_count(
-        built_model(model, dataset, hidden, text_file=text_file, seq_len=seq_len, width=width,
+        built_model(model, dataset, hidden, text_file=text_file, data_dir=data_dir, vocab_size=vocab_size,
+                    seq_len=seq_len, width=width,
                     heads=heads, blocks=blocks, tie_embeddings=tie_embeddings)[2])  # the whole model's
     micro_batches = layout.compiled.shape.micro_batches
     rows = scheme_rows(layout, micro_batches, element, k)
@@ -202,15 +266,13 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
         click.echo(f"{scheme} over {stages} stages: {mesh.workers} pipeline worker(s) x {mesh.replicas} replica(s); "
                    f"each row shares every stage among its replica group of {mesh.replicas} rank(s) (--shard), "
                    "and gives the rank that holds the most")
-    click.echo(f"{'scheme':<10}{'params':>10}{'grads':>10}{'opt state':>10}{'per rank':>11}{'peak':>10}"
-               f"{'sent inside':>13}{'sent across':>13}{'over PCIe':>11}")
+    click.echo(table_line("scheme", ("params", "grads", "opt state", "per rank", "peak", "sent inside",
+                                     "sent across", "over PCIe")))
     for row in rows:
         memory = row.memory
-        peak = format_bytes(peaks[row.name].total)
-        click.echo(f"{row.name:<10}{format_bytes(memory.parameters):>10}{format_bytes(memory.gradients):>10}"
-                   f"{format_bytes(memory.optimizer_state):>10}{format_bytes(memory.total):>11}{peak:>10}"
-                   f"{format_bytes(row.intra):>13}{format_bytes(row.inter):>13}"
-                   f"{format_bytes(pcie_staged(row.intra + row.inter)):>11}")
+        click.echo(table_line(row.name, tuple(format_bytes(nbytes) for nbytes in (
+            memory.parameters, memory.gradients, memory.optimizer_state, memory.total, peaks[row.name].total,
+            row.intra, row.inter, pcie_staged(row.intra + row.inter)))))
     click.echo("params, grads, opt state: what one rank holds of the parameters, gradients and optimizer state "
                "(per rank: their sum)")
     click.echo("sent inside, sent across: bytes all ranks send in one step inside their groups and between groups "
@@ -225,4 +287,4 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
     else:
         units = f"--ddp {ddp}" if ddp else "one layer per unit where a scheme shards P, else --bucket-mb buckets"
         click.echo(f"peak: the per-rank state plus what a step holds on top ({units}) and the activations of a "
-                   f"batch of {batch_size} from a dry run: what `mpipar train --memory-limit` checks")
+                   f"batch of {batch_size}, counted from the layers' shapes: what `mpipar train --memory-limit` checks")

@@ -85,7 +85,11 @@ def schedule() -> None:
 def show(scheme: str, table: str | None, workers: int, stages: int, micro_batches: int, loops: int,
          png: str | None, programs: bool, items: bool, replicas: int, shard: str, recompute: str, units: int,
          prefetch: int, tensor: int, sequence_parallel: bool) -> None:
-    """Compile one step of a schedule, replay it, and print its diagram and costs."""
+    """Compile one step of a schedule, replay it, and print its diagram and costs.
+
+    It draws at most 64 workers and stages, 256 micro-batches, 1024 stages x micro-batches,
+    4096 ranks and 64 --units (schedule/diagram.py); a larger step is one sentence.
+    """
     strategy = load_table(table) if table else get_strategy(scheme)
     if strategy.split_backward and (replicas > 1 or recompute != "none"):
         raise ConfigError(f"{strategy.name} splits each backward into B and W jobs, which cannot yet run "
@@ -96,11 +100,13 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
     if sequence_parallel and tensor == 1:
         raise ConfigError("--sequence-parallel splits the positions over the ranks of --tensor T: give --tensor 2 "
                           "or more")
+    world_size = workers
     workers //= tensor  # the schedule runs over one slice's ranks
     if workers % replicas:
         raise ConfigError(f"--replicas {replicas} does not divide the {workers} ranks of a slice")
     mesh, sharding = Mesh(workers // replicas, replicas), parse_sharding(shard)
     workers = mesh.workers  # the diagram is one pipeline's: every replica runs the same
+    refuse_beyond_drawn(world_size, workers, stages, micro_batches, units if items else 1)
     shape = Shape(workers, stages, micro_batches, loops)
     if replicas > 1 and stages_on_several_workers(strategy, shape):
         raise ConfigError(f"{strategy.name} computes a stage on several workers of a pipeline, which cannot yet be "
@@ -154,6 +160,21 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
     if png:
         diagram.png(timeline, png, f"{strategy.name}, W={workers} S={stages} B={micro_batches} G={loops}")
         click.echo(f"drawn into {png}")
+
+
+def refuse_beyond_drawn(world_size: int, workers: int, stages: int, micro_batches: int, units: int) -> None:
+    """One sentence where a schedule is larger than `mpipar schedule show` draws (diagram.py's DRAWN_ bounds)."""
+    bounds = [(world_size, diagram.DRAWN_RANKS, "--world-size", "ranks"),
+              (workers, diagram.DRAWN_WORKERS, "a pipeline of", "workers"),
+              (stages, diagram.DRAWN_WORKERS, "--stages", "stages"),
+              (micro_batches, diagram.DRAWN_MICRO_BATCHES, "--micro-batches", "micro-batches"),
+              (units, diagram.DRAWN_UNITS, "--units", "units a stage"),
+              (stages * micro_batches, diagram.DRAWN_JOBS, f"--stages {stages} x --micro-batches {micro_batches} =",
+               "jobs")]
+    for value, bound, what, of in bounds:
+        if value > bound:
+            raise ConfigError(f"{what} {value} is more than a diagram draws (at most {bound} {of}, docs/cli.md): "
+                              "draw a smaller step of the same schedule")
 
 
 def tensor_flow(instruction, tensor: int, sequence_parallel: bool) -> str:

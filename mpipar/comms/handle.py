@@ -40,6 +40,7 @@ from mpi4py import MPI
 
 from mpipar.comms import liveness, wire
 from mpipar.errors import ConfigError, MpiparError
+from mpipar.units import format_seconds
 
 Steps = Generator[tuple[list, list[int]], None, None]  # (requests, peer of each)
 
@@ -223,7 +224,7 @@ def _stalled(rank: int, what: str, seconds: float, silent: list[int], grace: flo
         return CommTimeout(f"rank {rank}: {what} still waits after {seconds:g} s, and every rank still answers: "
                            f"one is slower than {source} allows, or the ranks wait on each other")
     return CommTimeout(f"rank {rank}: {what} still waits after {seconds:g} s: rank(s) {silent} stopped making "
-                       f"progress (no answer within {grace:g} s; {source} fired)")
+                       f"progress (no answer within {format_seconds(grace)}; {source} fired)")
 
 
 class Handle:

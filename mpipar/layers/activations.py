@@ -34,6 +34,7 @@ from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.gpu import parts_for
 from mpipar.layers.base import Layer
+from mpipar.layers.declared import Buffer, ShapeContext
 from mpipar.layers.row_parts import in_row_parts, rows
 
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -50,6 +51,11 @@ class ReLU(Layer):
         ctx.save(self, y)
         return y
 
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        y = x.fresh()
+        ctx.save(self, y)
+        return y
+
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (y,) = ctx.pop(self)
         return dy * (y > 0)
@@ -58,6 +64,11 @@ class ReLU(Layer):
 class Tanh(Layer):
     def forward(self, x: Array, ctx: Context) -> Array:
         y = array_module(x).tanh(x)
+        ctx.save(self, y)
+        return y
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        y = x.fresh()
         ctx.save(self, y)
         return y
 
@@ -84,6 +95,10 @@ class GELU(Layer):
         else:  # a GPU: these steps as one kernel, float16 computed in float32 (mpipar/gpu/cuda.py)
             parts_for(xp).gelu(x, y, *_MINUS_TWO_U, EXP_LIMIT[max(4, x.dtype.itemsize)])
         return y
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        ctx.save(self, x)
+        return x.fresh()
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)

@@ -33,6 +33,7 @@ from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.gpu import parts_for
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
+from mpipar.layers.declared import Buffer, ShapeContext
 from mpipar.layers.row_parts import in_row_parts
 
 
@@ -68,6 +69,10 @@ class CausalSelfAttention(Layer):
         q, k, v, probs, merged = attend(q, k, v)
         ctx.save(self, x, q, k, v, probs, merged)
         return self._project_out(merged, n, t)
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        ctx.save(self, x, *attend_shapes(x, self.heads, self.head_dim))
+        return x.fresh()
 
     def _heads(self, x: Array) -> tuple[Array, Array, Array]:
         """q, k, v, each (N, H, T, d): views into one product over the rows of x."""
@@ -112,6 +117,15 @@ def attend(q: Array, k: Array, v: Array) -> tuple[Array, Array, Array, Array, Ar
     merged = xp.empty((n, t, heads, head_dim), dtype=q.dtype)
     xp.matmul(probs, v, out=merged.transpose(0, 2, 1, 3))  # BLAS writes the strided heads directly
     return q, k, v, probs, merged.reshape(n * t, heads * head_dim)
+
+
+def attend_shapes(x: Buffer, heads: int, head_dim: int) -> tuple[Buffer, ...]:
+    """What `attend` keeps, by shape, for heads projected from x (N, T, D): q, k and v (views of
+    one product of x's rows), the probabilities (N, H, T, T) and p v merged, (N T, H d)."""
+    n, t, _ = x.shape
+    qkv = x.fresh((n * t, 3 * heads * head_dim))
+    q, k, v = (qkv.view((n, heads, t, head_dim), contiguous=False) for _ in range(3))
+    return q, k, v, x.fresh((n, heads, t, t)), x.fresh((n * t, heads * head_dim))
 
 
 def attend_backward(d_out: Array, q: Array, k: Array, v: Array, probs: Array, d_q: Array, d_k: Array,

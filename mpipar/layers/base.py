@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from mpipar.backend import Array, accumulation_dtype, array_module
 from mpipar.cache import Context
 from mpipar.errors import ShapeError
 from mpipar.gpu import parts_for
+
+if TYPE_CHECKING:
+    from mpipar.layers.declared import Buffer, ShapeContext
 
 # Blocks of 1 MiB cost 1-3% of the accumulating matmul's time on this machine; 512 KiB 2-10%
 ACCUMULATE_BLOCK_BYTES = 1 << 20
@@ -113,6 +116,19 @@ class Layer:
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         raise NotImplementedError
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        """The forward by shape alone (layers/declared.py): saves into `ctx` the Buffers `forward`
+        saves and returns the Buffer it returns. A layer without one (another framework's, a user's)
+        cannot be sized without running it."""
+        raise NotImplementedError(f"{self.name} declares no shapes")
+
+    def backward_input_shapes(self, dy: Buffer, ctx: ShapeContext, x: Buffer) -> Buffer | None:
+        """`backward_input` by shape alone, from `dy`, with `x` the Buffer forward_shapes was given:
+        by default the whole backward, which pops what the forward saved and makes a new input
+        gradient (none where no layer below needs it)."""
+        ctx.pop_all(self)
+        return x.fresh() if getattr(self, "needs_input_grad", True) else None
 
     # A zero-bubble schedule runs the backward in two parts, at different times: the input
     # gradient (passed down the pipeline at once) and the weight gradient (deferred into

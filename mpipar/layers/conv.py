@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from mpipar.backend import Array, array_module, matmul
 from mpipar.cache import Context
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
+from mpipar.layers.declared import Buffer, ShapeContext
 
 
 def _out_size(size: int, kernel: int, stride: int, padding: int) -> int:
@@ -82,6 +85,12 @@ class Conv2d(Layer):
         out += self.params["bias"][:, None]
         return xp.ascontiguousarray(out.reshape(self.out_channels, n, oh, ow).transpose(1, 0, 2, 3))
 
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        n, c, _, _ = x.shape
+        _, oh, ow = self.output_shape(x.shape[1:])
+        ctx.save(self, x.fresh((c * self.kernel**2, n * oh * ow)))  # cols
+        return x.fresh((n, self.out_channels, oh, ow))
+
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         cols, (n, c, h, w) = ctx.pop(self)
         xp = array_module(dy)
@@ -132,6 +141,11 @@ class MaxPool2d(Layer):
         winner = windows.argmax(axis=-1)
         ctx.save(self, winner, x.shape)
         return xp.take_along_axis(windows, winner[..., None], axis=-1)[..., 0]
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        out = (x.shape[0], *self.output_shape(x.shape[1:]))
+        ctx.save(self, x.fresh(out, np.intp))  # the winner of each window, an argmax
+        return x.fresh(out)
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         winner, shape = ctx.pop(self)

@@ -25,6 +25,7 @@ from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.gpu import parts_for
 from mpipar.layers.base import Layer
+from mpipar.layers.declared import Buffer, ShapeContext
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -101,6 +102,18 @@ class Dropout(Layer):
             y, scaled_mask = parts_for(xp).dropout(x, samples, ctx.seed, self.index, step, *elements, self.p)
         ctx.save(self, scaled_mask)
         return y
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        if not ctx.training or self.p == 0.0:
+            return x
+        ctx.save(self, x.fresh())  # the scaled mask
+        return x.fresh()
+
+    def backward_input_shapes(self, dy: Buffer, ctx: ShapeContext, x: Buffer) -> Buffer | None:
+        if self.p == 0.0:
+            return dy
+        ctx.pop(self)
+        return dy.fresh()
 
     def elements(self, per_sample: int) -> tuple[int, int]:
         """(first, whole): a sample's `per_sample` elements here are its elements [first, first +

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from mpipar.backend import Array, matmul, on_host, scatter_add
 from mpipar.cache import Context
 from mpipar.errors import DataError, ShapeError
 from mpipar.layers.base import Layer, ParamSpec, normal_init
+from mpipar.layers.declared import Buffer, ShapeContext, rows_out
 
 
 def check_ids(name: str, ids: Array, vocab_size: int) -> None:
@@ -23,10 +26,11 @@ def check_ids(name: str, ids: Array, vocab_size: int) -> None:
     if ids.dtype.kind not in "iu":
         raise ShapeError(f"{name}: expected integer token ids, got {ids.dtype} values")
     # On a GPU this check would stop the device twice a step; there the ids were checked on the
-    # host when the data was read (data/token_scan.py, the text vocabulary).
+    # host as each batch was read (TokenStream.windows, which names the file and the position).
     if on_host(ids) and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise DataError(f"{name}: token ids must be in [0, {vocab_size}), "
-                        f"got ids from {int(ids.min())} to {int(ids.max())}")
+        first = tuple(int(i) for i in np.argwhere((ids < 0) | (ids >= vocab_size))[0])
+        raise DataError(f"{name}: token ids must be in [0, {vocab_size}), got id {int(ids[first])} at index "
+                        f"{first} of the batch (ids from {int(ids.min())} to {int(ids.max())})")
 
 
 class Embedding(Layer):
@@ -48,6 +52,14 @@ class Embedding(Layer):
         check_ids(self.name, ids, self.vocab_size)
         ctx.save(self, ids)
         return self.params["weight"][ids]
+
+    def forward_shapes(self, ids: Buffer, ctx: ShapeContext) -> Buffer:
+        ctx.save(self, ids)
+        return ids.fresh((*ids.shape, self.dim), ctx.dtype)
+
+    def backward_input_shapes(self, dy: Buffer, ctx: ShapeContext, x: Buffer) -> Buffer | None:
+        ctx.pop(self)
+        return None
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (ids,) = ctx.pop(self)
@@ -75,6 +87,12 @@ class PositionEmbedding(Layer):
         if x.ndim != 3 or x.shape[1] > self.max_len or x.shape[2] != self.dim:
             raise self.shape_error(f"(batch, T <= {self.max_len}, {self.dim})", x.shape)
         return x + self.params["weight"][:x.shape[1]]
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        return x.fresh()
+
+    def backward_input_shapes(self, dy: Buffer, ctx: ShapeContext, x: Buffer) -> Buffer | None:
+        return dy  # the gradient passes through as it is
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         if self.fresh_grads:  # only the first T rows are written: the rest must be zero
@@ -112,6 +130,10 @@ class TiedOutput(Layer):
         ctx.save(self, x)
         logits = matmul(x.reshape(-1, self.dim), self.params["weight"].T)  # one product over the rows (linear.py)
         return logits.reshape(*x.shape[:-1], self.vocab_size)
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        ctx.save(self, x)
+        return rows_out(x, self.vocab_size)
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)

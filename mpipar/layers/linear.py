@@ -22,6 +22,7 @@ import math
 from mpipar.backend import Array, matmul
 from mpipar.cache import Context
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
+from mpipar.layers.declared import Buffer, ShapeContext, rows_out
 
 
 class Linear(Layer):
@@ -59,6 +60,10 @@ class Linear(Layer):
             y += self.params["bias"]
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        ctx.save(self, x)
+        return rows_out(x, self.out_features)
+
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
         self.weight_gradients(x, dy)
@@ -70,6 +75,11 @@ class Linear(Layer):
         (x,) = ctx.pop(self)
         ctx.save((self, "weights"), x, dy)
         return self._input_gradient(dy)
+
+    def backward_input_shapes(self, dy: Buffer, ctx: ShapeContext, x: Buffer) -> Buffer | None:
+        (x,) = ctx.pop(self)
+        ctx.save((self, "weights"), x, dy)
+        return rows_out(dy, self.in_features) if self.needs_input_grad else None
 
     def backward_weights(self, ctx: Context) -> None:
         self.weight_gradients(*ctx.pop((self, "weights")))

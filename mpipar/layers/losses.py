@@ -30,6 +30,7 @@ from mpipar.backend import Array, accumulation_dtype, array_module
 from mpipar.cache import Context
 from mpipar.errors import ShapeError
 from mpipar.gpu import parts_for
+from mpipar.layers.declared import Buffer, ShapeContext
 
 
 class Loss:
@@ -85,6 +86,16 @@ class SoftmaxCrossEntropy(Loss):
             parts_for(xp).cross_entropy_backward(log_probs, flat_targets, scale * self.gradient_scale, grad)
         return grad.reshape(shape)
 
+    def forward_shapes(self, logits: Buffer, targets: Buffer, ctx: ShapeContext) -> None:
+        """`forward` by shape alone (layers/declared.py): the log-probabilities and the targets' rows."""
+        rows = math.prod(logits.shape[:-1])
+        ctx.save(self, logits.fresh((rows, logits.shape[-1])), targets.reshape((math.prod(targets.shape),)))
+
+    def backward_shapes(self, ctx: ShapeContext) -> Buffer:
+        """`backward` by shape alone: the gradient of the logits."""
+        log_probs, _ = ctx.pop(self)
+        return log_probs.fresh()
+
 
 class MSE(Loss):
     """Mean squared error between predictions and targets of the same shape."""
@@ -104,3 +115,10 @@ class MSE(Loss):
     def backward(self, ctx: Context) -> Array:
         diff, scale = ctx.pop(self)
         return diff * (2.0 * scale * self.gradient_scale)
+
+    def forward_shapes(self, predictions: Buffer, targets: Buffer, ctx: ShapeContext) -> None:
+        ctx.save(self, predictions.fresh())
+
+    def backward_shapes(self, ctx: ShapeContext) -> Buffer:
+        (diff,) = ctx.pop(self)
+        return diff.fresh()

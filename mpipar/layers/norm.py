@@ -27,6 +27,7 @@ from mpipar.backend import Array, accumulation_dtype, array_module
 from mpipar.cache import Context
 from mpipar.gpu import parts_for
 from mpipar.layers.base import Layer, ParamSpec, constant_init
+from mpipar.layers.declared import Buffer, ShapeContext
 from mpipar.layers.row_parts import in_row_parts, rows
 
 
@@ -54,6 +55,10 @@ class LayerNorm(Layer):
         in_row_parts(self._normalize, rows(y), rows(normed), rows(rstd), rows(x))
         ctx.save(self, normed, rstd)
         return y
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        ctx.save(self, x.fresh(), x.fresh((*x.shape[:-1], 1)))  # normed, rstd
+        return x.fresh()
 
     def _normalize(self, y: Array, normed: Array, rstd: Array, x: Array) -> None:
         """normed = (x - mu) r,  rstd = r,  y = normed gain + shift, for these rows."""

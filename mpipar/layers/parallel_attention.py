@@ -30,8 +30,9 @@ import math
 from mpipar.backend import Array, array_module, matmul
 from mpipar.cache import Context
 from mpipar.errors import ConfigError
-from mpipar.layers.attention import attend, attend_backward
+from mpipar.layers.attention import attend, attend_backward, attend_shapes
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
+from mpipar.layers.declared import Buffer, ShapeContext
 from mpipar.layers.tensor_parallel import TensorGroup, block, sequence_boundary, shard_spec
 
 
@@ -78,6 +79,11 @@ class ParallelSelfAttention(Layer):
         y = self.boundary.leave(matmul(merged, self.params["out_weight"]).reshape(n, t, self.dim))
         y += self.params["out_bias"]
         return y
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        x = self.boundary.enter_shapes(x)
+        ctx.save(self, x, *attend_shapes(x, self.heads_here, self.head_dim))
+        return self.boundary.leave_shapes(x.fresh())
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         x, q, k, v, probs, merged = ctx.pop(self)

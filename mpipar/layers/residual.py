@@ -12,6 +12,7 @@ import math
 from mpipar.backend import Array
 from mpipar.cache import Context
 from mpipar.layers.base import Layer
+from mpipar.layers.declared import Buffer, ShapeContext
 
 
 class Residual(Layer):
@@ -43,6 +44,12 @@ class Residual(Layer):
         for layer in self.inner:
             y = layer.forward(y, ctx)
         return x + y
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        y = x
+        for layer in self.inner:
+            y = layer.forward_shapes(y, ctx)
+        return x.fresh()
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         d_branch = dy

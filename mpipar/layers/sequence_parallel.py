@@ -31,6 +31,7 @@ from __future__ import annotations
 from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.layers.base import Layer
+from mpipar.layers.declared import Buffer, ShapeContext
 from mpipar.layers.dropout import Dropout
 from mpipar.layers.embedding import PositionEmbedding
 from mpipar.layers.norm import LayerNorm
@@ -111,6 +112,9 @@ class SequenceParallelPositionEmbedding(PositionEmbedding):
         if x.ndim != 3 or x.shape[1] * self.group.size > self.max_len or x.shape[2] != self.dim:
             raise self.shape_error(f"(batch, T/{self.group.size}, {self.dim})", x.shape)
         return x + self.params["weight"][self._positions(x.shape[1])]
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        return x.fresh()
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         return backward_summed(self, self.group, self._backward_here, dy)

@@ -13,6 +13,7 @@ import math
 from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.layers.base import Layer
+from mpipar.layers.declared import Buffer, ShapeContext
 
 
 class Flatten(Layer):
@@ -25,6 +26,12 @@ class Flatten(Layer):
     def forward(self, x: Array, ctx: Context) -> Array:
         ctx.save(self, x.shape)
         return x.reshape(x.shape[0], -1)
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        return x.reshape((x.shape[0], math.prod(x.shape[1:])))
+
+    def backward_input_shapes(self, dy: Buffer, ctx: ShapeContext, x: Buffer) -> Buffer | None:
+        return dy.reshape(x.shape)
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (shape,) = ctx.pop(self)
@@ -42,6 +49,9 @@ class GlobalAvgPool(Layer):
             raise self.shape_error("(batch, C, H, W)", x.shape)
         ctx.save(self, x.shape)
         return x.mean(axis=(2, 3))
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        return x.fresh(x.shape[:2])
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (shape,) = ctx.pop(self)

@@ -45,6 +45,7 @@ from mpipar.backend import Array, array_module, matmul
 from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
+from mpipar.layers.declared import Buffer, ShapeContext, rows_out
 
 
 class TensorGroup(Protocol):
@@ -128,6 +129,13 @@ class WholeSequence:
     def leave_backward(self, dy: Array) -> Array:
         return dy
 
+    def enter_shapes(self, x: Buffer) -> Buffer:
+        """`enter` by shape alone (layers/declared.py)."""
+        return x
+
+    def leave_shapes(self, y: Buffer) -> Buffer:
+        return y
+
 
 class SplitSequence(WholeSequence):
     """Sequence parallelism: outside the split layers rank t holds its block of the positions,
@@ -157,6 +165,14 @@ class SplitSequence(WholeSequence):
 
     def leave_backward(self, dy: Array) -> Array:
         return gather_sequence(self.group, dy)
+
+    def enter_shapes(self, x: Buffer) -> Buffer:
+        return x.fresh((x.shape[0], self.group.size * x.shape[1], *x.shape[2:]))  # gathered, then one copy
+
+    def leave_shapes(self, y: Buffer) -> Buffer:
+        n, length = y.shape[:2]
+        part = (n, length // self.group.size, *y.shape[2:])
+        return y.fresh((self.group.size, *part)).view(part)  # this rank's block of the contiguous blocks
 
 
 def sequence_boundary(group: TensorGroup, sequence_parallel: bool) -> WholeSequence:
@@ -233,6 +249,11 @@ class ColumnParallelLinear(Layer):
             y += self.params["bias"]
         return y.reshape(*x.shape[:-1], self.out_here)
 
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        x = self.boundary.enter_shapes(x)
+        ctx.save(self, x)
+        return rows_out(x, self.out_here)
+
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
         x_rows, dy_rows = x.reshape(-1, self.in_features), dy.reshape(-1, self.out_here)
@@ -282,6 +303,10 @@ class RowParallelLinear(Layer):
         if self.has_bias:
             y += self.params["bias"]
         return y
+
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        ctx.save(self, x)
+        return self.boundary.leave_shapes(rows_out(x, self.out_features))
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)

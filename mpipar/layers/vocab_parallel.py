@@ -33,6 +33,7 @@ from mpipar.backend import Array, accumulation_dtype, array_module, matmul, scat
 from mpipar.cache import Context
 from mpipar.errors import ShapeError
 from mpipar.layers.base import Layer, normal_init, uniform_init
+from mpipar.layers.declared import Buffer, ShapeContext, rows_out
 from mpipar.layers.embedding import check_ids
 from mpipar.layers.losses import Loss
 from mpipar.layers.tensor_parallel import TensorGroup, sequence_boundary, shard_spec
@@ -80,6 +81,17 @@ class VocabParallelEmbedding(Layer):
         y = xp.where(inside[..., None], y, y.dtype.type(0))
         ctx.save(self, local, inside)
         return self.boundary.leave(y)
+
+    def forward_shapes(self, ids: Buffer, ctx: ShapeContext) -> Buffer:
+        if self.group.size == 1:
+            ctx.save(self, ids, None)
+        else:
+            ctx.save(self, ids.fresh(), ids.fresh(dtype=bool))  # local, inside
+        return self.boundary.leave_shapes(ids.fresh((*ids.shape, self.dim), ctx.dtype))
+
+    def backward_input_shapes(self, dy: Buffer, ctx: ShapeContext, x: Buffer) -> Buffer | None:
+        ctx.pop(self)
+        return None
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         local, inside = ctx.pop(self)
@@ -134,6 +146,11 @@ class VocabParallelOutput(Layer):
             logits += self.params["bias"]
         return logits.reshape(*x.shape[:-1], self.rows_here)
 
+    def forward_shapes(self, x: Buffer, ctx: ShapeContext) -> Buffer:
+        x = self.boundary.enter_shapes(x)
+        ctx.save(self, x)
+        return rows_out(x, self.rows_here)
+
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         (x,) = ctx.pop(self)
         dy_rows = dy.reshape(-1, self.rows_here)
@@ -180,6 +197,15 @@ class VocabParallelCrossEntropy(Loss):
         scale = 1.0 / (math.prod(targets.shape[1:]) * global_batch)
         ctx.save(self, shifted, log_norm, local, inside, logits.shape, scale)
         return (log_norm - at_target).sum(dtype=accumulation_dtype(shifted)) * scale
+
+    def forward_shapes(self, logits: Buffer, targets: Buffer, ctx: ShapeContext) -> None:
+        count = math.prod(targets.shape)
+        ctx.save(self, logits.fresh((count, self.rows_here)), logits.fresh((count,)),  # shifted, log_norm
+                 targets.fresh((count,)), targets.fresh((count,), bool))  # local, inside
+
+    def backward_shapes(self, ctx: ShapeContext) -> Buffer:
+        shifted, *_ = ctx.pop(self)
+        return shifted.fresh()
 
     def backward(self, ctx: Context) -> Array:
         shifted, log_norm, local, inside, shape, scale = ctx.pop(self)

@@ -27,6 +27,13 @@ Every rank decides from the same number: the sum over ranks of the squares of th
 gradients each rank updates (clipping.py's global norm), which is finite exactly when no
 rank's gradient overflowed.
 
+A fixed scale (--loss-scale S) never changes, so one that overflows float16 would skip
+every step of a run that then "succeeds" untrained: when each of a run's first
+FIXED_SCALE_OVERFLOWS steps overflows, the run stops on every rank, naming the scale. A
+scale that rounds to 0 or to infinity in float32 (or whose inverse, which the update
+multiplies by, does) is refused before the run (`check_loss_scale`): 0 times the gradient
+and then infinity times 0 would make every update NaN.
+
 `--precision bf16` (bfloat16: float32's range, so no loss scaling) needs an array library
 with bfloat16 arrays; neither NumPy nor CuPy has one, so it is refused. On the CPU, NumPy
 has no half-precision matrix products (it converts element by element), so fp16 is slower
@@ -48,6 +55,9 @@ from mpipar.backend import array_module
 from mpipar.errors import ConfigError, NonFiniteLossError
 
 HALF_ON_CPU = "MPIPAR_HALF_ON_CPU"  # 1: run --precision fp16 on NumPy (for the tests of the maths)
+# A fixed --loss-scale whose first this many steps all overflow is too large: the run stops.
+# 10: a usable scale overflows now and then, not at every one of a run's first ten steps.
+FIXED_SCALE_OVERFLOWS = 10
 
 
 class Precision(str, Enum):
@@ -73,6 +83,29 @@ def check_precision(precision: str, device: str) -> None:
                           "products, so on the CPU it would be slower than float32, not faster")
 
 
+def loss_scale_problem(scale: float) -> str | None:
+    """Why a fixed loss scale cannot work, or None: it, or its inverse that the update multiplies
+    the gradients by, rounds to 0 or to infinity in float32."""
+    with np.errstate(over="ignore", under="ignore", divide="ignore"):
+        narrow = np.float32(scale)
+        inverse = np.float32(1) / narrow
+    if narrow != 0 and np.isfinite(narrow) and np.isfinite(inverse):
+        return None
+    what = ("rounds to 0 in float32" if narrow == 0 else "rounds to infinity in float32" if not np.isfinite(narrow)
+            else "has an inverse (what the update multiplies the gradients by) that rounds to infinity in float32")
+    largest = float(np.finfo(np.float32).max)
+    return (f"--loss-scale {scale:g} {what}, which would make every step's update NaN or skip it: give a scale "
+            f"between {1 / largest:.3g} and {largest:.3g} (1024 to 65536 is usual), or leave --loss-scale out for a "
+            "dynamic one")
+
+
+def check_loss_scale(scale: float | None) -> None:
+    """Raise ConfigError with one sentence where a fixed loss scale (--loss-scale) cannot work."""
+    problem = None if scale is None else loss_scale_problem(scale)
+    if problem:
+        raise ConfigError(problem)
+
+
 def arithmetic_dtype(precision: str, dtype: str) -> str:
     """The dtype of activations, parameters and gradients: float16 for fp16, else `dtype`."""
     return "float16" if precision == Precision.FP16 else dtype
@@ -86,15 +119,19 @@ class LossScaler:
     its inverse, which the update multiplies them by) and decides: a step whose gradient
     overflowed is skipped (`skipping`) and halves S; `growth_interval` good steps in a row
     double it. Every rank calls `update` with the same verdict, so every rank skips alike.
-    A `fixed` scale (--loss-scale) never changes: an overflowed step is still skipped.
+    A `fixed` scale (--loss-scale) never changes: an overflowed step is still skipped, and
+    when the first FIXED_SCALE_OVERFLOWS steps of this run all overflow, the run stops.
     """
 
     def __init__(self, initial: float = 2.0**16, growth_interval: int = 2000, factor: float = 2.0,
                  least: float = 2.0**-24, fixed: bool = False) -> None:
+        if fixed:
+            check_loss_scale(initial)  # the trainer makes its scaler at start, on every rank
         self.scale, self.growth_interval, self.factor, self.least = initial, growth_interval, factor, least
         self.fixed = fixed
         self.unscale, self.skipping = 1.0 / initial, False
         self.good_steps, self.skipped = 0, 0  # good steps since the last change of S; steps skipped in all
+        self.leading_overflows: int | None = 0  # this run's first steps, all overflowed; None once one did not
 
     def state(self) -> dict:
         """What a checkpoint keeps, so that a resumed run scales and skips as the uninterrupted one."""
@@ -107,11 +144,24 @@ class LossScaler:
         self.skipped = int(state["skipped"])
         self.unscale = 1.0 / self.scale
 
+    @property
+    def skipped_at(self) -> float | None:
+        """The loss scale at which the step just decided overflowed (it was skipped), or None."""
+        return 1.0 / self.unscale if self.skipping else None
+
     def update(self, finite: bool) -> None:
         """The verdict on this step's gradient (every rank the same): finite, or overflowed."""
         self.unscale, self.skipping = 1.0 / self.scale, not finite
+        self.leading_overflows = None if finite or self.leading_overflows is None else self.leading_overflows + 1
         if self.fixed:
             self.skipped += not finite
+            if self.leading_overflows == FIXED_SCALE_OVERFLOWS:
+                error = NonFiniteLossError(
+                    f"--loss-scale {self.scale:g} overflows float16: the gradient overflowed at each of this run's "
+                    f"first {FIXED_SCALE_OVERFLOWS} steps, and all {FIXED_SCALE_OVERFLOWS} were skipped (no update "
+                    "made); lower --loss-scale, or leave it out for a dynamic scale that halves on an overflow")
+                error.on_every_rank = True  # every rank reached the same verdicts
+                raise error
             return
         if finite:
             self.good_steps += 1

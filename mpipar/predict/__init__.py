@@ -4,6 +4,7 @@
                     walked from the compiled programs (pipelines, CDP)
     flow_walk.py    the worst moment of a data-parallel step: the sharding flow's buffers, walked
     dry_run.py      what a micro-batch costs in activations, stage by stage and layer by layer
+    shape_only.py   the same figures from the layers' shape-only declarations: nothing allocated
     estimate.py     `mpipar estimate`: every scheme's predicted peak for a model and a world size
     seed_tables.py  the seeds' Table 1 (ZeRO memory) and Table 2 (communication) as formulas
 

@@ -6,7 +6,8 @@ largest temporary it declares, and the stash after each layer. A dry run measure
 the training set's first micro-batch runs forward through every stage (and, for a split
 backward, its B), each layer's parameters bound to zeros only while it runs (a rank that
 owns a shard never builds the whole model), and the activation cache (cache.py) counts
-what is stashed.
+what is stashed. The same walk runs on the layers' shape-only declarations instead
+(`ShapesOnly`; shape_only.py), which is how `mpipar estimate` sizes a model it cannot build.
 
 Exercised by: python -m pytest tests/test_estimate.py
 """
@@ -87,9 +88,38 @@ def stash_while_adding(stash_after: tuple[int, ...], adding: tuple[int, ...], la
     return max(stash_after[layer] + adding[layer] for layer in layers)
 
 
+class ZeroWeights:
+    """How activation_bytes runs a layer: for real, its parameters bound to zeros while it runs."""
+
+    def context(self, cache: ActivationCache, stage: Stage, batch: int, seed: int):
+        return cache.context(stage.index, 0, sample_ids=range(batch), seed=seed)
+
+    def layer(self, stage: Stage, layer, x, ctx):
+        with _zero_bound(stage, layer):
+            return layer.forward(x, ctx)
+
+    def loss(self, loss_fn, x, targets, ctx, batch: int) -> None:
+        loss_fn.forward(x, targets, ctx, batch)
+
+    def loss_gradient(self, loss_fn, ctx):
+        return loss_fn.backward(ctx)
+
+    def zeros_like(self, stage: Stage, x):
+        return stage.flat.backend.xp.zeros_like(x)
+
+    def backward_input(self, stage: Stage, dy, ctx) -> None:
+        """A split backward's B of `stage` from `dy`, with zero weights and gradients bound one
+        layer at a time (a layer that cannot split writes its gradients here)."""
+        for layer in reversed(stage.layers):
+            if dy is None:
+                break
+            with _zero_bound(stage, layer, grads=True):
+                dy = layer.backward_input(dy, ctx)
+
+
 def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 0,
                      recompute_spans: list[list[tuple[int, int]]] | None = None,
-                     split: bool = False) -> ActivationBytes:
+                     split: bool = False, runner: ZeroWeights | None = None) -> ActivationBytes:
     """Run one micro-batch forward through every stage, layer by layer, with zeros for
     weights, each stage in a cache of its own (as on a pipeline rank, whose received input
     is its own buffer), and count what each stashes. Only one layer's parameters exist at
@@ -101,7 +131,11 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
     input and rebuilds the span's stash (`recomputed_stash`: the most a rebuild adds to all
     the kept inputs, the spans after it having released theirs). With `split` (a zero-bubble
     schedule) each stage also runs its B on a zero output gradient: `during_backward` is the
-    most its stash weighs meanwhile, `deferred` what it weighs after, until W."""
+    most its stash weighs meanwhile, `deferred` what it weighs after, until W.
+
+    `runner` runs the layers: ZeroWeights (the default) for real, or an object with its methods
+    (shape_only.ShapesOnly: by the layers' shape-only declarations, on Buffers)."""
+    runner = ZeroWeights() if runner is None else runner
     x, stashed, boundary, largest, rebuilt, deferred, during, workspaces = inputs, [], [], [], [], [], [], []
     stashed_by_layer, adding = [], []
     for stage in stages:
@@ -120,20 +154,20 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
             cache = ActivationCache()  # what the span stashes (rebuilt, under recomputation)
             after_each = ((lambda cache=cache, by_layer=by_layer: by_layer.append(cache.live_bytes))
                           if recompute_spans is None else None)
-            ctx = cache.context(stage.index, 0, sample_ids=range(len(inputs)), seed=seed)
+            ctx = runner.context(cache, stage, len(inputs), seed)
             # its backward pops the kept input before it reruns: the rebuild adds what lies beyond it
             popped = x.nbytes if recompute_spans is not None else 0
-            x, output, temporary = _forward_zeros(stage, first, stop, x, ctx, after_each)
+            x, output, temporary = _forward(runner, stage, first, stop, x, ctx, after_each)
             most, scratch = max(most, output), max(scratch, temporary)
             if last and stop == len(stage.layers):
-                loss_fn.forward(x, targets, ctx, len(inputs))
+                runner.loss(loss_fn, x, targets, ctx, len(inputs))
                 by_layer[-1:] = [cache.live_bytes] if by_layer else []  # the loss's stash with the last layer's
             stash = cache.peak_bytes
             rebuilds.append((kept.live_bytes - before, cache.peak_bytes - popped))
             if split:  # (never with recomputation: train/config/parallelism.py)
-                dy = loss_fn.backward(ctx) if last else stage.flat.backend.xp.zeros_like(x)
+                dy = runner.loss_gradient(loss_fn, ctx) if last else runner.zeros_like(stage, x)
                 cache.peak_bytes = cache.live_bytes
-                _backward_input_zeros(stage, dy, ctx)
+                runner.backward_input(stage, dy, ctx)
                 deferred.append(cache.live_bytes)
                 during.append(cache.peak_bytes)
             cache.release(stage.index, 0)
@@ -156,17 +190,16 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
                            tuple(adding))
 
 
-def _forward_zeros(stage: Stage, first: int, stop: int, x, ctx, after_each=None) -> tuple[object, int, int]:
-    """Layers [first, stop) of `stage` on x with zero weights, bound one layer at a time
-    (`after_each()` called after each); returns the output, the largest output on the way
-    (inner layers' included) and the largest workspace of a layer."""
+def _forward(runner, stage: Stage, first: int, stop: int, x, ctx, after_each=None) -> tuple[object, int, int]:
+    """Layers [first, stop) of `stage` on x, each run by `runner` (`after_each()` called after
+    each); returns the output, the largest output on the way (inner layers' included) and the
+    largest workspace of a layer."""
     most = workspace = 0
     for layer in stage.layers[first:stop]:
         inner = _largest_inner_output(layer, x.shape, x.dtype.itemsize) if x.dtype.kind == "f" else 0
         workspace = max(workspace, layer.workspace(tuple(x.shape[1:])) * x.shape[0] * x.dtype.itemsize
                         if x.dtype.kind == "f" else 0)
-        with _zero_bound(stage, layer):
-            x = layer.forward(x, ctx)
+        x = runner.layer(stage, layer, x, ctx)
         most = max(most, x.nbytes, inner)
         if after_each is not None:
             after_each()
@@ -196,16 +229,6 @@ def _largest_inner_output(layer, shape: tuple[int, ...], itemsize: int) -> int:
         shape = (shape[0], *child.output_shape(tuple(shape[1:])))
         most = max(most, math.prod(shape) * itemsize)
     return most
-
-
-def _backward_input_zeros(stage: Stage, dy, ctx) -> None:
-    """A split backward's B of `stage` from `dy`, with zero weights and gradients bound one
-    layer at a time (a layer that cannot split writes its gradients here)."""
-    for layer in reversed(stage.layers):
-        if dy is None:
-            break
-        with _zero_bound(stage, layer, grads=True):
-            dy = layer.backward_input(dy, ctx)
 
 
 @contextmanager

@@ -43,6 +43,7 @@ from mpipar.models.sequential import leaf_layers
 from mpipar.options import recompute_segment
 from mpipar.predict.dry_run import ActivationBytes, dry_run
 from mpipar.predict.peak import Peak, mesh_peak
+from mpipar.predict.shape_only import Samples, declares_shapes, shape_only_bytes
 from mpipar.schedule.instructions import Backward
 from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.plans import replica_shared_stages
@@ -143,6 +144,21 @@ class Layout:
         return [s for s, size in enumerate(self.stage_sizes) if worker in self.compiled.holders[s] and size]
 
 
+def layout_config(world_size: int, group_size: int, stages: int, scheme: str | None, replicas: int,
+                  micro_batches: int | None, loops: int, batch_size: int, ddp: str | None = None,
+                  recompute: str = "none", tensor: int = 1):
+    """The configuration `mpipar train` would run on one of the `tensor` slices of `world_size`
+    ranks (its automatic values filled in); its schedule_shape(world_size // tensor) is the step
+    that make_layout simulates."""
+    from mpipar.train.config import TrainConfig
+
+    world_size //= tensor  # the ranks of one slice: the schedule and the sharding run over those
+    return TrainConfig.of(stages=stages, scheme=scheme if stages else None, replicas=replicas,
+                          micro_batches=micro_batches or 0, loops=loops, batch_size=batch_size,
+                          group_size=max(1, group_size // tensor),  # a group's ranks of one slice
+                          ddp=ddp, recompute=recompute).for_world(world_size)
+
+
 def make_layout(count: float, built, world_size: int, group_size: int, stages: int, scheme: str | None,
                 replicas: int, micro_batches: int | None, loops: int, batch_size: int, ddp: str,
                 bucket_mb: float, itemsize: int, recompute: str = "none", tensor: int = 1) -> Layout:
@@ -152,13 +168,10 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
     schedule splits it. With `tensor` T, `built` holds one rank's shards (built_model), and the
     mesh is a slice's, of world_size / T ranks."""
     from mpipar.models.sequential import build_stages
-    from mpipar.train.config import TrainConfig
 
+    config = layout_config(world_size, group_size, stages, scheme, replicas, micro_batches, loops, batch_size, ddp,
+                           recompute, tensor)
     world_size //= tensor  # the ranks of one slice: the schedule and the sharding run over those
-    config = TrainConfig.of(stages=stages, scheme=scheme if stages else None, replicas=replicas,
-                            micro_batches=micro_batches or 0, loops=loops, batch_size=batch_size,
-                            group_size=max(1, group_size // tensor),  # a group's ranks of one slice
-                            ddp=ddp, recompute=recompute).for_world(world_size)
     mesh = config.parallel.mesh(world_size)
     if built is None:  # no activations to size: any batch the layout divides will do
         config = config.replace(batch_size=mesh.replicas * config.training.micro_batches)
@@ -184,17 +197,31 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
         segment = recompute_segment(recompute)
         spans = (None if segment is None else
                  compute_spans(laid_out, replica_shared_stages(mesh, sizes), unit_bytes, segment))
-        training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch or micro_batch, seed=0,
-                                       to_device=lambda inputs, targets: (backend.inputs(inputs), targets),
-                                       recompute_spans=spans, split=config.parallel.strategy().split_backward)
+        split = config.parallel.strategy().split_backward
+        if declares_shapes(model.layers, loss):  # by arithmetic (shape_only.py): a model of any size
+            samples = train_set if isinstance(train_set, Samples) else Samples.of(train_set)
+            training, evaluation = shape_only_bytes(laid_out, samples, loss, micro_batch, eval_batch or micro_batch,
+                                                    seed=0, recompute_spans=spans, split=split)
+        else:  # a builder's layers (PyTorch, JAX) without declarations: run one micro-batch of the data
+            training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch or micro_batch, seed=0,
+                                           to_device=lambda inputs, targets: (backend.inputs(inputs), targets),
+                                           recompute_spans=spans, split=split)
         rows = micro_batch * math.prod(train_set.input_shape)
         tensor_sent = tuple(tensor_sent_per_micro_batch(stage.layers, rows, tensor, itemsize, stage is laid_out[-1])
                             for stage in laid_out)
-    groups = []
-    for worker in range(mesh.workers):  # --group-size consecutive world ranks; slice rank r is world rank r T + t
-        ranks = mesh.replica_group(worker)
-        groups.append(sum(rank * tensor // group_size == ranks[0] * tensor // group_size for rank in ranks))
+    groups = [ranks_beside_the_first(mesh.rank(worker, 0), mesh.replicas, tensor, group_size)
+              for worker in range(mesh.workers)]
     return Layout(mesh, compiled, sizes, units, groups, training, evaluation, tensor, tensor_sent, unit_layers)
+
+
+def ranks_beside_the_first(first: int, count: int, tensor: int, group_size: int) -> int:
+    """How many of the slice ranks [first, first + count) (a replica group) share a group of
+    `group_size` consecutive world ranks with the first: slice rank r is world rank r T + t, so
+    r lies in group r T // group_size, which grows with r. By arithmetic: a replica group may
+    be a million ranks."""
+    block = first * tensor // group_size
+    last_in_block = ((block + 1) * group_size - 1) // tensor  # the largest r with r T // group_size == block
+    return min(first + count - 1, last_in_block) - first + 1
 
 
 def tensor_sent_per_micro_batch(layers: list, rows: int, tensor: int, itemsize: int, with_loss: bool) -> float:

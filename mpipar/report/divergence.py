@@ -16,10 +16,12 @@ waiting). Cyclic Data Parallelism knows its losses at the end of a run of steps 
 checked there, step by step.
 
 A loss that became NaN or infinite stops the run with advice from `non_finite_advice`:
-the option whose value makes every update overflow when one does (a weight decay whose
-factor 1 - lr * decay flips and grows each weight, or whose decay term's square passes
-the dtype's largest number; an Adam epsilon that is 0 in the dtype, so that a weight
-whose gradient is 0 gets 0/0), else the learning rate.
+the option whose value makes every update overflow when one does (a fixed --loss-scale
+that, or whose inverse, rounds to 0 or infinity in float32: 0 times infinity; a weight
+decay whose factor 1 - lr * decay flips and grows each weight, or whose decay term's
+square passes the dtype's largest number; an Adam epsilon that is 0 in the dtype, so that
+a weight whose gradient is 0 gets 0/0), else the learning rate. The dtype is the one the
+optimizer computes in: --dtype, which under --precision fp16 is the master weights'.
 
 Exercised by: mpiexec -n 2 mpipar train --optimizer adam --lr 1e6;  python -m pytest tests/test_divergence.py
 """
@@ -32,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from mpipar.errors import MpiparError
+from mpipar.optim.precision import loss_scale_problem
 
 WINDOW_STEPS = 10
 HIGH_WINDOWS = 3
@@ -79,8 +82,13 @@ class DivergenceWatch:
             self.warn(message + " (--stop-on-divergence stops the run instead)")
 
 
-def non_finite_advice(*, lr: float, weight_decay: float, eps: float, optimizer: str, dtype: str) -> str:
-    """What to change after a NaN or infinite loss, naming the option that overflows every update."""
+def non_finite_advice(*, lr: float, weight_decay: float, eps: float, optimizer: str, dtype: str,
+                      loss_scale: float | None = None) -> str:
+    """What to change after a NaN or infinite loss, naming the option that overflows every update;
+    `dtype` is the optimizer's, `loss_scale` the fixed --loss-scale (None: none, or a dynamic one)."""
+    scale_problem = None if loss_scale is None else loss_scale_problem(loss_scale)
+    if scale_problem:
+        return scale_problem
     info = np.finfo(dtype)
     if weight_decay * lr > 1:
         return (f"--weight-decay {weight_decay:g} with --lr {lr:g} multiplies each weight by 1 - {weight_decay * lr:g} "

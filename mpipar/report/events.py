@@ -30,8 +30,8 @@ class RunFacts:
     batch_size: int
     micro_batches: int
     micro_batches_per_rank: bool  # data parallelism splits each rank's share; pipelines and CDP the whole batch
-    total_steps: int
-    epochs: int
+    total_steps: int  # of the whole run, from step 0: --epochs' steps, or fewer with --max-steps
+    steps_per_epoch: int
     tokens_per_sample: int  # a language model's sequence length; 0 where samples are not token windows
     flops_per_sample: float  # model FLOPs of one sample's training step
     peak_flops: float  # --peak-flops: 0 where not given (then no MFU)
@@ -46,6 +46,7 @@ class StepResult:
     accuracy: float
     lr: float
     seconds: float
+    skipped_at: float | None = None  # --precision fp16: the loss scale at which the gradient overflowed (skipped)
 
 
 @dataclass

@@ -12,11 +12,18 @@ Only rank 0 reports. How it shows progress (`progress_mode`, docs/running.md):
 A terminal is not enough for the bar: Open MPI gives every rank a pseudo-terminal even
 when mpirun's output goes to a batch log, and a Slurm step has one only under --pty;
 there `\\r` would fill the log with partial lines, so those get lines. MPIPAR_PROGRESS=
-bar|lines|off overrides the choice. A progress line carries step/total, epoch, loss,
-accuracy, learning rate, samples/s over the wall time since the previous line (evaluation
-left out), the time left (ETA) and rank 0's peak memory (resident, or the allocator's
-peak with --memory-profile). Cyclic Data Parallelism knows a step's loss over all ranks
-only at the end of its epoch: during it the line shows what rank 0 computed, labelled so.
+bar|lines|off overrides the choice. A progress line carries step/total, epoch (of those that
+run: --max-steps may end the run inside one), loss, accuracy, learning rate, the rate over
+the wall time since the previous line (evaluation left out: samples/s, for a language model
+tokens/s, as in the final line), the time left (ETA) and rank 0's peak memory (resident, or
+the allocator's peak with --memory-profile); a step skipped on a float16 overflow gets a line
+at once, saying so. Cyclic Data Parallelism knows a step's loss over all ranks only at the
+end of its epoch: during it the line shows what rank 0 computed, labelled so. A language
+model's held-out split is its validation split, and is called so.
+
+The final lines set the measured peak resident memory beside the predicted peak, which counts
+mpipar's own arrays only (PREDICTED_COVERS): the interpreter, the libraries, MPI's buffers
+and the data set are resident too.
 
 Exercised by: mpipar train --metrics run.jsonl;  python -m pytest tests/test_report.py
 """
@@ -34,6 +41,8 @@ from mpipar.report.metrics_file import MetricsFile
 from mpipar.runtime.memory_probe import peak_rss_bytes
 
 BAR_SECONDS = 0.1  # the bar is redrawn at most this often: drawing every 2 ms step would cost time
+PREDICTED_COVERS = ("mpipar's arrays: parameters, gradients, optimizer state, activations and the buffers of a step; "
+                    "not Python, the libraries, MPI or the data set")
 
 
 def human_bytes(count: float) -> str:
@@ -52,6 +61,14 @@ def human_seconds(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def epochs_text(total_steps: int, steps_per_epoch: int) -> str:
+    """How much of the data a run of `total_steps` goes through: '2 epochs', '1.5 epochs', '0.068 of an epoch'."""
+    epochs = total_steps / steps_per_epoch
+    if epochs < 1:
+        return f"{epochs:.2g} of an epoch"
+    return f"{epochs:.3g} epoch{'s' if epochs != 1 else ''}"
 
 
 def loss_text(loss: float) -> str:
@@ -97,7 +114,7 @@ class Report:
         self.stream = stream if stream is not None else sys.stdout
         self.mode = progress_mode(self.stream, bool(quiet))
         self.log_every, self.log_seconds = log_every, log_seconds
-        self.metrics = MetricsFile(metrics_path, append=append) if metrics_path else None
+        self.metrics = MetricsFile(metrics_path, append=append) if metrics_path is not None else None
         self.bar_drawn = False  # a bar is on screen: the next line must start on a new one
         self.run: RunFacts | None = None  # given by start()
         self._restart_clocks()
@@ -121,13 +138,21 @@ class Report:
         self.stream.write(text + "\n")
         self.stream.flush()
 
+    @property
+    def held_out(self) -> str:
+        """What the evaluated split is called: a language model's is its validation split."""
+        return "validation" if self.run.tokens_per_sample else "test"
+
     def start(self, run: RunFacts) -> None:
         """The run begins: its first line, and the facts every later line reads."""
         self.run = run
-        self._print(f"mpipar: {run.model} on {run.dataset} ({run.train_samples} train / {run.test_samples} test), "
-                    f"{run.parameter_count:,} parameters, {run.world_size} rank(s), scheme {run.scheme}, "
-                    f"{run.device} {run.arithmetic}, global batch {run.batch_size} in {run.micro_batches} "
-                    f"micro-batch(es){' per rank' if run.micro_batches_per_rank else ''}, {run.total_steps} steps")
+        self.epochs = -(-run.total_steps // run.steps_per_epoch)  # the epochs that run, the last maybe in part
+        self._print(f"mpipar: {run.model} on {run.dataset} ({run.train_samples} train / {run.test_samples} "
+                    f"{self.held_out}), {run.parameter_count:,} parameters, {run.world_size} rank(s), scheme "
+                    f"{run.scheme}, {run.device} {run.arithmetic}, global batch {run.batch_size} in "
+                    f"{run.micro_batches} micro-batch(es){' per rank' if run.micro_batches_per_rank else ''}, "
+                    f"{run.total_steps} steps ({epochs_text(run.total_steps, run.steps_per_epoch)} of "
+                    f"{run.steps_per_epoch} steps)")
         for line in run.placement:
             self._print(line)
         self._restart_clocks()
@@ -135,7 +160,8 @@ class Report:
     def step(self, result: StepResult) -> None:
         """A step whose loss is summed over all ranks: its metrics event, and progress when due."""
         self.record(result)
-        self.progress(result.step, result.epoch, loss=result.loss, accuracy=result.accuracy, lr=result.lr)
+        self.progress(result.step, result.epoch, loss=result.loss, accuracy=result.accuracy, lr=result.lr,
+                      skipped_at=result.skipped_at)
 
     def record(self, result: StepResult) -> None:
         """The metrics event of a step (exact: its loss summed over all ranks)."""
@@ -145,6 +171,8 @@ class Report:
         rate = run.batch_size / result.seconds if result.seconds else None
         self.metrics.write("step", {"step": result.step + 1, "epoch": result.epoch + 1, "loss": result.loss,
                                     "accuracy": result.accuracy, "lr": result.lr, "samples_per_s": rate,
+                                    **({"skipped_at_loss_scale": result.skipped_at}
+                                       if result.skipped_at is not None else {}),
                                     **({"tokens_per_s": rate * run.tokens_per_sample}
                                        if rate and run.tokens_per_sample else {}),
                                     **({"mfu": rate * run.flops_per_sample / run.peak_flops}
@@ -153,11 +181,13 @@ class Report:
                                        if memory else {})})
 
     def progress(self, step: int, epoch: int, *, loss: float | None, accuracy: float | None,
-                 lr: float, share: tuple[int, int] | None = None) -> None:
+                 lr: float, share: tuple[int, int] | None = None, skipped_at: float | None = None) -> None:
         """Step `step` is done on rank 0: show it when a line (or a redraw) is due.
 
         `share` = (k, N): loss and accuracy come from the k of the step's N micro-batches whose
-        loss rank 0 computed (Cyclic Data Parallelism during an epoch); None: from all of them."""
+        loss rank 0 computed (Cyclic Data Parallelism during an epoch); None: from all of them.
+        `skipped_at`: the loss scale at which the step's float16 gradient overflowed, so that its
+        update was skipped; a whole line says so at once (under the bar too, which a redraw would erase)."""
         if self.mode == "off":
             return
         self.window_samples += self.run.batch_size
@@ -166,14 +196,16 @@ class Report:
             due = now - self.last_draw >= BAR_SECONDS
         else:
             due = done % self.log_every == 0 or (self.log_seconds > 0 and now - self.last_line >= self.log_seconds)
-        if not (due or done == total):
+        if not (due or done == total or skipped_at is not None):
             return
         rate = self.window_samples / (now - self.window_start) if now > self.window_start else 0.0
         eta = human_seconds((now - self.started) / done * (total - done))  # evaluations included, pro rata
-        fields = (f"step {done}/{total} epoch {epoch + 1}/{self.run.epochs} "
+        skipped = ("" if skipped_at is None else
+                   f" skipped: the float16 gradient overflowed at loss scale {skipped_at:g}, no update")
+        fields = (f"step {done}/{total} epoch {epoch + 1}/{self.epochs} "
                   f"{self._measured(loss, accuracy, share)} lr {lr:.3g} {self._throughput(rate)} "
-                  f"ETA {eta} {self._memory()}")
-        if self.mode == "bar":
+                  f"ETA {eta} {self._memory()}{skipped}")
+        if self.mode == "bar" and skipped_at is None:
             width = 24
             filled = width * done // total
             bar = "=" * filled + ">" * (filled < width) + " " * (width - filled - 1)
@@ -196,7 +228,8 @@ class Report:
                 f"(rank 0's {computed} of {count} micro-batches)")
 
     def _throughput(self, samples_per_s: float) -> str:
-        """samples/s; for a language model tokens/s; with --peak-flops the model FLOPs utilisation."""
+        """samples/s; for a language model tokens/s; with --peak-flops the model FLOPs utilisation.
+        The progress lines and the final line both say it so."""
         run = self.run
         words = (f"{samples_per_s * run.tokens_per_sample:,.0f} tokens/s" if run.tokens_per_sample
                  else f"{samples_per_s:.0f} samples/s")
@@ -223,18 +256,22 @@ class Report:
         if self.metrics:
             self.metrics.write("eval", {"step": result.step, "epoch": result.epoch + 1, "loss": result.loss,
                                         "accuracy": result.accuracy})
-        self._print(f"eval epoch {result.epoch + 1} step {result.step}: test loss {loss_text(result.loss)} "
-                    f"accuracy {result.accuracy:.2%}")
+        self._print(f"eval epoch {result.epoch + 1} step {result.step}: {self.held_out} loss "
+                    f"{loss_text(result.loss)} accuracy {result.accuracy:.2%}")
         self.window_start, self.window_samples = time.perf_counter(), 0
 
     def done(self, summary: dict) -> None:
         if self.metrics:
             self.metrics.write("done", summary)
             self.metrics.close()
-        self._print(f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, of which evaluation "
-                    f"{summary['evaluation_seconds']:.1f} s ({summary['samples_per_s']:.0f} samples/s), test loss "
-                    f"{loss_text(summary['test_loss'])}, test accuracy {summary['test_accuracy']:.2%}, "
-                    f"peak activation memory {human_bytes(summary['peak_activation_bytes'])}")
+        seconds, evaluating = summary["seconds"], summary["evaluation_seconds"]
+        # the samples trained over the time spent training, as the progress lines count them
+        rate = summary["samples_per_s"] * seconds / (seconds - evaluating) if seconds > evaluating else 0.0
+        held_out = self.held_out
+        self._print(f"done: {summary['steps']} steps in {seconds:.1f} s, of which evaluation {evaluating:.1f} s; "
+                    f"trained at {self._throughput(rate)}, {held_out} loss {loss_text(summary['test_loss'])}, "
+                    f"{held_out} accuracy {summary['test_accuracy']:.2%}, peak activation memory "
+                    f"{human_bytes(summary['peak_activation_bytes'])}")
         memory = summary["memory"]
         held = memory["steady"]
         phase, peak = max(((name, peaks["total"]) for name, peaks in memory["peak"].items()),
@@ -256,5 +293,5 @@ class Report:
         parts = [f"peak resident memory per rank {spread(per_rank['peak_rss_bytes'])}"]
         if per_rank["allocator_peak_bytes"] is not None:
             parts.append(f"array allocator peak {spread(per_rank['allocator_peak_bytes'])}")
-        parts.append(f"predicted peak {spread(per_rank['predicted_peak_bytes'])}")
+        parts.append(f"predicted peak {spread(per_rank['predicted_peak_bytes'])} ({PREDICTED_COVERS})")
         self._print("memory: " + "; ".join(parts))

@@ -18,6 +18,15 @@ import math
 from mpipar.errors import ConfigError
 from mpipar.schedule.simulate import Timeline
 
+# What `mpipar schedule show` draws and lists: a row per worker, a column per time unit, a line
+# per instruction. Beyond these a diagram is no longer read, only waited for (the simulation
+# grows with jobs times the jobs ready at once, the listings with ranks, jobs and units).
+DRAWN_WORKERS = 64  # rows, and the stages of a step (mpipar train's most too)
+DRAWN_MICRO_BATCHES = 256
+DRAWN_JOBS = 1024  # stages x micro-batches
+DRAWN_RANKS = 4096  # --world-size: the placement lists replica groups and pipelines
+DRAWN_UNITS = 64  # --units of a shared stage, with --items
+
 
 def legend(timeline: Timeline) -> str:
     """What the cells of `text` mean."""

@@ -44,9 +44,15 @@ class Timeline:
     shape: Shape
     slots: list[Slot]  # in order of start, then worker
     by_worker: list[list[Slot]] = field(default_factory=list)
+    # peak_activation_bytes by its arguments: a prediction asks it once per rank and scheme, and the
+    # slots never change, so each walk over them is made once
+    _peaks: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.by_worker = [[slot for slot in self.slots if slot.worker == w] for w in range(self.shape.workers)]
+        by_worker = [[] for _ in range(self.shape.workers)]
+        for slot in self.slots:
+            by_worker[slot.worker].append(slot)
+        self.by_worker = by_worker
 
     @property
     def latency(self) -> float:
@@ -84,6 +90,13 @@ class Timeline:
         may weigh up to `backward_bytes[s]` while it runs (it keeps output gradients for W
         before it frees the rest), then `deferred_bytes[s]` (what it leaves for W) to the end
         of W(s, b); both are `stage_bytes` by default. At one instant, frees come first."""
+        key = (tuple(stage_bytes), deferred_bytes and tuple(deferred_bytes), backward_bytes and tuple(backward_bytes))
+        if key not in self._peaks:
+            self._peaks[key] = self._peak_activation_bytes(stage_bytes, deferred_bytes, backward_bytes)
+        return list(self._peaks[key])
+
+    def _peak_activation_bytes(self, stage_bytes: list[int], deferred_bytes: list[int] | None,
+                               backward_bytes: list[int] | None) -> list[int]:
         events_of = {FORWARD: lambda slot, s: [(slot.start, stage_bytes[s])],
                      BACKWARD: lambda slot, s: [(slot.end, -stage_bytes[s])]}
         if self.shape.split:
@@ -128,9 +141,11 @@ def simulate(strategy: Strategy, shape: Shape, forward: list[float] | None = Non
     free = [0.0] * shape.workers
     held = [0] * shape.workers  # micro-batches in flight on each worker (for `in_flight`)
 
+    before_of = {job: predecessor(job, shape) for job in place}
+
     def arrives(job: Job) -> bool:
         """A forward that brings a micro-batch to this worker (its predecessor ran elsewhere)."""
-        before = predecessor(job, shape)
+        before = before_of[job]
         return job.direction == FORWARD and (before is None or place[before][1] != place[job][1])
 
     def departs(job: Job) -> bool:
@@ -138,14 +153,25 @@ def simulate(strategy: Strategy, shape: Shape, forward: list[float] | None = Non
         return job.direction == shape.last_use and (
             job.stage == 0 or place[Job(job.stage - 1, job.batch, BACKWARD)][1] != place[job][1])
 
+    arriving = {job for job in place if arrives(job)}
+
     def ready_at(job: Job) -> float:
-        before = predecessor(job, shape)
+        before = before_of[job]
         return max(free[place[job][1]], finish[before] if before is not None else 0.0)
 
-    waiting, slots = set(place), []
-    while waiting:
-        ready = [job for job in waiting if (predecessor(job, shape) in finish or predecessor(job, shape) is None)
-                 and not (arrives(job) and held[place[job][1]] >= cap[place[job][1]])]
+    # the waiting jobs whose predecessor has finished (or that have none), kept as jobs finish: a
+    # scan of every waiting job per step made a step of 1,024 micro-batches take seconds
+    successors: dict[Job, list[Job]] = {}
+    unlocked = set()
+    for job in place:
+        before = before_of[job]
+        if before is None:
+            unlocked.add(job)
+        else:
+            successors.setdefault(before, []).append(job)
+    slots = []
+    while unlocked:
+        ready = [job for job in unlocked if not (job in arriving and held[place[job][1]] >= cap[place[job][1]])]
         if not ready:
             raise ConfigError(f"{strategy.name}: no job can start (in-flight limits {cap}); the schedule is stuck")
         job = min(ready, key=lambda j: (ready_at(j), rank[j], j))
@@ -153,9 +179,10 @@ def simulate(strategy: Strategy, shape: Shape, forward: list[float] | None = Non
         start = ready_at(job)
         end = start + durations[job.direction][job.stage]
         finish[job], free[worker] = end, end
-        held[worker] += arrives(job) - departs(job)
+        held[worker] += (job in arriving) - departs(job)
         slots.append(Slot(job, worker, weights, start, end))
-        waiting.remove(job)
+        unlocked.remove(job)
+        unlocked.update(successors.get(job, ()))
     return Timeline(shape, sorted(slots, key=lambda slot: (slot.start, slot.worker)))
 
 

@@ -6,6 +6,11 @@ share each node against how many cores they may use there, and the BLAS/OpenMP
 thread settings of the ranks. `oversubscription_warning` is one sentence when the
 ranks on some node outnumber its cores: each rank then waits for a core, and a step
 takes several times longer than with one rank per core (benchmarks/oversubscribed.py).
+It also warns when the ranks run several BLAS threads each and, with what other
+processes keep busy on the node (measured over SAMPLE_SECONDS), need more cores than
+there are: OpenBLAS's threads wait for each other at every product, spinning, so one
+thread without a core holds up the rest (one process with 2 threads on a 2-core
+machine where another process ran took 3.3x the time of one thread).
 
 The launcher is read from the environment variables it gives its ranks; the
 functions that read them take the environment as an argument so that the tests can
@@ -19,11 +24,15 @@ from __future__ import annotations
 import os
 import platform
 import re
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple
 
+from mpipar.system.threads import threads_per_rank
+
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+SAMPLE_SECONDS = 0.2  # how long the node's cores are watched for other processes' work (/proc/stat)
 # Most specific first: under `mpirun` inside a Slurm job the ranks see SLURM_PROCID
 # too, but it numbers the launcher's daemons, not the ranks.
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -83,6 +92,8 @@ class NodeLayout:
     cores: int
     cores_per_rank: tuple[int, ...]  # each distinct count among the node's ranks (a binding narrows it)
     thread_settings: tuple[str, ...]  # each distinct setting among the node's ranks
+    blas_threads: int = 1  # the most BLAS threads one of the node's ranks runs
+    busy_elsewhere: float = 0.0  # cores' worth of other processes' work on the node's cores (0 where unknown)
 
 
 class _RankRecord(NamedTuple):
@@ -93,6 +104,42 @@ class _RankRecord(NamedTuple):
     node_cores: int
     own_cores: int
     threads: str
+    blas_threads: int
+    busy_elsewhere: float
+
+
+def _cpu_seconds(cores: set[int]) -> tuple[float, float] | None:
+    """(seconds `cores` have been busy, by anyone, since boot; this process's CPU seconds, all its threads),
+    or None where /proc/stat cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat") as stat:
+            lines = stat.read().splitlines()
+    except OSError:
+        return None
+    busy = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(field) for field in fields[:8])
+            busy += user + nice + system + irq + softirq + steal  # steal: the hypervisor gave the core away
+    times = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), times.user + times.system
+
+
+def _busy_elsewhere(node, cores: set[int]) -> float:
+    """Cores' worth of work that processes other than the node's ranks do on `cores` (collective over
+    `node`): the ranks watch them over the same SAMPLE_SECONDS, and their own CPU time is taken away."""
+    node.Barrier()
+    before, started = _cpu_seconds(cores), time.monotonic()
+    time.sleep(SAMPLE_SECONDS)
+    after, seconds = _cpu_seconds(cores), time.monotonic() - started
+    mine = None if before is None or after is None else \
+        ((after[0] - before[0]) / seconds, (after[1] - before[1]) / seconds)
+    samples = node.allgather(mine)
+    if any(sample is None for sample in samples):
+        return 0.0
+    everyone = sum(busy for busy, _ in samples) / len(samples)
+    return max(0.0, everyone - sum(own for _, own in samples))
 
 
 def node_layouts(comm, cores_per_node: int | None = None) -> list[NodeLayout]:
@@ -109,16 +156,20 @@ def node_layouts(comm, cores_per_node: int | None = None) -> list[NodeLayout]:
     try:
         node_cores = set().union(*node.allgather(usable_cores()))
         node_ranks = tuple(node.allgather(comm.rank))
+        busy = _busy_elsewhere(node, node_cores)
     finally:
         node.Free()
     threads = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in THREAD_VARIABLES)
-    mine = _RankRecord(node_ranks, platform.node(), cores_per_node or len(node_cores), len(usable_cores()), threads)
+    mine = _RankRecord(node_ranks, platform.node(), cores_per_node or len(node_cores), len(usable_cores()), threads,
+                       threads_per_rank(), busy)
     by_node: dict[tuple[int, ...], list[_RankRecord]] = defaultdict(list)
     for record in comm.allgather(mine):
         by_node[record.node_ranks].append(record)
     return [NodeLayout(host=records[0].host, ranks=ranks, cores=records[0].node_cores,
                        cores_per_rank=tuple(sorted({record.own_cores for record in records})),
-                       thread_settings=tuple(dict.fromkeys(record.threads for record in records)))
+                       thread_settings=tuple(dict.fromkeys(record.threads for record in records)),
+                       blas_threads=max(record.blas_threads for record in records),
+                       busy_elsewhere=records[0].busy_elsewhere)
             for ranks, records in sorted(by_node.items())]
 
 
@@ -152,13 +203,35 @@ def describe_launch(comm, cores_per_node: int | None = None) -> list[str]:
 
 
 def oversubscription_warning(comm, cores_per_node: int | None = None) -> str | None:
-    """One sentence if the ranks on some node outnumber its cores, else None; the same on every rank (collective)."""
-    crowded = [layout for layout in node_layouts(comm, cores_per_node) if len(layout.ranks) > layout.cores]
+    """One sentence if the ranks on some node outnumber its cores, or their BLAS threads with other
+    processes' work do, else None; the same on every rank (collective)."""
+    layouts = node_layouts(comm, cores_per_node)
+    crowded = [layout for layout in layouts if len(layout.ranks) > layout.cores]
     if not crowded:
-        return None
+        return busy_cores_warning(layouts)
     worst = max(crowded, key=lambda layout: len(layout.ranks) / layout.cores)
     others = f" (and on {len(crowded) - 1} other node(s))" if len(crowded) > 1 else ""
     ranks_word = "rank" if worst.cores == 1 else "ranks"
     return (f"{len(worst.ranks)} ranks share {_cores(worst.cores)} on host {worst.host}{others}: each step will be "
             f"several times slower than with {worst.cores} {ranks_word}; start at most {worst.cores} "
             f"{ranks_word} per node")
+
+
+def busy_cores_warning(layouts: list[NodeLayout]) -> str | None:
+    """One sentence if on some node the ranks' BLAS threads (more than one each) and the cores other
+    processes keep busy add up to more than its cores, else None."""
+    short = [layout for layout in layouts if layout.blas_threads > 1
+             and len(layout.ranks) * layout.blas_threads + round(layout.busy_elsewhere) > layout.cores]
+    if not short:
+        return None
+    worst = max(short, key=lambda layout: round(layout.busy_elsewhere) / layout.cores)
+    ranks, busy = len(worst.ranks), min(round(worst.busy_elsewhere), worst.cores)
+    fitting = max(1, (worst.cores - busy) // ranks)
+    others = f" (and on {len(short) - 1} other node(s))" if len(short) > 1 else ""
+    where = (f"other processes keep about {busy} of the {_cores(worst.cores)} of host {worst.host}{others} busy"
+             if busy else f"host {worst.host}{others} has {_cores(worst.cores)}")
+    runs = "this rank runs" if ranks == 1 else f"each of its {ranks} ranks runs"
+    fewer = f"{fitting} thread" + ("s" if fitting > 1 else "")
+    return (f"{where}, and {runs} {worst.blas_threads} BLAS threads: BLAS's threads wait for each other at "
+            f"every matrix product, so each step can be several times slower than with {fewer}; set "
+            f"OPENBLAS_NUM_THREADS={fitting} (and OMP_NUM_THREADS, MKL_NUM_THREADS) to use only the free cores")

@@ -5,7 +5,10 @@ cores run four busy threads and thrash. The launcher tells each process how many
 ranks share its node (MPICH/Hydra: MPI_LOCALNRANKS, Open MPI:
 OMPI_COMM_WORLD_LOCAL_SIZE, Slurm: SLURM_NTASKS_PER_NODE); we read it before
 NumPy is imported, because BLAS fixes its pool size when it loads. A variable the
-user already set is never overridden.
+user already set is never overridden. A process started alone keeps BLAS's own default,
+a thread per core: the count stays a function of the machine, not of what else runs on
+it at the moment, and system/launch.py warns when other processes leave those threads
+short of cores (docs/cluster.md, "Threads per rank").
 
 Exercised by: mpiexec -n 2 mpipar info   (prints the thread count per rank)
 """

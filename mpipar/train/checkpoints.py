@@ -40,7 +40,7 @@ import numpy as np
 
 import mpipar
 from mpipar.checkpoint import store
-from mpipar.checkpoint.format import FORMAT, check_compatible, parameter_table
+from mpipar.checkpoint.format import FORMAT, check_compatible, parameter_table, saved_layout
 from mpipar.checkpoint.upgrade import Reorder
 from mpipar.data.identity import DataIdentity, identity_of
 from mpipar.data.token_scan import partial_identity
@@ -262,7 +262,7 @@ class Checkpoints:
             self.last_saved_step = step  # already there; resumed into another directory, the end saves anew
         if self.run.comm.rank == 0:
             print(f"mpipar: resuming from {self.resumed_from} after step {step} (saved by "
-                  f"{manifest['world']['ranks']} rank(s), {manifest['world']['scheme']})", flush=True)
+                  f"{saved_layout(manifest)})", flush=True)
             if _partially_identified(manifest) and not self.config.checkpoint.resume_other_data:
                 print(f"mpipar: {self.resumed_from} records its token data by the first and last MiB of each .bin "
                       "(identity version 1), so only those were compared with this run's data", flush=True)

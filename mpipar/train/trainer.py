@@ -63,13 +63,14 @@ from mpipar.predict.dry_run import ActivationBytes, dry_run
 from mpipar.predict.peak import Peak, plan_peak
 from mpipar.report.divergence import DivergenceWatch, non_finite_advice
 from mpipar.report.events import EvalResult, RunFacts, StepResult
-from mpipar.runtime.executor import Executor
+from mpipar.runtime.executor import EngineCommunicators, Executor
 from mpipar.runtime.gathered_activations import gathered_bytes
 from mpipar.runtime.memory_probe import available_bytes, make_probe, peak_rss_bytes
 from mpipar.schedule.plans import replica_shared_stages
 from mpipar.schedule.sharding import compute_spans, unit_bytes_for
 from mpipar.train.checkpoints import FLAGS, CheckpointedRun, Checkpoints
 from mpipar.train.config import TrainConfig
+from mpipar.train.config.job import Job
 from mpipar.train.graphed_step import GraphedStep
 from mpipar.train.model_assembly import chain_torch_layers, configured_model
 from mpipar.train.scheme import scheme_for
@@ -92,12 +93,19 @@ class Trainer:
         self.memory = make_probe(config.model.device) if config.output.memory_profile else None
         if self.memory:
             self.memory.start()
+        # Every rank's job is compared first (the command line does it too, but the Python API and the
+        # benchmarks start here): how the counted world is built depends on the options.
+        agree_on_setup(self.comm, lambda: config, identify=Job.of)
         # The counted communicator every training message goes through; made before
         # validation, which could otherwise stop some ranks before this collective call.
         self.counted = agree_on_setup(self.comm, lambda: make_world(config.parallel.group_size or None, self.comm))
         agree_on_setup(self.comm, self._setup)
         agree_on_data(self.comm, self.train_set, self.test_set)  # a rank with other data stops them all
-        self.engine = self._make_engine()  # collective (sub-communicators): only once every rank is set up
+        # The engine's communicators are made first (collective), then each rank allocates its share
+        # with no message in between: a rank out of memory there stops every rank with one sentence.
+        plan = self.scheme.plan(self.stages, self.backend.dtype.itemsize)
+        communicators = EngineCommunicators.make(self.slice, plan)
+        self.engine = agree_on_setup(self.comm, lambda: self._make_engine(plan, communicators))
         for leaf in leaf_layers(self.model.layers):  # the engine holds the initial values now
             leaf.release_initial()
         chain_torch_layers(self.stages, self.loss_fn, config, self.world_size)
@@ -239,10 +247,10 @@ class Trainer:
         error.on_every_rank = True  # the same verdict on every rank: each exits, none is left waiting
         raise error
 
-    def _make_engine(self) -> Executor:
-        """The executor of this rank's plan: CDP's programs, or the pipeline strategy's (data parallelism: S = 1)."""
+    def _make_engine(self, plan, communicators: EngineCommunicators) -> Executor:
+        """The executor of this rank's plan (CDP's programs, or the pipeline strategy's: data parallelism
+        is S = 1), allocating what this rank keeps, with no message (its communicators are made)."""
         cfg, optim, parallel = self.config, self.config.optim, self.config.parallel
-        plan = self.scheme.plan(self.stages, self.backend.dtype.itemsize)
         first_layers = [layers.start for layers in partition(self.model, len(self.stages))]
         return Executor(self.slice, self.stages, plan, self.cache, self.loss_fn,
                         input_shapes=[self.model.shapes[first] for first in first_layers],
@@ -252,7 +260,8 @@ class Trainer:
                                                updates=cpu_updates(self.model, cfg.model.device),
                                                master_dtype=cfg.model.dtype, loss_scaler=self.loss_scaler),
                         collective=parallel.collective, unit_bytes=unit_bytes_for(parallel.ddp, parallel.bucket_mb),
-                        recompute=recompute_segment(parallel.recompute), gathered_layers=self.gathered_layers)
+                        recompute=recompute_segment(parallel.recompute), gathered_layers=self.gathered_layers,
+                        communicators=communicators)
 
     # -- the model, read and written the same way for every scheme -------------------------
     def full_parameters(self, root: int | None = None) -> dict[str, np.ndarray] | None:
@@ -300,9 +309,9 @@ class Trainer:
         return self.backend.inputs(inputs), self.backend.xp.asarray(targets)
 
     def _non_finite_advice(self) -> str:
-        optim = self.config.optim
+        optim, model = self.config.optim, self.config.model  # the optimizer computes in --dtype (master weights)
         return non_finite_advice(lr=optim.lr, weight_decay=optim.weight_decay, eps=optim.eps, optimizer=optim.optimizer,
-                                 dtype=self.backend.dtype.name)
+                                 dtype=model.dtype, loss_scale=model.loss_scale)
 
     @contextlib.contextmanager
     def _advice_on_non_finite_loss(self):
@@ -322,6 +331,8 @@ class Trainer:
         micro_batches = split_micro_batches(rank_slice(indices, mesh.replica(self.rank), mesh.replicas),
                                             cfg.training.micro_batches)
         data = self.train_set.for_epoch(epoch, cfg.training.seed)  # a token stream's windows are cut anew each epoch
+        if isinstance(data, TokenStream):  # every rank checks the global batch's ids: one verdict, said once
+            data.check_ids(indices)
         if self.loss_scaler:
             self.loss_fn.set_gradient_scale(self.loss_scaler.scale)
         load, step_on_device = (lambda _step, b: self._to_device(*data.batch(micro_batches[b]))), None
@@ -366,7 +377,8 @@ class Trainer:
         lr = self.lr_at(step)
         self.engine.step(lr)
         accuracy = float(self.step_totals[1] / self.step_totals[2])
-        return StepResult(step, epoch, loss, accuracy, lr, time.perf_counter() - start)
+        return StepResult(step, epoch, loss, accuracy, lr, time.perf_counter() - start,
+                          self.loss_scaler.skipped_at if self.loss_scaler else None)
 
     def _gradient_pieces(self) -> list:
         """Views of the gradients this rank updates in this step, where tying or clipping needs them."""
@@ -521,8 +533,9 @@ class Trainer:
         return EvalResult(epoch, float(totals[0]), float(totals[1] / max(totals[2], 1)), step)
 
     def _placement(self) -> tuple[str, ...]:
-        """Where the ranks play their parts: the tensor groups (with --tensor), then the slice's mesh."""
-        grid = self.grid.describe(self.counted.group_of) if self.tensor is not None else []
+        """Where the ranks play their parts: the tensor groups (with --tensor, not --quiet), then the slice's mesh."""
+        quiet = self.config.output.quiet
+        grid = self.grid.describe(self.counted.group_of) if self.tensor is not None and not quiet else []
         return (*grid, *self.scheme.placement)
 
     def _count_once(self, figures: np.ndarray) -> None:
@@ -553,7 +566,7 @@ class Trainer:
                         device=model.device, arithmetic=model.dtype if model.precision == "fp32" else
                         f"{model.precision} with {model.dtype} master weights", batch_size=training.batch_size,
                         micro_batches=training.micro_batches, micro_batches_per_rank=self.scheme.micro_batches_per_rank,
-                        total_steps=self.total_steps, epochs=training.epochs,
+                        total_steps=self.total_steps, steps_per_epoch=self.sampler.steps_per_epoch,
                         tokens_per_sample=cfg.data.seq_len if isinstance(self.train_set, TokenStream) else 0,
                         flops_per_sample=self.training_flops_per_sample, peak_flops=cfg.output.peak_flops or 0.0,
                         memory=self.memory)

@@ -13,7 +13,7 @@ from mpipar.backend import DEVICES, DTYPES
 from mpipar.errors import ConfigError
 from mpipar.gpu import gpu_array_module
 from mpipar.models.builtin import MODELS
-from mpipar.optim.precision import PRECISIONS, Precision, check_precision
+from mpipar.optim.precision import PRECISIONS, Precision, check_loss_scale, check_precision
 from mpipar.options import FloatRange, IntListType, ModelType
 from mpipar.train.config.option import POSITIVE, OptionGroup, option
 
@@ -61,6 +61,7 @@ class ModelOptions(OptionGroup):
         if self.loss_scale is not None and self.precision != Precision.FP16:
             raise ConfigError(f"--loss-scale scales the gradients of --precision fp16; --precision {self.precision} "
                               "has no loss scale")
+        check_loss_scale(self.loss_scale)
         if self.model == "transformer" and self.width % self.heads:
             raise ConfigError(f"--width {self.width} is not divisible by --heads {self.heads}")
         if self.tie_embeddings and self.model != "transformer":

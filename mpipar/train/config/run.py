@@ -124,7 +124,8 @@ class TrainConfig:
         raise ConfigError(self._no_pipeline_fits(world_size))
 
     def _no_pipeline_fits(self, world_size: int) -> str:
-        """The sentence for --stages S that no D replicas of a pipeline of W/D ranks can run."""
+        """The sentence for --stages S that no D replicas of a pipeline of W/D ranks can run
+        (`world_size`: the ranks of one tensor slice, which the sentence says under --tensor T)."""
         parallel, strategy, micro_batches = self.parallel, self.parallel.strategy(), self.training.micro_batches
         whole = Shape(world_size, parallel.stages, micro_batches or world_size, parallel.loops)
         needs = (strategy.check(whole) or "").partition(", got")[0]
@@ -134,9 +135,12 @@ class TrainConfig:
             not strategy.check(Shape(world_size // d, stages, micro_batches or world_size // d, parallel.loops))
             for d in range(1, world_size + 1) if world_size % d == 0)]
         listed = " or ".join(filter(None, (", ".join(map(str, fitting[:-1])), str(fitting[-1])))) if fitting else ""
-        others = f"; on {world_size} ranks --stages {listed} can run" if fitting else ""
         ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
-        return (f"--scheme {parallel.scheme} --stages {parallel.stages} cannot run on {ranks}: they would form "
+        tensor = parallel.tensor
+        where = ranks if tensor == 1 else \
+            f"the {ranks} of a tensor slice ({world_size * tensor} ranks / --tensor {tensor})"
+        others = f"; on {ranks if tensor == 1 else 'such a slice'} --stages {listed} can run" if fitting else ""
+        return (f"--scheme {parallel.scheme} --stages {parallel.stages} cannot run on {where}: they would form "
                 f"D copies of a pipeline of {world_size}/D ranks, and for no D dividing {world_size} does "
                 f"{parallel.scheme} accept that pipeline ({needs}){others}")
 
