@@ -12,10 +12,14 @@ lookup's $MPIPAR_DATA and $MPIPAR_SYSTEM_DATA where set, so that a block finds t
 sets this test found when it chose what to skip. Blocks that are not commands are marked
 ```text and not run.
 
-The working directory is a scratch mirror of the repository root: one symbolic link
-per top-level entry, so `examples/...`, `docs/...` and `.venv` resolve as in the
-repository while the files a command writes (run.jsonl, cdp_memory.png, ...) land in
-the scratch folder instead of the shared tree.
+The working directory is a scratch mirror of the repository root: one symbolic link per
+top-level entry that git tracks (`git ls-files`), and `.venv`, so `examples/...`,
+`docs/...` and `.venv` resolve as in the repository while the files a command writes
+(run.jsonl, cdp_memory.png, runs/...) land in the scratch folder. A top-level entry that
+is untracked or ignored is not linked: a user's own `runs/` is not the blocks' `runs/`.
+The last test runs the blocks that write files against a clone of the repository that
+holds files in an ignored `runs/` and an untracked file, and checks that every untracked
+and ignored file of the clone, and `../shared`, hash the same afterwards.
 
 Small step counts are injected, at the end of each command (before a pipe or a
 comment), so the whole file runs in a few minutes on two cores:
@@ -28,6 +32,8 @@ comment), so the whole file runs in a few minutes on two cores:
     benchmarks/NAME.py ...                  + its own small counts (BENCHMARK_COUNTS below)
     for X in A B C ...; do                  -> for X in A; do
     python benchmarks/throughput_mlp.py     -> judged python benchmarks/throughput_mlp.py
+    python -m pytest ...                    + --collect-only  (the suite runs those tests itself;
+                                              the block must still name tests that exist)
 
 `judged` accepts the benchmark's exit status 1 when its last line is its FAIL verdict:
 a throughput ratio over 2 steps on a shared machine is noise; a crash still fails.
@@ -54,6 +60,7 @@ A failing command fails its case, naming the file, the line and the output's tai
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -91,6 +98,7 @@ INJECTIONS = [  # (pattern a command must contain, what to append to it)
     (re.compile(r"examples/cdp_accuracy\.py"), "--seeds 1 --epochs 1 --max-steps 2 --jobs 1"),
     (re.compile(r"\bmpipar\s+bench\s+comms\b"), "--sizes 4KB --reps 1 --warmup 1"),
     (re.compile(r"\bmpipar\s+cdp\s+memory\b"), "--steps 1"),
+    (re.compile(r"\s-m\s+pytest\b"), "--collect-only"),
     *[(re.compile(re.escape(script)), counts) for script, counts in BENCHMARK_COUNTS.items()],
 ]
 JUDGED = re.compile(r"(?<![\w/])(python3?\s+benchmarks/throughput_mlp\.py)")  # exits 1 on its FAIL verdict
@@ -255,21 +263,25 @@ def clean_environment(scratch: Path) -> dict[str, str]:
     return env
 
 
+def tracked_files(root: Path) -> list[str]:
+    """The files git tracks in `root`, relative to it (what a fresh clone holds)."""
+    listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, check=True).stdout
+    return [name for name in listed.decode().split("\0") if name]
+
+
 def mirror_of_the_repository(scratch: Path) -> Path:
-    """A folder whose entries link to the repository root's (writes land in the folder), with
-    `../shared` beside it where the repository has one;
-    its `.venv` is $MPIPAR_DOCS_VENV where set (CI's lane with PyTorch and JAX installed
-    runs the blocks in its own environment), else the repository's."""
+    """A folder whose entries link to the repository root's tracked ones (a command's writes land in
+    the folder), with `../shared` beside it where the repository has one; its `.venv` links to
+    $MPIPAR_DOCS_VENV where set (CI's lane with PyTorch and JAX installed runs the blocks in its
+    own environment), else to the repository's."""
     mirror = scratch / "repo"
     mirror.mkdir()
-    for entry in ROOT.iterdir():
-        if entry.name != ".git":
-            (mirror / entry.name).symlink_to(entry)
+    for entry in sorted({name.split("/")[0] for name in tracked_files(ROOT)}):
+        if (ROOT / entry).exists():
+            (mirror / entry).symlink_to(ROOT / entry)
     if (ROOT.parent / "shared").is_dir():  # the data beside the repository (../shared/data), as in a checkout
         (scratch / "shared").symlink_to(ROOT.parent / "shared")
-    if os.environ.get("MPIPAR_DOCS_VENV"):
-        (mirror / ".venv").unlink(missing_ok=True)
-        (mirror / ".venv").symlink_to(ROOT / os.environ["MPIPAR_DOCS_VENV"])
+    (mirror / ".venv").symlink_to(ROOT / os.environ.get("MPIPAR_DOCS_VENV", ".venv"))
     return mirror
 
 
@@ -315,3 +327,72 @@ def test_block_runs_as_pasted(block: Block, tmp_path: Path):
                     f"output's tail:\n{output[-3000:]}")
     if stateless:
         PASSED.update({command: block.name for command in commands.values()})
+
+
+# Blocks whose commands write files (checkpoints, token files, metrics): the ones that could reach a user's.
+WRITES = re.compile(r"\bruns/|--checkpoint-dir|--metrics|--out\b|\bprepare-text\b|\bdownload\b")
+
+
+def untracked_and_ignored(root: Path) -> dict[str, str]:
+    """SHA-256 (or link target) of every file of `root` that git does not track, by path; bytecode caches
+    (which Python rewrites from the sources as it likes) and virtual environments (large, and written by
+    no block: pip lines are not run) are left out."""
+    tracked, hashes = set(tracked_files(root)), {}
+    for folder, folders, files in os.walk(root):
+        here = Path(folder)
+        folders[:] = [name for name in folders if name not in (".git", "__pycache__")
+                      and not (here / name / "pyvenv.cfg").exists() and not (here / name).is_symlink()]
+        for name in [*files, *(name for name in os.listdir(here) if (here / name).is_symlink() and name not in files)]:
+            path = here / name
+            relative = str(path.relative_to(root))
+            if relative not in tracked:
+                hashes[relative] = (f"-> {os.readlink(path)}" if path.is_symlink()
+                                    else hashlib.sha256(path.read_bytes()).hexdigest())
+    return hashes
+
+
+def all_files(root: Path) -> dict[str, str]:
+    return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(root.rglob("*")) if path.is_file()}
+
+
+def differences(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    return [f"{name}: {'written' if name not in before else 'deleted' if name not in after else 'changed'}"
+            for name in sorted(before.keys() | after.keys()) if before.get(name) != after.get(name)]
+
+
+@pytest.mark.skipif(os.environ.get("MPIPAR_DOCS_CLONE") is not None, reason="this run is the check's own, in a clone")
+def test_the_blocks_leave_untracked_and_ignored_files_and_shared_as_they_were(tmp_path: Path):
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(clone)], check=True)
+    # The working tree as it is (edits not yet committed; files not yet added), not the last commit.
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--others", "--exclude-standard"],
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in [*tracked_files(ROOT), *filter(None, listed)]:
+        if (ROOT / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, clone / name)
+        else:
+            (clone / name).unlink(missing_ok=True)
+    for name, content in {"runs/a/step-00000100/model.safetensors": os.urandom(4096), "runs/a/latest": b"step-00000100",
+                          "runs/shakespeare/meta.json": b'{"vocab_size": 3}', "runs/shakespeare-model/latest":
+                          b"step-00000300", "notes.txt": b"a user's untracked file\n"}.items():
+        (clone / name).parent.mkdir(parents=True, exist_ok=True)
+        (clone / name).write_bytes(content)
+    shared = ROOT.parent / "shared"
+    if shared.is_dir():
+        (tmp_path / "shared").symlink_to(shared)  # the clone's ../shared is the repository's
+    writing = [block.name for block in BLOCKS if WRITES.search("\n".join(block.lines))]
+    before, shared_before = untracked_and_ignored(clone), all_files(shared) if shared.is_dir() else {}
+    assert {"runs/a/latest", "notes.txt"} <= before.keys()
+    venv = ROOT / os.environ.get("MPIPAR_DOCS_VENV", ".venv")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'own'}", *(
+        f"tests/test_docs_commands.py::test_block_runs_as_pasted[{name}]" for name in writing)], cwd=clone,
+        env={**os.environ, "MPIPAR_DOCS_CLONE": "1", "MPIPAR_DOCS_VENV": str(venv), "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"\d+ passed", run.stdout), run.stdout[-3000:]
+    changed = differences(before, untracked_and_ignored(clone))
+    assert not changed, f"the blocks {writing} changed the clone's untracked or ignored files: {changed}"
+    changed = differences(shared_before, all_files(shared) if shared.is_dir() else {})
+    assert not changed, f"the blocks {writing} changed ../shared: {changed}"

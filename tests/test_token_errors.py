@@ -18,6 +18,8 @@ import pytest
 
 from conftest import assert_one_sentence, run_mpi
 from mpipar.data.tokens import prepare_text
+from mpipar.errors import DataError
+from mpipar.layers.embedding import check_ids
 
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 L = ["--model", "transformer", "--dataset", "tokens", "--seq-len", "16", "--width", "16", "--heads", "2",
@@ -161,3 +163,10 @@ def test_sample_on_a_manifest_without_a_model_field_is_one_sentence(prepared, tm
     result = mpipar("sample", "--checkpoint-dir", str(checkpoint), "--tokens", "5")
     assert_refused_before_training(result, f"checkpoint {checkpoint}'s manifest records no {field} in its config, so the model "
                                 "it holds cannot be rebuilt")
+
+
+def test_the_embedding_names_the_first_id_outside_its_vocabulary_and_where_it_is_in_the_batch():
+    with pytest.raises(DataError) as caught:
+        check_ids("Embedding(10, 4)", np.array([[1, 2, 3], [4, 12, -1]]), 10)
+    assert str(caught.value) == ("Embedding(10, 4): token ids must be in [0, 10), got id 12 at index (1, 1) of the "
+                                 "batch (ids from -1 to 12)")

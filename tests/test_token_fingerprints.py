@@ -1,12 +1,15 @@
 """Each token file read once, its SHA-256 and ids remembered (mpipar/data/token_scan.py); a 2 GB file checked
 in flat memory; a resume on data changed anywhere refused, naming the file; a checkpoint of identity
-version 1 (the first and last MiB) still resumes, saying so once.
+version 1 (the first and last MiB) still resumes, saying so once; a damaged fingerprint file is read again in
+silence, and one whose entry understates the largest id is caught in the batch, in one sentence naming the file
+and its first bad id.
 
     python -m pytest tests/test_token_fingerprints.py -q -s     (-s shows the 2 GB file's times)
 """
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,6 +21,7 @@ import pytest
 
 from conftest import run_mpi
 from mpipar.data import load_dataset, token_scan
+from mpipar.data.tokens import TokenStream
 from mpipar.errors import DataError
 
 L = ["--model", "transformer", "--dataset", "tokens", "--seq-len", "16", "--width", "16", "--heads", "2",
@@ -96,8 +100,8 @@ def test_a_directory_that_cannot_be_written_keeps_its_fingerprints_in_the_user_c
 
 def test_writers_at_once_never_leave_a_torn_fingerprint_file(tmp_path):
     directory = write_stream(tmp_path / "d")
-    writer = ("import sys; from pathlib import Path; from mpipar.data.token_scan import _remember; "
-              "[_remember(Path(sys.argv[1]) / f'{sys.argv[2]}-{i}.bin', {'sha256': 'ab' * 32, 'pad': 'x' * 4000}) "
+    writer = ("import sys; from pathlib import Path; from mpipar.data.token_scan import Fingerprint, _remember; "
+              "[_remember(Path(sys.argv[1]) / f'{sys.argv[2]}-{i}.bin', Fingerprint(i, 1, 2, '<u2', 'ab' * 32, 7)) "
               "for i in range(150)]")
     writers = [subprocess.Popen([sys.executable, "-c", writer, str(directory), str(n)]) for n in range(4)]
     place, reads, torn = directory / token_scan.FINGERPRINTS, 0, []
@@ -111,6 +115,148 @@ def test_writers_at_once_never_leave_a_torn_fingerprint_file(tmp_path):
     assert all(process.returncode == 0 for process in writers)
     assert not torn, f"{len(torn)} of {reads + len(torn)} reads found a torn fingerprint file: {torn[0]}"
     assert json.loads(place.read_text())["format"] == token_scan.FORMAT
+
+
+# What a damaged fingerprint file may hold, by what is wrong with it: each a change to the entry of train.bin
+# (None: the entry removed and this value put in its place), or a whole file's bytes.
+DAMAGED_ENTRIES = {
+    "an entry that is a string": lambda entry: "sha256",
+    "an entry that is a list": lambda entry: list(entry.values()),
+    "largest missing": lambda entry: {key: value for key, value in entry.items() if key != "largest"},
+    "largest a string": lambda entry: {**entry, "largest": "3"},
+    "largest a float": lambda entry: {**entry, "largest": 3.0},
+    "largest a boolean": lambda entry: {**entry, "largest": True},
+    "largest null": lambda entry: {**entry, "largest": None},
+    "largest negative": lambda entry: {**entry, "largest": -1},
+    "largest beyond the dtype": lambda entry: {**entry, "largest": 1 << 16},
+    "largest a huge number": lambda entry: {**entry, "largest": 10**400},
+    "sha256 too short": lambda entry: {**entry, "sha256": entry["sha256"][:-2]},
+    "sha256 not hexadecimal": lambda entry: {**entry, "sha256": "z" * 64},
+    "sha256 in capitals": lambda entry: {**entry, "sha256": entry["sha256"].upper()},
+    "sha256 a number": lambda entry: {**entry, "sha256": 7},
+    "size a string": lambda entry: {**entry, "size": str(entry["size"])},
+    "mtime_ns a float": lambda entry: {**entry, "mtime_ns": float(entry["mtime_ns"])},
+    "dtype not a dtype": lambda entry: {**entry, "dtype": "float"},
+    "dtype a list": lambda entry: {**entry, "dtype": ["<u2"]},
+    "a key too many": lambda entry: {**entry, "smallest": 0},
+}
+DAMAGED_FILES = {
+    "deeply nested JSON": b"[" * 200_000 + b"]" * 200_000,
+    "deeply nested JSON in an entry": b'{"format": "mpipar-fingerprints/1", "files": {"train.bin": '
+                                      + b'{"a": ' * 100_000 + b"0" + b"}" * 100_002,
+    "bytes that are not UTF-8": b"\xff\xfe\x00{\x80",
+    "a truncated file": b'{"format": "mpipar-fingerprints/1", "files": {"train.bin": {"size": 4',
+    "an empty file": b"",
+    "a JSON list": b"[1, 2]",
+    "files a list": b'{"format": "mpipar-fingerprints/1", "files": ["train.bin"]}',
+    "another format": b'{"format": "mpipar-fingerprints/9", "files": {}}',
+    "NaN for a number": b'{"format": "mpipar-fingerprints/1", "files": {"train.bin": {"largest": NaN}}}',
+    "more than a MiB": b'{"format": "mpipar-fingerprints/1", "files": {}}' + b" " * (1 << 20),
+}
+
+
+def counted_scans(monkeypatch) -> list[str]:
+    scans, scan = [], token_scan._scan
+    monkeypatch.setattr(token_scan, "_scan", lambda path, meta: scans.append(path.name) or scan(path, meta))
+    return scans
+
+
+def damage_and_load(directory: Path, damaged: bytes, monkeypatch, capfd) -> list[str]:
+    """Load `directory` once (fingerprinting it), put `damaged` in its fingerprint file, load it again: the
+    names of the files read again, after checking that the load said nothing and found the same data."""
+    first, _ = load_dataset("tokens", data_dir=str(directory), seq_len=16)
+    (directory / token_scan.FINGERPRINTS).write_bytes(damaged)
+    scans = counted_scans(monkeypatch)
+    capfd.readouterr()
+    again, _ = load_dataset("tokens", data_dir=str(directory), seq_len=16)
+    assert capfd.readouterr() == ("", ""), "a damaged fingerprint file is read again in silence"
+    assert again.fingerprint == first.fingerprint
+    rewritten = json.loads((directory / token_scan.FINGERPRINTS).read_text())["files"]
+    assert all(token_scan.Fingerprint.parse(rewritten[name]) for name in ("train.bin", "val.bin")), rewritten
+    return scans
+
+
+@pytest.mark.parametrize("damage", DAMAGED_ENTRIES.values(), ids=DAMAGED_ENTRIES.keys())
+def test_an_entry_that_is_not_exactly_well_formed_is_ignored_and_the_file_read_again(damage, tmp_path, monkeypatch,
+                                                                                     capfd):
+    directory = write_stream(tmp_path / "d")
+    load_dataset("tokens", data_dir=str(directory), seq_len=16)
+    saved = json.loads((directory / token_scan.FINGERPRINTS).read_text())
+    saved["files"]["train.bin"] = damage(saved["files"]["train.bin"])
+    assert damage_and_load(directory, json.dumps(saved).encode(), monkeypatch, capfd) == ["train.bin"]
+
+
+@pytest.mark.parametrize("damaged", DAMAGED_FILES.values(), ids=DAMAGED_FILES.keys())
+def test_a_fingerprint_file_that_cannot_be_read_as_one_is_ignored_and_the_files_read_again(damaged, tmp_path,
+                                                                                         monkeypatch, capfd):
+    directory = write_stream(tmp_path / "d")
+    assert damage_and_load(directory, damaged, monkeypatch, capfd) == ["train.bin", "val.bin"]
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_place_of_the_fingerprint_file_is_not_waited_on(tmp_path, monkeypatch):
+    directory = write_stream(tmp_path / "d")
+    os.mkfifo(directory / token_scan.FINGERPRINTS)  # no writer: a plain open() would block for ever
+    scans = counted_scans(monkeypatch)
+    load_dataset("tokens", data_dir=str(directory), seq_len=16)
+    assert scans == ["train.bin", "val.bin"]
+
+
+def test_a_relative_xdg_cache_home_is_ignored_as_the_xdg_rules_say(tmp_path, monkeypatch):
+    directory = write_stream(tmp_path / "d")
+    (directory / token_scan.FINGERPRINTS).mkdir()  # the data's directory holds no fingerprint file
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "cache")
+    load_dataset("tokens", data_dir=str(directory), seq_len=16)
+    assert not (tmp_path / "cwd" / "cache").exists(), "a relative XDG_CACHE_HOME was used, from the working directory"
+    (kept,) = (tmp_path / "home" / ".cache" / "mpipar" / "fingerprints").iterdir()
+    assert set(json.loads(kept.read_text())["files"]) == {"train.bin", "val.bin"}
+
+
+def forged_stream(directory: Path, bad_positions: list[int]) -> Path:
+    """A stream with id 70 (beyond its vocabulary of 65) at `bad_positions` of train.bin, and a fingerprint
+    file that says, with train.bin's real size, times and SHA-256, that its largest id is 64."""
+    write_stream(directory)
+    for position in bad_positions:
+        set_id(directory / "train.bin", position, 70)
+    path = directory / "train.bin"
+    status = path.stat()
+    entry = {"size": status.st_size, "mtime_ns": status.st_mtime_ns, "ctime_ns": status.st_ctime_ns,
+             "dtype": "<u2", "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "largest": 64}
+    (directory / token_scan.FINGERPRINTS).write_text(json.dumps({"format": token_scan.FORMAT,
+                                                                 "files": {"train.bin": entry}}))
+    return path
+
+
+def test_an_entry_that_understates_largest_is_caught_in_the_batch_naming_the_file_and_its_first_bad_id(tmp_path):
+    path = forged_stream(tmp_path / "d", bad_positions=[300_016, 1_000_000])
+    train_set, _ = load_dataset("tokens", data_dir=str(path.parent), seq_len=16)  # the lie passes the check at start
+    assert isinstance(train_set, TokenStream)
+    train_set.batch(np.array([0, 1, 2]))  # windows without a bad id are served
+    fingerprints = path.parent / token_scan.FINGERPRINTS
+    with pytest.raises(DataError) as caught:
+        train_set.batch(np.array([5, 62_500, 7]))  # window 62,500 holds position 1,000,000, not the first bad one
+    assert str(caught.value) == (
+        f"{path} holds token id 70 at position 300,016 (counted from 0), outside the vocabulary of 65 ids (0 to 64) "
+        f"that {path.parent}/meta.json gives; {fingerprints} had recorded its ids as below 65 for this size and these "
+        "times (an entry edited, or a file changed within one tick of its clock): that entry is dropped, and the "
+        "next run reads the file")
+    assert "train.bin" not in json.loads(fingerprints.read_text())["files"]
+    with pytest.raises(DataError, match=r"train.bin holds token id 70 at position 300,016 \(counted from 0\)"):
+        load_dataset("tokens", data_dir=str(path.parent), seq_len=16)  # the next run: refused at start
+
+
+def test_under_two_ranks_an_understated_largest_is_one_sentence_at_the_first_step_and_no_traceback(tmp_path):
+    # In every window but the first 64 (the set-up's dry run reads the first few): found at the first step
+    path = forged_stream(tmp_path / "d", bad_positions=list(range(16 * 64 + 8, 1 << 21, 16)))
+    result = train("--data-dir", str(path.parent), "--max-steps", "3")
+    assert one_error(result) == (
+        f"{path} holds token id 70 at position 1,032 (counted from 0), outside the vocabulary of 65 ids (0 to 64) that "
+        f"{path.parent}/meta.json gives; {path.parent / token_scan.FINGERPRINTS} had recorded its ids as below 65 for "
+        "this size and these times (an entry edited, or a file changed within one tick of its clock): that entry is "
+        "dropped, and the next run reads the file")
 
 
 def big_stream(tmp_path: Path, last_id: int) -> Path:
@@ -223,3 +369,12 @@ def test_a_checkpoint_of_identity_version_1_resumes_on_its_data_saying_once_that
     set_id(directory / "train.bin", 10, 64)  # in the first MiB: what version 1 did see
     refused = train(*runs, "--max-steps", "4", "--resume", str(manifest_file.parent))
     assert one_error(refused).startswith(f"checkpoint {manifest_file.parent} was trained on tokens from {directory}")
+
+
+def test_an_id_error_for_a_file_that_no_longer_holds_the_id_says_it_changed_during_the_run(tmp_path):
+    path = forged_stream(tmp_path / "d", bad_positions=[5000])
+    train_set, _ = load_dataset("tokens", data_dir=str(path.parent), seq_len=16)
+    set_id(path, 5000, 3)  # mended while the run went on: reading it again finds no id to name
+    assert str(train_set.file.id_error(5000, 70)).startswith(
+        f"{path} held token id 70 at position 5,000 (counted from 0) when it was read, outside the vocabulary of 65 "
+        f"ids that {path.parent}/meta.json gives, and no longer does: it changed during the run; ")

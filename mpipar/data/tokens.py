@@ -20,7 +20,10 @@ one sentence: missing or empty files, a size that is not a whole number of ids, 
 that cannot describe the files (token_meta.py), an id outside the vocabulary, named with
 its file and position (token_scan.py). The scan also gives each file's SHA-256: the
 stream's fingerprint, which the ranks compare and a checkpoint records, covers every
-byte of both files (identity version 2).
+byte of both files (identity version 2). A fingerprint remembered from an earlier scan
+cannot be checked without reading the file again, so every window's ids are checked
+again on the host as they are read (`windows`), and the trainer has every rank check
+a step's whole global batch (`check_ids`): the same verdict on every rank at once.
 
 `WindowSample` is evaluation's sample of windows starting anywhere in the split, drawn
 in blocks of SAMPLE_BLOCK starts, block b from (seed, b) alone: a rank generates only
@@ -42,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from mpipar.data.token_meta import parse_meta, read_meta, token_dtype
-from mpipar.data.token_scan import checked_sha256
+from mpipar.data.token_scan import CheckedFile, checked_file
 from mpipar.errors import ConfigError, DataError
 from mpipar.system.files import write_atomically
 
@@ -66,6 +69,7 @@ class TokenStream:
     fingerprint: str = ""  # what the ranks compare and a checkpoint records
     source: str = ""
     file_sha256: dict[str, str] = field(default_factory=dict)  # of each token file, by name: a resume names the one
+    file: CheckedFile | None = None  # the token file read in place, which an id error names
 
     @property
     def num_classes(self) -> int:
@@ -87,11 +91,31 @@ class TokenStream:
     def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.windows(self.offset + np.asarray(indices, dtype=np.int64) * self.seq_len)
 
+    def check_ids(self, indices: np.ndarray) -> None:
+        """Check the ids of the windows `indices` (a whole global batch, the same on every rank) so that
+        every rank reaches the same verdict at once: an id error is then one sentence, from rank 0."""
+        try:
+            self.batch(indices)
+        except DataError as error:
+            error.on_every_rank = True  # every rank read the same windows and raises the same sentence
+            raise
+
     def windows(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(inputs, targets) of the windows starting at `starts`, as int64 ids (one gather each)."""
+        """(inputs, targets) of the windows starting at `starts`, as int64 ids (one gather each), checked
+        against the vocabulary on the host: the check at load can trust a fingerprint that lies (token_scan)."""
         positions = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(self.seq_len + 1)
         window = self.tokens[positions].astype(np.int64)
+        outside = (window < 0) | (window >= self.vocab_size)
+        if outside.any():
+            first = np.unravel_index(int(np.argmax(outside)), window.shape)
+            raise self._id_error(int(positions[first]), int(window[first]))
         return window[:, :-1], window[:, 1:]
+
+    def _id_error(self, position: int, token: int) -> DataError:
+        if self.file is not None:
+            return self.file.id_error(position, token)
+        return DataError(f"{self.name} data holds token id {token:,} at position {position:,} (counted from 0), "
+                         f"outside its vocabulary of {self.vocab_size:,} ids")
 
     def sample_starts(self, count: int, seed: int) -> WindowSample:
         """`count` window starts anywhere in the stream (as nanoGPT's evaluation draws them), fixed
@@ -187,11 +211,12 @@ def load_token_dir(directory: str | None, seq_len: int) -> tuple[TokenStream, To
         if size // meta.dtype.itemsize < 2 * seq_len:
             raise DataError(f"{root / name} holds {size // meta.dtype.itemsize} tokens, too few for windows of "
                             f"--seq-len {seq_len}")
-    file_sha256 = {name: checked_sha256(root / name, meta) for name in BIN_FILES}  # every id read once, then kept
+    checked = {name: checked_file(root / name, meta) for name in BIN_FILES}  # every id read once, then kept
+    file_sha256 = {name: file.sha256 for name, file in checked.items()}
     fingerprint = hashlib.sha256(json.dumps({**meta.as_identity(), **file_sha256}, sort_keys=True).encode())
     return tuple(TokenStream("tokens", np.memmap(root / name, dtype=meta.dtype, mode="r"), meta.vocab,
                              meta.vocab_size, seq_len, fingerprint=fingerprint.hexdigest(), source=str(root),
-                             file_sha256=file_sha256) for name in BIN_FILES)
+                             file_sha256=file_sha256, file=checked[name]) for name in BIN_FILES)
 
 
 def text_streams(text_file: str | None, seq_len: int) -> tuple[TokenStream, TokenStream]:
