@@ -15,8 +15,8 @@ TRAIN = [sys.executable, "-m", "mpipar", "train", "--device", "gpu", "--max-step
 STANDIN = {"MPIPAR_GPU": "standin"}
 
 SENTENCES = {
-    "no-device": "--device gpu found no GPU visible to this process (CUDA_VISIBLE_DEVICES is 'unset'): run on a "
-                 "node with a GPU, or drop --device gpu",
+    "no-device": "--device gpu found no GPU visible to this process (CUDA_VISIBLE_DEVICES unset): run on a node "
+                 "with a GPU, or drop --device gpu",
     "no-driver": "--device gpu found no GPU driver on this node (a login node?): run where `nvidia-smi` lists a "
                  "GPU, or drop --device gpu",
     "old-driver": "--device gpu: this node's GPU driver supports CUDA 11.8, older than the CUDA 12.9 runtime CuPy "
@@ -49,6 +49,11 @@ def test_a_rank_whose_gpu_is_too_small_for_its_share_stops_every_rank_naming_it(
     assert len(errors) == 1 and errors[0].endswith("or a smaller model (on rank 1)"), result.stderr
     assert_one_sentence(result, errors[0].removeprefix("mpipar: error: "))
     assert errors[0].startswith("mpipar: error: a rank ran out of memory while setting up (Out of memory allocating ")
+
+
+def test_an_empty_device_list_is_named(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert "(CUDA_VISIBLE_DEVICES='')" in device_problem(100, "cudaErrorNoDevice: no CUDA-capable device", 0, 0)
 
 
 def test_each_runtime_refusal_has_its_sentence():

@@ -258,7 +258,10 @@ def clean_environment(scratch: Path) -> dict[str, str]:
     """What a fresh login shell has: the system PATH without any virtual environment."""
     venv_bins = {str(ROOT / ".venv" / "bin"), str(Path(sys.prefix) / "bin")}
     path = [entry for entry in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep) if entry not in venv_bins]
-    env = {"PATH": os.pathsep.join(path), "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8"}
+    # PYTHONDONTWRITEBYTECODE: the mirror's entries link to the repository's folders, so a bytecode cache
+    # written there would land in the repository itself
+    env = {"PATH": os.pathsep.join(path), "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8",
+           "PYTHONDONTWRITEBYTECODE": "1"}
     env.update({k: v for k, v in os.environ.items() if k.startswith(("OMPI_", "PRTE_")) or k in DATA_VARIABLES})
     return env
 

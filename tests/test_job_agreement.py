@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import click
+import numpy as np
 import pytest
 
 from conftest import assert_one_sentence, run_mpi
@@ -67,6 +68,13 @@ def test_an_option_changed_on_one_rank_of_two_is_named_or_declared_exempt(name):
         assert f"{flag_of(name)} is not given on rank 0 and given on rank 1" in sentence
 
 
+def test_a_float_one_ulp_apart_differs():
+    lr = 0.1
+    ours, theirs = Job.of(TrainConfig.of(lr=lr), {}), Job.of(TrainConfig.of(lr=float(np.nextafter(lr, 1.0))), {})
+    assert ours.refusal([ours, theirs]).startswith(
+        "the ranks were launched with different jobs: --lr is 0.1 on rank 0 and 0.10000000000000002 on rank 1; ")
+
+
 def test_a_directory_spelled_differently_on_each_rank_is_left_to_the_place_check():
     ours = Job.of(TrainConfig.of(checkpoint_dir="/one"), {})
     assert ours.refusal([ours, Job.of(TrainConfig.of(checkpoint_dir="/two"), {})]) is None
@@ -121,7 +129,9 @@ DIFFERENCES = {
 def test_ranks_launched_with_different_options_stop_in_one_sentence_and_write_nothing(tmp_path, flag):
     transformer = ["--model", "transformer", "--dataset", "text", "--text-file", str(TEXT), "--heads", "2",
                    "--width", "16", "--seq-len", "8", "--batch-size", "4"]
-    common = [*transformer, "--checkpoint-dir", str(tmp_path / "run"), "--save-every", "1"]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"event": "done"}\n')  # an earlier run's: a refused run must not truncate it
+    common = [*transformer, "--checkpoint-dir", str(tmp_path / "run"), "--save-every", "1", "--metrics", str(metrics)]
     first, second = DIFFERENCES[flag]
     result = mpmd(tmp_path, common, first, second)
     out = result.stderr.strip().splitlines()
@@ -129,6 +139,7 @@ def test_ranks_launched_with_different_options_stop_in_one_sentence_and_write_no
                                                "is "), result.stdout + result.stderr
     assert_one_sentence(result, out[0].removeprefix("mpipar: error: "))
     assert not (tmp_path / "run").exists()
+    assert metrics.read_text() == '{"event": "done"}\n'
 
 
 def test_a_rank_whose_command_line_does_not_parse_stops_the_others_naming_it(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 from conftest import SCRIPTS, run_mpi
 from mpipar.report import progress as report_module
 from mpipar.report.events import EvalResult, RunFacts, StepResult
-from mpipar.report.progress import Report
+from mpipar.report.progress import Report, epochs_text
 
 SCHEMES = {"ddp": [], "1f1b": ["--scheme", "1f1b", "--stages", "2", "--micro-batches", "4"],
            "cdp-v2": ["--scheme", "cdp-v2", "--micro-batches", "2"]}
@@ -162,3 +162,11 @@ def test_the_memory_line_says_what_the_prediction_leaves_out(monkeypatch):
                       "max 600.0 KiB (rank 0), min 600.0 KiB (mpipar's arrays: parameters, gradients, optimizer "
                       "state, activations and the buffers of a step; not Python, the libraries, MPI or the data "
                       "set)"), memory
+
+
+@pytest.mark.parametrize("steps, per_epoch, words", [
+    (2000, 2000, "1 epoch"), (4000, 2000, "2 epochs"), (3000, 2000, "1.5 epochs"), (30, 23, "1.3 epochs"),
+    (1999, 2000, "about 1 epoch"), (2001, 2000, "about 1 epoch"), (30, 2000, "0.015 of an epoch"),
+    (2, 23, "0.087 of an epoch")])
+def test_the_epochs_a_run_goes_through_are_said_without_a_misleading_round_figure(steps, per_epoch, words):
+    assert epochs_text(steps, per_epoch) == words

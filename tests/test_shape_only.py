@@ -132,7 +132,8 @@ def test_the_dry_run_and_declarations_see_the_same_digits_batch():
 
 
 def test_a_buffer_takes_sizes_not_numpy_s_minus_one():
-    """A reshape to -1 counted as -1 elements once made a stash 8 bytes light (a loss's targets)."""
+    """A shape-only buffer takes sizes: a reshape to -1 would count as -1 elements (8 bytes short for a loss's
+    int64 targets)."""
     from mpipar.layers.declared import Buffer
 
     with pytest.raises(ValueError, match="sizes"):

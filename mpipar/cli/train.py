@@ -49,16 +49,14 @@ def train(config_path: str | None, **options) -> None:
     from mpipar.train.trainer import Trainer
 
     comm = world()
-
-    def read_options():  # every rank reads them; a bad option or file stops all ranks alike
-        config = load_config(config_path, options)
-        return config, (Report.for_config(config) if comm.rank == 0 else None)
-
-    # The first collective: every rank's options are compared too (each rank may have been given
-    # its own command line), so a rank launched differently stops them all before any other message.
-    config, report = agree_on_setup(comm, read_options, identify=lambda read: Job.of(read[0]),
-                                    warn=lambda text: click.echo(f"mpipar: warning: {text}", err=True))
+    # The first collective: every rank reads the options (a bad option or file stops all ranks alike)
+    # and they are compared (each rank may have been given its own command line), so a rank launched
+    # differently stops them all before any other message, and before anything is built or written.
+    config = agree_on_setup(comm, lambda: load_config(config_path, options), identify=Job.of,
+                            warn=lambda text: click.echo(f"mpipar: warning: {text}", err=True))
     trainer = Trainer(config, comm)  # a configuration that cannot run stops here, before any warning
+    # only now is --metrics opened (and truncated): a run refused above leaves the file as it was
+    report = agree_on_setup(comm, lambda: Report.for_config(config) if comm.rank == 0 else None)
     crowded = oversubscription_warning(comm)  # collective: every rank learns the same
     if crowded and comm.rank == 0:
         click.echo(f"mpipar: warning: {crowded}", err=True)

@@ -22,8 +22,9 @@ its file and position (token_scan.py). The scan also gives each file's SHA-256: 
 stream's fingerprint, which the ranks compare and a checkpoint records, covers every
 byte of both files (identity version 2). A fingerprint remembered from an earlier scan
 cannot be checked without reading the file again, so every window's ids are checked
-again on the host as they are read (`windows`), and the trainer has every rank check
-a step's whole global batch (`check_ids`): the same verdict on every rank at once.
+again on the host as they are read (`windows`), and where a remembered fingerprint stood
+for the read (`ids_trusted`) the trainer has every rank check a step's whole global batch
+(`check_ids`) and the ranks vote: one verdict on every rank at once.
 
 `WindowSample` is evaluation's sample of windows starting anywhere in the split, drawn
 in blocks of SAMPLE_BLOCK starts, block b from (seed, b) alone: a rank generates only
@@ -91,14 +92,16 @@ class TokenStream:
     def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.windows(self.offset + np.asarray(indices, dtype=np.int64) * self.seq_len)
 
+    @property
+    def ids_trusted(self) -> bool:
+        """Whether a remembered fingerprint stood for reading the token file at load (token_scan.py): its ids
+        were then not seen, and a batch may still hold one outside the vocabulary (the trainer checks each)."""
+        return self.file is not None and self.file.trusted is not None
+
     def check_ids(self, indices: np.ndarray) -> None:
-        """Check the ids of the windows `indices` (a whole global batch, the same on every rank) so that
-        every rank reaches the same verdict at once: an id error is then one sentence, from rank 0."""
-        try:
-            self.batch(indices)
-        except DataError as error:
-            error.on_every_rank = True  # every rank read the same windows and raises the same sentence
-            raise
+        """A DataError naming the file and the first bad position if the windows `indices` hold an id
+        outside the vocabulary (the trainer has every rank check a whole global batch, then vote)."""
+        self.batch(indices)
 
     def windows(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets) of the windows starting at `starts`, as int64 ids (one gather each), checked

@@ -65,8 +65,10 @@ def device_problem(status: int, message: str, driver: int, runtime: int) -> str:
     """The sentence for a CUDA runtime error at set-up: status, CuPy's message, and the driver's
     and runtime's CUDA versions (the driver's is 0 where none is loaded)."""
     if status == NO_DEVICE:
-        return ("--device gpu found no GPU visible to this process (CUDA_VISIBLE_DEVICES is "
-                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r}): run on a node with a GPU, or drop --device gpu")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        setting = "CUDA_VISIBLE_DEVICES unset" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"
+        return (f"--device gpu found no GPU visible to this process ({setting}): run on a node with a GPU, or drop "
+                "--device gpu")
     if status in (INSUFFICIENT_DRIVER, STUB_LIBRARY) and driver == 0:
         return ("--device gpu found no GPU driver on this node (a login node?): run where `nvidia-smi` lists a "
                 "GPU, or drop --device gpu")

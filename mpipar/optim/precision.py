@@ -152,16 +152,15 @@ class LossScaler:
     def update(self, finite: bool) -> None:
         """The verdict on this step's gradient (every rank the same): finite, or overflowed."""
         self.unscale, self.skipping = 1.0 / self.scale, not finite
-        self.leading_overflows = None if finite or self.leading_overflows is None else self.leading_overflows + 1
         if self.fixed:
+            self.leading_overflows = None if finite or self.leading_overflows is None else self.leading_overflows + 1
             self.skipped += not finite
             if self.leading_overflows == FIXED_SCALE_OVERFLOWS:
-                error = NonFiniteLossError(
+                raise NonFiniteLossError(
                     f"--loss-scale {self.scale:g} overflows float16: the gradient overflowed at each of this run's "
                     f"first {FIXED_SCALE_OVERFLOWS} steps, and all {FIXED_SCALE_OVERFLOWS} were skipped (no update "
-                    "made); lower --loss-scale, or leave it out for a dynamic scale that halves on an overflow")
-                error.on_every_rank = True  # every rank reached the same verdicts
-                raise error
+                    "made); lower --loss-scale, or leave it out for a dynamic scale that halves on an overflow",
+                    on_every_rank=True)  # every rank reached the same verdicts
             return
         if finite:
             self.good_steps += 1

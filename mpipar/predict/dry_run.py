@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -88,6 +89,17 @@ def stash_while_adding(stash_after: tuple[int, ...], adding: tuple[int, ...], la
     return max(stash_after[layer] + adding[layer] for layer in layers)
 
 
+class LayerRunner(Protocol):
+    """How activation_bytes runs the layers: ZeroWeights for real, or predict/shape_only.py's by shapes alone."""
+
+    def context(self, cache: ActivationCache, stage: Stage, batch: int, seed: int): ...
+    def layer(self, stage: Stage, layer, x, ctx): ...
+    def loss(self, loss_fn, x, targets, ctx, batch: int) -> None: ...
+    def loss_gradient(self, loss_fn, ctx): ...
+    def zeros_like(self, stage: Stage, x): ...
+    def backward_input(self, stage: Stage, dy, ctx) -> None: ...
+
+
 class ZeroWeights:
     """How activation_bytes runs a layer: for real, its parameters bound to zeros while it runs."""
 
@@ -119,7 +131,7 @@ class ZeroWeights:
 
 def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 0,
                      recompute_spans: list[list[tuple[int, int]]] | None = None,
-                     split: bool = False, runner: ZeroWeights | None = None) -> ActivationBytes:
+                     split: bool = False, runner: LayerRunner | None = None) -> ActivationBytes:
     """Run one micro-batch forward through every stage, layer by layer, with zeros for
     weights, each stage in a cache of its own (as on a pipeline rank, whose received input
     is its own buffer), and count what each stashes. Only one layer's parameters exist at

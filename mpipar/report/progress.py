@@ -64,11 +64,14 @@ def human_seconds(seconds: float) -> str:
 
 
 def epochs_text(total_steps: int, steps_per_epoch: int) -> str:
-    """How much of the data a run of `total_steps` goes through: '2 epochs', '1.5 epochs', '0.068 of an epoch'."""
+    """How much of the data a run of `total_steps` goes through: '2 epochs', '1.5 epochs', '0.068 of an
+    epoch', 'about 1 epoch' for 1999 or 2001 steps of 2000 (a rounded figure that would read as whole)."""
     epochs = total_steps / steps_per_epoch
-    if epochs < 1:
-        return f"{epochs:.2g} of an epoch"
-    return f"{epochs:.3g} epoch{'s' if epochs != 1 else ''}"
+    shown = float(f"{epochs:.2g}" if epochs < 1 else f"{epochs:.3g}")
+    if shown < 1:
+        return f"{shown:g} of an epoch"
+    about = "about " if shown.is_integer() and total_steps % steps_per_epoch else ""
+    return f"{about}{shown:g} epoch{'' if shown == 1 else 's'}"
 
 
 def loss_text(loss: float) -> str:

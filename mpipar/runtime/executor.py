@@ -30,7 +30,6 @@ Exercised by: mpiexec -n 4 mpipar train --scheme 1f1b --stages 2 --shard zero3
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -44,6 +43,7 @@ from mpipar.comms.tags import MAX_MICRO_BATCHES, Kind, p2p_tag
 from mpipar.errors import NonFiniteLossError
 from mpipar.models.sequential import LayerHook, Stage
 from mpipar.optim.optimizers import state_kinds
+from mpipar.runtime.communicators import EngineCommunicators
 from mpipar.runtime.item_store import ItemStore
 from mpipar.runtime.jobs import JobRunner, Load
 from mpipar.runtime.ledger import MemoryLedger
@@ -86,26 +86,6 @@ class StepTimer(Protocol):  # times each part of the steps: report/step_split.py
     def execute(self, instructions: list, run: Callable[[object], None]) -> None: ...
 
 
-@dataclass(frozen=True)
-class EngineCommunicators:
-    """Every communicator an executor uses beyond the one it is handed, made together before it
-    allocates anything: making one is collective, allocating is not, so a rank that runs out of
-    memory while the engine is built can tell the others instead of leaving them in a split."""
-
-    replica_groups: dict[int, Comm]  # per shared stage, the ranks that share it (the sharding flow)
-    reduction_groups: dict[int, Comm | None]  # per stage, the ranks that sum its gradient (None: not a member)
-
-    @classmethod
-    def make(cls, comm: Comm, plan: Plan) -> EngineCommunicators:
-        """Collective over `comm`, in the same order on every rank (the world's comm where the group is all)."""
-        group = plan.mesh.replica_group(plan.mesh.worker(comm.rank))
-        replica_groups = {s: comm if len(group) == comm.size else comm.subset(group) for s in plan.shared}
-        if plan.sharding.nested or plan.sharding.secondary:  # ZeRO++'s backward gathers in the group
-            for shared in replica_groups.values():
-                shared.hierarchy()  # made now and kept (collective over the group)
-        return cls(replica_groups, {s: comm.subset(ranks) for s, ranks in plan.reduction_groups().items()})
-
-
 class Executor:
     """One rank's part of training `stages` (all of them laid out; it builds what it keeps) by `plan`."""
 
@@ -113,8 +93,6 @@ class Executor:
                  input_shapes: list[tuple[int, ...]], optimizer: str, optimizer_options: dict,
                  collective: str = "ring", unit_bytes: float = 25e6, recompute: int | None = None,
                  gathered_layers: tuple[int, ...] = (), communicators: EngineCommunicators | None = None) -> None:
-        """`communicators`: made beforehand (EngineCommunicators.make, collective), so that building
-        the engine allocates without a message and a rank that fails to allocate can say so to all."""
         self.comm, self.stages, self.plan, self.cache = comm, stages, plan, cache
         self.input_shapes = input_shapes  # per stage; the last entry is the model's output
         self.collective, self.unit_bytes = collective, unit_bytes
@@ -123,7 +101,7 @@ class Executor:
         master = optimizer_options.get("master_dtype")  # --precision fp16's master weights (precision.py)
         self.master_itemsize = np.dtype(master).itemsize if master and np.dtype(master) != self.dtype else 0
         self.ledger, self.pool, self.outbox = MemoryLedger(self.xp), ScratchPool(), Outbox()
-        communicators = communicators or EngineCommunicators.make(comm, plan)
+        communicators = communicators or EngineCommunicators.make(comm, plan)  # the trainer's are made before
         # a stage shared by its replica group keeps its state in the sharding flow (the world's comm if all)
         self.shared = {s: ShardedStage(communicators.replica_groups[s], stages[s],
                                        plan.sharding, optimizer=optimizer, optimizer_options=optimizer_options,

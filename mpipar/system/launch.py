@@ -156,7 +156,9 @@ def node_layouts(comm, cores_per_node: int | None = None) -> list[NodeLayout]:
     try:
         node_cores = set().union(*node.allgather(usable_cores()))
         node_ranks = tuple(node.allgather(comm.rank))
-        busy = _busy_elsewhere(node, node_cores)
+        # the other processes' work matters only where a rank runs several BLAS threads (one waits for no other)
+        several = max(node.allgather(threads_per_rank())) > 1
+        busy = _busy_elsewhere(node, node_cores) if several else 0.0
     finally:
         node.Free()
     threads = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in THREAD_VARIABLES)

@@ -31,6 +31,7 @@ import time
 from typing import Callable
 
 import numpy as np
+from mpi4py import MPI
 
 from mpipar.adapters import cpu_updates
 from mpipar.backend import make_backend, read_values, to_host
@@ -51,7 +52,7 @@ from mpipar.data import (
     split_micro_batches,
 )
 from mpipar.data.tokens import WindowSample
-from mpipar.errors import ConfigError, NonFiniteLossError
+from mpipar.errors import ConfigError, DataError, NonFiniteLossError
 from mpipar.models.sequential import build_stages, leaf_layers, partition
 from mpipar.models.tensor_layout import WholeLayout, held_whole_spans, whole_from_shards
 from mpipar.optim.clipping import GradientClipper
@@ -63,7 +64,8 @@ from mpipar.predict.dry_run import ActivationBytes, dry_run
 from mpipar.predict.peak import Peak, plan_peak
 from mpipar.report.divergence import DivergenceWatch, non_finite_advice
 from mpipar.report.events import EvalResult, RunFacts, StepResult
-from mpipar.runtime.executor import EngineCommunicators, Executor
+from mpipar.runtime.communicators import EngineCommunicators
+from mpipar.runtime.executor import Executor
 from mpipar.runtime.gathered_activations import gathered_bytes
 from mpipar.runtime.memory_probe import available_bytes, make_probe, peak_rss_bytes
 from mpipar.schedule.plans import replica_shared_stages
@@ -101,6 +103,9 @@ class Trainer:
         self.counted = agree_on_setup(self.comm, lambda: make_world(config.parallel.group_size or None, self.comm))
         agree_on_setup(self.comm, self._setup)
         agree_on_data(self.comm, self.train_set, self.test_set)  # a rank with other data stops them all
+        # a remembered fingerprint stood for reading a rank's token file: each step's ids are checked and voted on
+        self.vote_on_ids = isinstance(self.train_set, TokenStream) and self.comm.allreduce(
+            self.train_set.ids_trusted, op=MPI.LOR)
         # The engine's communicators are made first (collective), then each rank allocates its share
         # with no message in between: a rank out of memory there stops every rank with one sentence.
         plan = self.scheme.plan(self.stages, self.backend.dtype.itemsize)
@@ -331,8 +336,8 @@ class Trainer:
         micro_batches = split_micro_batches(rank_slice(indices, mesh.replica(self.rank), mesh.replicas),
                                             cfg.training.micro_batches)
         data = self.train_set.for_epoch(epoch, cfg.training.seed)  # a token stream's windows are cut anew each epoch
-        if isinstance(data, TokenStream):  # every rank checks the global batch's ids: one verdict, said once
-            data.check_ids(indices)
+        if self.vote_on_ids:
+            self._check_ids_together(data, indices)
         if self.loss_scaler:
             self.loss_fn.set_gradient_scale(self.loss_scaler.scale)
         load, step_on_device = (lambda _step, b: self._to_device(*data.batch(micro_batches[b]))), None
@@ -379,6 +384,23 @@ class Trainer:
         accuracy = float(self.step_totals[1] / self.step_totals[2])
         return StepResult(step, epoch, loss, accuracy, lr, time.perf_counter() - start,
                           self.loss_scaler.skipped_at if self.loss_scaler else None)
+
+    def _check_ids_together(self, data: TokenStream, indices: np.ndarray) -> None:
+        """Where a remembered fingerprint stood for reading the token file (token_scan.py), every rank checks
+        the global batch's ids and the ranks vote (one small sum): a bad id is then one sentence from all,
+        even where a rank's copy of the data differs, instead of one rank stopping while the others wait."""
+        problem = None
+        try:
+            data.check_ids(indices)
+        except DataError as error:
+            problem = error
+        if self.comm.allreduce(problem is not None, op=MPI.LOR):  # then every rank learns the sentence
+
+            def verdict() -> None:
+                if problem is not None:
+                    raise problem
+
+            agree_on_setup(self.comm, verdict)
 
     def _gradient_pieces(self) -> list:
         """Views of the gradients this rank updates in this step, where tying or clipping needs them."""

@@ -44,14 +44,15 @@ PER_RANK_PREFIX = "MPIPAR_TEST_"
 
 
 def _words(value) -> str:
-    """An option's value as a user types it: 512,512 for a tuple, 'not given' for None."""
+    """An option's value as a user types it, exactly (what the ranks compare): 512,512 for a tuple,
+    'not given' for None, a float as the shortest text that reads back as the same number."""
     if value is None:
         return "not given"
     if isinstance(value, tuple):
         return ",".join(map(str, value))
     if isinstance(value, bool):
         return "on" if value else "off"
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    return repr(value) if isinstance(value, float) else str(value)
 
 
 @dataclass(frozen=True)
