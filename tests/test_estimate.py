@@ -176,14 +176,16 @@ GPT_175B = ["--model", "transformer", "--dataset", "tokens", "--vocab-size", "50
 
 def estimate_in_a_process(*args: str) -> tuple[int, str, float]:
     """(exit status, output, peak resident MiB) of `mpipar estimate ARGS` run in a process of its own,
-    its resident memory read by resource.getrusage inside it."""
+    its resident memory read inside it from /proc/self/status's VmHWM. Not getrusage's ru_maxrss: Linux
+    carries that over an exec from the process that forked (the test runner, grown large by the suite)."""
     import subprocess
     import sys
 
-    script = ("import resource, sys\nfrom mpipar.cli import cli\n"
+    script = ("import re, sys\nfrom mpipar.cli import cli\n"
               "try:\n    cli.main(['estimate', *sys.argv[1:]], standalone_mode=False)\n    status = 0\n"
               "except Exception as error:\n    print(error)\n    status = 2\n"
-              "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\nsys.exit(status)\n")
+              "peak = re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)\n"
+              "print('RSS', int(peak) / 1024)\nsys.exit(status)\n")
     done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
     *lines, rss = done.stdout.strip().splitlines()
     return done.returncode, "\n".join(lines) + done.stderr, float(rss.split()[1])

@@ -22,3 +22,17 @@ def test_zero3_resident_memory_stays_within_1_5x_after_steps_and_2x_at_the_peak(
                      env_extra={"MALLOC_MMAP_THRESHOLD_": "1048576"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rss ok" in result.stdout
+
+
+def test_the_peak_is_this_process_s_own_not_the_one_that_started_it():
+    """A child of a large process: Linux's ru_maxrss would report the parent's peak (it carries over
+    the exec), VmHWM the child's own."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    held = np.ones(50_000_000)  # 400 MB in this process while it starts the child
+    child = subprocess.run([sys.executable, "-c", "from mpipar.runtime.memory_probe import peak_rss_bytes; "
+                            "print(peak_rss_bytes())"], capture_output=True, text=True, check=True)
+    assert held.nbytes > 4 * int(child.stdout) > 0, child.stdout

@@ -336,9 +336,7 @@ def _fill_reordered(piece: Piece, reorder: Reorder, parts, tensors: dict, dtype:
 
 
 def _raise_everywhere(message: str) -> None:
-    error = CheckpointError(message)
-    error.on_every_rank = True  # every rank reached the same verdict: none is left waiting
-    raise error
+    raise CheckpointError(message, on_every_rank=True)  # every rank reached the same verdict: none is left waiting
 
 
 def _as_array(target, values: np.ndarray):

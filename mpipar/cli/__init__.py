@@ -82,7 +82,7 @@ def main() -> None:
         sys.exit(error.exit_code)
     except MpiparError as error:
         rank, size = _world()
-        if size == 1 or getattr(error, "on_every_rank", False):
+        if size == 1 or error.on_every_rank:
             if rank == 0:  # every rank has the same sentence: rank 0 prints it, all exit alike
                 sys.stderr.write(f"mpipar: {'' if isinstance(error, StoppedToRequeue) else 'error: '}{error}\n")
             sys.exit(error.exit_status)

@@ -180,7 +180,6 @@ def agree_on_data(comm: Any, train_set: Any, test_set: Any) -> None:
     reference = max(groups.values(), key=len)  # max keeps the first of equals: the group of rank 0
     differing = [rank for rank in range(comm.size) if rank not in reference]
     loaded = "; ".join(f"{ranks_in_words(ranks)} loaded {everyone[ranks[0]].describe()}" for ranks in groups.values())
-    error = ConfigError(f"{ranks_in_words(differing)} loaded other data than {ranks_in_words(reference)}: {loaded}; "
-                        f"point every rank's --data-dir at the same files")
-    error.on_every_rank = True  # every rank raises it: the CLI may exit without aborting the job
-    raise error
+    raise ConfigError(f"{ranks_in_words(differing)} loaded other data than {ranks_in_words(reference)}: {loaded}; "
+                      f"point every rank's --data-dir at the same files",
+                      on_every_rank=True)  # every rank raises it: the CLI may exit without aborting the job

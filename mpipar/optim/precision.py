@@ -170,10 +170,9 @@ class LossScaler:
         self.skipped += 1
         self.scale, self.good_steps = self.scale / self.factor, 0
         if self.scale < self.least:
-            error = NonFiniteLossError(f"the gradient overflows float16 at every loss scale (down to "
-                                       f"{self.least:g}): the training diverges; try a lower --lr or --grad-clip")
-            error.on_every_rank = True  # every rank reached the same verdict
-            raise error
+            raise NonFiniteLossError(f"the gradient overflows float16 at every loss scale (down to "
+                                     f"{self.least:g}): the training diverges; try a lower --lr or --grad-clip",
+                                     on_every_rank=True)  # every rank reached the same verdict
 
 
 class MasterWeights:

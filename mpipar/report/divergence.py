@@ -75,9 +75,8 @@ class DivergenceWatch:
                    f"last {WINDOW_STEPS} steps {mean:.4g}) at learning rate {lr:.3g}: training is diverging; "
                    f"try a smaller --lr, such as {self.lr / 10:.3g}")
         if self.stop:
-            error = DivergenceError(message + " (stopped by --stop-on-divergence)")
-            error.on_every_rank = True  # every rank saw the same summed losses and stops at this step
-            raise error
+            # every rank saw the same summed losses and stops at this step
+            raise DivergenceError(message + " (stopped by --stop-on-divergence)", on_every_rank=True)
         if self.warn:
             self.warn(message + " (--stop-on-divergence stops the run instead)")
 

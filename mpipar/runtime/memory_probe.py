@@ -141,7 +141,16 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """The highest resident memory of this process so far."""
+    """The highest resident memory of this process so far: /proc/self/status's VmHWM where it exists.
+    Not getrusage's ru_maxrss there, which Linux carries over an exec from the process that forked
+    this one (a large Python that started `mpipar train` would lend it its own peak)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 

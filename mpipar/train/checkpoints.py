@@ -127,12 +127,11 @@ class Checkpoints:
         if stop or votes[1] > 0 or final or crossed:
             self.save(steps_done, in_background=self.config.checkpoint.async_save and not (stop or final))
         if stop:
-            stopped = StoppedToRequeue(f"stopped by a signal after step {steps_done}; checkpoint "
-                                       f"{store.step_directory(self.config.checkpoint.checkpoint_dir, steps_done)} "
-                                       f"saved; resume with --resume auto (exit status "
-                                       f"{StoppedToRequeue.exit_status}: requeue)")
-            stopped.on_every_rank = True  # the vote was summed over all ranks: they all stop here
-            raise stopped
+            raise StoppedToRequeue(f"stopped by a signal after step {steps_done}; checkpoint "
+                                   f"{store.step_directory(self.config.checkpoint.checkpoint_dir, steps_done)} "
+                                   f"saved; resume with --resume auto (exit status "
+                                   f"{StoppedToRequeue.exit_status}: requeue)",
+                                   on_every_rank=True)  # the vote was summed over all ranks: they all stop here
 
     def save(self, steps_done: int, in_background: bool = False) -> None:
         """Write the checkpoint of the state after `steps_done` steps (collective). In the

@@ -248,9 +248,7 @@ class Trainer:
         message = self.scheme.over_limit(limit, self.engine, self.predicted, self.activations, self.comm)
         if message is None:
             return
-        error = ConfigError(message)
-        error.on_every_rank = True  # the same verdict on every rank: each exits, none is left waiting
-        raise error
+        raise ConfigError(message, on_every_rank=True)  # the same verdict on every rank: none is left waiting
 
     def _make_engine(self, plan, communicators: EngineCommunicators) -> Executor:
         """The executor of this rank's plan (CDP's programs, or the pipeline strategy's: data parallelism
@@ -370,10 +368,9 @@ class Trainer:
             sum_across_ranks(self.counted, self.step_totals)
         loss = float(self.step_totals[0])
         if not math.isfinite(loss):
-            error = NonFiniteLossError(f"step {step + 1} (epoch {epoch + 1}): the training loss is {loss}; "
-                                       f"stopped before the update ({self._non_finite_advice()})")
-            error.on_every_rank = True  # the loss was summed over all ranks: they all stop here
-            raise error
+            raise NonFiniteLossError(f"step {step + 1} (epoch {epoch + 1}): the training loss is {loss}; "
+                                     f"stopped before the update ({self._non_finite_advice()})",
+                                     on_every_rank=True)  # the loss was summed over all ranks: they all stop here
         if self.loss_scaler:  # every rank holds the same sum: all skip an overflowed step, or none
             self.loss_scaler.update(math.isfinite(self.step_totals[-1]))
         if self.clipper and not (self.loss_scaler and self.loss_scaler.skipping):
