@@ -31,7 +31,7 @@ import time
 
 from mpi4py import MPI
 
-from mpipar.data import split_micro_batches
+from mpipar.runtime.observer import ActivationTimeline
 from mpipar.train.config import TrainConfig
 from mpipar.train.trainer import Trainer
 
@@ -54,14 +54,15 @@ def timed_round(trainer: Trainer, first: int) -> float:
     start = time.perf_counter()
     if trainer.config.parallel.cyclic:
         def load(step: int, i: int):
-            indices = trainer.sampler.global_batch_indices(0, step % trainer.sampler.steps_per_epoch)
-            return trainer._to_device(*trainer.train_set.batch(split_micro_batches(indices, W)[i]))
+            indices = trainer.parts.sampler.global_batch_indices(0, step % trainer.parts.sampler.steps_per_epoch)
+            return trainer.parts.to_device(*trainer.parts.train_set.batch(trainer.parts.layout.micro_batch_of(
+                indices, 0, i)))
 
-        trainer.engine.run_steps(first, args.steps, load, seed=0, batch_size=trainer.config.training.batch_size,
-                                 lr_at=trainer.lr_at)
+        trainer.parts.engine.run_steps(first, args.steps, load, seed=0, layout=trainer.parts.layout,
+                                       lr_at=trainer.parts.lr_at)
     else:
         for step in range(first, first + args.steps):
-            trainer.train_step(step, 0, step % trainer.sampler.steps_per_epoch)
+            trainer.train_step(step)
     world.Barrier()
     return time.perf_counter() - start
 
@@ -69,15 +70,16 @@ def timed_round(trainer: Trainer, first: int) -> float:
 results = {}
 for name, options in CONTENDERS.items():
     trainer = Trainer(TrainConfig.of(**common, **options))
-    trainer.engine.record_timeline = True  # live activation bytes per time step (CDP only)
+    recorded = ActivationTimeline(trainer.parts.cache)  # live activation bytes per time step (CDP only)
+    trainer.parts.engine.observe(recorded)
     seconds = [timed_round(trainer, args.steps * r) for r in range(args.rounds + 1)][1:]
     messages = sum(c.intra_messages + c.inter_messages + c.library_calls
-                   for phase, c in trainer.counted.traffic.by_phase.items() if phase not in ("metrics", "setup"))
-    ledger = trainer.engine.ledger.report()["peak"]
+                   for phase, c in trainer.parts.counted.traffic.by_phase.items() if phase not in ("metrics", "setup"))
+    ledger = trainer.parts.engine.ledger.report()["peak"]
     model_state = max(peaks["total"] for peaks in ledger.values())
     # CDP records live activation bytes per time step: their sum over ranks, time step by time step
-    timeline = [live for _, live, _ in trainer.engine.timeline] if trainer.config.parallel.cyclic else []
-    gathered = world.gather((trainer.cache.peak_bytes, model_state, messages, timeline), root=0)
+    timeline = [live for _, live, _ in recorded.points] if trainer.config.parallel.cyclic else []
+    gathered = world.gather((trainer.parts.cache.peak_bytes, model_state, messages, timeline), root=0)
     if world.rank == 0:
         together = [sum(step) for step in zip(*(g[3] for g in gathered))]
         results[name] = {"samples_per_s": args.steps * common["batch_size"] / statistics.median(seconds),
@@ -86,7 +88,7 @@ for name, options in CONTENDERS.items():
                          "peak_model_state_bytes": [g[1] for g in gathered],
                          "messages_per_step_per_rank": max(g[2] for g in gathered) / (args.steps * (args.rounds + 1))}
 if world.rank == 0:
-    inputs = trainer.train_set.images[0].size  # the first Linear layer's width, from the data set's images
+    inputs = trainer.parts.train_set.images[0].size  # the first Linear layer's width, from the data set's images
     print(f"{W} ranks, {args.dataset}, MLP {inputs}-(512x3)-10, float32, batch 256, {args.steps} steps a round, "
           f"median of {args.rounds}")
     print(f"{'scheme':<8}{'samples/s':>11}{'act. peak (max rank)':>22}{'act. all ranks':>16}{'state peak (max)':>18}"

@@ -29,7 +29,7 @@ trainer = Trainer(TrainConfig.of(model="mlp", hidden=(256, 256), dataset="synthe
                                  memory_profile=True, log_every=10**6))
 built = time.perf_counter() - start
 summary = trainer.run()
-peaks = MPI.COMM_WORLD.gather(trainer.memory.peak_bytes())
+peaks = MPI.COMM_WORLD.gather(trainer.parts.memory.peak_bytes())
 if MPI.COMM_WORLD.rank == 0:
     print(f"{args.steps} steps: construction {built:.2f} s, training {summary['seconds']:.2f} s, allocator peak "
           + ", ".join(f"rank {rank} {peak / 1e6:.2f} MB" for rank, peak in enumerate(peaks)))

@@ -39,11 +39,11 @@ def width_for(megabytes: float) -> int:
 
 def worker(args) -> None:
     from mpipar.checkpoint import store
-    from mpipar.comms import world
+    from mpipar.comms import mpi_world
     from mpipar.train.config import TrainConfig
     from mpipar.train.trainer import Trainer
 
-    comm = world()
+    comm = mpi_world()
     width = width_for(args.size)
     config = TrainConfig.of(hidden=(width, width), scheme="zero3", checkpoint_dir=args.dir, keep=1, quiet=True)
     trainer = Trainer(config, comm)
@@ -51,7 +51,7 @@ def worker(args) -> None:
     for repeat in range(args.repeats):
         quiet_disk(comm)
         started = time.perf_counter()
-        trainer.checkpoints.save(2 * repeat + 1)
+        trainer.parts.checkpoints.save(2 * repeat + 1)
         comm.Barrier()
         results["sync"].append(time.perf_counter() - started)
         quiet_disk(comm)
@@ -62,18 +62,18 @@ def worker(args) -> None:
             results["x_dd"].append(size / 1e6 / results["sync"][-1] / results["dd"][-1])
         quiet_disk(comm)
         started = time.perf_counter()
-        trainer.checkpoints.save(2 * repeat + 2, in_background=True)
+        trainer.parts.checkpoints.save(2 * repeat + 2, in_background=True)
         lost = time.perf_counter() - started
-        trainer.checkpoints.pending[1].join()
+        trainer.parts.checkpoints.pending[1].join()
         comm.Barrier()
         finishing = time.perf_counter()
-        trainer.checkpoints.finish_pending()
+        trainer.parts.checkpoints.finish_pending()
         comm.Barrier()
         results["async_lost"].append(lost + time.perf_counter() - finishing)
         results["async_total"].append(time.perf_counter() - started)
         quiet_disk(comm)
         started = time.perf_counter()
-        store.load(comm, "auto", args.dir, lambda manifest: trainer.engine.whole_model.state_pieces()[0],
+        store.load(comm, "auto", args.dir, lambda manifest: trainer.parts.engine.whole_model.state_pieces()[0],
                    lambda manifest, path: [], note=print)  # the same model: nothing to check or reorder
         comm.Barrier()
         results["load"].append(time.perf_counter() - started)

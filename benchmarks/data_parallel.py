@@ -46,7 +46,7 @@ args = parser.parse_args()
 world = MPI.COMM_WORLD
 common = dict(model="mlp", hidden=(512, 512), dataset="synthetic", optimizer="sgd", momentum=0.9, lr=0.01,
               dtype="float32", epochs=100, collective=args.collective, bucket_mb=args.bucket_mb)
-contenders = {"no-sync": Trainer(TrainConfig.of(batch_size=256 // world.size, **common), comm=MPI.COMM_SELF),
+contenders = {"no-sync": Trainer(TrainConfig.of(batch_size=256 // world.size, **common), MPI.COMM_SELF),
               "ddp-naive": Trainer(TrainConfig.of(batch_size=256, ddp="naive", **common))}
 for name in NAMED_SHARDINGS:
     contenders[name] = Trainer(TrainConfig.of(batch_size=256, scheme=name, group_size=args.group_size, **common))
@@ -60,7 +60,7 @@ def run(name: str, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         step = steps_done[name]
-        trainer.train_step(step, 0, step % trainer.sampler.steps_per_epoch)
+        trainer.train_step(step)
         steps_done[name] += 1
     elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
     return steps * 256 / elapsed
@@ -75,7 +75,7 @@ for round_index in range(args.rounds):
         rates[name].append(run(name, args.steps))
 if world.rank == 0:
     ceiling = statistics.median(rates["no-sync"])
-    psi = contenders["ddp"].stages[0].flat.size
+    psi = contenders["ddp"].parts.stages[0].flat.size
     k = 4 * state_kinds("sgd", 0.9)
     print(f"{world.size} ranks, MLP 784-512-512-10 float32 ({psi:,} parameters), global batch 256, "
           f"collective {args.collective}, units of {args.bucket_mb} MB (one layer where P is sharded), "
@@ -89,7 +89,7 @@ if world.rank == 0:
         line = f"  {name:<14}{median:10.0f}{median / ceiling:12.1%}"
         figures[name] = {"samples_per_s": median, "of_no_sync": median / ceiling, "rounds": values}
         if name in NAMED_SHARDINGS:
-            ledger = contenders[name].engine.ledger
+            ledger = contenders[name].parts.engine.ledger
             held = ledger.steady()
             table = bytes_per_rank(NAMED_SHARDINGS[name], psi, world.size, args.group_size, parameter_bytes=4,
                                    gradient_bytes=4, state_bytes=k)
@@ -100,8 +100,8 @@ if world.rank == 0:
                      f"{peak / 1024:10.0f}")
             figures[name].update(held=held, peak=peak, table_1=vars(table))
         print(line)
-    print(f"  ddp-allgather: {contenders['ddp-allgather'].scheme.name}")
-    counts = {name: contenders[name].counted.traffic.read() for name in ("ddp", "ddp-allgather")}
+    print(f"  ddp-allgather: {contenders['ddp-allgather'].parts.scheme.name}")
+    counts = {name: contenders[name].parts.counted.traffic.read() for name in ("ddp", "ddp-allgather")}
     sent = {name: (c.sent_bytes + c.library_bytes) / steps_done[name] for name, c in counts.items()}
     print(f"  bytes sent per rank and step: ddp {sent['ddp']:,.0f}, ddp-allgather {sent['ddp-allgather']:,.0f}")
     for name, target in (("ddp", 0.85), ("zero3", 0.75)):

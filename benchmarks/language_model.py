@@ -16,7 +16,7 @@ warm-up steps, float32, on tiny Shakespeare (../shared/data/tinyshakespeare.txt)
             AdamW(foreach=False), clip_grad_norm_, the same schedule; on 2 ranks
             DistributedDataParallel over gloo (TCP on localhost)
 
-After the rounds, mpipar runs --steps more steps with its step split on (mpipar/report/step_split.py)
+After the rounds, mpipar runs --steps more steps with its step breakdown on (mpipar/report/step_breakdown.py)
 and prints where they spent their time: forward, backward, optimizer, communication,
 waiting, other.
 
@@ -58,8 +58,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch_stages import alternating_rounds  # noqa: E402  (its rounds, shared by the torch benchmarks)
 
-from mpipar.data import GlobalBatchSampler, load_dataset, rank_slice  # noqa: E402
-from mpipar.report import step_split  # noqa: E402
+from mpipar.data import GlobalBatchSampler, load_dataset  # noqa: E402
+from mpipar.layout import Layout  # noqa: E402
+from mpipar.report import step_breakdown  # noqa: E402
 from mpipar.train.config import TrainConfig  # noqa: E402
 from mpipar.train.trainer import Trainer  # noqa: E402
 
@@ -71,11 +72,11 @@ RECIPE = dict(model="transformer", dataset="text", seq_len=64, width=128, heads=
 
 def mpipar_side(text: Path) -> tuple[Callable[[int], None], Trainer]:
     trainer = Trainer(TrainConfig.of(**RECIPE, text_file=str(text), scheme="ddp"))
-    per_epoch, step = trainer.sampler.steps_per_epoch, [0]
+    step = [0]
 
     def run(count: int) -> None:
         for _ in range(count):
-            trainer.train_step(step[0], step[0] // per_epoch, step[0] % per_epoch)
+            trainer.train_step(step[0])
             step[0] += 1
     return run, trainer
 
@@ -126,6 +127,7 @@ def torch_side(text: Path, distributed: bool) -> Callable[[int], None]:
                                   betas=(RECIPE["beta1"], RECIPE["beta2"]), foreach=False)
     trained = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
     sampler = GlobalBatchSampler(len(train_set), RECIPE["batch_size"], RECIPE["seed"])
+    layout = Layout.of(replica=WORLD.size, batch_size=RECIPE["batch_size"])  # each rank's share, as mpipar's
     step = [0]
 
     def lr_at(index: int) -> float:
@@ -139,7 +141,7 @@ def torch_side(text: Path, distributed: bool) -> Callable[[int], None]:
         for _ in range(count):
             epoch, within = divmod(step[0], sampler.steps_per_epoch)
             inputs, targets = train_set.for_epoch(epoch, RECIPE["seed"]).batch(
-                rank_slice(sampler.global_batch_indices(epoch, within), WORLD.rank, WORLD.size))
+                layout.micro_batch_of(sampler.global_batch_indices(epoch, within), WORLD.rank, 0))
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step[0])
             logits = trained(torch.from_numpy(inputs))
@@ -174,7 +176,8 @@ def main() -> None:
         run(args.warmup)
     rates = {name: [args.steps * RECIPE["batch_size"] / seconds for seconds in rounds]
              for name, rounds in alternating_rounds(sides, args.steps, args.rounds, WORLD.Barrier).items()}
-    split = step_split.measure(trainer.engine, run_mpipar, args.steps, WORLD.Barrier)  # untimed by the rounds
+    breakdown = step_breakdown.measure(trainer.parts.engine, run_mpipar, args.steps,
+                                       WORLD.Barrier)  # untimed by the rounds
     if WORLD.rank == 0:
         ratio = statistics.median(a / b for a, b in zip(rates["mpipar"], rates[other]))
         print(f"nanoGPT CPU recipe (4x128, context 64, batch 12, tied, AdamW, clip 1.0), {WORLD.size} rank(s), "
@@ -184,8 +187,8 @@ def main() -> None:
             print(f"  {name:7s} {statistics.median(values):7,.0f} samples/s (median; rounds "
                   f"{min(values):,.0f}-{max(values):,.0f})")
         print(f"  mpipar / {other}: {ratio:.3f} (median of per-round ratios)")
-        print(f"  mpipar's step, split over {args.steps} more steps (rank 0):")
-        print("\n".join(f"    {line}" for line in split))
+        print(f"  mpipar's step, broken down over {args.steps} more steps (rank 0):")
+        print("\n".join(f"    {line}" for line in breakdown))
     if distributed:  # as benchmarks/torch_stages.py: both ranks idle before the group goes
         sides.clear()
         gc.collect()

@@ -22,7 +22,7 @@ process (2 cores here: one rank each).
 Torch's side runs over gloo (TCP on localhost). The sides take turns in timed rounds
 (benchmarks/torch_stages.py's alternating_rounds); figures are medians over rounds, the
 ratio the median of per-round ratios. After the rounds mpipar runs --steps more steps with
-its step split on (mpipar/report/step_split.py) and rank 0 prints where they went.
+its step breakdown on (mpipar/report/step_breakdown.py) and rank 0 prints where they went.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch_stages import alternating_rounds  # noqa: E402
 
-from mpipar.data import GlobalBatchSampler, load_dataset, rank_slice  # noqa: E402
-from mpipar.report import step_split  # noqa: E402
+from mpipar.data import GlobalBatchSampler, load_dataset  # noqa: E402
+from mpipar.layout import Layout  # noqa: E402
+from mpipar.report import step_breakdown  # noqa: E402
 from mpipar.train.config import TrainConfig  # noqa: E402
 from mpipar.train.trainer import Trainer  # noqa: E402
 
@@ -57,11 +58,11 @@ def mpipar_side(scheme: str, batch: int) -> tuple[Callable[[int], None], Trainer
     trainer = Trainer(TrainConfig.of(model="mlp", hidden=(512, 512), dataset="synthetic", batch_size=batch, lr=LR,
                                      optimizer="sgd", momentum=MOMENTUM, seed=SEED, log_every=10**6,
                                      **MPIPAR_SCHEME[scheme]))
-    per_epoch, step = trainer.sampler.steps_per_epoch, [0]
+    step = [0]
 
     def run(count: int) -> None:
         for _ in range(count):
-            trainer.train_step(step[0], step[0] // per_epoch, step[0] % per_epoch)
+            trainer.train_step(step[0])
             step[0] += 1
     return run, trainer
 
@@ -73,6 +74,7 @@ def torch_side(scheme: str, batch: int) -> Callable[[int], None]:
     second = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
     loss_fn = nn.CrossEntropyLoss()
     sampler, step = GlobalBatchSampler(len(train_set), batch, SEED), [0]
+    layout = Layout.of(replica=WORLD.size, batch_size=batch)  # each rank's share, as mpipar's data parallelism
     if scheme == "1f1b":
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -108,7 +110,7 @@ def torch_side(scheme: str, batch: int) -> Callable[[int], None]:
                     schedule.step(target=targets.long(), losses=losses)
                     float(torch.stack(losses).mean())
             else:
-                share = rank_slice(indices, WORLD.rank, WORLD.size) if scheme != "compute" else indices
+                share = layout.micro_batch_of(indices, WORLD.rank, 0) if scheme != "compute" else indices
                 inputs, targets = (torch.from_numpy(a) for a in train_set.batch(share))
                 loss = loss_fn(module(inputs), targets.long())
                 loss.backward()
@@ -139,7 +141,8 @@ def main() -> None:
         run(args.warmup)
     rates = {name: [args.steps * batch / seconds for seconds in rounds]
              for name, rounds in alternating_rounds(sides, args.steps, args.rounds, WORLD.Barrier).items()}
-    split = step_split.measure(trainer.engine, run_mpipar, args.steps, WORLD.Barrier)  # untimed by the rounds
+    breakdown = step_breakdown.measure(trainer.parts.engine, run_mpipar, args.steps,
+                                       WORLD.Barrier)  # untimed by the rounds
     if WORLD.rank == 0:
         ratio = statistics.median(a / b for a, b in zip(rates["mpipar"], rates["torch"]))
         print(f"MLP 784-512-512-10, float32, batch {batch}, {args.scheme}, {WORLD.size} rank(s), 1 thread each, "
@@ -148,8 +151,8 @@ def main() -> None:
             print(f"  {name:7s} {statistics.median(values):9,.0f} samples/s (median; rounds "
                   f"{min(values):,.0f}-{max(values):,.0f})")
         print(f"  mpipar / torch: {ratio:.3f} (median of per-round ratios)")
-        print(f"  mpipar's step, split over {args.steps} more steps (rank 0):")
-        print("\n".join(f"    {line}" for line in split))
+        print(f"  mpipar's step, broken down over {args.steps} more steps (rank 0):")
+        print("\n".join(f"    {line}" for line in breakdown))
     if WORLD.size > 1:  # as benchmarks/torch_stages.py: both ranks idle before the group goes
         sides.clear()
         gc.collect()

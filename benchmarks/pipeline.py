@@ -9,7 +9,7 @@ S stages of near-equal FLOPs. Contenders on W ranks:
     zb1     S = W, B micro-batches, each backward split into B and W jobs (W fills the bubble)
     lpp     S = 2W, G = 2 loops (breadth first, the order the seed's LPP latency describes)
 
-For each step every rank records when each of its jobs computed (Executor.job_times),
+For each step every rank records when each of its jobs computed (runtime/observer.py's JobTimes),
 from a barrier at the start of the step. The schedule's measured latency is the last
 job's end on any rank; a rank's measured bubble is 1 - (its time computing) / latency,
 as the simulator defines it. The prediction replays the same Programs with the
@@ -29,6 +29,7 @@ import time
 
 from mpi4py import MPI
 
+from mpipar.runtime.observer import JobTimes
 from mpipar.schedule.replay import replay
 from mpipar.schedule.strategies import FORWARD
 from mpipar.train.config import TrainConfig
@@ -53,12 +54,12 @@ CONTENDERS = {"gpipe": dict(scheme="gpipe", stages=W), "1f1b": dict(scheme="1f1b
               "lpp": dict(scheme="lpp-breadth", stages=2 * W, loops=args.loops or (2 if W >= 4 else 1))}
 
 
-def one_step(trainer: Trainer, step: int) -> tuple[float, list]:
+def one_step(trainer: Trainer, jobs: JobTimes, step: int) -> tuple[float, list]:
     world.Barrier()
     start = time.perf_counter()
-    trainer.train_step(step, 0, step % trainer.sampler.steps_per_epoch)
+    trainer.train_step(step)
     wall = time.perf_counter() - start
-    return wall, [(job, begin - start, end - start) for job, begin, end in trainer.engine.job_times]
+    return wall, [(job, begin - start, end - start) for job, begin, end in jobs.take()]
 
 
 results = {}
@@ -66,11 +67,13 @@ for name, options in CONTENDERS.items():
     if args.only and name not in args.only or (args.recompute != "none" and name == "zb1"):
         continue
     trainer = Trainer(TrainConfig.of(**common, **options))
+    job_times = JobTimes()
+    trainer.parts.engine.observe(job_times)
     for step in range(args.warmup):
-        one_step(trainer, step)
+        one_step(trainer, job_times, step)
     walls, spans, idle, costs = [], [], [], {}
     for step in range(args.warmup, args.warmup + args.steps):
-        wall, jobs = one_step(trainer, step)
+        wall, jobs = one_step(trainer, job_times, step)
         span = world.allreduce(max(end for _, _, end in jobs), op=MPI.MAX)
         walls.append(world.allreduce(wall, op=MPI.MAX))
         spans.append(span)
@@ -86,10 +89,11 @@ for name, options in CONTENDERS.items():
     forward = [statistics.median(merged[(s, FORWARD)]) for s in range(stages)]
     backward = [statistics.median(merged[(s, "B")]) + (statistics.median(merged[(s, "W")]) if (s, "W") in merged
                                                         else 0.0) for s in range(stages)]
-    compiled = trainer.scheme.compiled
+    compiled = trainer.parts.scheme.compiled
     predicted = replay(compiled.programs, compiled.shape, compiled.holders, forward, backward)
     step_s = statistics.median(walls)
-    results[name] = {"scheme": trainer.scheme.name, "measured_idle": world.gather(statistics.median(idle), root=0),
+    results[name] = {"scheme": trainer.parts.scheme.name,
+                     "measured_idle": world.gather(statistics.median(idle), root=0),
                      "predicted_idle": predicted.idle_fraction(), "measured_latency_s": statistics.median(spans),
                      "predicted_latency_s": predicted.latency, "step_s": step_s,
                      "samples_per_s": common["batch_size"] / step_s, "forward_s": forward, "backward_s": backward}

@@ -52,13 +52,13 @@ def measure_004() -> dict:
         trainer = Trainer(TrainConfig.of(scheme=name, group_size=M, micro_batches=S, collective="ring", ddp="naive",
                                          hidden=(32, 34), dtype="float64", optimizer="adam", batch_size=16 * N,
                                          max_steps=1, epochs=1, log_every=1000))
-        trainer.counted.traffic.reset()
-        trainer.train_step(0, 0, 0)
-        counts = [trainer.counted.traffic.read(phase) for phase in PHASES]
+        trainer.parts.counted.traffic.reset()
+        trainer.train_step(0)
+        counts = [trainer.parts.counted.traffic.read(phase) for phase in PHASES]
         sums = MPI.COMM_WORLD.allreduce([(c.intra_bytes, c.inter_bytes) for c in counts],
                                         op=lambda a, b: [(x[0] + y[0], x[1] + y[1]) for x, y in zip(a, b)])
-        held = trainer.engine.ledger.steady()
-        results[name] = dict(psi=trainer.stages[0].flat.size, kinds=trainer.engine.shared[0].state_kinds,
+        held = trainer.parts.engine.ledger.steady()
+        results[name] = dict(psi=trainer.parts.stages[0].flat.size, kinds=trainer.parts.engine.optimizer.state_kinds,
                              held=[held[kind] / ITEM for kind in ("parameters", "gradients", "optimizer_state")],
                              sent=[(intra / ITEM, inter / ITEM) for intra, inter in sums])
     return results
@@ -76,14 +76,14 @@ def measure_000_state() -> dict:
                           comm=group)
         for first in (0, 4):  # two runs of 4 steps: CDP drains and restarts between them, as between epochs
             if trainer.config.parallel.cyclic:
-                trainer.engine.run_steps(first, 4, trainer.micro_batch_loader(0), seed=0, batch_size=256,
-                                         lr_at=trainer.lr_at)
+                trainer.parts.engine.run_steps(first, 4, trainer.steps.loader(0), seed=0,
+                                               layout=trainer.parts.layout, lr_at=trainer.parts.lr_at)
             else:
                 for step in range(first, first + 4):
-                    trainer.train_step(step, 0, step)
-        peak = max(peaks["total"] for phase, peaks in trainer.engine.ledger.report()["peak"].items()
+                    trainer.train_step(step)
+        peak = max(peaks["total"] for phase, peaks in trainer.parts.engine.ledger.report()["peak"].items()
                    if phase != "evaluate")
-        results[name] = dict(peaks=group.gather(peak), psi=trainer.parameter_count * 4)
+        results[name] = dict(peaks=group.gather(peak), psi=trainer.parts.parameter_count * 4)
     group.Free()
     return results
 

@@ -47,7 +47,7 @@ LAYOUTS = {"ddp": dict(scheme="ddp"), f"tensor {W}": dict(tensor=W),
 def sent_per_step(trainer: Trainer, steps: int) -> float:
     """What this rank sent, or handed to the library's collectives, in its training steps (not the
     metrics' sums, evaluations or dry run)."""
-    traffic = trainer.counted.traffic
+    traffic = trainer.parts.counted.traffic
     counts = [traffic.read(phase) for phase in traffic.by_phase if phase not in ("metrics", "evaluate", "inspect")]
     return sum(c.sent_bytes + c.library_bytes for c in counts) / steps
 
@@ -60,13 +60,13 @@ for round_number in range(args.rounds + 1):  # the first round warms up
         world.Barrier()
         start = time.perf_counter()
         for _ in range(args.steps):
-            trainer.train_step(done[name], 0, done[name])
+            trainer.train_step(done[name])
             done[name] += 1
         elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
         if round_number:
             rounds[name].append(args.steps * RECIPE["batch_size"] * RECIPE["seq_len"] / elapsed)
 traffic = {name: sent_per_step(trainer, done[name]) for name, trainer in trainers.items()}
-kept = {name: trainer.cache.peak_bytes for name, trainer in trainers.items()}  # the activation cache's measure
+kept = {name: trainer.parts.cache.peak_bytes for name, trainer in trainers.items()}  # the activation cache's measure
 if world.rank == 0:
     baseline = statistics.median(rounds["ddp"])
     print(f"nanoGPT's CPU recipe on {W} ranks, float32, {args.rounds} rounds of {args.steps} steps (median round)")
@@ -79,7 +79,7 @@ if world.rank == 0:
 del trainers
 
 width = args.memory_width
-peaks = {name: Trainer(TrainConfig.of(**{**RECIPE, "width": width, "heads": 8}, **layout)).predicted.total
+peaks = {name: Trainer(TrainConfig.of(**{**RECIPE, "width": width, "heads": 8}, **layout)).parts.predicted.total
          for name, layout in LAYOUTS.items()}
 if world.rank == 0:
     print(f"\nwidth {width}, 8 heads: predicted peak per rank (mpipar train --memory-limit checks it)")

@@ -6,7 +6,7 @@ What it measures
     data set, in one process, two ways:
 
     mpipar  the path a user gets: `mpipar.train.trainer.Trainer(TrainConfig.of(...))` and
-            `trainer.train_step(step, epoch, step_in_epoch)`, exactly what
+            `trainer.train_step(step)`, exactly what
             `mpipar train` calls once per step (without the progress report).
     floor   a minimal hand-written NumPy loop of the same math: Linear-ReLU-
             Linear-ReLU-Linear, fused softmax cross-entropy (mean over the batch),
@@ -170,11 +170,11 @@ class FloorRunner:
     """The floor plus the same data path as the trainer (same sampler, same arrays)."""
 
     def __init__(self, trainer: Trainer) -> None:
-        self.images = trainer.train_set.images
-        self.labels = trainer.train_set.labels
+        self.images = trainer.parts.train_set.images
+        self.labels = trainer.parts.train_set.labels
         self.features = int(np.prod(self.images.shape[1:]))
         self.sampler = GlobalBatchSampler(len(self.labels), BATCH, SEED)
-        linears = [layer for layer in trainer.stages[0].layers if "weight" in layer.params]
+        linears = [layer for layer in trainer.parts.stages[0].layers if "weight" in layer.params]
         self.net = NumpyMLP([layer.params["weight"] for layer in linears],
                             [layer.params["bias"] for layer in linears], BATCH)
 
@@ -189,11 +189,9 @@ class FloorRunner:
 class MpiparRunner:
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
-        self.steps_per_epoch = trainer.sampler.steps_per_epoch
 
     def step(self, step: int) -> float:
-        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
-        return self.trainer.train_step(step, epoch, step_in_epoch).loss
+        return self.trainer.train_step(step).loss
 
 
 def make_trainer(total_steps: int) -> Trainer:
@@ -262,7 +260,7 @@ def main() -> int:
     initial = floor_side.net.parameters(copy=True)
     mpipar_losses = [mpipar_side.step(s) for s in range(CHECK_STEPS)]
     floor_losses = [floor_side.step(s) for s in range(CHECK_STEPS)]
-    mpipar_params = [layer.params[name] for layer in trainer.stages[0].layers if "weight" in layer.params
+    mpipar_params = [layer.params[name] for layer in trainer.parts.stages[0].layers if "weight" in layer.params
                      for name in ("weight", "bias")]
     update_error = max(float(np.abs((m - i) - (f - i)).max() / max(np.abs(m - i).max(), 1e-30))
                        for m, f, i in zip(mpipar_params, floor_side.net.parameters(), initial))

@@ -56,17 +56,16 @@ def measure(model: str, args: argparse.Namespace) -> tuple[int, int]:
     trainer = Trainer(TrainConfig.of(model=model, hidden=(512, 512), dataset="synthetic",
                                      batch_size=args.batch, optimizer="sgd", momentum=0.9, lr=0.01, seed=0,
                                      log_every=10**6, scheme=args.scheme, dtype="float32", memory_profile=True))
-    per_epoch = trainer.sampler.steps_per_epoch
 
     def run(first: int, count: int) -> None:
         for step in range(first, first + count):
-            trainer.train_step(step, step // per_epoch, step % per_epoch)
+            trainer.train_step(step)
     run(0, args.warmup)
     MPI.COMM_WORLD.Barrier()
-    trainer.memory.reset_peak()
+    trainer.parts.memory.reset_peak()
     run(args.warmup, args.steps)
-    numpy_peak = trainer.memory.peak_bytes()
-    trainer.memory.stop()
+    numpy_peak = trainer.parts.memory.peak_bytes()
+    trainer.parts.memory.stop()
     # the profiler's own Python objects would be in tracemalloc's total: its steps come after
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as profiler:
         run(args.warmup + args.steps, args.steps)

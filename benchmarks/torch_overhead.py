@@ -36,7 +36,7 @@ from mpipar.data import GlobalBatchSampler, load_dataset
 def adapter_forward_backward(inputs: np.ndarray, targets: np.ndarray) -> Callable[[int], None]:
     """The adapter's layers and loss on one batch, called as the executor calls them."""
     trainer = stages.make_trainer()
-    stage, loss_fn = trainer.stages[0], trainer.loss_fn
+    stage, loss_fn = trainer.parts.stages[0], trainer.parts.loss_fn
     stage.flat.bind(0, stage.flat.size, grad=np.zeros(stage.flat.size, dtype=np.float32))
     layers = stage.layers
 

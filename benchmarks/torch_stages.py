@@ -41,7 +41,8 @@ for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import torch  # noqa: E402
 
-from mpipar.data import GlobalBatchSampler, load_dataset, rank_slice  # noqa: E402
+from mpipar.data import GlobalBatchSampler, load_dataset  # noqa: E402
+from mpipar.layout import Layout  # noqa: E402
 from mpipar.train.config import TrainConfig  # noqa: E402
 from mpipar.train.trainer import Trainer  # noqa: E402
 
@@ -56,12 +57,11 @@ def make_trainer() -> Trainer:
 
 def mpipar_side() -> Callable[[int], None]:
     trainer = make_trainer()
-    steps_per_epoch = trainer.sampler.steps_per_epoch
     step = [0]
 
     def run(count: int) -> None:
         for _ in range(count):
-            trainer.train_step(step[0], step[0] // steps_per_epoch, step[0] % steps_per_epoch)
+            trainer.train_step(step[0])
             step[0] += 1
     return run
 
@@ -77,13 +77,14 @@ def torch_side(world, distributed: bool) -> Callable[[int], None]:
         module = torch.nn.parallel.DistributedDataParallel(module)
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
     sampler = GlobalBatchSampler(len(train_set), BATCH, SEED)
+    layout = Layout.of(replica=world.size, batch_size=BATCH)  # each rank's share, as mpipar's data parallelism
     step = [0]
 
     def run(count: int) -> None:
         for _ in range(count):
             epoch, within = divmod(step[0], sampler.steps_per_epoch)
-            inputs, targets = train_set.batch(rank_slice(sampler.global_batch_indices(epoch, within),
-                                                         world.rank, world.size))
+            inputs, targets = train_set.batch(layout.micro_batch_of(sampler.global_batch_indices(epoch, within),
+                                                                   world.rank, 0))
             optimizer.zero_grad()
             loss = loss_fn(module(torch.from_numpy(inputs)), torch.from_numpy(targets).long())
             loss.backward()

@@ -18,8 +18,12 @@ from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.comms.topology import make_world
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
+from mpipar.layout import Layout
 from mpipar.models.sequential import Sequential, build_stages
+from mpipar.optim.spec import OptimizerSpec
 from mpipar.runtime.executor import Executor
+from mpipar.runtime.observer import ExecutorObserver
+from mpipar.runtime.sharded_stage import FlowOptions
 from mpipar.schedule.plans import data_parallel_plan
 from mpipar.schedule.sharding import make_units, parse_sharding
 
@@ -35,22 +39,26 @@ unit_bytes = 512 * 1024
 plan = data_parallel_plan(comm.rank, comm.size, stage.flat.size, sharding=scheme,
                           units=len(make_units(stage, unit_bytes)))
 engine = Executor(comm, [stage], plan, ActivationCache(), SoftmaxCrossEntropy(), input_shapes=[(64,), (10,)],
-                  optimizer="sgd", optimizer_options={}, collective="ring", unit_bytes=unit_bytes)
-shared = engine.shared[0]
+                  optimizer=OptimizerSpec("sgd"), flow=FlowOptions("ring", unit_bytes))
+shared = engine.sharded[0]
 rng = np.random.default_rng(comm.rank)
 x, y = rng.standard_normal((512, 64)), rng.integers(0, 10, 512)
 rows = []
 
 
-def observe(layer):
-    if layer.param_specs():
-        done = shared.reductions_done
-        posted = done + len(shared.queue)  # finished, plus the ones still running
-        rows.append(f"{layer.name:<28} {'#' * done}{'+' * (posted - done)}{'.' * (len(shared.units) - posted)}")
+class ReductionsPosted(ExecutorObserver):
+    """After each layer's backward: how many of the stage's unit reductions are done and posted."""
+
+    def layer_done(self, layer) -> None:
+        if layer.param_specs():
+            done = shared.reductions_done
+            posted = done + len(shared.queue)  # finished, plus the ones still running
+            rows.append(f"{layer.name:<28} {'#' * done}{'+' * (posted - done)}{'.' * (len(shared.units) - posted)}")
 
 
-engine.observe = observe
-engine.run_step(0, seed=0, load=lambda step, micro_batch: (x, y), batch_size=512 * comm.size)
+engine.observe(ReductionsPosted())
+engine.run_step(0, seed=0, load=lambda step, micro_batch: (x, y),
+                layout=Layout.of(replica=comm.size, batch_size=512 * comm.size))
 engine.finish_gradients()
 if comm.rank == 0:
     print(f"{comm.size} ranks, scheme {scheme}, {len(shared.units)} units; after each layer's backward: "

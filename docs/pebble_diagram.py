@@ -16,9 +16,9 @@ ROWS = 8
 
 def measured_timeline(micro_batches: int) -> list[int]:
     trainer = Trainer(TrainConfig.of(micro_batches=micro_batches, max_steps=1, batch_size=64))
-    trainer.cache.keep_timeline = True
-    trainer.train_step(0, 0, 0)
-    return [live for _, live in trainer.cache.timeline]
+    trainer.parts.cache.keep_timeline = True
+    trainer.train_step(0)
+    return [live for _, live in trainer.parts.cache.timeline]
 
 
 def draw(live: list[int], top: int) -> str:

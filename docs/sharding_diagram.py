@@ -4,17 +4,17 @@
 
 N = 4 ranks in g = 2 groups of M = 2; a unit of 16 parameters. For each scheme and
 each of P, G, OS, a row per rank marks the elements that rank keeps between steps
-(sharding.Layout, the code the engine uses): '#' held, '.' not held.
+(sharding.ShardPlace, the code the engine uses): '#' held, '.' not held.
 """
 
-from mpipar.schedule.sharding import NAMED_SHARDINGS, Layout
+from mpipar.schedule.sharding import NAMED_SHARDINGS, ShardPlace
 
 N, M, LENGTH = 4, 2, 16
 
 
 def holdings(scheme, rank: int, scope: str) -> str:
-    layout = Layout(scheme, rank, N, rank % M, M, rank // M, N // M)
-    start, stop = layout.block(scope, LENGTH)
+    place = ShardPlace(scheme, rank, N, rank % M, M, rank // M, N // M)
+    start, stop = place.block(scope, LENGTH)
     return "".join("#" if start <= i < stop else "." for i in range(LENGTH))
 
 

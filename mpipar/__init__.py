@@ -14,3 +14,15 @@ limit_blas_threads_per_rank()
 keep_freed_memory()
 
 __version__ = "0.1.0"
+
+PUBLIC = {"TrainConfig": "mpipar.train.config", "Trainer": "mpipar.train.trainer", "Layout": "mpipar.layout"}
+
+
+def __getattr__(name: str):
+    """`from mpipar import Trainer, TrainConfig, Layout` (docs/python_api.md), imported when first asked
+    for: `import mpipar` alone, as every rank's first line, stays light (no MPI, no model code)."""
+    if name not in PUBLIC:
+        raise AttributeError(f"module 'mpipar' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(PUBLIC[name]), name)

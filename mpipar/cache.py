@@ -82,7 +82,7 @@ class ActivationCache:
         self.contexts: dict[tuple[int, int], Context] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.window_peak = 0  # the peak since a caller last reset it (the CDP engine: per time step)
+        self.window_peak = 0  # the peak since the last reset_window (a timeline's: per time step)
         self.clock = 0
         # (clock, live bytes) after every save and pop; off by default because a
         # long run would grow it without bound.
@@ -101,6 +101,14 @@ class ActivationCache:
         ctx = Context(self, key, step=step, sample_ids=sample_ids, seed=seed, step_on_device=step_on_device)
         self.contexts[key] = ctx
         return ctx
+
+    def lookup(self, stage: int, micro_batch: int) -> Context:
+        """The open context of (stage, micro_batch): its forward's, until `release`."""
+        return self.contexts[(stage, micro_batch)]
+
+    def reset_window(self) -> None:
+        """Start a new window: `window_peak` is the most bytes live from now on."""
+        self.window_peak = self.live_bytes
 
     def release(self, stage: int, micro_batch: int) -> None:
         """Close the context of (stage, micro_batch), freeing anything left in it."""

@@ -32,26 +32,26 @@ def test_a_framework_model_equals_the_framework_alone(framework, ranks):
 
 
 def _module_pointers(trainer):
-    return {f"{layer.name}.{name}": parameter.data_ptr() for layer in trainer.model.layers
+    return {f"{layer.name}.{name}": parameter.data_ptr() for layer in trainer.parts.model.layers
             for name, parameter in layer.module.named_parameters()}
 
 
 def test_a_torch_module_s_parameters_live_in_mpipar_s_flat_buffer():
     torch = pytest.importorskip("torch")
     trainer = Trainer(small_config(model=f"{EXAMPLES}/torch_cnn.py:build", max_steps=2))
-    flat = trainer.stages[0].flat.data
+    flat = trainer.parts.stages[0].flat.data
     low, high = flat.ctypes.data, flat.ctypes.data + flat.nbytes
     before = _module_pointers(trainer)
     assert before and all(low <= pointer < high for pointer in before.values())
     trainer.run()
     assert _module_pointers(trainer) == before
     # the module itself now computes with the trained values: what mpipar's forward computes
-    inputs, _ = trainer.test_set.batch(np.arange(5))
+    inputs, _ = trainer.parts.test_set.batch(np.arange(5))
     inputs = inputs.astype(np.float64)
     from mpipar.cache import Context
-    ours = trainer.engine.whole_model.forward(inputs, Context(cache=None, key=(0, -1), training=False), gather_phase="evaluate")
+    ours = trainer.parts.engine.whole_model.forward(inputs, Context(cache=None, key=(0, -1), training=False), gather_phase="evaluate")
     with torch.no_grad():
-        theirs = torch.nn.Sequential(*(layer.module for layer in trainer.model.layers))(torch.from_numpy(inputs))
+        theirs = torch.nn.Sequential(*(layer.module for layer in trainer.parts.model.layers))(torch.from_numpy(inputs))
     np.testing.assert_allclose(theirs.numpy(), ours, rtol=1e-12)
 
 
@@ -212,7 +212,7 @@ def test_one_process_takes_a_stage_s_torch_gradients_in_one_autograd_call_and_eq
     monkeypatch.setattr(torch.autograd, "grad", lambda *args, **kwargs: calls.append(1) or grad(*args, **kwargs))
     trainer.run()
     assert len(calls) == 3 * 2, f"{len(calls)} autograd calls for 3 steps of 2 micro-batches"
-    assert all(not layer.chain.last for layer in trainer.stages[0].layers if getattr(layer, "chain", None))
+    assert all(not layer.chain.last for layer in trainer.parts.stages[0].layers if getattr(layer, "chain", None))
     got = np.concatenate([v.reshape(-1) for v in trainer.full_parameters().values()])
 
     train_set, _ = load_dataset("digits")
@@ -242,7 +242,7 @@ def test_a_chain_holds_nothing_of_a_micro_batch_after_its_backward(tmp_path):
     builder.write_text("import torch\ndef build(shape, classes):\n"
                        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, classes))\n")
     trainer = Trainer(small_config(model=f"{builder}:build", max_steps=4, micro_batches=2))
-    (layer,) = trainer.stages[0].layers
+    (layer,) = trainer.parts.stages[0].layers
     assert layer.chain is not None
     trainer.run()
     assert layer.chain.last == {}
@@ -306,8 +306,8 @@ from mpipar.train.trainer import Trainer
 trainer = Trainer(TrainConfig.of(model=sys.argv[1], hidden=(512, 512), dataset="synthetic", batch_size=64,
                               dtype="float32", log_every=1000, memory_profile=True))
 for step in range(3):
-    trainer.train_step(step, 0, step)
-print(trainer.memory.peak_bytes(), "torch._dynamo" in sys.modules)
+    trainer.train_step(step)
+print(trainer.parts.memory.peak_bytes(), "torch._dynamo" in sys.modules)
 """
 
 

@@ -31,9 +31,9 @@ trainer = Trainer(TrainConfig.of(model="transformer", dataset="text", text_file=
                               width=128, heads=4, blocks=2, batch_size=12, optimizer="adamw", grad_clip=1.0,
                               tie_embeddings=True, max_steps=10, seed=0, log_every=10**6))
 for step in range(3):
-    trainer.train_step(step, 0, step)
+    trainer.train_step(step)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-trainer.train_step(3, 0, 3)
+trainer.train_step(3)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 

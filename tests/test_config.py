@@ -44,7 +44,7 @@ def test_missing_file():
     (dict(schedule="linear"), "unknown --schedule 'linear'; choose one of: constant, step, cosine"),
     (dict(dtype="float16"), "unknown --dtype 'float16'; choose one of: float32, float64"),
     (dict(device="tpu"), "unknown --device 'tpu'; choose one of: cpu, gpu"),
-    (dict(batch_size=30, micro_batches=4), r"--batch-size 30 is not divisible by 1 ranks x 4 micro-batches = 4; use --batch-size 28 or 32"),
+    (dict(batch_size=30, micro_batches=4), r"--batch-size 30 is not divisible by the 4 micro-batches = 4; use --batch-size 28 or 32"),
     (dict(lr=0.0), r"--lr must be in \(0, inf\), got 0.0"),
     (dict(epochs=0), "--epochs must be at least 1"),
     (dict(dropout=1.0), r"--dropout must be in \[0, 1\)"),

@@ -21,6 +21,8 @@ OUTSIDE_THE_CONFIG = {
     "options.py": "the option types' own check (click types applied to TOML and Python values)",
     "optim/precision.py": "check_precision and check_loss_scale, called by the model group (and the latter where "
                           "a loss scaler is made from Python)",
+    "layout.py": "a batch the axes do not divide, in one rule for every family; TrainConfig.validate asks it through "
+                 "TrainConfig.layout, and so does every other builder of a layout (estimate, schedule show)",
     "schedule/cyclic.py": "check_layout (CDP's N for a layout and a world size), called by TrainConfig",
     "schedule/sharding.py": "parse_sharding's refusal of a bad triple, called by the parallelism group",
     "schedule/strategies.py": "a strategy's preconditions on a shape, used by the config and by `mpipar schedule`",
@@ -33,8 +35,9 @@ OUTSIDE_THE_CONFIG = {
                       "memory during set-up: both known only once every rank has said",
     "report/progress.py": "$MPIPAR_PROGRESS, checked by check_environment",
     # Need the loaded model, its parameters or the data.
-    "train/trainer.py": "the built model's state against the node's memory; --memory-limit against the predicted "
-                        "peak; load_parameters against the model's names and shapes",
+    "train/memory_checks.py": "the built model's state against the node's memory; --memory-limit against the "
+                              "predicted peak",
+    "train/parameters.py": "load_parameters against the model's names and shapes",
     "adapters/__init__.py": "a user's FILE.py:FUNCTION model: importing and calling it",
     "adapters/framework.py": "torch or jax importable, known once a user's model asks for it",
     "adapters/torch_stage.py": "a torch module's buffers and shared parameters",

@@ -116,11 +116,10 @@ def trained(growth_interval: int | None = None, **options) -> tuple[Trainer, lis
     steps): the trainer, the losses and how often the engine's step ran from Python."""
     trainer = Trainer(TrainConfig.of(**{**RECIPE, **options}, text_file=str(TEXT)))
     if growth_interval:
-        trainer.loss_scaler.growth_interval = growth_interval
-    calls, run_step = [], trainer.engine.run_step
-    trainer.engine.run_step = lambda *args: calls.append(1) or run_step(*args)
-    per_epoch = trainer.sampler.steps_per_epoch
-    losses = [trainer.train_step(step, step // per_epoch, step % per_epoch).loss for step in range(5)]
+        trainer.parts.loss_scaler.growth_interval = growth_interval
+    calls, run_step = [], trainer.parts.engine.run_step
+    trainer.parts.engine.run_step = lambda *args: calls.append(1) or run_step(*args)
+    losses = [trainer.train_step(step).loss for step in range(5)]
     return trainer, losses, len(calls)
 
 
@@ -136,7 +135,7 @@ def test_replayed_steps_train_as_steps_launched_from_python_bit_for_bit(standin,
     (launched, launched_losses, launched_calls), (graphed, graphed_losses, graphed_calls) = runs[False], runs[True]
     assert (launched_calls, graphed_calls) == (5, launches), "the steps were not replayed as the scales allow"
     assert graphed_losses == launched_losses
-    launched_parameters, graphed_parameters = (run.engine.whole_model.full_parameters() for run in (launched, graphed))
+    launched_parameters, graphed_parameters = (run.parts.engine.whole_model.full_parameters() for run in (launched, graphed))
     differ = np.flatnonzero(launched_parameters != graphed_parameters)
     assert differ.size == 0, f"{differ.size} of {launched_parameters.size} parameters differ, from {differ[:1]}"
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SCRIPTS, run_mpi, small_config
 from mpipar.errors import ConfigError
-from mpipar.optim.optimizers import make_optimizer
+from mpipar.optim.spec import make_optimizer
 from mpipar.runtime import item_store
 from mpipar.schedule.cyclic import check_layout, job_time, ranks_for
 from mpipar.schedule.cyclic_compiler import _Compiler, compile_cyclic
@@ -80,9 +80,9 @@ def test_single_layout_equals_the_reference_rule_across_an_epoch_boundary(rule, 
     trainer = Trainer(config)
     trainer.run()
     # the second run's program only: the first run's goes once a later run starts
-    assert trainer.engine.items.next_step == 6 and list(trainer.engine.plan.runs) == [(1, 2)]
+    assert trainer.parts.engine.items.next_step == 6 and list(trainer.parts.engine.plan.runs) == [(1, 2)]
     expected = np.concatenate(reference_training(config, rule))
-    np.testing.assert_allclose(trainer.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=0)
+    np.testing.assert_allclose(trainer.parts.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=0)
 
 
 @pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])
@@ -96,20 +96,20 @@ def test_an_epoch_runs_in_runs_of_bounded_length_and_still_follows_the_rule(rule
     config = small_config(**OPTIONS, hidden=(16,) * 2, scheme=rule, cdp_layout="single", micro_batches=2,
                           batch_size=128, optimizer="adam", epochs=2, max_steps=16, eval_every=7)
     trainer = Trainer(config)
-    runs, run_steps = [], trainer.engine.run_steps
+    runs, run_steps = [], trainer.parts.engine.run_steps
 
     def recorded(first_step, steps, *args, **options):
         runs.append((first_step, steps))
-        assert len(trainer.engine.plan.runs) <= 2, f"compiled programs kept: {list(trainer.engine.plan.runs)}"
+        assert len(trainer.parts.engine.plan.runs) <= 2, f"compiled programs kept: {list(trainer.parts.engine.plan.runs)}"
         return run_steps(first_step, steps, *args, **options)
 
-    monkeypatch.setattr(trainer.engine, "run_steps", recorded)
+    monkeypatch.setattr(trainer.parts.engine, "run_steps", recorded)
     trainer.run()
     assert runs == [(0, 3), (3, 3), (6, 1), (7, 3), (10, 1), (11, 3), (14, 0 + 2)]
-    assert max(len(run.program) for run in trainer.engine.plan.runs.values()) <= \
-        len(trainer.engine.plan.program(3, 3).program)
+    assert max(len(run.program) for run in trainer.parts.engine.plan.runs.values()) <= \
+        len(trainer.parts.engine.plan.program(3, 3).program)
     expected = np.concatenate(reference_training(config, rule))
-    np.testing.assert_allclose(trainer.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=0)
+    np.testing.assert_allclose(trainer.parts.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=0)
 
 
 @pytest.mark.parametrize("layout,count", [("dp", 3), ("zero", 3), ("pp", 3), ("mp", 3), ("mp", 4)])
@@ -137,7 +137,7 @@ def test_the_cnn_of_the_accuracy_study_follows_the_rule_exactly(rule):
     trainer = Trainer(config)
     trainer.run()
     expected = np.concatenate(reference_training(config, rule))
-    np.testing.assert_allclose(trainer.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=1e-15)
+    np.testing.assert_allclose(trainer.parts.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=1e-15)
 
 
 @pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])
@@ -151,16 +151,16 @@ def test_updates_build_each_optimizer_once_and_keep_at_most_two_versions_of_a_st
                           batch_size=360, optimizer="adam", epochs=3, max_steps=8)
     trainer = Trainer(config)
     trainer.run()
-    with_parameters = sum(1 for stage in trainer.stages if stage.flat.size)  # a stage of none has nothing to update
-    assert len(built) == with_parameters and list(trainer.engine.plan.runs) == [(1, 4)]  # 8 steps: runs of 4, 4
-    model = sum(stage.flat.nbytes for stage in trainer.stages)
-    held = max(peaks["parameters"] for peaks in trainer.engine.ledger.report()["peak"].values())
+    with_parameters = sum(1 for stage in trainer.parts.stages if stage.flat.size)  # a stage of none has nothing to update
+    assert len(built) == with_parameters and list(trainer.parts.engine.plan.runs) == [(1, 4)]  # 8 steps: runs of 4, 4
+    model = sum(stage.flat.nbytes for stage in trainer.parts.stages)
+    held = max(peaks["parameters"] for peaks in trainer.parts.engine.ledger.report()["peak"].values())
     # v1: the newest version and the one the next step reads, never a third (a copy per update made
     # three); v2 reads the last stage fresh only, so it updates in place
-    last = trainer.stages[-1].flat.nbytes
+    last = trainer.parts.stages[-1].flat.nbytes
     assert held == (2 * model if rule == "cdp-v1" else 2 * model - last)
     expected = np.concatenate(reference_training(config, rule))
-    np.testing.assert_allclose(trainer.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=0)
+    np.testing.assert_allclose(trainer.parts.engine.whole_model.full_parameters(), expected, rtol=1e-10, atol=0)
 
 
 @pytest.mark.parametrize("count", [2, 4, 8])
@@ -194,7 +194,7 @@ def test_single_layout_memory_is_flat_in_the_steady_state_and_dps_is_not():
     (dict(cdp_layout="ring"), 1, "unknown --cdp-layout 'ring'; choose one of: single, dp, zero, pp, mp"),
     (dict(stages=3, micro_batches=2, cdp_layout="single"), 1, "cuts the model into N = --micro-batches = 2 stages"),
     (dict(micro_batches=3, batch_size=10, cdp_layout="single"), 1,
-     r"--batch-size 10 is not divisible by the 3 micro-batches \(N\) = 3; use --batch-size 9 or 12"),
+     r"--batch-size 10 is not divisible by the 3 micro-batches = 3; use --batch-size 9 or 12"),
 ])
 def test_a_layout_that_cannot_run_is_refused_in_one_sentence(changes, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -14,16 +14,14 @@ from mpipar.data import (
     DATASETS,
     DatasetLocation,
     GlobalBatchSampler,
-    eval_slice,
     load_dataset,
     locate_dataset,
-    rank_slice,
     read_idx,
-    split_micro_batches,
     write_idx,
 )
 from mpipar.data.datasets import IDX_FILES, SYSTEM_DATA_ENV, SYSTEM_DATA_ROOT, system_data_root
 from mpipar.errors import ConfigError, DataError
+from mpipar.layout import Layout
 
 # ---------------------------------------------------------------- IDX format
 
@@ -285,27 +283,22 @@ def test_sampler_epoch_is_a_permutation_and_seeded():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
-def test_rank_slices_rebuild_the_same_global_batch(world_size):
+def test_each_rank_s_share_rebuilds_the_same_global_batch(world_size):
     reference = GlobalBatchSampler(1000, 64, seed=3)
     sampler = GlobalBatchSampler(1000, 64, seed=3)  # as built independently on each rank
+    layout = Layout.of(replica=world_size, batch_size=64)
     for epoch, step in [(0, 0), (0, 7), (2, 14)]:
         global_batch = sampler.global_batch_indices(epoch, step)
         np.testing.assert_array_equal(global_batch, reference.global_batch_indices(epoch, step))
-        parts = [rank_slice(global_batch, r, world_size) for r in range(world_size)]
+        parts = [layout.micro_batch_of(global_batch, r, 0) for r in range(world_size)]
         assert {len(p) for p in parts} == {64 // world_size}
         np.testing.assert_array_equal(np.concatenate(parts), global_batch)
 
 
-def test_micro_batches():
-    indices = np.arange(12) * 3
-    parts = split_micro_batches(indices, 4)
-    assert [len(p) for p in parts] == [3, 3, 3, 3]
-    np.testing.assert_array_equal(np.concatenate(parts), indices)
-
-
 @pytest.mark.parametrize("num_samples,world_size", [(10, 3), (7, 7), (3, 5), (300, 8), (0, 2)])
-def test_eval_slice_covers_every_sample_once(num_samples, world_size):
-    slices = [eval_slice(num_samples, r, world_size) for r in range(world_size)]
+def test_evaluation_parts_cover_every_sample_once(num_samples, world_size):
+    layout = Layout.of(replica=world_size, batch_size=world_size)
+    slices = [layout.evaluation_part(num_samples, r) for r in range(world_size)]
     covered = np.concatenate([np.arange(num_samples)[s] for s in slices])
     np.testing.assert_array_equal(covered, np.arange(num_samples))
     sizes = [s.stop - s.start for s in slices]
@@ -317,9 +310,9 @@ def test_sampler_errors():
         GlobalBatchSampler(10, 11, seed=0)
     with pytest.raises(ConfigError):
         GlobalBatchSampler(10, 0, seed=0)
-    with pytest.raises(ConfigError, match="10 samples"):
-        rank_slice(np.arange(10), 0, 3)
-    with pytest.raises(ConfigError):
-        split_micro_batches(np.arange(10), 4)
-    with pytest.raises(ConfigError):
-        split_micro_batches(np.arange(10), 0)
+    with pytest.raises(ConfigError, match="--batch-size 10 is not divisible by 3 ranks"):
+        Layout.of(replica=3, batch_size=10)
+    with pytest.raises(ConfigError, match="the 4 micro-batches = 4"):
+        Layout.of(micro_batches=4, batch_size=10)
+    with pytest.raises(ConfigError, match="at least one micro-batch"):
+        Layout.of(micro_batches=0, batch_size=10)

@@ -73,14 +73,14 @@ def test_units_pack_layers_from_the_last_one():
 def test_one_rank_ledger_holds_the_whole_model(scheme):
     trainer = Trainer(small_config(scheme=scheme, optimizer="adam", group_size=1, ddp="overlap"))
     trainer.run()
-    size, itemsize = trainer.stages[0].flat.size, 8
-    assert trainer.engine.ledger.steady() == {"parameters": size * itemsize, "gradients": size * itemsize,
-                                              "workspace": trainer.engine.shared[0].state.optimizer.workspace_bytes,
+    size, itemsize = trainer.parts.stages[0].flat.size, 8
+    assert trainer.parts.engine.ledger.steady() == {"parameters": size * itemsize, "gradients": size * itemsize,
+                                              "workspace": trainer.parts.engine.sharded[0].state.optimizer.workspace_bytes,
                                               "optimizer_state": 2 * size * itemsize}
-    peaks = trainer.engine.ledger.report()["peak"]
+    peaks = trainer.parts.engine.ledger.report()["peak"]
     if scheme in ("zero3", "paro-iig"):  # gathered copies of a unit exist only while it is computed
         assert peaks["forward"]["parameters"] > size * itemsize
-    assert np.isfinite(trainer.engine.whole_model.full_parameters()).all()
+    assert np.isfinite(trainer.parts.engine.whole_model.full_parameters()).all()
 
 
 @pytest.mark.parametrize("scheme", ["ddp", "zero2", "zero3", "paro-igg"])

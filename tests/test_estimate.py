@@ -7,8 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from mpipar.cli import cli
+from mpipar.cli.estimate import placed_model
 from mpipar.errors import MpiparError
-from mpipar.predict.estimate import PHASES, make_layout, scheme_rows, traffic_per_step
+from mpipar.predict.estimate import PHASES, scheme_rows, traffic_per_step
 from mpipar.predict.seed_tables import SCHEMES_004, WHY_TABLE_2, seed_table_2
 from mpipar.schedule.sharding import NAMED_SHARDINGS
 
@@ -53,7 +54,7 @@ def test_where_we_differ_from_the_extracted_table_and_why():
 
 
 def test_fig_5_ordering():
-    layout = make_layout(PSI, None, N, M, stages=0, scheme=None, replicas=0, micro_batches=S, loops=1, batch_size=64,
+    layout = placed_model(PSI, None, N, M, stages=0, scheme=None, replicas=0, micro_batches=S, loops=1, batch_size=64,
                          ddp="bucketed", bucket_mb=25.0, itemsize=2)
     rows = {row.name: row for row in scheme_rows(layout, S, element=2, k=12)}
     inter = {name: row.inter for name, row in rows.items()}

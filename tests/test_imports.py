@@ -1,20 +1,29 @@
-"""No import cycles among mpipar's modules, read statically from the source with `ast`.
+"""No import cycles among mpipar's modules, and no import up the folders, read statically from
+the source with `ast`.
 
 A cycle works until someone reorders an import or needs a name the other module has not
 defined yet, and then fails with "partially initialized module"; it also ties a
 low-level module (a schedule) to a high-level one (a training loop). The graph is the
-modules' layering, as the interpreter and a type checker see it:
+modules' layering, as the interpreter and a type checker see it, and every import counts,
+wherever it sits (`module_imports` names the place of each):
 
-    counted   module-level imports, including those in class bodies, try/except and
-              `if` blocks; a package's `__init__.py` importing its submodules;
-              `from mpipar.x import y` where y is a submodule (an edge to mpipar.x.y);
-              the packages that importing mpipar.x.y runs on the way (mpipar.x);
-              imports under `if TYPE_CHECKING:`: they do not run at import time, but a
-              type checker and typing.get_type_hints follow them, and a cycle through
-              one becomes a runtime cycle as soon as the import leaves the guard. The
-              failure names such edges, so it is clear which cycles exist at runtime
-    skipped   imports inside function bodies: deliberate lazy imports that run at call
-              time, when every module is loaded
+    module level      imports in the module's body, in class bodies, try/except and `if`
+                      blocks; a package's `__init__.py` importing its submodules;
+                      `from mpipar.x import y` where y is a submodule (an edge to mpipar.x.y);
+                      the packages that importing mpipar.x.y runs on the way (mpipar.x)
+    typing only       imports under `if TYPE_CHECKING:`: they do not run at import time, but a
+                      type checker and typing.get_type_hints follow them, and a cycle through
+                      one becomes a runtime cycle as soon as the import leaves the guard
+    in a function     imports inside a function body, which run at call time
+
+Both checks count all three. The layering check must count the imports inside functions: a
+lazy import up the folders is still a dependency up the folders (the lower module cannot run,
+be tested or be read without the higher one), and laziness is the usual way such a
+dependency hides from a check of import time. The cycle check counts them too: a function's
+import that closes a circle still ties the two modules together (it only moves the failure
+from import time to the first call made while one of them is still loading), and it is the
+one check that sees circles inside a folder. Each failure says, of an edge that is not at
+module level, where its imports sit, so it is clear which cycles exist at import time.
 
 Exercised by: python -m pytest tests/test_imports.py
 """
@@ -22,6 +31,7 @@ Exercised by: python -m pytest tests/test_imports.py
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGE = "mpipar"
@@ -53,25 +63,30 @@ def _blocks(node: ast.stmt) -> list[list[ast.stmt]]:
     return blocks
 
 
-def module_imports(tree: ast.Module) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """The module's import statements outside function bodies, each with whether it sits
-    under `if TYPE_CHECKING:` (and so runs only for the type checker)."""
-    found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+MODULE_LEVEL, TYPING_ONLY, IN_A_FUNCTION = "module level", "typing only", "in a function"
+EVERY_PLACE = frozenset({MODULE_LEVEL, TYPING_ONLY, IN_A_FUNCTION})
 
-    def visit(statements: list[ast.stmt], typing_only: bool) -> None:
+
+def module_imports(tree: ast.Module) -> list[tuple[ast.Import | ast.ImportFrom, str]]:
+    """The module's import statements, each with the place it sits: MODULE_LEVEL (runs at import
+    time), TYPING_ONLY (under `if TYPE_CHECKING:`) or IN_A_FUNCTION (runs at call time)."""
+    found: list[tuple[ast.Import | ast.ImportFrom, str]] = []
+
+    def visit(statements: list[ast.stmt], place: str) -> None:
         for node in statements:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                found.append((node, typing_only))
+                found.append((node, place))
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue  # runs at call time, not import time
+                found.extend((inner, IN_A_FUNCTION) for inner in ast.walk(node)
+                             if isinstance(inner, (ast.Import, ast.ImportFrom)))
             elif isinstance(node, ast.If) and _is_type_checking(node.test):
-                visit(node.body, True)
-                visit(node.orelse, typing_only)
+                visit(node.body, TYPING_ONLY)
+                visit(node.orelse, place)
             else:  # class bodies and if/try/with/for/match blocks run at import time
                 for block in _blocks(node):
-                    visit(block, typing_only)
+                    visit(block, place)
 
-    visit(tree.body, False)
+    visit(tree.body, MODULE_LEVEL)
     return found
 
 
@@ -91,17 +106,23 @@ def _with_parents(target: str, importer: str) -> set[str]:
     return names - ancestors
 
 
-def import_graph(modules: dict[str, Path] | None = None, *, typing_only: bool = True) -> dict[str, set[str]]:
-    """module -> the package's modules it imports outside function bodies; with
-    `typing_only` False, without the imports under `if TYPE_CHECKING:`."""
+@dataclass(frozen=True)
+class ImportSite:
+    """Where one import statement of an edge sits in the importing module."""
+
+    line: int
+    place: str  # MODULE_LEVEL, TYPING_ONLY or IN_A_FUNCTION
+
+
+def import_edges(modules: dict[str, Path] | None = None) -> dict[str, dict[str, set[ImportSite]]]:
+    """module -> each of the package's modules it imports -> the imports that do it."""
     modules = module_files() if modules is None else modules
-    graph: dict[str, set[str]] = {}
+    known = set(modules)
+    edges: dict[str, dict[str, set[ImportSite]]] = {}
     for module, path in modules.items():
         is_package = path.name == "__init__.py"
-        targets: set[str] = set()
-        for node, guarded in module_imports(ast.parse(path.read_text(), str(path))):
-            if guarded and not typing_only:
-                continue
+        targets: dict[str, set[ImportSite]] = {}
+        for node, place in module_imports(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             else:
@@ -110,10 +131,23 @@ def import_graph(modules: dict[str, Path] | None = None, *, typing_only: bool = 
                 names = [base] + [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in modules]
             for name in names:
                 if name == PACKAGE or name.startswith(PACKAGE + "."):
-                    targets |= {found for found in _with_parents(name, module) if found in modules}
-        targets.discard(module)
-        graph[module] = targets
-    return graph
+                    for found in _with_parents(name, module) & known - {module}:
+                        targets.setdefault(found, set()).add(ImportSite(node.lineno, place))
+        edges[module] = targets
+    return edges
+
+
+def import_graph(modules: dict[str, Path] | None = None, *,
+                 places: frozenset[str] = EVERY_PLACE) -> dict[str, set[str]]:
+    """module -> the package's modules it imports by an import in one of `places`."""
+    return {module: {target for target, sites in targets.items() if any(site.place in places for site in sites)}
+            for module, targets in import_edges(modules).items()}
+
+
+def where(edges: dict[str, dict[str, set[ImportSite]]], module: str, target: str) -> str:
+    """`line 202 in a function, line 210 in a function`: the imports of module that reach target."""
+    return ", ".join(f"line {site.line} {site.place}" for site in sorted(edges[module][target],
+                                                                           key=lambda site: site.line))
 
 
 def _shortest_cycle(graph: dict[str, set[str]], component: set[str], start: str) -> list[str]:
@@ -172,20 +206,24 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                   if len(component) > 1)
 
 
-def describe(cycle: list[str], runtime: dict[str, set[str]]) -> str:
-    """`a -> b -> c -> a`, naming the edges that exist only under `if TYPE_CHECKING:`."""
-    typing_only = [f"{a} -> {b}" for a, b in zip(cycle, cycle[1:]) if b not in runtime[a]]
-    note = f"  (under `if TYPE_CHECKING:` only: {', '.join(typing_only)})" if typing_only else ""
+def describe(cycle: list[str], edges: dict[str, dict[str, set[ImportSite]]]) -> str:
+    """`a -> b -> c -> a`, saying where the imports sit of each edge that is not at module level."""
+    elsewhere = [f"{a} -> {b} ({where(edges, a, b)})" for a, b in zip(cycle, cycle[1:])
+                 if all(site.place != MODULE_LEVEL for site in edges[a][b])]
+    note = f"  (not at module level: {'; '.join(elsewhere)})" if elsewhere else ""
     return " -> ".join(cycle) + note
 
 
 def test_graph_sees_the_package():
     graph = import_graph()
+    at_import_time = import_graph(places=frozenset({MODULE_LEVEL}))
     assert {"mpipar", "mpipar.train.cdp_reference", "mpipar.train.config", "mpipar.schedule.cyclic"} <= set(graph)
     assert "mpipar.errors" in graph["mpipar.schedule.cyclic"]
     assert "mpipar.cli.cdp" in graph["mpipar.cli"]  # a package importing its submodule is an edge
     assert "mpipar.runtime.executor" in graph["mpipar.train.checkpoints"]  # under TYPE_CHECKING
-    assert "mpipar.runtime.executor" not in import_graph(typing_only=False)["mpipar.train.checkpoints"]
+    assert "mpipar.runtime.executor" not in at_import_time["mpipar.train.checkpoints"]
+    assert "mpipar.gpu.standin" in graph["mpipar.backend"]  # inside array_module
+    assert "mpipar.gpu.standin" not in at_import_time["mpipar.backend"]
 
 
 def test_which_imports_are_edges(tmp_path):
@@ -200,32 +238,37 @@ def test_which_imports_are_edges(tmp_path):
     (package / "high.py").write_text(
         "from .sub.low import later\ntry:\n    import mpipar.other\nexcept ImportError:\n    pass\n")
     (package / "other.py").write_text("class C:\n    from mpipar.sub import low as _low\n")
-    graph = import_graph(module_files(package))
-    runtime = import_graph(module_files(package), typing_only=False)
+    modules = module_files(package)
+    graph, edges = import_graph(modules), import_edges(modules)
+    at_import_time = import_graph(modules, places=frozenset({MODULE_LEVEL}))
     assert graph["mpipar.sub"] == {"mpipar.sub.low"}
-    assert graph["mpipar.sub.low"] == {"mpipar.high"}  # not mpipar.other: that import is lazy
-    assert runtime["mpipar.sub.low"] == set()
+    assert graph["mpipar.sub.low"] == {"mpipar.high", "mpipar.other"}
+    assert edges["mpipar.sub.low"] == {"mpipar.high": {ImportSite(3, TYPING_ONLY)},
+                                       "mpipar.other": {ImportSite(5, IN_A_FUNCTION)}}
+    assert at_import_time["mpipar.sub.low"] == set()
     assert graph["mpipar.high"] == {"mpipar.sub", "mpipar.sub.low", "mpipar.other"}
     assert graph["mpipar.other"] == {"mpipar.sub", "mpipar.sub.low"}
-    assert [describe(cycle, runtime) for cycle in find_cycles(graph)] == [
-        "mpipar.high -> mpipar.sub.low -> mpipar.high  (under `if TYPE_CHECKING:` only: mpipar.sub.low -> mpipar.high)"]
-    assert find_cycles(runtime) == []
+    assert [describe(cycle, edges) for cycle in find_cycles(graph)] == [
+        "mpipar.high -> mpipar.sub.low -> mpipar.high  (not at module level: "
+        "mpipar.sub.low -> mpipar.high (line 3 typing only))"]
+    assert find_cycles(at_import_time) == []
 
 
 def test_no_import_cycles():
-    runtime = import_graph(typing_only=False)
+    edges = import_edges()
     cycles = find_cycles(import_graph())
     assert not cycles, ("import cycles in mpipar (a low-level module must not import a high-level one):\n"
-                        + "\n".join("  " + describe(cycle, runtime) for cycle in cycles))
+                        + "\n".join("  " + describe(cycle, edges) for cycle in cycles))
 
 
 # The parts' layering (docs/architecture.md), the path of a step from the bottom up: a part may
 # import the parts before it in LAYERS, never one after it. The layers and the pebble-graph
 # cache know nothing of schedules; the compiler knows nothing of the runtime or the predictions;
 # the predictions read plans, never the runtime that runs them, and the runtime is handed its
-# prediction and its step timer (SIBLINGS: neither imports the other).
-LAYERS = ("errors", "units", "gpu", "backend", "system", "options", "cache", "layers", "data", "comms", "checkpoint",
-          "models", "optim", "schedule", "predict", "runtime", "adapters", "report", "train", "cli")
+# prediction and its step timer (SIBLINGS: neither imports the other). The kernels' NumPy steps lie
+# under both the GPU's parts and the layers, which run the same steps.
+LAYERS = ("errors", "units", "layout", "kernels", "gpu", "backend", "system", "options", "cache", "layers", "data",
+          "comms", "checkpoint", "models", "optim", "schedule", "predict", "runtime", "adapters", "report", "train", "cli")
 SIBLINGS = {"runtime": ("predict",)}
 NEVER_IMPORTS = {f"mpipar.{part}": tuple(f"mpipar.{above}" for above in LAYERS[index + 1:] + SIBLINGS.get(part, ()))
                  for index, part in enumerate(LAYERS)}
@@ -242,18 +285,48 @@ def _under(module: str, folder: str) -> bool:
     return module == folder or module.startswith(folder + ".")
 
 
-def layering_violations(graph: dict[str, set[str]]) -> list[str]:
-    return sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
+def layering_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, target) for each import of a part by a part below it in LAYERS."""
+    return sorted((module, target) for module, targets in graph.items() for target in targets
                   for folder, forbidden in NEVER_IMPORTS.items() if _under(module, folder)
                   for below in forbidden if _under(target, below))
 
 
 def test_every_folder_imports_only_the_ones_below_it():
+    edges = import_edges()
     violations = layering_violations(import_graph())
-    assert not violations, "imports running back up the folders:\n  " + "\n  ".join(violations)
+    assert not violations, "imports running back up the folders:\n" + "\n".join(
+        f"  {module} -> {target}  ({where(edges, module, target)})" for module, target in violations)
 
 
 def test_a_layering_violation_is_seen():
     assert layering_violations({"mpipar.schedule.plans": {"mpipar.predict.peak", "mpipar.errors"},
                                 "mpipar.predict.peak": {"mpipar.schedule.plans"}}) == \
-        ["mpipar.schedule.plans -> mpipar.predict.peak"]
+        [("mpipar.schedule.plans", "mpipar.predict.peak")]
+
+
+def test_an_import_inside_a_function_running_back_up_is_seen(tmp_path):
+    package = tmp_path / PACKAGE
+    for folder in ("schedule", "predict"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "errors.py").write_text("class PlanError(Exception):\n    pass\n")
+    (package / "schedule" / "plans.py").write_text(
+        "from mpipar.errors import PlanError\n"
+        "\n"
+        "class Plan:\n"
+        "    def predicted_peak(self):\n"
+        "        if self.stages:\n"
+        "            from mpipar.predict.peak import peak_of  # lazy, and still a step up the folders\n"
+        "            return peak_of(self)\n"
+        "        raise PlanError('no stages')\n")
+    (package / "predict" / "peak.py").write_text("from mpipar.schedule.plans import Plan\n")
+    modules = module_files(package)
+    graph, edges = import_graph(modules), import_edges(modules)
+    assert layering_violations(graph) == [("mpipar.schedule.plans", "mpipar.predict"),
+                                          ("mpipar.schedule.plans", "mpipar.predict.peak")]
+    assert layering_violations(import_graph(modules, places=frozenset({MODULE_LEVEL, TYPING_ONLY}))) == []
+    assert [describe(cycle, edges) for cycle in find_cycles(graph)] == [
+        "mpipar.predict.peak -> mpipar.schedule.plans -> mpipar.predict.peak  (not at module level: "
+        "mpipar.schedule.plans -> mpipar.predict.peak (line 6 in a function))"]

@@ -17,10 +17,9 @@ from cuda_on_cpu import kernel_names, load_cuda_module
 
 from mpipar.cache import Context
 from mpipar.gpu.standin import module as xp
+from mpipar.kernels import causal_softmax, causal_softmax_backward, dropped, stream_key
 from mpipar.layers import GELU, LayerNorm, SoftmaxCrossEntropy
-from mpipar.layers.attention import causal_softmax, causal_softmax_backward
-from mpipar.layers.dropout import dropped, stream_key
-from mpipar.optim.optimizers import make_optimizer
+from mpipar.optim.spec import OptimizerSpec, make_optimizer
 
 DTYPES = [(np.float64, 1e-13), (np.float32, 1e-5), (np.float16, 2e-3)]
 TESTED = {"layer_norm", "layer_norm_input_gradient", "causal_softmax", "causal_softmax_backward", "gelu", "gelu_grad",
@@ -145,8 +144,8 @@ def test_the_decay_kernel_decays_what_numpy_decays_bit_for_bit(cuda, dtype, name
     sides = []
     for on_device, array in ((True, xp.asarray), (False, np.array)):
         params, grads = array(start), array(np.zeros(1000, dtype))
-        optimizer = make_optimizer(name, [params[:400], params[400:]], [grads[:400], grads[400:]], decay,
-                                   weight_decay=0.3, momentum=0.0, eps=1e-3)  # an eps float16 holds
+        optimizer = make_optimizer(OptimizerSpec(name, weight_decay=0.3, momentum=0.0, eps=1e-3),  # an eps float16 holds
+                                   [params[:400], params[400:]], [grads[:400], grads[400:]], decay)
         for g in gradients:
             grads[...] = array(g)
             optimizer.step(0.25)

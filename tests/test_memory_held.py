@@ -57,12 +57,12 @@ def test_training_and_evaluation_stay_within_the_predicted_peak_and_evaluation_u
                        batch_size=12, eval_batches=4, optimizer="adamw", tie_embeddings=True, grad_clip=1.0)
     trainer = Trainer(small_config(**options, dtype="float32"))
     for step in range(3):
-        trainer.train_step(step, 0, step)
-    training = trainer.memory.peak_bytes()
-    trainer.memory.reset_peak()
-    trainer.evaluate(0, 3)
-    evaluation = trainer.memory.peak_bytes()
-    predicted = trainer.predicted.total + PYTHON_OBJECTS
+        trainer.train_step(step)
+    training = trainer.parts.memory.peak_bytes()
+    trainer.parts.memory.reset_peak()
+    trainer.evaluate(3)
+    evaluation = trainer.parts.memory.peak_bytes()
+    predicted = trainer.parts.predicted.total + PYTHON_OBJECTS
     assert training <= 1.1 * predicted, f"{model}: training peaks at {training:,} B, predicted {predicted:,} B"
     assert evaluation <= 1.1 * predicted, f"{model}: evaluation peaks at {evaluation:,} B, predicted {predicted:,} B"
     assert evaluation <= training, f"{model}: evaluation ({evaluation:,} B) needs more than training ({training:,} B)"

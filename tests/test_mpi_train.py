@@ -30,8 +30,8 @@ def test_two_ranks_equal_one_process(tmp_path, case):
     single.run()
     saved = np.load(out)
     distributed = saved["params"]
-    assert not np.allclose(distributed, Trainer(small_config(**options)).stages[0].flat.data)  # it trained
-    np.testing.assert_allclose(distributed, single.stages[0].flat.data, rtol=1e-12, atol=0)
+    assert not np.allclose(distributed, Trainer(small_config(**options)).parts.stages[0].flat.data)  # it trained
+    np.testing.assert_allclose(distributed, single.parts.stages[0].flat.data, rtol=1e-12, atol=0)
     # every step's gradient sum went through the counted communicator
     assert saved["counted_bytes"] >= 3 * distributed.nbytes
 

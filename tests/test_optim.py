@@ -7,7 +7,8 @@ import pytest
 
 from mpipar.errors import ConfigError
 from mpipar.optim import optimizers as optim
-from mpipar.optim.optimizers import make_optimizer, make_schedule, state_kinds
+from mpipar.optim.optimizers import make_schedule, state_kinds
+from mpipar.optim.spec import OptimizerSpec, make_optimizer
 
 rng = np.random.default_rng(0)
 START = rng.standard_normal(20)
@@ -30,8 +31,8 @@ def chunk(request, monkeypatch):
 def run(name, **options):
     params, grad = START.copy(), np.zeros(20)
     # two pieces, as a rank's shard of two sharding units: the update must not care
-    optimizer = make_optimizer(name, [params[:7], params[7:]], [grad[:7], grad[7:]], [spans(MASK[:7]),
-                               spans(MASK[7:])], **options)
+    optimizer = make_optimizer(OptimizerSpec(name, **options), [params[:7], params[7:]], [grad[:7], grad[7:]],
+                               [spans(MASK[:7]), spans(MASK[7:])])
     for step, g in enumerate(GRADS):
         grad[:] = g
         optimizer.step(0.1 / (step + 1))
@@ -77,7 +78,7 @@ def test_adam(name, wd):
 def test_float32_stays_float32():
     params, grad = START.astype(np.float32), GRADS[0].astype(np.float32)
     for name in ("sgd", "adam", "adamw"):
-        optimizer = make_optimizer(name, [params], [grad], [ODD], weight_decay=0.1)
+        optimizer = make_optimizer(OptimizerSpec(name, weight_decay=0.1), [params], [grad], [ODD])
         optimizer.step(0.01)
         assert params.dtype == np.float32 and optimizer.state.dtype == np.float32
         assert optimizer.workspace.dtype == np.float32
@@ -86,9 +87,9 @@ def test_float32_stays_float32():
 @pytest.mark.parametrize("name,momentum,kinds", [("sgd", 0.0, 0), ("sgd", 0.9, 1), ("adam", 0.9, 2)])
 def test_state_bytes_count_the_state_buffers(name, momentum, kinds, chunk):
     pieces = [np.zeros(5), np.zeros(15)]
-    optimizer = make_optimizer(name, pieces, [np.zeros(5), np.zeros(15)], [[(0, 5)], [(0, 15)]],
-                               momentum=momentum)
-    assert optimizer.state_bytes == kinds * 20 * 8 == state_kinds(name, momentum) * 20 * 8
+    spec = OptimizerSpec(name, momentum=momentum)
+    optimizer = make_optimizer(spec, pieces, [np.zeros(5), np.zeros(15)], [[(0, 5)], [(0, 15)]])
+    assert optimizer.state_bytes == kinds * 20 * 8 == spec.state_kinds * 20 * 8
     assert optimizer.workspace_bytes == min(chunk, 15) * 8  # one chunk, not a copy of the parameters
 
 
@@ -99,8 +100,9 @@ def test_an_optimizer_bound_to_other_buffers_steps_as_one_built_over_them(name):
     state = np.zeros(state_kinds(name, 0.9) * 20)
     moved, params = state.copy(), START.copy()
     shared = np.empty(optim.CHUNK)  # two optimizers that never step at once share one workspace
-    built = make_optimizer(name, [params], [GRADS[0].copy()], [ODD], weight_decay=0.1, state=state, workspace=shared)
-    other = make_optimizer(name, [START.copy()], [GRADS[0].copy()], [ODD], workspace=shared)
+    built = make_optimizer(OptimizerSpec(name, weight_decay=0.1), [params], [GRADS[0].copy()], [ODD], state=state,
+                           workspace=shared)
+    other = make_optimizer(OptimizerSpec(name), [START.copy()], [GRADS[0].copy()], [ODD], workspace=shared)
     assert built.workspace is other.workspace is shared
     built.step(0.1)
     moved[:] = state  # the state travels to another buffer, the parameters to another copy
@@ -109,7 +111,7 @@ def test_an_optimizer_bound_to_other_buffers_steps_as_one_built_over_them(name):
     copy = params.copy()
     built.bind([copy], [GRADS[1].copy()], moved)
     built.step(0.1)
-    reference = make_optimizer(name, [START.copy()], [GRADS[0].copy()], [ODD], weight_decay=0.1)
+    reference = make_optimizer(OptimizerSpec(name, weight_decay=0.1), [START.copy()], [GRADS[0].copy()], [ODD])
     reference.step(0.1)
     reference.grads[0][:] = GRADS[1]
     reference.step(0.1)
@@ -140,7 +142,7 @@ def test_cosine_decays_to_its_floor():
 
 def test_unknown_names_list_the_valid_ones():
     with pytest.raises(ConfigError, match="unknown optimizer 'lion'; valid optimizers are: adam, adamw, sgd"):
-        make_optimizer("lion", [START.copy()], [np.zeros(20)], [ODD])
+        OptimizerSpec("lion")
     with pytest.raises(ConfigError, match="valid schedules are: constant, cosine, step"):
         make_schedule("linear", 1.0, 10)
 
@@ -162,8 +164,8 @@ def test_torch_s_kernels_update_as_torch_s_own_optimizer_bit_for_bit(case):
     name, options = case.split("-")[0], TORCH_CASES[case]
     start, grads = START.astype(np.float32), [g.astype(np.float32) for g in GRADS]
     params, grad = start.copy(), np.zeros(20, dtype=np.float32)
-    optimizer = make_optimizer(name, [params[:7], params[7:]], [grad[:7], grad[7:]],
-                               [spans(MASK[:7]), spans(MASK[7:])], updates=TorchUpdates(), **options)
+    optimizer = make_optimizer(OptimizerSpec(name, **options, updates=TorchUpdates()), [params[:7], params[7:]],
+                               [grad[:7], grad[7:]], [spans(MASK[:7]), spans(MASK[7:])])
     decayed, others = (torch.tensor(start[MASK == flag]) for flag in (1, 0))
     groups = [dict(params=[decayed], weight_decay=options["weight_decay"]), dict(params=[others], weight_decay=0.0)]
     theirs = (torch.optim.SGD(groups, lr=0.1, momentum=options["momentum"]) if name == "sgd" else
@@ -191,4 +193,4 @@ def test_a_torch_model_on_the_cpu_updates_by_torch_s_kernels_and_mpipar_s_own_by
     for model, expected in ((f"{examples}/torch_mlp.py:build", TorchUpdates), ("mlp", type(None))):
         trainer = Trainer(small_config(model=model, max_steps=1))
         trainer.run()
-        assert isinstance(trainer.engine.shared[0].state.optimizer.updates, expected), model
+        assert isinstance(trainer.parts.engine.sharded[0].state.optimizer.updates, expected), model

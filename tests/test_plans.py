@@ -81,7 +81,7 @@ def test_a_lowered_step_uses_only_what_it_holds_and_ends_with_its_persistent_sta
     sends, receives = Counter(), Counter()
     for worker, program in enumerate(compiled.programs):
         held = [s for s in range(shape.stages) if worker in compiled.holders[s]]
-        lowered, updates_from = lower(program, shape.stages, shared={})
+        lowered, updates_from = lower(program, shape.stages, sharded={})
         assert not any(isinstance(i, (Compute, Send, Receive)) for i in lowered[updates_from:])
         left = walk(lowered, shape.stages, held)
         assert left == {Item("w", s, 1) for s in held}, f"worker {worker} ends the step holding {sorted(left)}"
@@ -98,7 +98,7 @@ def test_a_job_on_fetched_weights_computes_with_its_own_copy():
     flight on a worker (the next job's is received while the current one runs), so each is
     an item of its own, named by the job."""
     compiled = compile_programs(get_strategy("fsdp-stage"), Shape(2, 2, 2, 1))
-    lowered, _ = lower(compiled.programs[1], 2, shared={})
+    lowered, _ = lower(compiled.programs[1], 2, sharded={})
     copies = [i.weights for i in lowered if isinstance(i, Compute) and i.copy]
     assert copies and len(copies) == len(set(copies))
     assert all(item.kind == "f" for item in copies)
@@ -111,7 +111,7 @@ def test_a_stage_shared_by_its_replica_group_is_no_item_only_its_jobs_and_update
     names its w or g, while activations still move as items."""
     compiled = compile_programs(get_strategy("1f1b"), Shape(2, 2, 4, 1))
     for worker, program in enumerate(compiled.programs):
-        lowered, _ = lower(program, 2, shared={worker: 1})
+        lowered, _ = lower(program, 2, sharded={worker: 1})
         named = {i.item for i in lowered if isinstance(i, (Receive, Send, Drop))}
         assert not [item for item in named if item.kind in "wgf"], f"worker {worker}: {sorted(named)}"
         assert [i for i in lowered if isinstance(i, Update)] == [Update(worker, 0)]

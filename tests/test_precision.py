@@ -26,8 +26,8 @@ from mpipar.layers import GELU, Embedding, LayerNorm, Linear, SoftmaxCrossEntrop
 from mpipar.layers.activations import reference_gelu, reference_gelu_grad
 from mpipar.layers.norm import reference_layer_norm, reference_layer_norm_grad
 from mpipar.models.sequential import FlatParams, Sequential, mark_written
-from mpipar.optim.optimizers import make_optimizer
 from mpipar.optim.precision import FIXED_SCALE_OVERFLOWS, HALF_ON_CPU, LossScaler
+from mpipar.optim.spec import OptimizerSpec, make_optimizer
 from mpipar.report.divergence import non_finite_advice
 from mpipar.train.trainer import Trainer
 
@@ -161,9 +161,11 @@ def test_master_weights_update_as_the_master_dtype_would_and_round_into_the_para
     scaled = (gradient * 2.0**16).astype(np.float16)
     decay = [[(0, 200)]]
     options = dict(momentum=0.9, weight_decay=0.1)
-    half = make_optimizer(name, [params], [scaled], decay, master_dtype=np.float64, loss_scaler=scaler, **options)
+    half = make_optimizer(OptimizerSpec(name, master_dtype="float64", **options), [params], [scaled], decay,
+                          loss_scaler=scaler)
     reference_params = params.astype(np.float64)  # the master copy starts from the float16 parameters
-    reference = make_optimizer(name, [reference_params], [scaled.astype(np.float64) / 2.0**16], decay, **options)
+    reference = make_optimizer(OptimizerSpec(name, **options), [reference_params], [scaled.astype(np.float64) / 2.0**16],
+                               decay)
     scaler.update(finite=True)
     half.step(0.01)
     reference.step(0.01)
@@ -178,7 +180,8 @@ def test_a_skipped_step_changes_no_parameter_state_or_step_count():
     params = np.linspace(-1, 1, 50).astype(np.float16)
     grads = np.full(50, np.inf, dtype=np.float16)
     scaler = LossScaler()
-    optimizer = make_optimizer("adam", [params], [grads], [[]], master_dtype=np.float32, loss_scaler=scaler)
+    optimizer = make_optimizer(OptimizerSpec("adam", master_dtype="float32"), [params], [grads], [[]],
+                               loss_scaler=scaler)
     before, state_before = params.copy(), optimizer.state.copy()  # zero moments and the master copy
     scaler.update(finite=False)
     optimizer.step(0.1)
@@ -234,9 +237,9 @@ def test_fp16_training_follows_float64(model, tmp_path, monkeypatch):
     for precision in ("fp32", "fp16"):
         trainer = Trainer(small_config(**options, precision=precision, max_steps=40))
         summary = trainer.run()
-        runs[precision] = (summary["test_loss"], trainer.engine.whole_model.full_parameters().astype(np.float64))
+        runs[precision] = (summary["test_loss"], trainer.parts.engine.whole_model.full_parameters().astype(np.float64))
     (loss, params), (reference_loss, reference) = runs["fp16"], runs["fp32"]
-    initial = Trainer(small_config(**options, max_steps=40)).engine.whole_model.full_parameters()
+    initial = Trainer(small_config(**options, max_steps=40)).parts.engine.whole_model.full_parameters()
     assert abs(loss - reference_loss) < 0.01 * reference_loss, f"test loss {loss} against float64's {reference_loss}"
     moved = np.linalg.norm(reference - initial)
     assert np.linalg.norm(params - reference) < 0.05 * np.linalg.norm(reference)
@@ -308,7 +311,7 @@ def test_mpipar_estimate_mixed_predicts_the_peak_that_fp16_training_predicts(sch
     assert result.exit_code == 0, result.output
     estimated = json.loads(result.output)["schemes"][scheme]["peak"]
     trainer = Trainer(small_config(hidden=(64, 64), precision="fp16", dtype="float32", scheme=scheme))
-    assert estimated == trainer.predicted.total
+    assert estimated == trainer.parts.predicted.total
 
 
 def test_the_loss_of_a_gpu_recipe_batch_does_not_overflow_float16():

@@ -36,7 +36,7 @@ def test_compiled_programs_are_sound_and_replay_the_simulated_schedule(name, sha
     timeline = replay(compiled.programs, shape, compiled.holders)
     key = [(slot.job, slot.worker, slot.weights, slot.start, slot.end) for slot in timeline.slots]
     assert key == [(slot.job, slot.worker, slot.weights, slot.start, slot.end) for slot in compiled.timeline.slots]
-    received = transfers(compiled.programs)
+    received = transfers(compiled.programs, shape)
     assert [c["activation"] + c["gradient"] for c in received] == timeline.activation_receives()
     assert [c["weights"] for c in received] == timeline.weight_fetches()
 
@@ -145,7 +145,7 @@ def test_a_broken_custom_strategy_is_refused_before_anything_runs():
     (dict(stages=2), "--stages 2 runs a schedule: name it with --scheme"),
     (dict(scheme="zero3", stages=1), "unknown schedule scheme 'zero3'"),
     (dict(scheme="gpipe", stages=1, loops=2), "gpipe does not loop"),
-    (dict(scheme="lpp", stages=1, micro_batches=3, batch_size=64), "is not divisible by the schedule's 3 micro-batches = 3; use --batch-size 63 or 66"),
+    (dict(scheme="lpp", stages=1, micro_batches=3, batch_size=64), "is not divisible by the 3 micro-batches = 3; use --batch-size 63 or 66"),
     (dict(loops=2), "--loops 2 is for the looped schedules"),
     (dict(scheme="gpipe", stages=1, shard="G,G,G"), "--shard G,G,G shares each stage among its replicas, and this "
                                                     "run is one pipeline on all 1 rank"),

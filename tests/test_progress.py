@@ -113,8 +113,11 @@ def clocked_report(monkeypatch, run: RunFacts, skipped: set[int] = frozenset(), 
     report.start(run)
     for step in range(run.total_steps):
         clock[0] += 0.01
-        report.step(StepResult(step, step // run.steps_per_epoch, 2.5, 0.3, 1e-3, 0.01,
-                               1024.0 if step in skipped else None))
+        result = StepResult(step, step // run.steps_per_epoch, 2.5, 0.3, 1e-3, 0.01,
+                            1024.0 if step in skipped else None)
+        report.progress(result.step, result.epoch, loss=result.loss, accuracy=result.accuracy, lr=result.lr,
+                        skipped_at=result.skipped_at)  # as the trainer reports a step that settled
+        report.record(result)
         if step + 1 == run.steps_per_epoch:
             clock[0] += 0.5
             report.evaluation(EvalResult(0, 2.6, 0.25, step + 1))

@@ -38,9 +38,9 @@ def both(built, stages: int, dtype: str, micro_batch: int, recompute: int | None
     spans = None if recompute is None else compute_spans(laid_out, [shared] * stages, 0.0, recompute)
     measured = dry_run(laid_out, train_set, loss, micro_batch, eval_batch, seed=0,
                        to_device=lambda inputs, targets: (backend.inputs(inputs), targets),
-                       recompute_spans=spans, split=split)
+                       recompute_spans=spans, split_backward=split)
     declared = shape_only_bytes(laid_out, Samples.of(train_set), loss, micro_batch, eval_batch, seed=0,
-                                recompute_spans=spans, split=split)
+                                recompute_spans=spans, split_backward=split)
     return measured, declared
 
 
@@ -91,7 +91,7 @@ def test_declarations_equal_the_dry_run(name, options, stages, dtype, recompute,
         options["text_file"] = text_file
     built = built_model(model, dataset, hidden, **options)
     (measured, measured_eval), (declared, declared_eval) = both(built, stages, dtype, micro_batch=3,
-                                                                recompute=recompute, split=split)
+                                                                recompute=recompute, split_backward=split)
     assert measured.stashed and max(measured.stashed) > 0
     assert declared == measured
     assert declared_eval == measured_eval

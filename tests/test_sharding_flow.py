@@ -7,6 +7,7 @@ program of data parallelism (one stage on every rank) and of a composed 1f1b x t
 
 import pytest
 
+from mpipar.layout import Mesh
 from mpipar.schedule.instructions import (
     Compute,
     GatherUnit,
@@ -16,7 +17,6 @@ from mpipar.schedule.instructions import (
     ReleaseUnit,
     Update,
 )
-from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.plans import PipelinePlan, data_parallel_plan
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.sharding import NAMED_SHARDINGS, parse_sharding
@@ -28,7 +28,7 @@ UNITS, MICRO_BATCHES = 4, 3
 def program(scheme: str, prefetch: int = 1) -> tuple:
     plan = data_parallel_plan(0, 4, 100, sharding=NAMED_SHARDINGS[scheme], units=UNITS, micro_batches=MICRO_BATCHES,
                               prefetch=prefetch)
-    return plan.run.program
+    return plan.run_program.program
 
 
 # the schemes whose reduce-scatter of each micro-batch already leaves a rank its OS block
@@ -61,7 +61,7 @@ def test_a_sharded_p_holds_the_unit_in_use_and_prefetch_more_and_frees_each_afte
     plan = data_parallel_plan(0, 4, 100, sharding=parse_sharding(scheme), units=UNITS, micro_batches=MICRO_BATCHES,
                               prefetch=prefetch)
     held, most = set(), 0
-    for instruction in plan.run.program:
+    for instruction in plan.run_program.program:
         if isinstance(instruction, GatherUnit):
             assert instruction.unit not in held
             held.add(instruction.unit)
@@ -78,12 +78,12 @@ def test_a_sharded_p_holds_the_unit_in_use_and_prefetch_more_and_frees_each_afte
 def test_the_update_steps_the_shard_and_publishes_p_only_where_p_is_wider_than_os(scheme):
     sharding = NAMED_SHARDINGS[scheme]
     plan = data_parallel_plan(0, 4, 100, sharding=sharding, units=UNITS)
-    update = plan.run.program[plan.run.updates_from:]
+    update = plan.run_program.program[plan.run_program.updates_from:]
     published = [i.unit for i in update if isinstance(i, PublishUnit)]
     assert update[0] == Update(0, 0)
     assert published == (list(range(UNITS)) if sharding.parameters != sharding.optimizer_state else [])
     if sharding.parameters == "N":
-        assert not [i for i in plan.run.program if isinstance(i, (GatherUnit, ReleaseUnit))]
+        assert not [i for i in plan.run_program.program if isinstance(i, (GatherUnit, ReleaseUnit))]
 
 
 @pytest.mark.parametrize("strategy", ["1f1b", "gpipe"])
@@ -93,7 +93,7 @@ def test_zeropp_keeps_a_secondary_copy_in_the_first_forward_and_every_backward_g
     backward gather reads the secondary copy, and only backward gathers do."""
     compiled = compile_programs(get_strategy(strategy), Shape(1, 1, MICRO_BATCHES))
     plan = PipelinePlan(compiled, Mesh(1, 4), 0, [100], sharding=NAMED_SHARDINGS["zeropp"], units=[UNITS])
-    instructions, kept = plan.run.program, []
+    instructions, kept = plan.run_program.program, []
     for position, instruction in enumerate(instructions):
         if isinstance(instruction, KeepSecondary):
             compute = instructions[position - 1]
@@ -112,7 +112,7 @@ def test_a_composed_pipeline_runs_the_flow_for_each_stage_it_holds_and_none_for_
     for rank in range(4):
         plan = PipelinePlan(compiled, Mesh(2, 2), rank, [10, 10], sharding=NAMED_SHARDINGS["zero3"], units=[3, 2])
         stage = plan.worker
-        units = {i.unit for i in plan.run.program if isinstance(i, ReduceUnit)}
-        assert {i.job.stage for i in plan.run.program if isinstance(i, Compute)} == {stage}
-        assert {i.stage for i in plan.run.program if isinstance(i, (GatherUnit, ReduceUnit))} == {stage}
+        units = {i.unit for i in plan.run_program.program if isinstance(i, ReduceUnit)}
+        assert {i.job.stage for i in plan.run_program.program if isinstance(i, Compute)} == {stage}
+        assert {i.stage for i in plan.run_program.program if isinstance(i, (GatherUnit, ReduceUnit))} == {stage}
         assert units == set(range([3, 2][stage]))

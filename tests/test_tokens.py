@@ -163,9 +163,9 @@ def test_an_absurd_eval_batches_is_capped_at_the_split_s_window_starts_within_th
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from conftest import small_config; "
             f"from mpipar.train.trainer import Trainer; t = Trainer(small_config(model='transformer', dataset='tokens', "
             f"data_dir={str(directory)!r}, seq_len=16, width=16, heads=2, blocks=1, batch_size=8, dtype='float32', "
-            f"memory_profile=True, max_steps=1, eval_batches=100_000_000)); t.train_step(0, 0, 0); "
-            f"t.memory.reset_peak(); t.evaluate(0, 1); t.evaluate(0, 1); print(t.memory.peak_bytes(), "
-            f"t.predicted.total, len(t.evaluation_set()[0]))")
+            f"memory_profile=True, max_steps=1, eval_batches=100_000_000)); t.train_step(0); "
+            f"t.parts.memory.reset_peak(); t.evaluate(1); t.evaluate(1); print(t.parts.memory.peak_bytes(), "
+            f"t.parts.predicted.total, len(t.evaluation.samples()[0]))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     notes = [line for line in result.stdout.splitlines() if line.startswith("mpipar: --eval-batches")]

@@ -115,6 +115,15 @@ class _Saved:
     group: list | None = None  # the _Saved's of a chain's layers in this micro-batch, bottom up (TorchChain)
     gradients: list | None = None  # the gradients of `leaves`, when the chain's top layer has taken them
 
+    def keep_gradients(self, gradients: list) -> None:
+        """The gradients of `leaves`, which the chain's top layer took for every layer of it."""
+        self.gradients = gradients
+
+    def let_go(self) -> None:
+        """Hold the graph no more (backward is over)."""
+        self.output, self.leaves, self.direct, self.tensors = None, [], [], []
+        self.group = self.gradients = None
+
 
 class TorchChain:
     """Consecutive TorchLayers of a stage whose micro-batch forms one autograd graph, as in
@@ -135,7 +144,8 @@ class TorchChain:
         gradients = torch.autograd.grad(root, [*first, *leaves], root_gradient, allow_unused=True)
         start = len(first)
         for member in top.group:
-            member.gradients, start = list(gradients[start:start + len(member.leaves)]), start + len(member.leaves)
+            member.keep_gradients(list(gradients[start:start + len(member.leaves)]))
+            start += len(member.leaves)
         return list(gradients[:len(first)])
 
 
@@ -152,7 +162,7 @@ class TorchLayer(Layer):
         self.module = module
         self.name = f"torch {type(module).__name__}"
         self.needs_input_grad = True
-        self.chain: TorchChain | None = None
+        self.chain: TorchChain | None = None  # see join_chain
         self._initial = {name: parameter.detach() for name, parameter in module.named_parameters()}
         self._specs = [ParamSpec(name, tuple(parameter.shape), self._initial_stream(name), parameter.ndim > 1)
                        for name, parameter in module.named_parameters()]
@@ -184,6 +194,11 @@ class TorchLayer(Layer):
         finally:
             for (submodule, attribute, _), original in zip(self._slots, originals):
                 submodule._parameters[attribute] = original
+
+    def join_chain(self, chain: TorchChain) -> None:
+        """Form one autograd graph per micro-batch with the other layers of `chain` (TorchChain: the
+        trainer chains a stage's torch layers where nothing happens between two of them)."""
+        self.chain = chain
 
     def param_specs(self) -> list[ParamSpec]:
         return self._specs
@@ -342,8 +357,7 @@ class TorchLayer(Layer):
         # still holds its saved tensors' hooks, which hold `saved`, which holds tensors whose
         # graph leads back to that node: a cycle through C++ that Python cannot collect.
         # Letting go of the graph here breaks it.
-        saved.output, saved.leaves, saved.direct, saved.tensors = None, [], [], []
-        saved.group = saved.gradients = None
+        saved.let_go()
         return None if input_gradient is None else from_torch(input_gradient, like=dy)
 
     def _linear_gradients(self, linear: _DirectLinear, output_gradient, unpack) -> None:
@@ -406,6 +420,10 @@ class TorchLoss(Loss):
         self.name = f"torch {getattr(fn, '__name__', type(fn).__name__)}"
         self._shares: dict = {}  # (share, dtype, device) -> the share as a 0-d tensor, the loss's output gradient
         self.chain: TorchChain | None = None  # the last stage's, where the trainer chains its layers
+
+    def join_chain(self, chain: TorchChain) -> None:
+        """Take the loss's gradient and that of `chain`'s layers (the last stage's) in one autograd call."""
+        self.chain = chain
 
     def forward(self, logits: Array, targets: Array, ctx: Context, global_batch: int) -> Array:
         rows = logits.shape[0]

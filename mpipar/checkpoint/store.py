@@ -109,6 +109,12 @@ class PendingSave:
     failure: str | None = None
     write_seconds: float = 0.0
 
+    def record_written(self, entry: dict | None, failure: str | None, seconds: float) -> None:
+        """This rank's file is written (`entry`, the manifest's line for it) or could not be
+        (`failure`), in `seconds`; the host copies of its ranges are no longer needed."""
+        self.entry, self.failure, self.write_seconds = entry, failure, seconds
+        self.ranges = []
+
 
 def begin(comm: MPI.Intracomm, root: Path, step: int, pieces: list[Piece], copy: bool) -> PendingSave:
     """Make step-N.tmp and pick this rank's ranges (collective); `copy`: into host buffers of
@@ -137,14 +143,13 @@ def begin(comm: MPI.Intracomm, root: Path, step: int, pieces: list[Piece], copy:
 def write(pending: PendingSave) -> None:
     """Write this rank's file (no MPI: a background thread may run it)."""
     started = time.perf_counter()
+    entry, failure = None, None
     try:
-        pending.entry = write_shard(pending.temporary, pending.rank, pending.ranges)
+        entry = write_shard(pending.temporary, pending.rank, pending.ranges)
     except OSError as error:
         # no rank here: where the ranks' failures differ, agreeing on them adds "(on rank R)"
-        pending.failure = (f"cannot write this rank's checkpoint file in {pending.temporary}: "
-                           f"{error.strerror or error}")
-    pending.ranges = []  # the host copies are no longer needed
-    pending.write_seconds = time.perf_counter() - started
+        failure = f"cannot write this rank's checkpoint file in {pending.temporary}: {error.strerror or error}"
+    pending.record_written(entry, failure, time.perf_counter() - started)
 
 
 def finish(comm: MPI.Intracomm, pending: PendingSave, manifest: dict, keep: int) -> Path:

@@ -39,6 +39,7 @@ Exercised by: python -m pytest tests/test_estimate.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -51,8 +52,8 @@ from mpipar.optim.optimizers import OPTIMIZERS, state_kinds
 from mpipar.options import FloatRange, IntListType, ModelType, RecomputeType, RenamedOption
 from mpipar.predict.estimate import (
     PHASES,
-    layout_config,
-    make_layout,
+    PlacedModel,
+    place_model,
     predicted_peaks,
     scheme_rows,
     tensor_sent_per_step,
@@ -64,6 +65,37 @@ from mpipar.units import format_bytes
 
 STATE_PRECISIONS = ("mixed", "float32", "float64")  # of the state it counts; train's are precision.PRECISIONS
 POSITIVE = click.IntRange(min=1)
+
+
+def layout_config(world_size: int, group_size: int, stages: int, scheme: str | None, replicas: int,
+                  micro_batches: int | None, loops: int, batch_size: int, ddp: str | None = None,
+                  recompute: str = "none", tensor: int = 1):
+    """The configuration `mpipar train` would run on one of the `tensor` slices of `world_size`
+    ranks (its automatic values filled in); its schedule_shape(world_size // tensor) is the step
+    that `placed_model` simulates."""
+    from mpipar.train.config import TrainConfig
+
+    world_size //= tensor  # the ranks of one slice: the schedule and the sharding run over those
+    return TrainConfig.of(stages=stages, scheme=scheme if stages else None, replicas=replicas,
+                          micro_batches=micro_batches or 0, loops=loops, batch_size=batch_size,
+                          group_size=max(1, group_size // tensor),  # a group's ranks of one slice
+                          ddp=ddp, recompute=recompute).for_world(world_size)
+
+
+def placed_model(count: float | None, built, world_size: int, group_size: int, stages: int, scheme: str | None,
+                 replicas: int, micro_batches: int | None, loops: int, batch_size: int, ddp: str,
+                 bucket_mb: float, itemsize: int, recompute: str = "none", tensor: int = 1) -> PlacedModel:
+    """`count` parameters (or `built`, built_model's result) placed on `world_size` ranks as `mpipar
+    train` would lay them out with these options (TrainConfig.layout: the one layout object)."""
+    config = layout_config(world_size, group_size, stages, scheme, replicas, micro_batches, loops, batch_size, ddp,
+                           recompute, tensor)
+    slice_ranks = world_size // tensor  # the schedule and the sharding run over one slice's ranks
+    if built is None:  # no activations to size: any batch the layout divides will do
+        config = config.replace(batch_size=config.parallel.mesh(slice_ranks).replicas * config.training.micro_batches)
+    config.validate(slice_ranks)
+    layout = dataclasses.replace(config.layout(slice_ranks), tensor=tensor)
+    return place_model(count, built, layout, config.parallel.strategy(), config.schedule_shape(slice_ranks),
+                       group_size, ddp, bucket_mb, itemsize, recompute)
 
 
 def built_model(model: str, dataset: str, hidden: tuple[int, ...], *, world_size: int = 1, tensor: int = 1,
@@ -226,20 +258,20 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
                          tensor=tensor).schedule_shape(world_size // tensor)
     refuse_beyond_simulated(step.stages, step.micro_batches)
     element, k = state_bytes_per_parameter(precision, optimizer, momentum)
-    layouts = {mode: make_layout(params, built, world_size, group_size, stages, scheme, replicas, micro_batches,
-                                 loops, batch_size, mode, bucket_mb, element, recompute, tensor)
-               for mode in ([ddp] if ddp else ["bucketed", "overlap"])}  # overlap: where P is sharded
-    layout = next(iter(layouts.values()))
-    count = params if params is not None else sum(layout.stage_sizes) if tensor == 1 else parameter_count(
+    placements = {mode: placed_model(params, built, world_size, group_size, stages, scheme, replicas, micro_batches,
+                                     loops, batch_size, mode, bucket_mb, element, recompute, tensor)
+                  for mode in ([ddp] if ddp else ["bucketed", "overlap"])}  # overlap: where P is sharded
+    placed = next(iter(placements.values()))
+    count = params if params is not None else sum(placed.stage_sizes) if tensor == 1 else parameter_count(
         built_model(model, dataset, hidden, text_file=text_file, data_dir=data_dir, vocab_size=vocab_size,
                     seq_len=seq_len, width=width,
                     heads=heads, blocks=blocks, tie_embeddings=tie_embeddings)[2])  # the whole model's
-    micro_batches = layout.compiled.shape.micro_batches
-    rows = scheme_rows(layout, micro_batches, element, k)
-    peaks = predicted_peaks(layouts, prefetch, element, state_kinds(optimizer, momentum),
+    micro_batches = placed.compiled.shape.micro_batches
+    rows = scheme_rows(placed, micro_batches, element, k)
+    peaks = predicted_peaks(placements, prefetch, element, state_kinds(optimizer, momentum),
                             4 if precision == "mixed" else 0)
-    mesh = layout.mesh
-    tensor_sent = tensor_sent_per_step(layout, micro_batches)
+    mesh = placed.mesh
+    tensor_sent = tensor_sent_per_step(placed, micro_batches)
     if as_json:
         click.echo(json.dumps({"parameters": count, "world_size": world_size, "group_size": group_size,
                                "micro_batches": micro_batches, "element_bytes": element, "state_bytes": k,
@@ -259,7 +291,7 @@ def estimate(params: float | None, model: str | None, dataset: str, hidden: tupl
                f"parameter and per gradient, {state} per parameter")
     if tensor > 1:
         click.echo(f"tensor {tensor}{' with sequence parallelism' if sequence_parallel else ''}: {tensor} slices of "
-                   f"{world_size // tensor} ranks (comms/grid.py); each row is one rank's, with its shards of the "
+                   f"{world_size // tensor} ranks (mpipar/layout.py); each row is one rank's, with its shards of the "
                    f"split layers; the tensor groups send {format_bytes(tensor_sent)} a step, all ranks together, "
                    "inside their groups (the split layers' sums and gathers: docs/tensor_parallel.md)")
     if stages:

@@ -37,11 +37,11 @@ MAX_TOKENS = 1_000_000
 def sample(path: str, prompt: str, count: int, temperature: float, top_k: int, seed: int, kv_cache: bool) -> None:
     """Generate text from a trained transformer's checkpoint (any scheme, any number of ranks)."""
     from mpipar.cli.checkpoint import checkpoint_directory
-    from mpipar.comms import world
+    from mpipar.comms import mpi_world
     from mpipar.errors import MpiparError
     from mpipar.models.generate import generate, load_language_model
 
-    comm, failure = world(), None
+    comm, failure = mpi_world(), None
     if comm.rank == 0:
         try:
             model = load_language_model(checkpoint_directory(path))

@@ -16,7 +16,7 @@ and a shared stage's sharding flow unit by unit: gathers, reductions, publishes)
 `--replicas D` the ranks are D copies of a pipeline of W/D workers (mesh.py): the
 placement is printed, and each `--programs` line of a shared stage says what its replica
 group does there under `--shard` (schedule/flow.py writes it out in `--items`). With
-`--tensor T` the W ranks are W/T slices (comms/grid.py): the diagram is a slice's, and each
+`--tensor T` the W ranks are W/T slices (mpipar/layout.py): the diagram is a slice's, and each
 `--programs` line of a Forward or Backward also says what its tensor group sends inside the
 job (annotations, not instructions: those collectives sit inside the layers, which wait for
 them). The
@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import click
 
-from mpipar.comms.grid import Grid
 from mpipar.errors import ConfigError
+from mpipar.layout import Layout, Mesh
 from mpipar.options import RecomputeType, RenamedOption
 from mpipar.schedule import diagram
 from mpipar.schedule.instructions import Backward, Forward, OptimizerStep, describe
-from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.plans import PipelinePlan
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.replay import replay
@@ -104,7 +103,9 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
     workers //= tensor  # the schedule runs over one slice's ranks
     if workers % replicas:
         raise ConfigError(f"--replicas {replicas} does not divide the {workers} ranks of a slice")
-    mesh, sharding = Mesh(workers // replicas, replicas), parse_sharding(shard)
+    mesh = Mesh.of(workers, replicas)
+    layout = Layout.of(pipeline=mesh.workers, replica=mesh.replicas, tensor=tensor, micro_batches=micro_batches)
+    sharding = parse_sharding(shard)
     workers = mesh.workers  # the diagram is one pipeline's: every replica runs the same
     refuse_beyond_drawn(world_size, workers, stages, micro_batches, units if items else 1)
     shape = Shape(workers, stages, micro_batches, loops)
@@ -132,7 +133,7 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
                "idle: the bubble")
     click.echo("words: docs/glossary.md")
     if tensor > 1:
-        click.echo("\n".join(Grid.of(pipeline=mesh.workers, replica=replicas, tensor=tensor).describe()))
+        click.echo("\n".join(layout.describe()))
         click.echo(f"each rank below stands for its tensor group of {tensor} ranks, which run the same program on "
                    "their shards")
     if replicas > 1:
@@ -153,8 +154,8 @@ def show(scheme: str, table: str | None, workers: int, stages: int, micro_batche
             plan = PipelinePlan(compiled, mesh, mesh.rank(worker, 0), [1] * stages, sharding=sharding,
                                 units=[units] * stages, prefetch=prefetch)
             click.echo(f"worker {worker}, as the executor runs it:")
-            for index, instruction in enumerate(plan.run.program):
-                if index == plan.run.updates_from:
+            for index, instruction in enumerate(plan.run_program.program):
+                if index == plan.run_program.updates_from:
                     click.echo("  -- the update: after the trainer has summed the loss")
                 click.echo(f"  {describe(instruction)}")
     if png:

@@ -42,13 +42,13 @@ def _config_options(command):
               group="training", help="TOML file of options (command-line options override it)")
 def train(config_path: str | None, **options) -> None:
     """Train a model; under mpiexec or srun, every rank takes a slice of each global batch."""
-    from mpipar.comms import agree_on_setup, world
+    from mpipar.comms import agree_on_setup, mpi_world
     from mpipar.report.progress import Report
     from mpipar.system.launch import oversubscription_warning
     from mpipar.train.config.job import Job
     from mpipar.train.trainer import Trainer
 
-    comm = world()
+    comm = mpi_world()
     # The first collective: every rank reads the options (a bad option or file stops all ranks alike)
     # and they are compared (each rank may have been given its own command line), so a rank launched
     # differently stops them all before any other message, and before anything is built or written.

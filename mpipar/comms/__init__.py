@@ -14,6 +14,6 @@
     timing.py       timing every collective algorithm (mpipar bench comms)
 """
 
-from mpipar.comms.world import abort_job, abort_on_uncaught_exception, agree_on_setup, sum_across_ranks, world
+from mpipar.comms.world import abort_job, abort_on_uncaught_exception, agree_on_setup, mpi_world, sum_across_ranks
 
-__all__ = ["abort_job", "abort_on_uncaught_exception", "agree_on_setup", "sum_across_ranks", "world"]
+__all__ = ["abort_job", "abort_on_uncaught_exception", "agree_on_setup", "mpi_world", "sum_across_ranks"]

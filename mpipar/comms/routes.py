@@ -46,6 +46,12 @@ class Step:
     recvs: list[Transfer] = field(default_factory=list)
 
 
+def _together(parts: list[Step]) -> Step:
+    """One step that posts every transfer of `parts`, in their order."""
+    return Step(sends=[transfer for part in parts for transfer in part.sends],
+                recvs=[transfer for part in parts for transfer in part.recvs])
+
+
 def block_offsets(length: int, parts: int) -> list[int]:
     """Offsets of `parts` nearly equal blocks of `length` (the first length % parts get one more)."""
     base, extra = divmod(length, parts)
@@ -77,24 +83,10 @@ def all_gather_steps(algorithm: str, rank_at: list[list[int]], rank: int) -> lis
 
     sources = [(a - k) % groups for k in range(groups)]
     if algorithm == "hring":  # inter phase, then M - 1 intra steps carrying all g blocks each
-        merged = [Step() for _ in range(size - 1)]
-        for t, step in enumerate(merged):
-            for b in sources:
-                one = intra(b, t)
-                step.sends += one.sends
-                step.recvs += one.recvs
-        return inter + merged
+        return inter + [_together([intra(b, t) for b in sources]) for t in range(size - 1)]
     if algorithm == "horing":  # lock-step: intra step s and inter step s run together
         intra_steps = [intra(b, t) for b in sources for t in range(size - 1)]
-        steps = []
-        for s in range(max(len(intra_steps), len(inter))):
-            step = Step()
-            for part in (intra_steps[s] if s < len(intra_steps) else None, inter[s] if s < len(inter) else None):
-                if part is not None:
-                    step.sends += part.sends
-                    step.recvs += part.recvs
-            steps.append(step)
-        return steps
+        return [_together(intra_steps[s:s + 1] + inter[s:s + 1]) for s in range(max(len(intra_steps), len(inter)))]
     raise ValueError(f"no route for algorithm {algorithm!r}")
 
 

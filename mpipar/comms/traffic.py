@@ -46,6 +46,27 @@ class Counts:
     def sent_bytes(self) -> int:
         return self.intra_bytes + self.inter_bytes
 
+    def add_send(self, nbytes: int, inter: bool) -> None:
+        """One message of `nbytes` sent, to another group (`inter`) or to this rank's own."""
+        if inter:
+            self.inter_bytes += nbytes
+            self.inter_messages += 1
+        else:
+            self.intra_bytes += nbytes
+            self.intra_messages += 1
+
+    def add_receive(self, nbytes: int) -> None:
+        self.received_bytes += nbytes
+        self.received_messages += 1
+
+    def add_library_call(self, nbytes: int) -> None:
+        self.library_bytes += nbytes
+        self.library_calls += 1
+
+    def add_pcie(self, to_host: int, to_device: int) -> None:
+        self.to_host_bytes += to_host
+        self.to_device_bytes += to_device
+
 
 class Traffic:
     """Counts per phase name; the current phase is set with `phase(...)`."""
@@ -63,28 +84,16 @@ class Traffic:
             self.current = previous
 
     def record_send(self, nbytes: int, inter: bool, phase: str | None = None) -> None:
-        counts = self.by_phase[self.current if phase is None else phase]
-        if inter:
-            counts.inter_bytes += nbytes
-            counts.inter_messages += 1
-        else:
-            counts.intra_bytes += nbytes
-            counts.intra_messages += 1
+        self.by_phase[self.current if phase is None else phase].add_send(nbytes, inter)
 
     def record_receive(self, nbytes: int, phase: str | None = None) -> None:
-        counts = self.by_phase[self.current if phase is None else phase]
-        counts.received_bytes += nbytes
-        counts.received_messages += 1
+        self.by_phase[self.current if phase is None else phase].add_receive(nbytes)
 
     def record_library(self, nbytes: int) -> None:
-        counts = self.by_phase[self.current]
-        counts.library_bytes += nbytes
-        counts.library_calls += 1
+        self.by_phase[self.current].add_library_call(nbytes)
 
     def record_pcie(self, to_host: int = 0, to_device: int = 0, phase: str | None = None) -> None:
-        counts = self.by_phase[self.current if phase is None else phase]
-        counts.to_host_bytes += to_host
-        counts.to_device_bytes += to_device
+        self.by_phase[self.current if phase is None else phase].add_pcie(to_host, to_device)
 
     def read(self, phase: str | None = None) -> Counts:
         """Counts of one phase, or (phase=None) the total over all phases."""

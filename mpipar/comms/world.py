@@ -33,7 +33,8 @@ from mpipar.errors import ConfigError, MpiparError
 T = TypeVar("T")
 
 
-def world() -> MPI.Intracomm:
+def mpi_world() -> MPI.Intracomm:
+    """Every rank of the launch, as MPI gives it (uncounted; make_world in topology.py counts its bytes)."""
     return MPI.COMM_WORLD
 
 

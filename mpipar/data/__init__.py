@@ -20,7 +20,7 @@ from mpipar.data.datasets import (
 from mpipar.data.download import DOWNLOADS, DownloadSpec
 from mpipar.data.identity import agree_on_data
 from mpipar.data.idx import read_idx, write_idx
-from mpipar.data.sampler import GlobalBatchSampler, eval_slice, rank_slice, split_micro_batches
+from mpipar.data.sampler import GlobalBatchSampler
 from mpipar.data.tokens import TokenStream
 
 __all__ = [
@@ -34,11 +34,8 @@ __all__ = [
     "TOKEN_DATASETS",
     "TokenStream",
     "agree_on_data",
-    "eval_slice",
     "load_dataset",
     "locate_dataset",
-    "rank_slice",
     "read_idx",
-    "split_micro_batches",
     "write_idx",
 ]

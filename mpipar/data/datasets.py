@@ -267,18 +267,18 @@ def _make_synthetic(samples: int) -> tuple[ImageDataset, ImageDataset]:
     w1 = rng.standard_normal((features, SYNTHETIC_HIDDEN), dtype=np.float32) / np.sqrt(features)
     w2 = rng.standard_normal((SYNTHETIC_HIDDEN, 10), dtype=np.float32) / np.sqrt(SYNTHETIC_HIDDEN)
 
-    def make(n: int) -> ImageDataset:
+    def draw(n: int) -> tuple[np.ndarray, np.ndarray]:
         x = rng.standard_normal((n, features), dtype=np.float32)
         y = np.argmax(np.tanh(x @ w1) @ w2, axis=1).astype(np.int64)
-        return ImageDataset("synthetic", x.reshape(n, *SYNTHETIC_SHAPE), y, num_classes=10)
+        return x.reshape(n, *SYNTHETIC_SHAPE), y
 
-    train, test = make(samples), make(samples // 4)
+    splits = [draw(samples), draw(samples // 4)]  # train, then test
     # Drawn from fixed seeds, yet hashed, as another NumPy could draw other numbers: all the
     # labels and the first images (hashing every image would cost more than it adds).
     digest = hashlib.sha256()
-    for split in (train, test):
-        digest.update(split.labels.tobytes())
-        digest.update(split.images[:SYNTHETIC_HASHED_IMAGES].tobytes())
-    for split in (train, test):
-        split.fingerprint, split.source = digest.hexdigest(), f"the generator (seed {SYNTHETIC_SEED})"
+    for images, labels in splits:
+        digest.update(labels.tobytes())
+        digest.update(images[:SYNTHETIC_HASHED_IMAGES].tobytes())
+    identity = dict(fingerprint=digest.hexdigest(), source=f"the generator (seed {SYNTHETIC_SEED})")
+    train, test = (ImageDataset("synthetic", images, labels, num_classes=10, **identity) for images, labels in splits)
     return train, test

@@ -142,7 +142,7 @@ def gelu_grad(x, dy, dx, a: float, b: float, limit: float, h: float, k: float) -
 
 
 def dropout(x, samples, seed: int, layer: int, step, first: int, whole: int, p: float):
-    """(x m / (1 - p), m / (1 - p)) for x (samples first), m = [u >= p]: layers/dropout.py's
+    """(x m / (1 - p), m / (1 - p)) for x (samples first), m = [u >= p]: mpipar/kernels.py's
     `dropped` with stream_key(seed, layer, step[0]) as one kernel, the same bits (its coins are
     integer arithmetic); `step` is a one-element uint64 device array."""
     x = cupy.ascontiguousarray(x)
@@ -383,6 +383,9 @@ class PoolPeak:
             name = "mpipar.gpu.cuda"
 
             def __init__(self) -> None:
+                self.reset_peak()
+
+            def reset_peak(self) -> None:
                 self.peak = pool.used_bytes()
 
             def malloc_postprocess(self, **kwargs) -> None:
@@ -407,7 +410,7 @@ class PoolPeak:
         return self._hook.peak
 
     def reset(self) -> None:
-        self._hook.peak = self._pool.used_bytes()
+        self._hook.reset_peak()
 
 
 class StepGraph:

@@ -193,7 +193,7 @@ __global__ void gelu_grad(const T* x, const T* dy, T* dx, const long long n, con
     }
 }
 
-// Dropout (layers/dropout.py): element e of the sample at global position samples[s] keeps its value
+// Dropout (mpipar/kernels.py's `dropped`): element e of the sample at global position samples[s] keeps its value
 // when u >= p, u the top 53 bits of SplitMix64(samples[s] whole + first + e + stream) over 2^53, all
 // in wrapping uint64 arithmetic as NumPy's; mask = 1 / (1 - p) or 0, rounded once from double to T.
 // stream is stream_key(seed, layer, step), with the step read from device memory: a CUDA graph's

@@ -44,6 +44,8 @@ import os
 import sys
 import types
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -71,6 +73,11 @@ class Crossings:
     def reset(self) -> None:
         for field in fields(self):
             setattr(self, field.name, 0)
+
+    def add_wire_copy(self, to_host: int = 0, to_device: int = 0) -> None:
+        """Bytes the wire copied for MPI (twin.copy_to_host, twin.copy_to_device), beside the copy's own count."""
+        self.wire_to_host_bytes += to_host
+        self.wire_to_device_bytes += to_device
 
     def snapshot(self) -> "Crossings":
         return Crossings(**{field.name: getattr(self, field.name) for field in fields(self)})
@@ -111,6 +118,10 @@ class DeviceMemory:
         self.peak = max(self.peak, self.live)
         weakref.finalize(owner, self._free, id(owner), owner.nbytes)
 
+    def reset_peak(self) -> None:
+        """Count the most from now on: the bytes alive now."""
+        self.peak = self.live
+
     def _free(self, key: int, nbytes: int) -> None:
         self.owners.pop(key, None)
         self.live -= nbytes
@@ -130,6 +141,15 @@ class Capture:
         self.inside_kernel = 0  # > 0 while a twin kernel runs: its own NumPy steps are not operations
         # the device memory as the capture found it; each owner held, so that its id names it until close
         self._before = {key: (owner, owner.copy()) for key, owner in DEVICE_MEMORY.owners.items()}
+
+    @contextmanager
+    def kernel_running(self) -> Iterator[None]:
+        """While a twin kernel runs (nested kernels too): its own NumPy steps are not operations."""
+        self.inside_kernel += 1
+        try:
+            yield
+        finally:
+            self.inside_kernel -= 1
 
     def record(self, call, result) -> None:
         if not self.inside_kernel:

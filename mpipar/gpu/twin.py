@@ -1,8 +1,10 @@
 """The NumPy twin of `cuda.py` for the stand-in device: the same names, the same results.
 
 The kernels are NumPy's operations in the kernel's order, each one operation of a stream
-capture (a graph node); the copies go through the stand-in arrays' counted `get` and `set`;
-the pool is the stand-in's count of its arrays' bytes; the CUDA graph is standin.Capture.
+capture (a graph node): the softmax's and dropout's are the very steps the layers run on the
+CPU (mpipar/kernels.py), on the memory behind the stand-in arrays; the copies go through the
+stand-in arrays' counted `get` and `set`; the pool is the stand-in's count of its arrays'
+bytes; the CUDA graph is standin.Capture.
 
 Exercised by: python -m pytest tests/test_standin.py
 """
@@ -15,6 +17,7 @@ import os
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from mpipar import kernels
 from mpipar.gpu.batched_gemm import as_matrix_batch, column_major_call
 from mpipar.gpu.standin import (
     CAPTURE,
@@ -80,11 +83,8 @@ def _kernel(kernel):
         capture = CAPTURE[0]
         if capture is None:
             return kernel(*arguments, **options)
-        capture.inside_kernel += 1
-        try:
+        with capture.kernel_running():
             result = kernel(*arguments, **options)
-        finally:
-            capture.inside_kernel -= 1
         capture.record(lambda: kernel(*arguments, **options), result)
         return result
     return launch
@@ -199,17 +199,13 @@ def layer_norm_input_gradient(dy, gain, normed, rstd, dx) -> None:
 @_kernel
 @_in_parts(0)
 def causal_softmax(scores, scale: float) -> None:
-    from mpipar.layers.attention import causal_softmax as numpy_steps  # the layers import this package
-
-    numpy_steps(scores, scale)
+    kernels.causal_softmax(scores, scale)
 
 
 @_kernel
 @_in_parts(0, 1)
 def causal_softmax_backward(d_scores, probs, scale: float) -> None:
-    from mpipar.layers.attention import causal_softmax_backward as numpy_steps
-
-    numpy_steps(d_scores, probs, scale)
+    kernels.causal_softmax_backward(d_scores, probs, scale)
 
 
 @_kernel
@@ -281,10 +277,10 @@ def _gemm(call, a, b, out, accumulate: bool) -> None:
 
 @_kernel
 def dropout(x, samples, seed: int, layer: int, step, first: int, whole: int, p: float):
-    from mpipar.layers.dropout import dropped, stream_key  # the layers import this package
-
     step_now = int(memory_of(step)[0])  # the kernel reads the step where it lies, at each replay
-    return dropped(x, samples, stream_key(seed, layer, step_now), first, whole, p)
+    y, scaled_mask = kernels.dropped(memory_of(x), memory_of(samples), kernels.stream_key(seed, layer, step_now),
+                                     first, whole, p)
+    return StandInArray(y), StandInArray(scaled_mask)  # the kernel's two outputs; its temporaries stay host arrays
 
 
 @_kernel
@@ -321,12 +317,12 @@ def empty_pinned(size: int, dtype) -> np.ndarray:
 
 
 def copy_to_host(array: StandInArray, host: np.ndarray) -> None:
-    CROSSINGS.wire_to_host_bytes += array.nbytes
+    CROSSINGS.add_wire_copy(to_host=array.nbytes)
     array.get(out=host)
 
 
 def copy_to_device(host: np.ndarray, array: StandInArray) -> None:
-    CROSSINGS.wire_to_device_bytes += host.nbytes
+    CROSSINGS.add_wire_copy(to_device=host.nbytes)
     array.set(host)
 
 
@@ -381,4 +377,4 @@ class PoolPeak:
         return DEVICE_MEMORY.peak
 
     def reset(self) -> None:
-        DEVICE_MEMORY.peak = DEVICE_MEMORY.live
+        DEVICE_MEMORY.reset_peak()

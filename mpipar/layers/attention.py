@@ -12,8 +12,8 @@ For x of shape (N, T, D) with H heads of size d = D / H:
                dq = ds k;  dk = ds^T q;   dWqkv += x^T [dq dk dv];   dx = [dq dk dv] Wqkv^T
 
 The projections multiply rows (x reshaped to (N T, D)), one product each; the softmax and
-its backward work in place in the scores' buffer, in parts of the batch on the rank's
-threads (row_parts.py); the mask of the future is made once per (T, dtype) and kept. On a
+its backward (mpipar/kernels.py) work in place in the scores' buffer, in parts of the batch
+on the rank's threads (row_parts.py); the mask of the future is made once per (T, dtype) and kept. On a
 GPU each of the two is one kernel (mpipar/gpu/cuda.py) that reads a row once, not seven
 kernels over the whole (N, H, T, T) scores, and each product of heads is one cuBLAS call
 that reads a transposed operand where it lies (mpipar/gpu/batched_gemm.py).
@@ -32,6 +32,7 @@ from mpipar.backend import Array, array_module, matmul
 from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.gpu import parts_for
+from mpipar.kernels import causal_softmax, causal_softmax_backward
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
 from mpipar.layers.declared import Buffer, ShapeContext
 from mpipar.layers.row_parts import in_row_parts
@@ -174,30 +175,3 @@ def _attend_backward_on_gpu(d_out: Array, q: Array, k: Array, v: Array, probs: A
     gpu.batched_product(d_scores, q, d_k, transpose_a=True)
     for into, gradient in zip(d_heads, (d_q, d_k, d_v)):
         into[...] = gradient.reshape(into.shape)
-
-
-def causal_softmax(scores: Array, scale: float) -> None:
-    """scores (..., T, T) <- softmax over keys u of scores * scale, keys after the query masked, in place."""
-    xp = array_module(scores)
-    scores *= scale
-    scores += _future_mask(scores.shape[-2], scores.shape[-1], 0, scores.dtype, xp)
-    scores -= scores.max(axis=-1, keepdims=True)
-    xp.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-
-
-def causal_softmax_backward(d_scores: Array, probs: Array, scale: float) -> None:
-    """d_scores <- p (dp - sum_u dp p) scale from d_scores = dp, in place (probs too: not needed after)."""
-    d_scores *= probs  # p dp
-    probs *= d_scores.sum(axis=-1, keepdims=True)  # p sum_u(p dp)
-    d_scores -= probs
-    d_scores *= scale
-
-
-@functools.lru_cache(maxsize=16)
-def _future_mask(rows: int, columns: int, first_row: int, dtype, xp) -> Array:
-    """-inf where key u lies after query first_row + i, 0 elsewhere: (rows, columns), read-only."""
-    mask = xp.triu(xp.full((rows, columns), -xp.inf, dtype=dtype), k=first_row + 1)
-    if xp.__name__ == "numpy":
-        mask.flags.writeable = False
-    return mask

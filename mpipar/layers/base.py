@@ -25,6 +25,8 @@ Exercised by: python -m pytest tests/test_layers.py
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -91,6 +93,37 @@ class Layer:
     def kind(self) -> str:
         """What the layer is, for reports (the activation bytes of each kind): its class's name."""
         return type(self).__name__
+
+    def prefix_name(self, prefix: str) -> None:
+        """Put the layer's place in its model (Sequential: "layer 3", "layer 3.0") before its name."""
+        self.name = f"{prefix} {self.name}"
+
+    def set_leaf_index(self, index: int) -> None:
+        """The layer's number among its model's leaf layers (Sequential): its parameters' and its
+        dropout mask's random streams are seeded by it, so they do not depend on the stage split."""
+        self.index = index
+
+    def set_fresh_grads(self, fresh: bool) -> None:
+        """`fresh`: the gradients are logically zero, so the next backward writes instead of adding
+        (FlatParams.zero_grad and settle_grads); False once a backward has written them (Stage)."""
+        self.fresh_grads = fresh
+
+    @contextmanager
+    def gradients_into(self, grads: dict[str, object]) -> Iterator[None]:
+        """While open, a backward writes this layer's gradients fresh into `grads` (buffers shaped
+        as its own) and leaves its own as they were (layers/sequence_parallel.py sums them first)."""
+        kept = self.grads, self.fresh_grads
+        self.grads, self.fresh_grads = grads, True
+        try:
+            yield
+        finally:
+            self.grads, self.fresh_grads = kept
+
+    def skip_input_grad(self) -> None:
+        """The layer's input is data, whose gradient nobody reads (stage 0's first parameterised
+        layer): a layer that can skip computing it (one with `needs_input_grad`) does so."""
+        if hasattr(self, "needs_input_grad"):
+            self.needs_input_grad = False
 
     def param_specs(self) -> list[ParamSpec]:
         return []

@@ -5,8 +5,8 @@ has drawn before, i.e. on how the global batch was split into micro-batches and
 ranks. Here each element's coin is a hash (SplitMix64) of its coordinates, with the
 sample given by its position in the global batch, so 1 rank and R ranks — and 1 or
 4 micro-batches — drop exactly the same units. The hash is whole-array integer
-arithmetic, so NumPy computes it in whole-array steps; a GPU runs the same arithmetic as one
-kernel (mpipar/gpu/cuda.py), which gives the same bits.
+arithmetic, so NumPy computes it in whole-array steps (mpipar/kernels.py); a GPU runs the
+same arithmetic as one kernel (mpipar/gpu/cuda.py), which gives the same bits.
 
     forward   y = x * m / (1 - p),  m = [u >= p],  u = hash(...) in [0, 1)
     backward  dx = dy * m / (1 - p)
@@ -24,58 +24,17 @@ from mpipar.backend import Array, array_module
 from mpipar.cache import Context
 from mpipar.errors import ConfigError
 from mpipar.gpu import parts_for
+from mpipar.kernels import dropped, stream_key
 from mpipar.layers.base import Layer
 from mpipar.layers.declared import Buffer, ShapeContext
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-
-
-def _splitmix64(z):
-    """SplitMix64's finaliser: a bijection on uint64 that scrambles neighbouring counters.
-
-    Works on uint64 arrays (wrapping multiplication) and on Python ints (masked)."""
-    if isinstance(z, int):
-        z = ((z ^ (z >> 30)) * int(_MIX1)) % 2**64
-        z = ((z ^ (z >> 27)) * int(_MIX2)) % 2**64
-        return z ^ (z >> 31)
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
-
-
-def stream_key(seed: int, layer_index: int, step: int) -> int:
-    """The three scalars folded into one key of the layer's stream of coins for this step."""
-    stream = 0
-    for word in (seed, layer_index, step):
-        stream = _splitmix64((stream + int(_GOLDEN) + word) % 2**64)
-    return stream
 
 
 def sample_positions(xp, sample_ids):
     """The samples' positions in the global batch as a uint64 array where the arrays live: made
     there for a micro-batch's range of them, nothing copied."""
     if isinstance(sample_ids, range):
-        return xp.arange(sample_ids.start, sample_ids.stop, dtype=xp.uint64)
+        return xp.arange(sample_ids.start, sample_ids.stop, sample_ids.step, dtype=xp.uint64)
     return xp.asarray(sample_ids, dtype=xp.uint64)
-
-
-def uniform_hash(xp, stream: int, samples, per_sample: int, first: int = 0, whole: int | None = None):
-    """u[i, e] in [0, 1) for the sample at position samples[i] and its element first + e,
-    e < per_sample, of a sample of `whole` elements (default per_sample: all of them)."""
-    elements = xp.arange(first, first + per_sample, dtype=xp.uint64)[None, :]
-    counters = samples[:, None] * np.uint64(per_sample if whole is None else whole) + elements + np.uint64(stream)
-    return (_splitmix64(counters) >> np.uint64(11)).astype(xp.float64) * (1.0 / 2**53)
-
-
-def dropped(x: Array, samples, stream: int, first: int, whole: int, p: float) -> tuple[Array, Array]:
-    """(x m / (1 - p), m / (1 - p)) with m = [u >= p] per element of x (samples first): the NumPy
-    steps, which the GPU's one kernel (mpipar/gpu/cuda.py) repeats bit for bit."""
-    per_sample = math.prod(x.shape[1:])
-    u = uniform_hash(array_module(x), stream, samples, per_sample, first, whole)
-    scaled_mask = ((u >= p) * (1.0 / (1.0 - p))).astype(x.dtype).reshape(x.shape)
-    return x * scaled_mask, scaled_mask
 
 
 class Dropout(Layer):

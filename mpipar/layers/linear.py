@@ -9,8 +9,8 @@ transformer's (12, 64, 128) inputs than the single product over 768 rows.
 
 Split for zero-bubble schedules: backward_input computes dx and keeps (x, dy);
 backward_weights adds dW and db from them. Under --ddp allgather-activations the data
-parallelism sets `weight_gradients`, which computes dW and db from every rank's rows
-instead of this rank's (gathered_activations.py).
+parallelism hands the layer a gatherer (`gather_weight_gradients_with`), which computes dW
+and db from every rank's rows instead of this rank's (runtime/gathered_activations.py).
 
 Exercised by: python -m pytest tests/test_layers.py -k Linear
 """
@@ -18,6 +18,7 @@ Exercised by: python -m pytest tests/test_layers.py -k Linear
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from mpipar.backend import Array, matmul
 from mpipar.cache import Context
@@ -33,8 +34,9 @@ class Linear(Layer):
         # The first layer of a network has no one to pass dx to; skipping it saves
         # a matmul as large as the weight gradient's.
         self.needs_input_grad = True
-        # (x rows, dy rows) -> None: who adds dW and db; this layer from its own rows unless set
-        self.weight_gradients = self.own_weight_gradients
+        # (x rows, dy rows) -> None: who adds dW and db; this layer from its own rows unless a
+        # gatherer is handed in
+        self.weight_gradients: Callable[[Array, Array], None] = self.own_weight_gradients
 
     def param_specs(self) -> list[ParamSpec]:
         bound = 1.0 / math.sqrt(self.in_features)
@@ -90,8 +92,13 @@ class Linear(Layer):
         dx_rows = matmul(dy.reshape(-1, self.out_features), self.params["weight"].T)
         return dx_rows.reshape(*dy.shape[:-1], self.in_features)
 
+    def gather_weight_gradients_with(self, gatherer: Callable[[Array, Array], None]) -> None:
+        """From now on `gatherer(x, dy)` adds dW and db, from every rank's rows (--ddp
+        allgather-activations: runtime/gathered_activations.py's RowGatherer)."""
+        self.weight_gradients = gatherer
+
     def own_weight_gradients(self, x: Array, dy: Array) -> None:
-        """dW and db from this rank's rows alone (what `weight_gradients` is unless a gatherer replaces it)."""
+        """dW and db from this rank's rows alone (what `weight_gradients` is unless a gatherer is handed in)."""
         x_rows = x.reshape(-1, self.in_features)
         dy_rows = dy.reshape(-1, self.out_features)
         self.grad_matmul(self.grads["weight"], x_rows.T, dy_rows)

@@ -49,15 +49,11 @@ def backward_summed(layer: Layer, group: TensorGroup, backward, *args):
     for name, grad in grads.items():
         views[name] = contribution[start:start + grad.size].reshape(grad.shape)
         start += grad.size
-    was_fresh = layer.fresh_grads
-    layer.grads, layer.fresh_grads = views, True
-    try:
+    with layer.gradients_into(views):
         dx = backward(*args)
-    finally:
-        layer.grads, layer.fresh_grads = grads, was_fresh
     group.all_reduce(contribution)
     for name, grad in grads.items():
-        if was_fresh:
+        if layer.fresh_grads:
             grad[...] = views[name]
         else:
             grad += views[name]

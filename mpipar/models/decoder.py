@@ -36,9 +36,9 @@ import math
 import numpy as np
 
 from mpipar.errors import ConfigError
+from mpipar.kernels import future_mask
 from mpipar.layers import GELU, Dropout, LayerNorm, PositionEmbedding, Residual
 from mpipar.layers.activations import _gelu
-from mpipar.layers.attention import _future_mask
 from mpipar.layers.norm import _row_dot
 from mpipar.layers.parallel_attention import ParallelSelfAttention
 from mpipar.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -113,7 +113,7 @@ class _Block:
         scores = q @ self.keys[:, :stop].swapaxes(-1, -2)  # (heads, t, stop)
         scores *= 1.0 / math.sqrt(self.head_size)
         if t > 1:  # new position i (absolute start + i) sees keys up to its own; a single new one sees all
-            scores += _future_mask(t, stop, start, x.dtype, np)
+            scores += future_mask(t, stop, start, x.dtype)
         scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)  # softmax (attention.py) by the ufuncs'
         np.exp(scores, out=scores)  # own reductions: .max() and .sum() cost more in Python than in arithmetic
         scores /= np.add.reduce(scores, axis=-1, keepdims=True)

@@ -45,7 +45,7 @@ class Sequential:
         for layer in self.layers:
             self.shapes.append(tuple(layer.output_shape(self.shapes[-1])))
         for index, leaf in enumerate(leaf_layers(self.layers)):
-            leaf.index = index  # seeds initialisation and dropout independently of the stage split
+            leaf.set_leaf_index(index)
 
     @property
     def output_shape(self) -> tuple[int, ...]:
@@ -58,7 +58,7 @@ class Sequential:
 def _number_layers(layers: list[Layer], prefix: str) -> None:
     for position, layer in enumerate(layers):
         _number_layers(layer.children(), prefix=f"{prefix}{position}.")
-        layer.name = f"{prefix}{position} {layer.name}"
+        layer.prefix_name(f"{prefix}{position}")
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ class FlatParams:
         """Start the gradients again from zero, lazily: each layer's first backward
         overwrites its part of `grad` instead of adding to it (see layers/base.py)."""
         for leaf in self.leaves:
-            leaf.fresh_grads = True
+            leaf.set_fresh_grads(True)
 
     def settle_grads(self, leaves: list[Layer] | None = None, fresh_after: bool = False):
         """Zero the part of any layer (of `leaves`, default all) whose backward did not run
@@ -210,7 +210,7 @@ class FlatParams:
             if leaf.fresh_grads:
                 for grad in leaf.grads.values():
                     grad.fill(0)
-            leaf.fresh_grads = fresh_after
+            leaf.set_fresh_grads(fresh_after)
         return self.grad
 
 
@@ -228,8 +228,7 @@ class Stage:
         self.flat = FlatParams(layers, backend, seed, materialize)
         if index == 0:
             for layer in layers:
-                if hasattr(layer, "needs_input_grad"):
-                    layer.needs_input_grad = False
+                layer.skip_input_grad()
                 if layer.param_specs() or layer.children():
                     break
 
@@ -273,7 +272,7 @@ class Stage:
 def mark_written(layer: Layer) -> None:
     """After `layer`'s backward: its gradients now hold a value, so later micro-batches add."""
     for leaf in leaf_layers([layer]):
-        leaf.fresh_grads = False
+        leaf.set_fresh_grads(False)
 
 
 def partition(model: Sequential, num_stages: int, boundaries: list[int] | None = None) -> list[range]:

@@ -1,5 +1,6 @@
 """What happens to gradients and parameters at the update.
 
+    spec.py        OptimizerSpec: an optimizer's name, hyper-parameters, master dtype, state kinds
     optimizers.py  SGD, Adam and AdamW on flat pieces; learning-rate schedules
     clipping.py    clipping by the global norm of the whole model's gradient, in every layout
     tying.py       tied weights: two copies of one matrix kept equal by summing their gradients

@@ -75,7 +75,8 @@ class GradientClipper:
         factor = self.max_norm / (norm + EPSILON)
         if factor < 1.0:
             for piece in pieces:
-                piece.array *= piece.array.dtype.type(factor)
+                gradient = piece.array  # scaled in place: the optimizer reads this buffer
+                gradient *= gradient.dtype.type(factor)
         return norm
 
 

@@ -1,5 +1,7 @@
 """Optimizers and learning-rate schedules, working on flat pieces.
 
+spec.py's `make_optimizer` builds the one an OptimizerSpec names.
+
 An optimizer is handed lists of pieces: flat parameter arrays, their gradients and
 where in each piece weight decay applies (`decay`: a list of (start, stop) spans per
 piece; weights decay, biases and norm gains do not). A whole stage is one piece; a
@@ -41,7 +43,6 @@ import numpy as np
 from mpipar.backend import array_module
 from mpipar.errors import ConfigError, unknown_name
 from mpipar.gpu import parts_for
-from mpipar.optim.precision import MasterWeights
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
@@ -111,6 +112,11 @@ class _PiecewiseOptimizer:
         self.grads = self.grads if grads is None else list(grads)
         if state is not None and state is not self.state:
             self._bind_state(state)
+
+    def set_step_count(self, steps: int) -> None:
+        """Count `steps` updates as applied (Adam's bias correction reads it): a resumed run's, or
+        the updates so far of a plan whose optimizer is pointed at each update's buffers."""
+        self.steps = steps
 
     def unbind(self, params: bool = True, grads: bool = True, state: bool = True) -> None:
         """Let go of those buffers, so that the optimizer keeps none of them alive; `bind`
@@ -252,35 +258,6 @@ class Adam(_PiecewiseOptimizer):
                 xp.divide(a, scratch, out=scratch)
                 scratch *= lr / bias1
                 p[chunk] -= scratch
-
-
-def make_optimizer(name: str, params: Sequence, grads: Sequence, decay: Sequence[Spans], *, momentum: float = 0.9,
-                   weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                   state=None, workspace=None, updates=None, master_dtype=None, loss_scaler=None):
-    """The optimizer called `name` (one of OPTIMIZERS) over the given pieces, with weight
-    decay inside each piece's `decay` spans; `state`, if given, is the flat buffer
-    (state_kinds x all pieces) to keep its state in; `workspace`, if given, the scratch
-    buffer (one chunk, or the largest piece if smaller): optimizers that never step at the
-    same time can share one. `updates`, if given, updates the CPU's pieces in place of the
-    NumPy loop (a run of torch stages: mpipar/adapters/torch_updates.py). `master_dtype`,
-    if given and not the pieces' own (--precision fp16), updates master copies in it
-    instead, their gradients divided by `loss_scaler`'s scale (precision.py); its `state`
-    then holds the master copy too, and its `workspace` is `master_workspace`'s."""
-    if master_dtype is not None and params and np.dtype(master_dtype) != params[0].dtype:
-        if workspace is None:
-            workspace = master_workspace(array_module(params[0]), sum(piece.size for piece in params), master_dtype)
-        return MasterWeights(lambda *pieces, **buffers: make_optimizer(name, *pieces, momentum=momentum,
-                                                                       weight_decay=weight_decay, betas=betas,
-                                                                       eps=eps, updates=updates, **buffers),
-                             params, grads, decay, np.dtype(master_dtype), loss_scaler,
-                             state_kinds=state_kinds(name, momentum), state=state, workspace=workspace)
-    if name == "sgd":
-        return SGD(params, grads, decay, momentum=momentum, weight_decay=weight_decay, state=state,
-                   workspace=workspace, updates=updates)
-    if name in ("adam", "adamw"):
-        return Adam(params, grads, decay, betas=betas, eps=eps, weight_decay=weight_decay,
-                    decoupled=name == "adamw", state=state, workspace=workspace, updates=updates)
-    raise unknown_name("optimizer", name, OPTIMIZERS)
 
 
 def master_workspace(xp, size: int, master_dtype):

@@ -243,9 +243,9 @@ class MasterWeights:
     def steps(self) -> int:
         return self.inner.steps
 
-    @steps.setter
-    def steps(self, value: int) -> None:
-        self.inner.steps = value
+    def set_step_count(self, steps: int) -> None:
+        """Count `steps` updates as applied (the inner optimizer's bias correction reads it)."""
+        self.inner.set_step_count(steps)
 
     @property
     def state_bytes(self) -> int:

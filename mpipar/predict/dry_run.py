@@ -131,7 +131,7 @@ class ZeroWeights:
 
 def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 0,
                      recompute_spans: list[list[tuple[int, int]]] | None = None,
-                     split: bool = False, runner: LayerRunner | None = None) -> ActivationBytes:
+                     split_backward: bool = False, runner: LayerRunner | None = None) -> ActivationBytes:
     """Run one micro-batch forward through every stage, layer by layer, with zeros for
     weights, each stage in a cache of its own (as on a pipeline rank, whose received input
     is its own buffer), and count what each stashes. Only one layer's parameters exist at
@@ -141,7 +141,7 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
     a shared stage's units), the figures are those of --recompute stage, measured the way the
     executor runs it: each span keeps only its input (`stashed`), and its backward pops that
     input and rebuilds the span's stash (`recomputed_stash`: the most a rebuild adds to all
-    the kept inputs, the spans after it having released theirs). With `split` (a zero-bubble
+    the kept inputs, the spans after it having released theirs). With `split_backward` (a zero-bubble
     schedule) each stage also runs its B on a zero output gradient: `during_backward` is the
     most its stash weighs meanwhile, `deferred` what it weighs after, until W.
 
@@ -176,7 +176,7 @@ def activation_bytes(stages: list[Stage], inputs, targets, loss_fn, seed: int = 
                 by_layer[-1:] = [cache.live_bytes] if by_layer else []  # the loss's stash with the last layer's
             stash = cache.peak_bytes
             rebuilds.append((kept.live_bytes - before, cache.peak_bytes - popped))
-            if split:  # (never with recomputation: train/config/parallelism.py)
+            if split_backward:  # (never with recomputation: train/config/parallelism.py)
                 dy = runner.loss_gradient(loss_fn, ctx) if last else runner.zeros_like(stage, x)
                 cache.peak_bytes = cache.live_bytes
                 runner.backward_input(stage, dy, ctx)
@@ -263,13 +263,13 @@ def _zero_bound(stage: Stage, layer, grads: bool = False):
 def dry_run(stages: list[Stage], train_set, loss_fn, micro_batch: int, eval_batch: int, seed: int,
             to_device=lambda inputs, targets: (inputs, targets),
             recompute_spans: list[list[tuple[int, int]]] | None = None,
-            split: bool = False) -> tuple[ActivationBytes, ActivationBytes]:
+            split_backward: bool = False) -> tuple[ActivationBytes, ActivationBytes]:
     """What a training micro-batch and an evaluation batch cost (a dry run of the first
     `micro_batch` samples of `train_set`; evaluation scales its outputs). With
-    `recompute_spans`, training's figures are those of --recompute stage, and with `split`
+    `recompute_spans`, training's figures are those of --recompute stage, and with `split_backward`
     those of a split backward (activation_bytes)."""
     inputs, targets = to_device(*train_set.batch(np.arange(micro_batch)))
-    training = activation_bytes(stages, inputs, targets, loss_fn, seed, recompute_spans, split)
+    training = activation_bytes(stages, inputs, targets, loss_fn, seed, recompute_spans, split_backward)
     plain = training if recompute_spans is None else activation_bytes(stages, inputs, targets, loss_fn, seed)
     return training, evaluation_bytes(plain, micro_batch, eval_batch)
 

@@ -17,11 +17,11 @@ An all-reduce is twice its reduce-scatter. Phases and what they cost:
     update-reduce    N->N: 2 global    I->I: 2 across    N->G: global    N->I: group + 2 across    I->G: across
     update-gather    OS=G->P=N: global (no I) or across + group;  G->I: across;  I->N: group
 
-A layout (`make_layout`) places the model as `mpipar train` would: data parallelism is one
+`place_model` places the model on a layout as `mpipar train` would: data parallelism is one
 stage replicated on all N ranks; with --stages, each stage is shared by its replica group
 of D ranks, and the figures above apply per replica group, summed over the stages
 (`scheme_rows`). `predicted_peaks` is peak.py's prediction for the rank that holds the most.
-With --tensor T the layout is a slice's (W / T ranks; comms/grid.py) with one rank's shards of
+With --tensor T the placement is a slice's (W / T ranks; mpipar/layout.py) with one rank's shards of
 the split layers, Table 2 is summed over the T slices, and the tensor groups' own bytes are an
 axis of their own (`tensor_sent_per_step`: the split layers' crossings, as the counters of
 `mpipar train` count them in the phase "tensor").
@@ -39,13 +39,13 @@ from dataclasses import dataclass
 
 from mpipar.backend import make_backend
 from mpipar.layers.sequence_parallel import SequenceParallelLayerNorm, SequenceParallelPositionEmbedding
+from mpipar.layout import Layout, Mesh
 from mpipar.models.sequential import leaf_layers
 from mpipar.options import recompute_segment
 from mpipar.predict.dry_run import ActivationBytes, dry_run
 from mpipar.predict.peak import Peak, mesh_peak
 from mpipar.predict.shape_only import Samples, declares_shapes, shape_only_bytes
 from mpipar.schedule.instructions import Backward
-from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.plans import replica_shared_stages
 from mpipar.schedule.program import Compiled, compile_programs
 from mpipar.schedule.sharding import (
@@ -61,6 +61,7 @@ from mpipar.schedule.sharding import (
     unit_bytes_for,
     unit_sizes,
 )
+from mpipar.schedule.strategies import Shape, Strategy
 
 ITEMSIZE_DTYPES = {8: "float64", 4: "float32", 2: "float16"}  # the dry run's arithmetic, by element size
 PHASES = ("forward-gather", "backward-gather", "backward-reduce", "update-reduce", "update-gather")
@@ -125,9 +126,9 @@ class Estimate:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Where the model's stages go on the ranks, as `mpipar train` would place them: over each
-    of the `tensor` slices (comms/grid.py), with one rank's shards of the split layers."""
+class PlacedModel:
+    """The model's stages on the ranks of a layout (mpipar/layout.py), as `mpipar train` would place
+    them: over each of its tensor slices, with one rank's shards of the split layers."""
 
     mesh: Mesh
     compiled: Compiled
@@ -144,52 +145,28 @@ class Layout:
         return [s for s, size in enumerate(self.stage_sizes) if worker in self.compiled.holders[s] and size]
 
 
-def layout_config(world_size: int, group_size: int, stages: int, scheme: str | None, replicas: int,
-                  micro_batches: int | None, loops: int, batch_size: int, ddp: str | None = None,
-                  recompute: str = "none", tensor: int = 1):
-    """The configuration `mpipar train` would run on one of the `tensor` slices of `world_size`
-    ranks (its automatic values filled in); its schedule_shape(world_size // tensor) is the step
-    that make_layout simulates."""
-    from mpipar.train.config import TrainConfig
-
-    world_size //= tensor  # the ranks of one slice: the schedule and the sharding run over those
-    return TrainConfig.of(stages=stages, scheme=scheme if stages else None, replicas=replicas,
-                          micro_batches=micro_batches or 0, loops=loops, batch_size=batch_size,
-                          group_size=max(1, group_size // tensor),  # a group's ranks of one slice
-                          ddp=ddp, recompute=recompute).for_world(world_size)
-
-
-def make_layout(count: float, built, world_size: int, group_size: int, stages: int, scheme: str | None,
-                replicas: int, micro_batches: int | None, loops: int, batch_size: int, ddp: str,
-                bucket_mb: float, itemsize: int, recompute: str = "none", tensor: int = 1) -> Layout:
-    """The layout of `count` parameters (or of `built`, built_model's result) on `world_size`
-    ranks: data parallelism without --stages, else S stages on a mesh of workers x replicas;
-    its activations those of `recompute` (--recompute's value), and of a split backward where the
-    schedule splits it. With `tensor` T, `built` holds one rank's shards (built_model), and the
-    mesh is a slice's, of world_size / T ranks."""
+def place_model(count: float, built, layout: Layout, strategy: Strategy, shape: Shape, group_size: int, ddp: str,
+                bucket_mb: float, itemsize: int, recompute: str = "none") -> PlacedModel:
+    """`count` parameters (or `built`, built_model's result: then one rank's shards where the layout has a
+    tensor axis) placed on `layout` by the programs of `strategy` at `shape` (one pipeline's step): its
+    activations those of `recompute` (--recompute's value), and of a split backward where the schedule
+    splits it. `group_size`: the world ranks of one node."""
     from mpipar.models.sequential import build_stages
 
-    config = layout_config(world_size, group_size, stages, scheme, replicas, micro_batches, loops, batch_size, ddp,
-                           recompute, tensor)
-    world_size //= tensor  # the ranks of one slice: the schedule and the sharding run over those
-    mesh = config.parallel.mesh(world_size)
-    if built is None:  # no activations to size: any batch the layout divides will do
-        config = config.replace(batch_size=mesh.replicas * config.training.micro_batches)
-    config.validate(world_size)
-    compiled = compile_programs(config.parallel.strategy(), config.schedule_shape(world_size))
-    micro_batch = max(1, batch_size // mesh.replicas // config.training.micro_batches)
+    mesh, tensor = layout.mesh, layout.tensor
+    compiled = compile_programs(strategy, shape)
+    micro_batch = layout.micro_batch_size
     tensor_sent = ()
     if built is None:  # parameters split evenly, units of --bucket-mb, no activations
         total = math.ceil(count)
-        sizes = [total // config.schedule_shape(world_size).stages + (s < total % (stages or 1))
-                 for s in range(stages or 1)]
+        sizes = [total // shape.stages + (s < total % shape.stages) for s in range(shape.stages)]
         units = [size if ddp == "naive" else min(size, math.ceil(bucket_mb * 1e6 / itemsize)) for size in sizes]
         unit_layers = None  # no layers: each transient at its most
         training = evaluation = ActivationBytes((0,) * len(sizes), (0,) * len(sizes), (0,) * len(sizes))
     else:
         train_set, eval_batch, model, loss = built
         backend = make_backend("cpu", ITEMSIZE_DTYPES[itemsize])
-        laid_out = build_stages(model, stages or 1, backend, 0, materialize=False)
+        laid_out = build_stages(model, shape.stages, backend, 0, materialize=False)
         sizes = [stage.flat.size for stage in laid_out]
         unit_bytes = unit_bytes_for(ddp, bucket_mb)
         unit_layers = [unit_sizes(stage, unit_bytes) for stage in laid_out]
@@ -197,21 +174,21 @@ def make_layout(count: float, built, world_size: int, group_size: int, stages: i
         segment = recompute_segment(recompute)
         spans = (None if segment is None else
                  compute_spans(laid_out, replica_shared_stages(mesh, sizes), unit_bytes, segment))
-        split = config.parallel.strategy().split_backward
+        split = strategy.split_backward
         if declares_shapes(model.layers, loss):  # by arithmetic (shape_only.py): a model of any size
             samples = train_set if isinstance(train_set, Samples) else Samples.of(train_set)
             training, evaluation = shape_only_bytes(laid_out, samples, loss, micro_batch, eval_batch or micro_batch,
-                                                    seed=0, recompute_spans=spans, split=split)
+                                                    seed=0, recompute_spans=spans, split_backward=split)
         else:  # a builder's layers (PyTorch, JAX) without declarations: run one micro-batch of the data
             training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch or micro_batch, seed=0,
                                            to_device=lambda inputs, targets: (backend.inputs(inputs), targets),
-                                           recompute_spans=spans, split=split)
+                                           recompute_spans=spans, split_backward=split)
         rows = micro_batch * math.prod(train_set.input_shape)
         tensor_sent = tuple(tensor_sent_per_micro_batch(stage.layers, rows, tensor, itemsize, stage is laid_out[-1])
                             for stage in laid_out)
     groups = [ranks_beside_the_first(mesh.rank(worker, 0), mesh.replicas, tensor, group_size)
               for worker in range(mesh.workers)]
-    return Layout(mesh, compiled, sizes, units, groups, training, evaluation, tensor, tensor_sent, unit_layers)
+    return PlacedModel(mesh, compiled, sizes, units, groups, training, evaluation, tensor, tensor_sent, unit_layers)
 
 
 def ranks_beside_the_first(first: int, count: int, tensor: int, group_size: int) -> int:
@@ -245,56 +222,56 @@ def tensor_sent_per_micro_batch(layers: list, rows: int, tensor: int, itemsize: 
     return sent
 
 
-def tensor_sent_per_step(layout: Layout, micro_batches: int) -> float:
+def tensor_sent_per_step(placed: PlacedModel, micro_batches: int) -> float:
     """Bytes all ranks send in their tensor groups in one step: each rank's per micro-batch of
     every stage it holds, as often as its program runs that stage's backward."""
-    if layout.tensor == 1:
+    if placed.tensor == 1:
         return 0.0
     total = 0.0
-    for worker in range(layout.mesh.workers):
-        for s in layout.held(worker):
-            backwards = sum(isinstance(i, Backward) and i.stage == s for i in layout.compiled.programs[worker])
-            total += (backwards or micro_batches) * layout.tensor_sent[s] * layout.mesh.replicas * layout.tensor
+    for worker in range(placed.mesh.workers):
+        for s in placed.held(worker):
+            backwards = sum(isinstance(i, Backward) and i.stage == s for i in placed.compiled.programs[worker])
+            total += (backwards or micro_batches) * placed.tensor_sent[s] * placed.mesh.replicas * placed.tensor
     return total
 
 
-def scheme_rows(layout: Layout, micro_batches: int, element: int, k: int) -> list[Estimate]:
+def scheme_rows(placed: PlacedModel, micro_batches: int, element: int, k: int) -> list[Estimate]:
     """Per sharding scheme: Table 1 of the most loaded rank (its stages' shares summed) and
     Table 2 summed over every stage's replica group (each stage's backward runs as often as
     the worker's program says) and over the T slices."""
-    mesh, compiled = layout.mesh, layout.compiled
+    mesh, compiled = placed.mesh, placed.compiled
     rows = []
     for name, sharding in NAMED_SHARDINGS.items():
         memory, traffic = None, {phase: Volume() for phase in PHASES}
         for worker in range(mesh.workers):
-            held = layout.held(worker)
-            parts = [bytes_per_rank(sharding, layout.stage_sizes[s], mesh.replicas, layout.groups[worker],
+            held = placed.held(worker)
+            parts = [bytes_per_rank(sharding, placed.stage_sizes[s], mesh.replicas, placed.groups[worker],
                                     parameter_bytes=element, gradient_bytes=element, state_bytes=k) for s in held]
             here = StateBytes(*(sum(getattr(part, field) for part in parts) for field in
                                 ("parameters", "gradients", "optimizer_state")))
             memory = here if memory is None or here.total > memory.total else memory
             for s in held:
                 backwards = sum(isinstance(i, Backward) and i.stage == s for i in compiled.programs[worker])
-                volumes = traffic_per_step(sharding, layout.stage_sizes[s], mesh.replicas, layout.groups[worker],
+                volumes = traffic_per_step(sharding, placed.stage_sizes[s], mesh.replicas, placed.groups[worker],
                                            backwards or micro_batches, element)
-                traffic = {phase: traffic[phase] + volumes[phase] * layout.tensor for phase in PHASES}  # T slices
+                traffic = {phase: traffic[phase] + volumes[phase] * placed.tensor for phase in PHASES}  # T slices
         rows.append(Estimate(name, memory, traffic))
     return rows
 
 
-def predicted_peaks(layouts: dict[str, Layout], prefetch: int, itemsize: int, kinds: int,
+def predicted_peaks(placements: dict[str, PlacedModel], prefetch: int, itemsize: int, kinds: int,
                     master_itemsize: int = 0) -> dict[str, Peak]:
-    """Scheme -> the predicted peak of the rank that holds the most (peak.mesh_peak). `layouts`
+    """Scheme -> the predicted peak of the rank that holds the most (peak.mesh_peak). `placements`
     by --ddp mode: one, which every scheme uses (--ddp given), or each scheme's default
     units (sharding.default_units) among several. `master_itemsize`: mpipar train --precision
     fp16's master weights (0: none)."""
     peaks = {}
     for name, sharding in NAMED_SHARDINGS.items():
-        layout = next(iter(layouts.values())) if len(layouts) == 1 else layouts[default_units(sharding)]
-        peaks[name] = max((mesh_peak(rank, layout.compiled, layout.mesh, sharding, layout.stage_sizes,
-                                     layout.largest_units, layout.groups[layout.mesh.worker(rank)], itemsize=itemsize,
-                                     state_kinds=kinds, training=layout.training, evaluation=layout.evaluation,
-                                     prefetch=prefetch, master_itemsize=master_itemsize, units=layout.units)
-                           for rank in range(0, layout.mesh.size, layout.mesh.replicas)),  # one rank per worker
+        placed = next(iter(placements.values())) if len(placements) == 1 else placements[default_units(sharding)]
+        peaks[name] = max((mesh_peak(rank, placed.compiled, placed.mesh, sharding, placed.stage_sizes,
+                                     placed.largest_units, placed.groups[placed.mesh.worker(rank)], itemsize=itemsize,
+                                     state_kinds=kinds, training=placed.training, evaluation=placed.evaluation,
+                                     prefetch=prefetch, master_itemsize=master_itemsize, units=placed.units)
+                           for rank in range(0, placed.mesh.size, placed.mesh.replicas)),  # one rank per worker
                           key=lambda peak: peak.total)
     return peaks

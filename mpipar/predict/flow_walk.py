@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 
 from mpipar.predict.dry_run import stash_while_adding
+from mpipar.schedule.effects import Dimensions, effects_of
 from mpipar.schedule.flow import job_flow
-from mpipar.schedule.instructions import Compute, CyclicJob, GatherUnit, ReduceUnit, ReleaseUnit
+from mpipar.schedule.instructions import CyclicJob
 from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Scope, Sharding
 from mpipar.schedule.strategies import BACKWARD, FORWARD
 
@@ -33,8 +34,9 @@ def flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_aft
     through a temporary (`adding_after`, layer by layer: Layer.grad_matmul), while the stash below
     that layer is still held; a sharded G's unit gradient is fresh for every micro-batch.
 
-    GatherUnit takes a unit of parameters, ReleaseUnit gives it back; a backward Compute takes the
-    unit's gradient where G is sharded; ReduceUnit first waits for the reductions beyond
+    Each instruction is walked by what it does (schedule/effects.py): a gather takes a unit of
+    parameters, a release gives it back; a backward's unit takes the unit's gradient where G is
+    sharded; a unit's reduction first waits for the reductions beyond
     REDUCTIONS_IN_FLIGHT - 1 (each gives its gradient back), then posts its own, which takes a
     block of scratch, 1 / `ring` of the unit (where G is replicated, the last backward's
     all-reduces stay in flight to the step's end). A pool (comms/comm.py: ScratchPool) keeps the
@@ -72,6 +74,7 @@ def flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_aft
             worst.update(now)
 
     totals = {direction: jobs.count(direction) for direction in jobs}
+    dimensions = Dimensions(1, totals.get(FORWARD, 1), (len(sizes),))  # the stage walked, alone
     done = dict.fromkeys(totals, 0)  # per direction, the jobs walked
     for direction in jobs:
         job = CyclicJob(step=0, micro_batch=done[direction], stage=0, direction=direction)
@@ -80,29 +83,32 @@ def flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_aft
         if direction == BACKWARD:
             waiting -= 1
         for instruction in job_flow(job, len(sizes), sharding, prefetch, first=first, last=last):
-            if isinstance(instruction, GatherUnit):
-                take("gathered units", sizes[instruction.unit])
-            elif isinstance(instruction, ReleaseUnit):
-                give("gathered units", sizes[instruction.unit])
-            elif isinstance(instruction, Compute):
-                if direction == BACKWARD and reduces:
-                    take("unit gradients", sizes[instruction.unit])
-                layers = range(firsts[instruction.unit], stops[instruction.unit])
+            effects = effects_of(instruction, dimensions)
+            if effects.gathers is not None:
+                take("gathered units", sizes[effects.gathers.unit])
+            if effects.job is not None:
+                backward = effects.job.direction == BACKWARD
+                if backward and reduces:
+                    take("unit gradients", sizes[effects.unit])
+                layers = range(firsts[effects.unit], stops[effects.unit])
                 stash = stash_after[layers[-1]]
-                if direction == BACKWARD and not reduces and not first and adding_after:
+                if backward and not reduces and not first and adding_after:
                     stash = max(stash, stash_while_adding(stash_after, adding_after, layers))
                 moment(waiting * stash_after[-1] + stash + in_flight)
-            elif isinstance(instruction, ReduceUnit):
+            if effects.releases is not None:
+                give("gathered units", sizes[effects.releases.unit])
+            if effects.reduces is not None:
                 while reduces and len(reducing) > REDUCTIONS_IN_FLIGHT - 1:
                     finished, summed_across = reducing.pop(0)
                     give("unit gradients", sizes[finished])
                     give("collective scratch", block(finished))
                     if summed_across:  # its last hop's block stays in the groups' communicator's pool
                         spares["scratch spare across groups"] = math.ceil(sizes[finished] / world_size)
-                take("collective scratch", block(instruction.unit))
+                unit = effects.reduces.unit
+                take("collective scratch", block(unit))
                 # nested ZeRO sums across groups every time; a group-sharded G with the step's sum (then_to_os)
-                summed_across = across_groups and (sharding.gradients == Scope.GLOBAL or instruction.then_to_os)
-                reducing.append((instruction.unit, summed_across))
+                summed_across = across_groups and (sharding.gradients == Scope.GLOBAL or effects.reduces.then_to_os)
+                reducing.append((unit, summed_across))
         if direction == FORWARD:
             waiting += 1
     moment(0)  # the backward done, its last reductions in flight

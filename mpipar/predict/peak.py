@@ -31,25 +31,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mpipar.layout import Mesh
 from mpipar.optim.optimizers import CHUNK
 from mpipar.predict.dry_run import ActivationBytes
 from mpipar.predict.flow_walk import flow_walk
 from mpipar.schedule.cyclic import item_homes, persistent_items
-from mpipar.schedule.instructions import (
-    Backward,
-    Compute,
-    Drop,
-    EndTimeStep,
-    FetchWeights,
-    Forward,
-    Item,
-    ItemKind,
-    Receive,
-    Send,
-    Update,
-)
-from mpipar.schedule.mesh import Mesh
-from mpipar.schedule.plans import CdpPlan, PipelinePlan, Run
+from mpipar.schedule.effects import Dimensions, Effects, effects_of
+from mpipar.schedule.instructions import CyclicJob, Item, ItemKind
+from mpipar.schedule.plans import CdpPlan, PipelinePlan, RunProgram
 from mpipar.schedule.program import Compiled
 from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Scope, Sharding, UnitSizes, largest_unit, sharing_ranks
 from mpipar.schedule.strategies import BACKWARD, FORWARD
@@ -142,7 +131,9 @@ def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, item
     that size, and the update reads the largest stage's gradient widened (runtime/item_store.py)."""
     held = [s for s in range(len(stage_sizes)) if rank in compiled.holders[s]]
     members = [s for s in range(len(stage_sizes)) if rank in compiled.members[s]]
-    computed = sorted({i.stage for i in compiled.programs[rank] if isinstance(i, (Forward, Backward))})
+    program_effects = _effects(compiled.programs[rank],
+                               Dimensions(compiled.shape.stages, compiled.shape.micro_batches))
+    computed = sorted({job.stage for job in _jobs_run(program_effects)})
     held_size = sum(stage_sizes[s] for s in held)
     steady = {"parameters": held_size * itemsize,
               "gradients": sum(stage_sizes[s] for s in members) * itemsize,
@@ -155,7 +146,8 @@ def pipeline_peak(rank: int, compiled: Compiled, stage_sizes: list[int], *, item
     in_flight = compiled.timeline.peak_activations()[rank]
     boundary = max((nbytes for s in computed for nbytes in (training.inputs[s], training.output(s))),
                    default=0)
-    fetched = max((stage_sizes[i.stage] for i in compiled.programs[rank] if isinstance(i, FetchWeights)), default=0)
+    fetched = max((stage_sizes[receive.item.stage] for effects in program_effects for receive in effects.receives
+                   if receive.item.kind == ItemKind.FETCHED), default=0)
     scratch = sum(math.ceil(stage_sizes[s] / len(compiled.members[s])) for s in members
                   if len(compiled.members[s]) > 1)
     stashes = training.stash_peaks(compiled.timeline)[rank]
@@ -223,27 +215,38 @@ def mesh_peak(rank: int, compiled: Compiled, mesh: Mesh, sharding: Sharding, sta
     if mesh.workers == 1 and len(stage_sizes) == 1 and stage_sizes[0]:
         return data_parallel_peak(sharding, stage_sizes[0], largest_units[0], mesh.replicas, group_size,
                                   itemsize=itemsize, state_kinds=state_kinds, training=training,
-                                  evaluation=evaluation, prefetch=prefetch, jobs=_jobs(compiled.programs[worker], 0),
+                                  evaluation=evaluation, prefetch=prefetch, jobs=_directions(compiled, worker, 0),
                                   master_itemsize=master_itemsize, units=units[0] if units else None)
     peak = pipeline_peak(worker, compiled, stage_sizes, itemsize=itemsize, state_kinds=state_kinds,
                          training=training, evaluation=evaluation, master_itemsize=master_itemsize)
-    shared = [s for s, size in enumerate(stage_sizes) if worker in compiled.holders[s] and size]
-    if mesh.replicas == 1 or not shared:
+    sharded = [s for s, size in enumerate(stage_sizes) if worker in compiled.holders[s] and size]
+    if mesh.replicas == 1 or not sharded:
         return peak
-    program = compiled.programs[worker]
-    computed = {i.stage for i in program if isinstance(i, (Forward, Backward))}
-    walked = (computed == set(shared) == {shared[0]} and bool(units) and bool(training.stashed_by_layer)
-              and training.rebuilt(shared) == 0 and not training.deferred)
+    dimensions = Dimensions(compiled.shape.stages, compiled.shape.micro_batches)
+    computed = {job.stage for job in _jobs_run(_effects(compiled.programs[worker], dimensions))}
+    walked = (computed == set(sharded) == {sharded[0]} and bool(units) and bool(training.stashed_by_layer)
+              and training.rebuilt(sharded) == 0 and not training.deferred)
     return composed_peak(peak, [data_parallel_peak(
         sharding, stage_sizes[s], largest_units[s], mesh.replicas, group_size, itemsize=itemsize,
         state_kinds=state_kinds, training=training, prefetch=prefetch, master_itemsize=master_itemsize,
-        jobs=_jobs(program, s), units=units[s] if units else None, stage=s) for s in shared], walked)
+        jobs=_directions(compiled, worker, s), units=units[s] if units else None, stage=s) for s in sharded], walked)
 
 
-def _jobs(program, stage: int) -> tuple[str, ...]:
-    """The directions of `stage`'s jobs in a rank's pipeline program, in order."""
-    return tuple(FORWARD if isinstance(i, Forward) else BACKWARD for i in program
-                 if isinstance(i, (Forward, Backward)) and i.stage == stage)
+def _effects(program, dimensions: Dimensions) -> list[Effects]:
+    return [effects_of(instruction, dimensions) for instruction in program]
+
+
+def _jobs_run(program_effects: list[Effects]) -> list[CyclicJob]:
+    """The forward and backward jobs (not a split backward's W) a program's effects run, in order."""
+    return [effects.job for effects in program_effects
+            if effects.job is not None and effects.job.direction in (FORWARD, BACKWARD)]
+
+
+def _directions(compiled: Compiled, worker: int, stage: int) -> tuple[str, ...]:
+    """The directions of `stage`'s jobs in `worker`'s pipeline program, in order."""
+    dimensions = Dimensions(compiled.shape.stages, compiled.shape.micro_batches)
+    return tuple(job.direction for job in _jobs_run(_effects(compiled.programs[worker], dimensions))
+                 if job.stage == stage)
 
 
 def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes,
@@ -263,8 +266,8 @@ def plan_peak(plan: PipelinePlan | CdpPlan, rank: int, training: ActivationBytes
                      prefetch=plan.prefetch, master_itemsize=master_itemsize, units=units)
 
 
-def cyclic_peak(run: Run, steps: int, rank: int, layout: str, rule: str, stage_sizes: list[int], *, itemsize: int,
-                state_kinds: int, training: ActivationBytes, evaluation: ActivationBytes | None = None,
+def cyclic_peak(run: RunProgram, steps: int, rank: int, layout: str, rule: str, stage_sizes: list[int], *,
+                itemsize: int, state_kinds: int, training: ActivationBytes, evaluation: ActivationBytes | None = None,
                 keeps_spare_weights: bool = True, master_itemsize: int = 0) -> Peak:
     """The peak of one rank of the CDP engine running `run` (its part of a CyclicPlan, `steps` steps).
 
@@ -302,31 +305,24 @@ def cyclic_peak(run: Run, steps: int, rank: int, layout: str, rule: str, stage_s
     def held() -> int:
         return sum(alive.values()) + stashed + sum(spares.values()) + lingering
 
-    for instruction in run.program:
-        made = None
-        if isinstance(instruction, Receive):
-            made = instruction.item
-        elif isinstance(instruction, Compute):
-            job = instruction.job
-            forward, g = job.direction == FORWARD, job.global_batch(count)
+    dimensions = Dimensions(count, count)
+    program_effects = _effects(run.program, dimensions)
+    for effects in program_effects:  # each instruction by what it does (schedule/effects.py)
+        for item in effects.starts:
+            alive[item] = size_of[item.kind](item.stage)
+        job = effects.job
+        if job is not None:
+            forward = job.direction == FORWARD
             if forward:
                 stashed += training.stashed[job.stage]
-            elif instruction.new_gradient:
-                alive[Item(ItemKind.GRADIENT_SUM, job.stage, job.step)] = weights[job.stage]
             # while it computes: a layer's outputs in flight; in backward, the stash layer by layer, each
             # layer adding its weight gradients into the sum (a temporary each)
             computing = 0 if forward else max(0, training.adding_backward(job.stage) - training.stashed[job.stage])
             most = max(most, held() + computing + training.in_flight([job.stage]))
             if not forward:
                 stashed -= training.stashed[job.stage]
-            if forward and job.stage + 1 < count:
-                made = Item(ItemKind.INPUT, job.stage + 1, g)
-            elif not forward and job.stage > 0:
-                made = Item(ItemKind.OUTPUT_GRADIENT, job.stage - 1, g)
-        elif isinstance(instruction, Update):
-            s, old = instruction.stage, Item(ItemKind.WEIGHTS, instruction.stage, instruction.step)
-            made = Item(ItemKind.WEIGHTS, s, instruction.step + 1)
-            overwrite, done = run.weight_plan[(s, instruction.step)]
+        for old in effects.updates:
+            overwrite, done = run.weight_plan[(old.stage, old.index)]
             if overwrite:  # the new version is the old one's buffer
                 alive.pop(old, None)
                 taken_over.add(old)
@@ -334,12 +330,10 @@ def cyclic_peak(run: Run, steps: int, rank: int, layout: str, rule: str, stage_s
                 alive.pop(done, None)
                 taken_over.add(done)
             else:  # into the stage's spare, else a new buffer: the new version is the old one's buffer
-                spares.pop(s, None)
-            updated.add(s)
-        elif isinstance(instruction, Send):
-            sent.add(instruction.item)
-        elif isinstance(instruction, Drop):
-            item = instruction.item
+                spares.pop(old.stage, None)
+            updated.add(old.stage)
+        sent.update(send.item for send in effects.sends)
+        for item in effects.drops:
             if item in taken_over:
                 taken_over.remove(item)
                 continue
@@ -349,12 +343,12 @@ def cyclic_peak(run: Run, steps: int, rank: int, layout: str, rule: str, stage_s
                 spares[item.stage] = nbytes
             elif item in sent:
                 lingering += nbytes
-        elif isinstance(instruction, EndTimeStep):  # it completes the sends of the buffers dropped
+        if effects.completes_sends:  # the sends of the buffers dropped in this time step
             lingering = 0
-        if made is not None:
-            alive[made] = size_of[made.kind](made.stage)
+        for item in effects.makes:
+            alive[item] = size_of[item.kind](item.stage)
         most = max(most, held())
-    computed = sorted({i.job.stage for i in run.program if isinstance(i, Compute)})
+    computed = sorted({effects.job.stage for effects in program_effects if effects.job is not None})
     largest_updated = max((stage_sizes[s] for s in updated), default=0)
     step = {"items and buffers in flight": most - steady["home state"],
             # the last stage loads its micro-batch's targets (stage 0's stash holds the samples it loads)

@@ -129,11 +129,11 @@ def declares_shapes(layers: list, loss=None) -> bool:
 
 def shape_only_bytes(stages: list[Stage], samples: Samples, loss_fn, micro_batch: int, eval_batch: int,
                      seed: int = 0, recompute_spans: list[list[tuple[int, int]]] | None = None,
-                     split: bool = False) -> tuple[ActivationBytes, ActivationBytes]:
+                     split_backward: bool = False) -> tuple[ActivationBytes, ActivationBytes]:
     """dry_run's (training, evaluation) figures by the layers' declarations: the same walk
     (activation_bytes) on Buffers."""
     inputs, targets = samples.batch(micro_batch, stages[0].flat.dtype)
-    training = activation_bytes(stages, inputs, targets, loss_fn, seed, recompute_spans, split, ShapesOnly())
+    training = activation_bytes(stages, inputs, targets, loss_fn, seed, recompute_spans, split_backward, ShapesOnly())
     plain = (training if recompute_spans is None else
              activation_bytes(stages, inputs, targets, loss_fn, seed, runner=ShapesOnly()))
     return training, evaluation_bytes(plain, micro_batch, eval_batch)

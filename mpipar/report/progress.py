@@ -119,7 +119,7 @@ class Report:
         self.log_every, self.log_seconds = log_every, log_seconds
         self.metrics = MetricsFile(metrics_path, append=append) if metrics_path is not None else None
         self.bar_drawn = False  # a bar is on screen: the next line must start on a new one
-        self.run: RunFacts | None = None  # given by start()
+        self.facts: RunFacts | None = None  # given by start()
         self._restart_clocks()
 
     @classmethod
@@ -144,11 +144,11 @@ class Report:
     @property
     def held_out(self) -> str:
         """What the evaluated split is called: a language model's is its validation split."""
-        return "validation" if self.run.tokens_per_sample else "test"
+        return "validation" if self.facts.tokens_per_sample else "test"
 
     def start(self, run: RunFacts) -> None:
         """The run begins: its first line, and the facts every later line reads."""
-        self.run = run
+        self.facts = run
         self.epochs = -(-run.total_steps // run.steps_per_epoch)  # the epochs that run, the last maybe in part
         self._print(f"mpipar: {run.model} on {run.dataset} ({run.train_samples} train / {run.test_samples} "
                     f"{self.held_out}), {run.parameter_count:,} parameters, {run.world_size} rank(s), scheme "
@@ -160,17 +160,11 @@ class Report:
             self._print(line)
         self._restart_clocks()
 
-    def step(self, result: StepResult) -> None:
-        """A step whose loss is summed over all ranks: its metrics event, and progress when due."""
-        self.record(result)
-        self.progress(result.step, result.epoch, loss=result.loss, accuracy=result.accuracy, lr=result.lr,
-                      skipped_at=result.skipped_at)
-
     def record(self, result: StepResult) -> None:
         """The metrics event of a step (exact: its loss summed over all ranks)."""
         if not self.metrics:
             return
-        run, memory = self.run, self.run.memory
+        run, memory = self.facts, self.facts.memory
         rate = run.batch_size / result.seconds if result.seconds else None
         self.metrics.write("step", {"step": result.step + 1, "epoch": result.epoch + 1, "loss": result.loss,
                                     "accuracy": result.accuracy, "lr": result.lr, "samples_per_s": rate,
@@ -193,8 +187,8 @@ class Report:
         update was skipped; a whole line says so at once (under the bar too, which a redraw would erase)."""
         if self.mode == "off":
             return
-        self.window_samples += self.run.batch_size
-        done, total, now = step + 1, self.run.total_steps, time.perf_counter()
+        self.window_samples += self.facts.batch_size
+        done, total, now = step + 1, self.facts.total_steps, time.perf_counter()
         if self.mode == "bar":
             due = now - self.last_draw >= BAR_SECONDS
         else:
@@ -233,7 +227,7 @@ class Report:
     def _throughput(self, samples_per_s: float) -> str:
         """samples/s; for a language model tokens/s; with --peak-flops the model FLOPs utilisation.
         The progress lines and the final line both say it so."""
-        run = self.run
+        run = self.facts
         words = (f"{samples_per_s * run.tokens_per_sample:,.0f} tokens/s" if run.tokens_per_sample
                  else f"{samples_per_s:.0f} samples/s")
         if run.peak_flops:
@@ -241,8 +235,8 @@ class Report:
         return words
 
     def _memory(self) -> str:
-        if self.run.memory:
-            return f"allocator peak {human_bytes(self.run.memory.peak_bytes())}"
+        if self.facts.memory:
+            return f"allocator peak {human_bytes(self.facts.memory.peak_bytes())}"
         return f"peak RSS {human_bytes(peak_rss_bytes())}"
 
     def warn(self, message: str) -> None:

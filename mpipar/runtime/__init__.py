@@ -10,6 +10,8 @@
                              instruction of the sharding flow
     stage_blocks.py          StageBlocks: this rank's blocks of such a stage's P, G and OS
     gathered_activations.py  a weight gradient summed by all-gathering its rows (seed 002)
+    observer.py              ExecutorObserver: told of each instruction's start and end, each wait;
+                             JobTimes and ActivationTimeline, the runtime's own observers
     ledger.py                measured: bytes of model state a rank holds, by kind and phase
     memory_probe.py          measured: what the array allocator really holds: live and peak bytes, RSS
 

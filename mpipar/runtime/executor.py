@@ -13,7 +13,7 @@ instructions of schedule/instructions.py, and it runs them, one handler each:
     Update           the stage's optimizer steps the weights in place (a shared stage: its OS
                      blocks); an old version some later job still reads is copied aside
     EndTimeStep      complete the sends of the buffers dropped in this time step, let messages
-                     progress; record live activation bytes (CDP's Fig. 4 timeline)
+                     progress (an ActivationTimeline observer samples memory here: CDP's Fig. 4)
     GatherUnit, KeepSecondary, ReleaseUnit, ReduceUnit, PublishUnit
                      the sharding flow of a shared stage (schedule/flow.py places them):
                      post a unit's all-gather, keep ZeRO++'s secondary copy of it, free it, post
@@ -21,7 +21,8 @@ instructions of schedule/instructions.py, and it runs them, one handler each:
 
 Pipelines run a step at a time: `run_step` (all before the updates), `finish_gradients`, `step(lr)`
 once the summed loss is finite; CDP runs overlapping steps with `run_steps`, reading each loss once.
-Its parts are each handed what they read: `items`, `jobs`, `shared` and `whole_model`.
+Its parts are each handed what they read: `items`, `jobs`, `shared` and `whole_model`. One observer
+(`observe`, runtime/observer.py) hears of every instruction's start and end, every wait and layer.
 
 Exercised by: mpiexec -n 4 mpipar train --scheme 1f1b --stages 2 --shard zero3
               mpiexec -n 4 mpipar train --scheme cdp-v2 --cdp-layout dp --micro-batches 4
@@ -30,7 +31,7 @@ Exercised by: mpiexec -n 4 mpipar train --scheme 1f1b --stages 2 --shard zero3
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 
@@ -41,13 +42,16 @@ from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.outbox import Outbox
 from mpipar.comms.tags import MAX_MICRO_BATCHES, Kind, p2p_tag
 from mpipar.errors import NonFiniteLossError
-from mpipar.models.sequential import LayerHook, Stage
-from mpipar.optim.optimizers import state_kinds
+from mpipar.layout import Layout
+from mpipar.models.sequential import Stage
+from mpipar.optim.precision import LossScaler
+from mpipar.optim.spec import OptimizerSpec
 from mpipar.runtime.communicators import EngineCommunicators
 from mpipar.runtime.item_store import ItemStore
-from mpipar.runtime.jobs import JobRunner, Load
+from mpipar.runtime.jobs import JobRunner, Load, StepInputs
 from mpipar.runtime.ledger import MemoryLedger
-from mpipar.runtime.sharded_stage import ShardedStage
+from mpipar.runtime.observer import ExecutorObserver
+from mpipar.runtime.sharded_stage import FlowOptions, ShardedStage
 from mpipar.runtime.whole_model import WholeModel
 from mpipar.schedule.instructions import (
     Compute,
@@ -65,9 +69,9 @@ from mpipar.schedule.instructions import (
     Send,
     Update,
 )
-from mpipar.schedule.plans import Plan, Run
+from mpipar.schedule.plans import Plan, RunProgram
 from mpipar.schedule.sharding import unit_sizes
-from mpipar.schedule.strategies import BACKWARD, FORWARD, Job
+from mpipar.schedule.strategies import BACKWARD, FORWARD
 
 TAG_KIND = {ItemKind.INPUT: Kind.ACTIVATION, ItemKind.OUTPUT_GRADIENT: Kind.GRADIENT, ItemKind.WEIGHTS: Kind.WEIGHTS,
             ItemKind.FETCHED: Kind.WEIGHTS, ItemKind.GRADIENT_SUM: Kind.GRADIENT_SUM,
@@ -81,51 +85,47 @@ GATHER_PHASE = {FORWARD: "forward-gather", BACKWARD: "backward-gather"}
 StepDone = Callable[[int, np.ndarray, int], None]
 
 
-class StepTimer(Protocol):  # times each part of the steps: report/step_split.py's StepSplit, handed in
-    def add(self, part: str, seconds: float) -> None: ...
-    def execute(self, instructions: list, run: Callable[[object], None]) -> None: ...
-
-
 class Executor:
-    """One rank's part of training `stages` (all of them laid out; it builds what it keeps) by `plan`."""
+    """One rank's part of training `stages` (all of them laid out; it builds what it keeps) by `plan`:
+    `optimizer` updates them (dividing by `loss_scaler`'s scale under --precision fp16), `flow` says
+    how a shared stage's state moves."""
 
     def __init__(self, comm: Comm, stages: list[Stage], plan: Plan, cache: ActivationCache, loss_fn, *,
-                 input_shapes: list[tuple[int, ...]], optimizer: str, optimizer_options: dict,
-                 collective: str = "ring", unit_bytes: float = 25e6, recompute: int | None = None,
-                 gathered_layers: tuple[int, ...] = (), communicators: EngineCommunicators | None = None) -> None:
+                 input_shapes: list[tuple[int, ...]], optimizer: OptimizerSpec, loss_scaler: LossScaler | None = None,
+                 flow: FlowOptions | None = None, recompute: int | None = None,
+                 communicators: EngineCommunicators | None = None) -> None:
         self.comm, self.stages, self.plan, self.cache = comm, stages, plan, cache
+        flow = flow or FlowOptions()  # None: one ring, units of 25 MB, no layer gathering its rows
         self.input_shapes = input_shapes  # per stage; the last entry is the model's output
-        self.collective, self.unit_bytes = collective, unit_bytes
-        self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
+        self.optimizer, self.collective, self.unit_bytes = optimizer, flow.collective, flow.unit_bytes
         self.dtype, self.mesh, self.xp = stages[0].flat.dtype, plan.mesh, stages[0].flat.backend.xp
-        master = optimizer_options.get("master_dtype")  # --precision fp16's master weights (precision.py)
-        self.master_itemsize = np.dtype(master).itemsize if master and np.dtype(master) != self.dtype else 0
+        master = optimizer.master_over(self.dtype)  # --precision fp16's master weights (precision.py)
+        self.master_itemsize = 0 if master is None else master.itemsize
         self.ledger, self.pool, self.outbox = MemoryLedger(self.xp), ScratchPool(), Outbox()
         communicators = communicators or EngineCommunicators.make(comm, plan)  # the trainer's are made before
         # a stage shared by its replica group keeps its state in the sharding flow (the world's comm if all)
-        self.shared = {s: ShardedStage(communicators.replica_groups[s], stages[s],
-                                       plan.sharding, optimizer=optimizer, optimizer_options=optimizer_options,
-                                       collective=collective, unit_bytes=unit_bytes, ledger=self.ledger,
-                                       gathered_layers=gathered_layers)
-                       for s in plan.shared}
-        for s, shared in self.shared.items():
-            if len(shared.units) != plan.units[s]:  # the plan and the stage cut it alike (make_units)
-                raise ValueError(f"stage {s} is {len(shared.units)} units, its plan was lowered for {plan.units[s]}")
-        self.items = ItemStore(stages, plan, self.ledger, self.outbox, input_shapes=input_shapes,
-                               state_kinds=self.state_kinds, optimizer=optimizer, optimizer_options=optimizer_options,
-                               replica_shared=frozenset(self.shared), rank=comm.rank)
-        self.jobs = JobRunner(stages, plan, cache, loss_fn, self.items, self.shared, self.ledger, rank=comm.rank,
-                              recompute=recompute, after_layer=self._after_layer, poll=self.poll)
-        self.whole_model = WholeModel(stages, plan, self.items, self.shared, comm, self.ledger, self.pool,
-                                      collective=collective, state_kinds=self.state_kinds)
+        self.sharded = {s: ShardedStage(communicators.replica_groups[s], stages[s], plan.sharding, self.ledger,
+                                       optimizer=optimizer, loss_scaler=loss_scaler, flow=flow)
+                       for s in plan.sharded}
+        for s, sharded in self.sharded.items():
+            if len(sharded.units) != plan.units[s]:  # the plan and the stage cut it alike (make_units)
+                raise ValueError(f"stage {s} is {len(sharded.units)} units, its plan was lowered for {plan.units[s]}")
+        self.items = ItemStore(stages, plan, self.ledger, self.outbox, input_shapes=input_shapes, optimizer=optimizer,
+                               loss_scaler=loss_scaler, replica_shared=frozenset(self.sharded), rank=comm.rank)
+        self.jobs = JobRunner(stages, plan, cache, loss_fn, self.items, self.sharded, self.ledger,
+                              replica=plan.mesh.replica(comm.rank), recompute=recompute, poll=self.poll)
+        self.whole_model = WholeModel(stages, plan, self.items, self.sharded, comm, self.ledger, self.pool,
+                                      collective=flow.collective, state_kinds=optimizer.state_kinds)
         self.stage_comms = communicators.reduction_groups
-        # (time step, live activation bytes, peak within it): CDP's Fig. 4, only when asked (it grows)
-        self.timeline, self.record_timeline = [], False
-        self.job_times: list[tuple[Job, float, float]] = []  # (job, start, end) of a step by perf_counter
-        self.observe: LayerHook | None = None  # called after every layer, once polled (timelines, tests)
-        self.split: StepTimer | None = None  # set to time each part of the steps (report/step_split.py)
-        self.run, self.first_step, self.lr_at = None, 0, None  # set by each run, as are:
+        self.observer: ExecutorObserver | None = None  # see observe
+        self.run_program, self.first_step, self.lr_at = None, 0, None  # set by each run, as are:
         self.totals, self.losses_computed = None, np.zeros(0, dtype=int)
+
+    def observe(self, observer: ExecutorObserver | None) -> None:
+        """From now on tell `observer` of every instruction's start and end, every wait and every
+        layer (runtime/observer.py); None: no one."""
+        self.observer = observer
+        self.jobs.observe(observer)
 
     def start_at(self, step: int) -> None:
         """Hold the weights as items of `step` (a resumed run's first): they are items of a step."""
@@ -137,32 +137,34 @@ class Executor:
         rank = self.comm.rank if rank is None else rank
         group = len(self.comm.subset_layout(self.mesh.replica_group(self.mesh.worker(rank)))[0])
         return dict(units=[unit_sizes(stage, self.unit_bytes) for stage in self.stages], group=group,
-                    itemsize=self.dtype.itemsize, state_kinds=self.state_kinds, master_itemsize=self.master_itemsize)
+                    itemsize=self.dtype.itemsize, state_kinds=self.optimizer.state_kinds,
+                    master_itemsize=self.master_itemsize)
 
     # -- runs of steps ---------------------------------------------------------------------
-    def run_steps(self, first_step: int, steps: int, load: Load, *, seed: int, batch_size: int,
+    def run_steps(self, first_step: int, steps: int, load: Load, *, seed: int, layout: Layout,
                   lr_at: Callable[[int], float], on_step: StepDone | None = None) -> np.ndarray:
         """Train steps [first_step, first_step + steps), updates included; returns this rank's
         [loss sum, correct, predictions] per step. `on_step` is called as soon as this rank has
         run its last job of a step (for progress while the run goes)."""
-        run, position = self._start(first_step, steps, load, seed, batch_size, lr_at, None), 0
-        for end, step in run.step_ends:
-            self._execute(run.program[position:end])
-            position, index = end, step + run.shift - first_step
+        run_program, position = self._start(first_step, steps, load, seed, layout, lr_at, None), 0
+        for end, step in run_program.step_ends:
+            self._execute(run_program.program[position:end])
+            position, index = end, step + run_program.shift - first_step
             mine = read_values(self.totals[index])  # one host synchronisation a step: its loss
             if not np.isfinite(mine[0]):
                 raise NonFiniteLossError(f"step {first_step + index + 1}: the training loss is {mine[0]}")
             if on_step:
                 on_step(first_step + index, mine, int(self.losses_computed[index]))
-        self._execute(run.program[position:])
+        self._execute(run_program.program[position:])
         self._end()
         return read_values(self.totals)
 
-    def run_step(self, step: int, seed: int, load: Load, batch_size: int, step_on_device=None) -> np.ndarray:
+    def run_step(self, step: int, seed: int, load: Load, layout: Layout, step_on_device=None) -> np.ndarray:
         """Every instruction of step `step` before its updates; returns this rank's [loss sum, correct,
-        predictions]. `step_on_device`: the step where the arrays live, for a CUDA graph (Context)."""
-        self._start(step, 1, load, seed, batch_size, None, step_on_device)
-        self._execute(self.run.program[:self.run.updates_from])
+        predictions]. `layout` says which samples each micro-batch holds; `step_on_device`: the step
+        where the arrays live, for a CUDA graph (Context)."""
+        self._start(step, 1, load, seed, layout, None, step_on_device)
+        self._execute(self.run_program.program[:self.run_program.updates_from])
         return self.totals[0]  # where the arrays live: the trainer reads it with the step's other figures
 
     def finish_gradients(self) -> None:
@@ -171,63 +173,60 @@ class Executor:
         with self.ledger.phase("backward"):
             self.outbox.wait_all(f"the sends of step {self.first_step}")
             self.items.complete_reductions()
-        for s in sorted(self.shared):
-            self.shared[s].finish_gradients()
-        if self.split is not None:
-            self.split.add("waiting", time.perf_counter() - start)
+        for s in sorted(self.sharded):
+            self.sharded[s].finish_gradients()
+        if self.observer is not None:
+            self.observer.waited("gradients", start, time.perf_counter())
 
     def step(self, lr: float) -> None:
         """The updates of the step `run_step` began, at learning rate `lr`."""
         self.lr_at = lambda _step: lr
-        self._execute(self.run.program[self.run.updates_from:])
+        self._execute(self.run_program.program[self.run_program.updates_from:])
         self._end()
 
     def updated_stages(self) -> set[int]:
         """The stages this rank updates in the step `run_step` began."""
-        return {instruction.stage for instruction in self.run.program[self.run.updates_from:]
+        return {instruction.stage for instruction in self.run_program.program[self.run_program.updates_from:]
                 if isinstance(instruction, Update)}
 
-    def _start(self, first_step: int, steps: int, load: Load, seed: int, batch_size: int, lr_at, step_on_device) -> Run:
-        self.run = self.plan.program(first_step, steps)
-        micro_size = batch_size // self.mesh.replicas // self.plan.micro_batches
-        self.items.begin(self.run, micro_size, first_step)
+    def _start(self, first_step: int, steps: int, load: Load, seed: int, layout: Layout, lr_at,
+               step_on_device) -> RunProgram:
+        self.run_program = self.plan.program(first_step, steps)
+        self.items.begin(self.run_program, layout.micro_batch_size, first_step)
         self.first_step, self.lr_at, self.totals = first_step, lr_at, self.xp.zeros((steps, 3), dtype=np.float64)
         self.losses_computed = np.zeros(steps, dtype=int)  # per step: micro-batches whose loss is in totals
-        self.time_offset, self.job_times = len(self.timeline), []
-        self.jobs.begin(self.run, first_step, load, seed=seed, batch_size=batch_size, micro_size=micro_size,
-                        totals=self.totals, losses_computed=self.losses_computed, job_times=self.job_times,
-                        step_on_device=step_on_device)
-        for shared in self.shared.values():
-            shared.start_step()
-        return self.run
+        self.jobs.begin(StepInputs(self.run_program, first_step, load, seed, layout, step_on_device),
+                        self.totals, self.losses_computed)
+        for sharded in self.sharded.values():
+            sharded.start_step()
+        return self.run_program
 
     def _end(self) -> None:
         """The run is over: its messages are complete and the state the next starts from is here."""
         self.items.end(self.first_step + len(self.totals))
         self.outbox.wait_all(f"the sends of steps {self.first_step}..{self.first_step + len(self.totals) - 1}")
-        for s in sorted(self.shared):  # the publishes complete, in stage order on every rank
-            self.shared[s].end_step()
+        for s in sorted(self.sharded):  # the publishes complete, in stage order on every rank
+            self.sharded[s].end_step()
         self.pool.clear()  # between steps a rank holds its model state and nothing else
         for comm in (self.comm, *self.stage_comms.values()):
             if comm is not None:  # None: a stage whose reduction group this rank is not in
                 comm.scratch.clear()
 
     def _execute(self, instructions) -> None:
-        if self.split is not None:
-            self.split.execute(instructions, lambda instruction: self.handlers[type(instruction)](self, instruction))
+        observer = self.observer
+        if observer is None:
+            for instruction in instructions:
+                self.handlers[type(instruction)](self, instruction)
             return
         for instruction in instructions:
+            observer.started(instruction, time.perf_counter())
             self.handlers[type(instruction)](self, instruction)
-
-    def _after_layer(self, layer) -> None:
-        self.poll()
-        if self.observe is not None:
-            self.observe(layer)
+            observer.ended(instruction, time.perf_counter())
 
     def poll(self) -> None:
         """Between layers: let gathers, reductions and messages in flight progress."""
-        for shared in self.shared.values():
-            shared.poll()
+        for sharded in self.sharded.values():
+            sharded.poll()
         self.items.progress()
         self.outbox.progress()
 
@@ -243,7 +242,7 @@ class Executor:
 
     def _send(self, instruction: Send) -> None:
         item, dest = self.items.shifted(instruction.item), self.plan.peer(instruction.dest)
-        buffer = self.xp.ascontiguousarray(self.stages[item.stage].flat.data if item.stage in self.shared
+        buffer = self.xp.ascontiguousarray(self.stages[item.stage].flat.data if item.stage in self.sharded
                                            else self.items.get(item))
         tag = self._tag(self.items.shifted(instruction.arrives_as or instruction.item))
         self.outbox.post(self.comm.isend(buffer, dest, tag, PHASE_OF[item.kind]), buffer, dest)
@@ -270,10 +269,10 @@ class Executor:
                                                self.collective, send_is_scratch=True))
 
     def _update(self, instruction: Update) -> None:
-        s, lr = instruction.stage, self.lr_at(instruction.step + self.run.shift)
+        s, lr = instruction.stage, self.lr_at(instruction.step + self.run_program.shift)
         self.items.wait_reduction(s)
-        if s in self.shared:  # its OS blocks; PublishUnit follows
-            self.shared[s].step(lr)
+        if s in self.sharded:  # its OS blocks; PublishUnit follows
+            self.sharded[s].step(lr)
             return
         with self.ledger.phase("update"):
             self.items.update(s, instruction.step, lr)
@@ -282,27 +281,24 @@ class Executor:
         # A dropped buffer still being sent is memory the next time step does not need: its send completes
         # here. Its peer posted the receive in this time step, after its own drops: no wait on a waiter.
         self.outbox.wait_released(f"the sends of the buffers dropped in time step {instruction.time}")
-        if self.record_timeline:
-            self.timeline.append((instruction.time + self.time_offset, self.cache.live_bytes, self.cache.window_peak))
-            self.cache.window_peak = self.cache.live_bytes
         self.poll()
 
     def _gather_unit(self, job: GatherUnit) -> None:
-        self.shared[job.stage].gather(job.unit, GATHER_PHASE[job.direction], job.from_secondary)
+        self.sharded[job.stage].gather(job.unit, GATHER_PHASE[job.direction], job.from_secondary)
 
     def _keep_secondary(self, instruction: KeepSecondary) -> None:
-        self.shared[instruction.stage].keep_secondary(instruction.unit)
+        self.sharded[instruction.stage].keep_secondary(instruction.unit)
 
     def _release_unit(self, instruction: ReleaseUnit) -> None:
-        self.shared[instruction.stage].release(instruction.unit)
+        self.sharded[instruction.stage].release(instruction.unit)
 
     def _reduce_unit(self, instruction: ReduceUnit) -> None:
         with self.ledger.phase("backward"):
-            self.shared[instruction.stage].reduce(instruction.unit, instruction.first, instruction.then_to_os)
+            self.sharded[instruction.stage].reduce(instruction.unit, instruction.first, instruction.then_to_os)
 
     def _publish_unit(self, instruction: PublishUnit) -> None:
         with self.ledger.phase("update"):
-            self.shared[instruction.stage].publish(instruction.unit)
+            self.sharded[instruction.stage].publish(instruction.unit)
 
     handlers = {Receive: _receive, Send: _send, Drop: _drop, Compute: _compute, Update: _update,
                 ReduceGradients: _reduce, EndTimeStep: _end_time_step, GatherUnit: _gather_unit,

@@ -84,7 +84,7 @@ def gathered_bytes(choices: list[Choice], micro_batch: int, ranks: int, itemsize
 
 
 class RowGatherer:
-    """Installed as a chosen Linear's `weight_gradients`: gathers X and dY of this
+    """Handed to a chosen Linear (`gather_weight_gradients_with`): gathers X and dY of this
     micro-batch from every rank of `comm` and adds the whole batch's dW and db. The gathers
     block: the layers below wait for them, though they do not need the result, so that the
     gathered rows are freed before the backward goes on."""

@@ -40,11 +40,12 @@ from mpipar.comms.handle import test_requests, wait_requests
 from mpipar.comms.outbox import Outbox
 from mpipar.errors import GradientOverflowError
 from mpipar.models.sequential import Stage
-from mpipar.optim.optimizers import CHUNK, make_optimizer, master_workspace
-from mpipar.optim.precision import initial_state
+from mpipar.optim.optimizers import CHUNK, master_workspace
+from mpipar.optim.precision import LossScaler, initial_state
+from mpipar.optim.spec import OptimizerSpec, make_optimizer
 from mpipar.runtime.ledger import MemoryLedger
 from mpipar.schedule.instructions import Item, ItemKind
-from mpipar.schedule.plans import Plan, Run
+from mpipar.schedule.plans import Plan, RunProgram
 
 # numbered by micro-batch over the run, and by step (read per instruction: kept as sets, as
 # looking up an enum's member costs more than the test)
@@ -61,19 +62,18 @@ WHAT = {ItemKind.INPUT: "the activation of stage {s}, micro-batch {b} at step {t
 
 
 class ItemStore:
-    """This rank's items of `stages` under `plan`; `outbox` holds the sends that read them."""
+    """This rank's items of `stages` under `plan`; `outbox` holds the sends that read them;
+    `optimizer` updates the stages this rank updates, dividing by `loss_scaler`'s scale in fp16."""
 
     def __init__(self, stages: list[Stage], plan: Plan, ledger: MemoryLedger, outbox: Outbox, *,
-                 input_shapes: list[tuple[int, ...]], state_kinds: int, optimizer: str, optimizer_options: dict,
+                 input_shapes: list[tuple[int, ...]], optimizer: OptimizerSpec, loss_scaler: LossScaler | None,
                  replica_shared: frozenset[int], rank: int) -> None:
         self.stages, self.plan, self.ledger, self.outbox = stages, plan, ledger, outbox
         self.input_shapes = input_shapes  # per stage; the last entry is the model's output
-        self.state_kinds, self.replica_shared, self.rank = state_kinds, replica_shared, rank
-        self.optimizer_name, self.optimizer_options = optimizer, optimizer_options
+        self.replica_shared, self.rank = replica_shared, rank
+        self.optimizer, self.loss_scaler = optimizer, loss_scaler
         self.dtype, self.xp = stages[0].flat.dtype, stages[0].flat.backend.xp  # every buffer where the arrays live
-        master = np.dtype(optimizer_options.get("master_dtype") or self.dtype)
-        self.master_dtype = master if master != self.dtype else None  # --precision fp16's master weights
-        self.loss_scaler = optimizer_options.get("loss_scaler")
+        self.master_dtype = optimizer.master_over(self.dtype)  # --precision fp16's master weights, else None
         self.decay = [stage.flat.decay_spans(0, stage.flat.size) for stage in stages]
         self.store: dict[Item, np.ndarray] = {}
         self.inbox: dict[Item, tuple[np.ndarray, MPI.Request, int]] = {}  # buffer, request, source
@@ -84,7 +84,7 @@ class ItemStore:
         self.optimizers: dict[int, object] = {}  # per stage this rank updates, built at its first update
         self.workspace: np.ndarray | None = None  # their scratch, shared: updates never overlap
         self.next_step = 0  # the step the state held between runs starts
-        self.run: Run | None = None
+        self.run_program: RunProgram | None = None
         self.micro_size = 0
         for item in plan.persistent(0):  # the rest arrives laid out, not allocated: items are bound per job
             flat = stages[item.stage].flat
@@ -93,18 +93,18 @@ class ItemStore:
                 continue
             state = self.xp.zeros(self.size(item), self.dtype_of(item))
             if self.master_dtype is not None:
-                initial_state(state, state_kinds, [flat.initial(0, flat.size)])
+                initial_state(state, optimizer.state_kinds, [flat.initial(0, flat.size)])
             self.keep(item, state)
 
-    def begin(self, run: Run, micro_size: int, first_step: int) -> None:
-        """A run of `run`'s program from `first_step` on, `micro_size` samples a micro-batch. A plan
+    def begin(self, run_program: RunProgram, micro_size: int, first_step: int) -> None:
+        """A run of `run_program` from `first_step` on, `micro_size` samples a micro-batch. A plan
         whose steps run in any order renames the weights it holds to the first step's."""
         if first_step != self.next_step and self.plan.steps_in_any_order:
             for item in [item for item in self.store if item.kind == ItemKind.WEIGHTS]:
                 self.store[Item(ItemKind.WEIGHTS, item.stage, first_step)] = self.store.pop(item)
         elif first_step != self.next_step:
             raise RuntimeError(f"CDP runs steps in order: expected step {self.next_step}, got {first_step}")
-        self.run, self.micro_size = run, micro_size
+        self.run_program, self.micro_size = run_program, micro_size
 
     def end(self, next_step: int) -> None:
         """The run is over: every receive has landed, and the state held is the persistent state
@@ -131,9 +131,9 @@ class ItemStore:
     def shifted(self, item: Item) -> Item:
         """A program's item, with its step (or update count) moved to this run's."""
         if item.kind in PER_MICRO_BATCH:
-            return Item(item.kind, item.stage, item.index + self.run.shift * self.plan.micro_batches)
+            return Item(item.kind, item.stage, item.index + self.run_program.shift * self.plan.micro_batches)
         if item.kind in PER_STEP:
-            return Item(item.kind, item.stage, item.index + self.run.shift)
+            return Item(item.kind, item.stage, item.index + self.run_program.shift)
         return item
 
     def size(self, item: Item) -> tuple[int, ...]:
@@ -142,7 +142,7 @@ class ItemStore:
         size = self.stages[item.stage].flat.size
         if item.kind != ItemKind.OPTIMIZER_STATE:
             return (size,)
-        return (size * (self.state_kinds + (self.master_dtype is not None)),)
+        return (size * (self.optimizer.state_kinds + (self.master_dtype is not None)),)
 
     def dtype_of(self, item: Item) -> np.dtype:
         state = item.kind == ItemKind.OPTIMIZER_STATE and self.master_dtype is not None
@@ -251,9 +251,9 @@ class ItemStore:
         """Stage s's update of the program's step `program_step` (this run's step + shift), at `lr`. In fp16
         under a plan whose steps do not settle (CDP: no step to skip), a float16 gradient that overflowed
         stops the run here, before the update (reading the verdict is a synchronisation)."""
-        step = program_step + self.run.shift
+        step = program_step + self.run_program.shift
         old, new = Item(ItemKind.WEIGHTS, s, step), Item(ItemKind.WEIGHTS, s, step + 1)
-        overwrite, done = self.run.weight_plan[(s, program_step)]
+        overwrite, done = self.run_program.weight_plan[(s, program_step)]
         weights = self.get(old)
         # the update overwrites it
         self.outbox.wait_buffer(weights, f"the sends of the weights of stage {s} after {step} updates")
@@ -274,7 +274,7 @@ class ItemStore:
         if weights.size:  # a stage without parameters has nothing to step
             optimizer = self._optimizer(s, weights, gradient, state)
             # Adam's bias correction counts the updates applied so far
-            optimizer.steps = step - (self.loss_scaler.skipped if self.loss_scaler else 0)
+            optimizer.set_step_count(step - (self.loss_scaler.skipped if self.loss_scaler else 0))
             optimizer.step(lr)
 
     def _aside(self, s: int, done: Item | None, weights: np.ndarray) -> np.ndarray:
@@ -294,13 +294,13 @@ class ItemStore:
         """Stage s's optimizer on this rank, pointed at this update's buffers (built at the first)."""
         if s not in self.optimizers:
             if self.workspace is None:
-                largest = max(self.stages[stage].flat.size for stage, _ in self.run.weight_plan
+                largest = max(self.stages[stage].flat.size for stage, _ in self.run_program.weight_plan
                               if stage not in self.replica_shared)
                 self.workspace = (self.xp.empty(min(CHUNK, largest), dtype=self.dtype) if self.master_dtype is None
                                   else master_workspace(self.xp, largest, self.master_dtype))
                 self.ledger.hold("workspace", self.workspace)
-            self.optimizers[s] = make_optimizer(self.optimizer_name, [weights], [gradient], [self.decay[s]],
-                                                state=state, workspace=self.workspace, **self.optimizer_options)
+            self.optimizers[s] = make_optimizer(self.optimizer, [weights], [gradient], [self.decay[s]], state=state,
+                                                workspace=self.workspace, loss_scaler=self.loss_scaler)
         else:
             self.optimizers[s].bind([weights], [gradient], state)
         return self.optimizers[s]

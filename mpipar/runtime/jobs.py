@@ -16,73 +16,102 @@ Exercised by: mpiexec -n 2 python tests/scripts/check_recompute.py
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from mpipar.cache import ActivationCache, Context
+from mpipar.layout import Layout
 from mpipar.models.sequential import Stage
 from mpipar.runtime.item_store import ItemStore
 from mpipar.runtime.ledger import MemoryLedger
+from mpipar.runtime.observer import ExecutorObserver
 from mpipar.runtime.sharded_stage import ShardedStage
 from mpipar.schedule.instructions import Compute, Item, ItemKind
-from mpipar.schedule.plans import Plan, Run
+from mpipar.schedule.plans import Plan, RunProgram
 from mpipar.schedule.sharding import segments
-from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job
+from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS
 
 Load = Callable[[int, int], tuple]  # (step, micro-batch) -> (inputs, targets)
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What a run of steps (one or more) reads: its program, its first step, `load` for a
+    micro-batch's data, the run's seed, the layout (the global batch's size and which of its
+    positions each micro-batch holds), and where given its step where the arrays live, for a CUDA
+    graph's replays (Context)."""
+
+    run_program: RunProgram
+    first_step: int
+    load: Load
+    seed: int
+    layout: Layout
+    step_on_device: object = None
+
+
 class JobRunner:
     """Runs the Computes of this rank's program: `items` holds what jobs read and make, `shared`
-    the stages its replica group shares; `after_layer` runs after every layer (the executor
-    polls its messages there) and `poll` during a recomputed forward."""
+    the stages its replica group shares; `poll` (the executor's) lets the messages in flight
+    progress after every layer."""
 
     def __init__(self, stages: list[Stage], plan: Plan, cache: ActivationCache, loss_fn, items: ItemStore,
-                 shared: dict[int, ShardedStage], ledger: MemoryLedger, *, rank: int, recompute: int | None,
-                 after_layer: Callable[[object], None], poll: Callable[[], None]) -> None:
+                 sharded: dict[int, ShardedStage], ledger: MemoryLedger, *, replica: int, recompute: int | None,
+                 poll: Callable[[], None]) -> None:
         self.stages, self.plan, self.cache, self.loss_fn = stages, plan, cache, loss_fn
-        self.items, self.shared, self.ledger = items, shared, ledger
-        self.rank, self.replica = rank, plan.mesh.replica(rank)
+        self.items, self.sharded, self.ledger = items, sharded, ledger
+        self.replica = replica
         # --recompute: None, or the layers of a segment whose input a Compute keeps (0: the whole
         # Compute); its backward reruns each segment's forward first
         self.recompute = recompute
-        self.after_layer, self.poll = after_layer, poll
+        self.poll = poll
+        self.observer: ExecutorObserver | None = None
         self.flowing: tuple = (None, None)  # a shared stage's job between two units: (value, targets)
-        self.job_start = 0.0
 
-    def begin(self, run: Run, first_step: int, load: Load, *, seed: int, batch_size: int, micro_size: int,
-              totals: np.ndarray, losses_computed: np.ndarray, job_times: list, step_on_device=None) -> None:
-        """A run from `first_step`: `load` gives a micro-batch's data; each job's loss goes into
-        `totals` ([loss sum, correct, predictions] per step) and `losses_computed`; a one-step
-        run's jobs their times into `job_times`; `step_on_device` is its step where the arrays
-        live, for a CUDA graph's replays (Context)."""
-        self.run, self.first_step, self.load, self.step_on_device = run, first_step, load, step_on_device
-        self.seed, self.batch_size, self.micro_size = seed, batch_size, micro_size
-        self.totals, self.losses_computed, self.job_times = totals, losses_computed, job_times
+    def observe(self, observer: ExecutorObserver | None) -> None:
+        """Tell `observer` of the waits for a job's input and of every layer run (runtime/observer.py)."""
+        self.observer = observer
+
+    def begin(self, inputs: StepInputs, totals: np.ndarray, losses_computed: np.ndarray) -> None:
+        """A run of `inputs`: each job's loss goes into `totals` ([loss sum, correct, predictions]
+        per step) and `losses_computed`."""
+        self.run_program, self.first_step, self.load = inputs.run_program, inputs.first_step, inputs.load
+        self.seed, self.layout, self.batch_size = inputs.seed, inputs.layout, inputs.layout.batch_size
+        self.step_on_device = inputs.step_on_device
+        self.totals, self.losses_computed = totals, losses_computed
         self.flowing = (None, None)
+
+    def after_layer(self, layer) -> None:
+        """After every layer of a step's job: messages progress; the observer hears of it."""
+        self.poll()
+        if self.observer is not None:
+            self.observer.layer_done(layer)
 
     def compute(self, instruction: Compute) -> None:
         """Run a job, or one unit of a shared stage's job: the units of a job follow each other
         in the program, the output of one (`flowing`) the input of the next."""
         job, unit = instruction.job, instruction.unit
-        step, s, i = job.step + self.run.shift, job.stage, job.micro_batch
+        step, s, i = job.step + self.run_program.shift, job.stage, job.micro_batch
         g, last = step * self.plan.micro_batches + i, s == len(self.stages) - 1
         backward = job.direction == BACKWARD
-        units = len(self.shared[s].units) if s in self.shared else 1
+        units = len(self.sharded[s].units) if s in self.sharded else 1
         opens = unit is None or unit == (units - 1 if backward else 0)  # the job's first unit
         closes = unit is None or unit == (0 if backward else units - 1)  # and its last
-        if s in self.shared:
-            self.shared[s].enter(unit)
+        if s in self.sharded:
+            self.sharded[s].enter(unit)
         elif job.direction != WEIGHTS:  # a W job reads its B's stash, not the weights
             self.items.bind(s, weights=self.items.get(self.items.shifted(instruction.weights)))
-        if opens:  # a job's time is its computing, not its wait for an input (that is the bubble)
+        if opens:  # the wait for a job's input is not its computing (it is the bubble): the observer is told
             arriving = (Item(ItemKind.INPUT, s, g) if job.direction == FORWARD and s > 0 else
                         Item(ItemKind.OUTPUT_GRADIENT, s, g) if backward and not last else None)
-            if arriving is not None:
+            if arriving is not None and self.observer is not None:
+                start = time.perf_counter()
                 self.items.get(arriving)
-            self.job_start = time.perf_counter()
-        span = None if unit is None else self.shared[s].layers(unit)
+                self.observer.waited("input", start, time.perf_counter())
+            elif arriving is not None:
+                self.items.get(arriving)
+        span = None if unit is None else self.sharded[s].layers(unit)
         with self.ledger.phase("forward" if job.direction == FORWARD else "backward"):
             if job.direction == WEIGHTS:
                 self._weight_gradients(step, s, g)
@@ -90,18 +119,16 @@ class JobRunner:
                 self._backward(step, s, g, instruction.new_gradient, unit, span, opens, closes)
             else:
                 self._forward(step, s, i, g, last, span, opens, closes)
-        if closes and len(self.totals) == 1:  # a one-step run: its bubble (a longer run's list would grow)
-            self.job_times.append((Job(s, i, job.direction), self.job_start, time.perf_counter()))
 
     def _forward(self, step: int, s: int, i: int, g: int, last: bool, span, opens: bool, closes: bool) -> None:
         if opens:
             inputs, targets = self.load(step, i) if s == 0 or last else (None, None)
             x = inputs if s == 0 else self.items.get(Item(ItemKind.INPUT, s, g))
-            first = self.replica * (self.batch_size // self.plan.mesh.replicas) + i * self.micro_size
-            ctx = self.cache.context(s, g, step=step, seed=self.seed, sample_ids=range(first, first + self.micro_size),
+            ctx = self.cache.context(s, g, step=step, seed=self.seed,
+                                     sample_ids=self.layout.micro_batch_positions(self.replica, i),
                                      step_on_device=self.step_on_device)
         else:
-            (x, targets), ctx, self.flowing = self.flowing, self.cache.contexts[(s, g)], (None, None)
+            (x, targets), ctx, self.flowing = self.flowing, self.cache.lookup(s, g), (None, None)
         stash, y = ctx, x
         if self.recompute is None:
             y = self.stages[s].forward(x, ctx, self.after_layer, span)
@@ -125,7 +152,7 @@ class JobRunner:
 
     def _backward(self, step: int, s: int, g: int, new_gradient: bool, unit: int | None, span, opens: bool,
                   closes: bool) -> None:
-        ctx, dy = self.cache.contexts[(s, g)], None
+        ctx, dy = self.cache.lookup(s, g), None
         split = self.plan.splits_backward  # a zero-bubble B: the input gradient only; its W follows later
         parts = [span] if self.recompute is None else self._segments(s, span)[::-1]
         for index, part in enumerate(parts):
@@ -153,16 +180,16 @@ class JobRunner:
         with the gradient buffers its layers add into in place (after any recomputed forward,
         so that they are not held during it)."""
         if unit is not None:
-            self.shared[s].open_gradient(unit)
+            self.sharded[s].open_gradient(unit)
         if not opens:
             (dy, _), self.flowing = self.flowing, (None, None)  # held no longer than the next unit needs it
             return dy
         gradient = Item(ItemKind.GRADIENT_SUM, s, step)
         if new_gradient:
             self.items.keep(gradient, self.items.zeros(ItemKind.GRADIENT_SUM, s))
-        if s not in self.shared:
+        if s not in self.sharded:
             self.items.bind(s, gradient=self.items.get(gradient))  # layers add into the sum so far
-        return (self.loss_fn.backward(self.cache.contexts[(s, g)]) if s == len(self.stages) - 1
+        return (self.loss_fn.backward(self.cache.lookup(s, g)) if s == len(self.stages) - 1
                 else self.items.get(Item(ItemKind.OUTPUT_GRADIENT, s, g)))
 
     def _segments(self, s: int, span: tuple[int, int] | None) -> list[tuple[int, int]]:
@@ -172,5 +199,5 @@ class JobRunner:
     def _weight_gradients(self, step: int, s: int, g: int) -> None:
         """A zero-bubble W job: the weight gradients from what its B left; then the activations go."""
         self.items.bind(s, gradient=self.items.get(Item(ItemKind.GRADIENT_SUM, s, step)))
-        self.stages[s].backward_weights(self.cache.contexts[(s, g)], self.after_layer)
+        self.stages[s].backward_weights(self.cache.lookup(s, g), self.after_layer)
         self.cache.release(s, g)

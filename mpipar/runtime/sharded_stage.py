@@ -34,6 +34,8 @@ Exercised by: mpiexec -n 4 mpipar train --scheme paro-iig --group-size 2   (and 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from mpipar.backend import to_host
@@ -42,43 +44,56 @@ from mpipar.comms.collectives import iall_gather, iall_reduce, ireduce_scatter
 from mpipar.comms.comm import Comm, ScratchPool
 from mpipar.comms.routes import block_offsets
 from mpipar.models.sequential import Stage, leaf_layers
+from mpipar.optim.precision import LossScaler
+from mpipar.optim.spec import OptimizerSpec
 from mpipar.runtime.gathered_activations import RowGatherer
 from mpipar.runtime.ledger import MemoryLedger
 from mpipar.runtime.stage_blocks import StageBlocks
-from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Layout, Scope, Sharding, Unit, unit_spans
+from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Scope, Sharding, ShardPlace, Unit, unit_spans
+
+
+@dataclass(frozen=True)
+class FlowOptions:
+    """How a shared stage's state moves: the collectives' algorithm, the size of a unit (a DDP
+    bucket), and the layers (Linear, each its own unit) whose gradient is summed by
+    all-gathering its rows instead of reducing it (--ddp allgather-activations)."""
+
+    collective: str = "ring"
+    unit_bytes: float = 25e6
+    gathered_layers: tuple[int, ...] = ()
 
 
 class ShardedStage:
-    """One rank's part of `stage`, shared by its replica group (`comm`) under `sharding`."""
+    """One rank's part of `stage`, shared by its replica group (`comm`) under `sharding`, its
+    model state booked in `ledger`; `optimizer` updates its OS blocks, their gradients divided by
+    `loss_scaler`'s scale under --precision fp16."""
 
-    def __init__(self, comm: Comm, stage: Stage, sharding: Sharding, *, optimizer: str, optimizer_options: dict,
-                 collective: str = "ring", unit_bytes: float = 25e6,
-                 ledger: MemoryLedger | None = None, gathered_layers: tuple[int, ...] = ()) -> None:
-        """`gathered_layers`: layers (Linear, each its own unit) whose gradient is summed by
-        all-gathering its rows instead of reducing it (--ddp allgather-activations)."""
-        self.world, self.sharding, self.collective = comm, sharding, collective
+    def __init__(self, comm: Comm, stage: Stage, sharding: Sharding, ledger: MemoryLedger, *,
+                 optimizer: OptimizerSpec, loss_scaler: LossScaler | None, flow: FlowOptions) -> None:
+        self.world, self.sharding, self.collective = comm, sharding, flow.collective
         self.flat = stage.flat
         if sharding.nested or sharding.secondary:  # ZeRO++'s backward gathers in the group
             self.intra, self.inter = comm.hierarchy()
         else:  # one global ring: groups only say which messages count as inter-group
             self.intra = self.inter = None
-        layout = Layout(sharding, comm.rank, comm.size, self.intra.rank if self.intra else 0,
+        place = ShardPlace(sharding, comm.rank, comm.size, self.intra.rank if self.intra else 0,
                         self.intra.size if self.intra else 1, self.inter.rank if self.inter else 0,
                         self.inter.size if self.inter else 1)
         # A pipeline stage shared by a replica group books into its pipeline's ledger (mesh.py)
-        self.ledger = ledger if ledger is not None else MemoryLedger(stage.flat.backend.xp)
-        self.state = StageBlocks(stage, sharding, layout, self.ledger, unit_bytes=unit_bytes, optimizer=optimizer,
-                                  optimizer_options=optimizer_options)
-        self.units, self.state_kinds = self.state.units, self.state.state_kinds
+        self.ledger = ledger
+        self.state = StageBlocks(stage, sharding, place, ledger, unit_bytes=flow.unit_bytes, optimizer=optimizer,
+                                 loss_scaler=loss_scaler)
+        self.units = self.state.units
         self.queue, self.pool = ChainQueue(), ScratchPool()
         self.traffic = comm.traffic
-        self.spans = unit_spans(stage, unit_bytes)  # the layers each unit's Compute runs
+        self.spans = unit_spans(stage, flow.unit_bytes)  # the layers each unit's Compute runs
         self.unit_leaves = [leaf_layers(stage.layers[unit.first:unit.last + 1]) for unit in self.units]
         self.gathered: dict[int, tuple] = {}  # unit index -> (full parameters, gather in flight)
         self.unit_grads: dict[int, object] = {}  # unit index -> its full gradient, computed, not yet reduced
         self.row_gathered = set()  # units complete on every rank after their backward: nothing to reduce
-        for index in gathered_layers:
-            stage.layers[index].weight_gradients = RowGatherer(stage.layers[index], comm, collective, self.ledger)
+        for index in flow.gathered_layers:
+            layer = stage.layers[index]
+            layer.gather_weight_gradients_with(RowGatherer(layer, comm, flow.collective, ledger))
             own_unit = {unit.index for unit in self.units if unit.first == unit.last == index}
             if not own_unit:  # its gradient would be complete and then all-reduced as well: R times too large
                 raise ValueError(f"layer {index} gathers its rows but shares a unit with other layers")

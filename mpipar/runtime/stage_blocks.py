@@ -1,7 +1,7 @@
 """What one rank keeps of a stage its replica group shares: its blocks of P, G and OS, unit by unit.
 
 The stage is cut into units (sharding.make_units); each unit's P, G and OS scope gives
-this rank a block of it (sharding.Layout: the whole unit where the scope is N, a 1/M
+this rank a block of it (sharding.ShardPlace: the whole unit where the scope is N, a 1/M
 block in the group where it is I, a 1/N block where it is G). This part holds those
 blocks, concatenated unit after unit, and the optimizer over the OS blocks:
 
@@ -24,22 +24,23 @@ import numpy as np
 
 from mpipar.checkpoint.format import Piece
 from mpipar.models.sequential import Stage
-from mpipar.optim.optimizers import make_optimizer, state_kinds
-from mpipar.optim.precision import MasterWeights
+from mpipar.optim.precision import LossScaler, MasterWeights
+from mpipar.optim.spec import OptimizerSpec, make_optimizer
 from mpipar.runtime.ledger import MemoryLedger
-from mpipar.schedule.sharding import Layout, Scope, Sharding, Unit, make_units
+from mpipar.schedule.sharding import Scope, Sharding, ShardPlace, Unit, make_units
 
 
 class StageBlocks:
-    """This rank's blocks of `stage` under `sharding` and `layout`, in units of about `unit_bytes`."""
+    """This rank's blocks of `stage` under `sharding` and `place`, in units of about `unit_bytes`;
+    `optimizer` updates the OS blocks (dividing by `loss_scaler`'s scale under --precision fp16)."""
 
-    def __init__(self, stage: Stage, sharding: Sharding, layout: Layout, ledger: MemoryLedger, *,
-                 unit_bytes: float, optimizer: str, optimizer_options: dict) -> None:
+    def __init__(self, stage: Stage, sharding: Sharding, place: ShardPlace, ledger: MemoryLedger, *,
+                 unit_bytes: float, optimizer: OptimizerSpec, loss_scaler: LossScaler | None = None) -> None:
         self.flat, self.sharding, self.ledger = stage.flat, sharding, ledger
         P, G, OS = sharding.triple
         self.units, stored = [], {"P": 0, "G": 0, "secondary": 0}
         for index, (first, last, start, stop) in enumerate(make_units(stage, unit_bytes)):
-            blocks = {scope: layout.block(scope, stop - start) for scope in Scope}
+            blocks = {scope: place.block(scope, stop - start) for scope in Scope}
             self.units.append(Unit(index, first, last, start, stop, blocks, dict(stored)))
             stored["P"] += self.units[-1].length(P)
             stored["G"] += self.units[-1].length(G)
@@ -51,8 +52,7 @@ class StageBlocks:
         self.p_store = self.flat.materialize(params=True, grads=False) if P == Scope.REPLICATED \
             else self._initial_blocks(P, stored["P"])
         self.gradient_elements, self.g_store, self.optimizer = stored["G"], None, None
-        self.optimizer_factory = lambda: make_optimizer(optimizer, *self._optimizer_pieces(), **optimizer_options)
-        self.state_kinds = state_kinds(optimizer, optimizer_options.get("momentum", 0.0))
+        self.spec, self.loss_scaler = optimizer, loss_scaler
         self.secondary_store = self.flat.backend.xp.empty(stored["secondary"], dtype=self.flat.dtype)
         self.ledger.hold("parameters", self.p_store, self.secondary_store)
 
@@ -116,7 +116,7 @@ class StageBlocks:
         """The optimizer over this rank's OS blocks, made at the first update (or a checkpoint's load)."""
         if self.optimizer is None:
             self.make_gradients()
-            self.optimizer = self.optimizer_factory()
+            self.optimizer = make_optimizer(self.spec, *self._optimizer_pieces(), loss_scaler=self.loss_scaler)
             self.ledger.hold("optimizer_state", *self.optimizer.state_buffers())
             self.ledger.hold("workspace", *self.optimizer.workspace_buffers())
         return self.optimizer
@@ -138,7 +138,7 @@ class StageBlocks:
         per_kind = sum(stop - start for start, stop in (unit.blocks[OS] for unit in self.units))
         # the state of unit after unit, each kind one after the other; master weights' copy after the
         # kinds (precision.py)
-        vectors = [f"optimizer.{kind}" for kind in range(self.state_kinds)]
+        vectors = [f"optimizer.{kind}" for kind in range(self.spec.state_kinds)]
         if isinstance(optimizer, MasterWeights):
             vectors.append("params.master")
         pieces, position = [], 0

@@ -35,9 +35,9 @@ class WholeModel:
     stages' state, `shared` the stages its replica group shares; `pool` lends the scratch
     buffers a stage it lacks is brought into."""
 
-    def __init__(self, stages: list[Stage], plan: Plan, items: ItemStore, shared: dict[int, ShardedStage],
+    def __init__(self, stages: list[Stage], plan: Plan, items: ItemStore, sharded: dict[int, ShardedStage],
                  comm: Comm, ledger: MemoryLedger, pool: ScratchPool, *, collective: str, state_kinds: int) -> None:
-        self.stages, self.plan, self.items, self.shared = stages, plan, items, shared
+        self.stages, self.plan, self.items, self.sharded = stages, plan, items, sharded
         self.comm, self.ledger, self.pool = comm, ledger, pool
         self.collective, self.state_kinds = collective, state_kinds
         self.dtype = stages[0].flat.dtype
@@ -48,7 +48,7 @@ class WholeModel:
         and whether they are this rank's own buffer."""
         flat = self.stages[s].flat
         held = self.items.held().get(Item(ItemKind.WEIGHTS, s, self.items.next_step))
-        if s in self.shared and self.plan.sharding.parameters == Scope.REPLICATED:
+        if s in self.sharded and self.plan.sharding.parameters == Scope.REPLICATED:
             held = flat.data
         weights = held if held is not None and out is None else out
         if weights is None:
@@ -56,8 +56,8 @@ class WholeModel:
             self.ledger.hold("parameters", weights)
         elif held is not None and weights is not held:
             weights[:] = held
-        if s in self.shared and held is None:
-            self.shared[s].gather_parameters(weights, phase)
+        if s in self.sharded and held is None:
+            self.sharded[s].gather_parameters(weights, phase)
         if not self.plan.everywhere(s, self.items.next_step):
             with self.comm.traffic.phase(phase):
                 broadcast(self.comm, weights, self.plan.root(s, self.items.next_step), self.collective)
@@ -72,7 +72,7 @@ class WholeModel:
 
     def _forward_stages(self, x, ctx: Context, gather_phase: str):
         for s, stage in enumerate(self.stages):
-            if s in self.shared and self.plan.everywhere(s, self.items.next_step):
+            if s in self.sharded and self.plan.everywhere(s, self.items.next_step):
                 x = self._forward_units(s, x, ctx, gather_phase)
                 continue
             weights, owned = self._whole_stage(s, gather_phase)
@@ -87,23 +87,23 @@ class WholeModel:
     def _forward_units(self, s: int, x, ctx: Context, gather_phase: str):
         """Shared stage s on one batch, by the forward of the sharding flow (its gathers counted
         under `gather_phase`); the Computes run here, outside any step."""
-        for instruction in job_flow(CyclicJob(0, 0, s, FORWARD), len(self.shared[s].units), self.plan.sharding,
+        for instruction in job_flow(CyclicJob(0, 0, s, FORWARD), len(self.sharded[s].units), self.plan.sharding,
                                     self.plan.prefetch):
             if isinstance(instruction, GatherUnit):
-                self.shared[s].gather(instruction.unit, gather_phase)
+                self.sharded[s].gather(instruction.unit, gather_phase)
             elif isinstance(instruction, Compute):
-                self.shared[s].enter(instruction.unit)
-                x = self.stages[s].forward(x, ctx, span=self.shared[s].layers(instruction.unit))
+                self.sharded[s].enter(instruction.unit)
+                x = self.stages[s].forward(x, ctx, span=self.sharded[s].layers(instruction.unit))
             elif isinstance(instruction, ReleaseUnit):  # the only other instruction of a forward job's flow
-                self.shared[s].release(instruction.unit)
+                self.sharded[s].release(instruction.unit)
         return x
 
     def full_parameters(self) -> np.ndarray:
         """The whole model's newest parameters, on every rank (collective: for checks)."""
         parts = []
         for s, stage in enumerate(self.stages):
-            if s in self.shared and self.plan.everywhere(s, self.items.next_step):
-                parts.append(self.shared[s].full_parameters())
+            if s in self.sharded and self.plan.everywhere(s, self.items.next_step):
+                parts.append(self.sharded[s].full_parameters())
             else:
                 whole = stage.flat.backend.xp.empty(stage.flat.size, dtype=self.dtype)
                 parts.append(to_host(self._whole_stage(s, "inspect", whole)[0]))
@@ -114,8 +114,8 @@ class WholeModel:
         stage); a shared stage keeps its blocks. CDP's rule starts again from these weights, as
         it starts a run with the older version equal to the newest. Between runs only."""
         offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
-        for s, shared in self.shared.items():
-            shared.state.load_parameters(full[offsets[s]:offsets[s + 1]])
+        for s, sharded in self.sharded.items():
+            sharded.state.load_parameters(full[offsets[s]:offsets[s + 1]])
         for item, buffer in self.items.held().items():
             if item.kind == ItemKind.WEIGHTS:
                 buffer[:] = full[offsets[item.stage]:offsets[item.stage + 1]]
@@ -127,10 +127,10 @@ class WholeModel:
         the stage's owner) has none here."""
         offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
         pieces = []
-        for s, shared in sorted(self.shared.items()):
-            pieces += shared.state.gradient_pieces(int(offsets[s]))
+        for s, sharded in sorted(self.sharded.items()):
+            pieces += sharded.state.gradient_pieces(int(offsets[s]))
         for item, buffer in self.items.held().items():
-            if item.kind == ItemKind.GRADIENT_SUM and item.stage in updated and item.stage not in self.shared:
+            if item.kind == ItemKind.GRADIENT_SUM and item.stage in updated and item.stage not in self.sharded:
                 start = int(offsets[item.stage])
                 pieces.append(Piece("grads", start, start + self.stages[item.stage].flat.size, buffer))
         return pieces
@@ -142,8 +142,8 @@ class WholeModel:
         optimizers that carry an update count (the shared stages'; an item's is the step's)."""
         offsets = np.cumsum([0] + [stage.flat.size for stage in self.stages])
         pieces, optimizers = [], []
-        for s, shared in sorted(self.shared.items()):
-            shared_pieces, shared_optimizers = shared.state.state_pieces(int(offsets[s]))
+        for s, sharded in sorted(self.sharded.items()):
+            shared_pieces, shared_optimizers = sharded.state.state_pieces(int(offsets[s]))
             pieces, optimizers = pieces + shared_pieces, optimizers + shared_optimizers
         for item, buffer in self.items.held().items():
             start, size = int(offsets[item.stage]), self.stages[item.stage].flat.size

@@ -2,9 +2,10 @@
 
     strategies.py      jobs (s, b, d), a scheme as a placement w(s, b, d) and an order n(s, b, d);
                        the built-in strategies, registering your own or loading a table
-    mesh.py            the ranks as pipeline workers x replicas, and which rank plays which part
     sharding.py        the (P, G, OS) triples of the sharding schemes, their layouts and units
     instructions.py    every instruction a program is made of, each with its docstring
+    effects.py         what each instruction does, stated once: the table the replay and the
+                       predictions read
     program.py         lowering a strategy and a shape to one Program per rank
     flow.py            where a shared stage's gathers, releases, reductions and publishes go
     cyclic.py          Cyclic Data Parallelism's timetable and homes of its items

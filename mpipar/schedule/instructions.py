@@ -20,6 +20,10 @@ triple is instructions too (schedule/flow.py writes them): GatherUnit before a
 unit's Compute, ReleaseUnit after it, ReduceUnit as a backward unit finishes, Update on the
 rank's OS blocks, PublishUnit after it. sharded_stage.py holds the state they act on.
 
+What each instruction does to its rank's state (the items it makes, drops, sends and receives,
+the job it runs, the units it gathers and reduces) is stated once, in effects.py, which the
+replay, the peak predictor and the flow walk read.
+
 Exercised by: mpipar schedule show --scheme 1f1b --workers 4 --stages 4 --micro-batches 8 --programs
               mpipar cdp messages --layout dp --micro-batches 4
 """
@@ -185,6 +189,16 @@ class Item(NamedTuple):
     kind: ItemKind
     stage: int
     index: int
+
+
+def job_number(batch: int, direction: str) -> int:
+    """The index of a weight copy fetched for job (stage, batch, direction): f(stage, job_number)."""
+    return 3 * batch + (FORWARD, BACKWARD, WEIGHTS).index(direction)
+
+
+def job_of_copy(copy: Item) -> Job:
+    """The job a fetched weight copy f(stage, job_number) is for."""
+    return Job(copy.stage, copy.index // 3, (FORWARD, BACKWARD, WEIGHTS)[copy.index % 3])
 
 
 class CyclicJob(NamedTuple):

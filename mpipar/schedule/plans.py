@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from mpipar.errors import ConfigError
+from mpipar.layout import Mesh
 from mpipar.schedule.cyclic import item_homes, persistent_items, step_period
 from mpipar.schedule.cyclic_compiler import compile_cyclic, weight_buffers
 from mpipar.schedule.flow import job_flow, update_flow
@@ -53,15 +54,15 @@ from mpipar.schedule.instructions import (
     SendGradient,
     SendWeights,
     Update,
+    job_number,
 )
-from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.program import Compiled, compile_programs
 from mpipar.schedule.sharding import NAMED_SHARDINGS, Sharding
 from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Shape, get_strategy
 
 
 @dataclass(frozen=True)
-class Run:
+class RunProgram:
     """A program for steps [first_step, first_step + steps): its instructions name steps from
     `shift` earlier; `updates_from` is where its update part starts (pipelines: the trainer
     checks the summed loss before it); `weight_plan` is cyclic_compiler.weight_buffers of it;
@@ -73,7 +74,7 @@ class Run:
     weight_plan: dict
     step_ends: tuple[tuple[int, int], ...]
 
-    def shifted(self, first_step: int) -> Run:
+    def shifted(self, first_step: int) -> RunProgram:
         """The same program, run from `first_step`."""
         return replace(self, shift=first_step)
 
@@ -85,7 +86,7 @@ class Plan(Protocol):
     sharding: Sharding  # how a stage shared by its replica group is split (CDP: none is)
     prefetch: int  # units gathered ahead of the one computing
     micro_batches: int  # per step and replica
-    shared: list[int]  # this rank's stages that its replica group shares unit by unit
+    sharded: list[int]  # this rank's stages that its replica group shares unit by unit
     units: list[int]  # per stage: how many units a replica group shares it in
     settles_each_step: bool  # the trainer sums the loss over ranks before every update
     keeps_gradients: bool  # a stage's gradient buffer is reused step after step
@@ -94,7 +95,7 @@ class Plan(Protocol):
     splits_backward: bool  # zero-bubble: backward jobs B and W
     longest_run: int  # the most steps one run of the executor takes (its program grows with them)
 
-    def program(self, first_step: int, steps: int) -> Run:
+    def program(self, first_step: int, steps: int) -> RunProgram:
         """This rank's program for steps [first_step, first_step + steps)."""
 
     def persistent(self, step: int) -> list[Item]:
@@ -113,12 +114,7 @@ class Plan(Protocol):
         """A rank that holds `stage` before step `step`."""
 
 
-def job_number(batch: int, direction: str) -> int:
-    """The index of a weight copy fetched for job (stage, batch, direction)."""
-    return 3 * batch + (FORWARD, BACKWARD, WEIGHTS).index(direction)
-
-
-def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Sharding = NAMED_SHARDINGS["ddp"],
+def lower(program: tuple, stages: int, sharded: dict[int, int], sharding: Sharding = NAMED_SHARDINGS["ddp"],
           prefetch: int = 1) -> tuple[tuple, int]:
     """A pipeline worker's program as item instructions (of step 0), and where its update part
     starts. `shared` maps each stage its replica group shares to its number of units: its jobs
@@ -132,9 +128,9 @@ def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Shardin
         if isinstance(instruction, (Forward, Backward)):
             s, b = instruction.stage, instruction.batch
             d = FORWARD if isinstance(instruction, Forward) else BACKWARD
-            if s in shared:
+            if s in sharded:
                 job = (s, d == BACKWARD)
-                items += job_flow(CyclicJob(0, b, s, d), shared[s], sharding, prefetch, first=first[job] == seen,
+                items += job_flow(CyclicJob(0, b, s, d), sharded[s], sharding, prefetch, first=first[job] == seen,
                                   last=last[job] == seen)
             else:
                 copy = (s, b, d) in fetched
@@ -174,10 +170,10 @@ def lower(program: tuple, stages: int, shared: dict[int, int], sharding: Shardin
             updates_from = len(items)
             # a gradient reduced to another rank lives until its reduction completes: here
             items += [Drop(Item(ItemKind.GRADIENT_SUM, s, 0)) for s in reduced
-                      if s not in instruction.stages and s not in shared]
+                      if s not in instruction.stages and s not in sharded]
             for s in instruction.stages:
-                if s in shared:
-                    items += update_flow(s, 0, shared[s], sharding)
+                if s in sharded:
+                    items += update_flow(s, 0, sharded[s], sharding)
                 else:
                     items += [Update(s, 0), Drop(Item(ItemKind.GRADIENT_SUM, s, 0)), Drop(Item(ItemKind.WEIGHTS, s, 0))]
     return tuple(items), updates_from
@@ -210,24 +206,24 @@ class PipelinePlan:
         self.micro_batches = compiled.shape.micro_batches
         self.worker, self.replica = mesh.worker(rank), mesh.replica(rank)
         self.held = [s for s in range(len(stage_sizes)) if self.worker in compiled.holders[s]]
-        self.shared = [s for s in self.held if replica_shared_stages(mesh, stage_sizes)[s]]
+        self.sharded = [s for s in self.held if replica_shared_stages(mesh, stage_sizes)[s]]
         self.units = units = units or [1] * len(stage_sizes)
-        if self.splits_backward and self.shared:
-            raise ConfigError(f"{compiled.strategy.name}'s W jobs cannot run on stage {self.shared[0]}, which a "
+        if self.splits_backward and self.sharded:
+            raise ConfigError(f"{compiled.strategy.name}'s W jobs cannot run on stage {self.sharded[0]}, which a "
                               "replica group shares unit by unit (the configuration's parallelism group refuses this "
                               "layout)")
         program, updates_from = lower(compiled.programs[self.worker], len(stage_sizes),
-                                      {s: units[s] for s in self.shared}, sharding, prefetch)
-        self.run = _run(program, updates_from, ((len(program), 0),))
+                                      {s: units[s] for s in self.sharded}, sharding, prefetch)
+        self.run_program = _run(program, updates_from, ((len(program), 0),))
 
-    def program(self, first_step: int, steps: int) -> Run:
+    def program(self, first_step: int, steps: int) -> RunProgram:
         if steps != 1:
             raise ValueError(f"a pipeline program is one step, not {steps}")
-        return self.run.shifted(first_step)
+        return self.run_program.shifted(first_step)
 
     def persistent(self, step: int) -> list[Item]:
         """The items this rank holds between steps: its held stages' weights and optimizer state."""
-        return [Item(kind, s, step if kind == ItemKind.WEIGHTS else 0) for s in self.held if s not in self.shared
+        return [Item(kind, s, step if kind == ItemKind.WEIGHTS else 0) for s in self.held if s not in self.sharded
                 for kind in (ItemKind.WEIGHTS, ItemKind.OPTIMIZER_STATE)]
 
     def peer(self, worker: int) -> int:
@@ -282,12 +278,12 @@ class CdpPlan:
         # an updater keeps a dropped weight version for its next copy of an old one, except in the
         # zero layout, where all of a stage's buffers leave with the stage
         self.keeps_spare_weights = layout != "zero"
-        self.micro_batches, self.mesh, self.shared, self.units = count, Mesh(world_size, 1), [], [1] * count
+        self.micro_batches, self.mesh, self.sharded, self.units = count, Mesh(world_size, 1), [], [1] * count
         self.stage_sizes, self.itemsize, self.state_kinds = stage_sizes, itemsize, state_kinds
-        self.runs: dict[tuple[int, int], Run] = {}  # only this rank's: every rank's grows with ranks x steps
+        self.runs: dict[tuple[int, int], RunProgram] = {}  # only this rank's: every rank's grows with ranks x steps
         self.period = step_period(layout, count)
 
-    def program(self, first_step: int, steps: int) -> Run:
+    def program(self, first_step: int, steps: int) -> RunProgram:
         # a plan depends on the first step only through the step numbers and, in the mp layout,
         # on where it falls in the period of the jobs' assignment to ranks: runs of equal length
         # from the same phase share one once the rule has reached its steady state (first step
@@ -326,8 +322,8 @@ class CdpPlan:
         return item_homes(self.layout, self.rule, self.count, Item(ItemKind.WEIGHTS, stage, step), step)
 
 
-def _run(program: tuple, updates_from: int, step_ends: tuple) -> Run:
-    return Run(program, 0, updates_from, weight_buffers(program), step_ends)
+def _run(program: tuple, updates_from: int, step_ends: tuple) -> RunProgram:
+    return RunProgram(program, 0, updates_from, weight_buffers(program), step_ends)
 
 
 def _step_ends(program: tuple) -> list[tuple[int, int]]:

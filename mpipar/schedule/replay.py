@@ -12,7 +12,8 @@ the simulator). A program set is sound when this finishes with:
     no stage updated before its gradient covers every micro-batch, every holder updating
     no rank waiting forever (a cycle of waits is reported with what each rank waits for)
 
-The first violation is raised as UnsoundSchedule, naming the rank and instruction.
+An instruction is run by what it does (schedule/effects.py), not by its class. The first
+violation is raised as UnsoundSchedule, naming the rank and instruction.
 The result is a Timeline (simulate.py) of when each job ran: with unit durations it
 is the greedy simulation the programs were compiled from; with measured per-stage
 costs it predicts a real run. Diagrams are drawn from this replay, so they show the
@@ -24,25 +25,11 @@ Exercised by: python -m pytest tests/test_program.py
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from typing import NamedTuple
 
 from mpipar.errors import ConfigError
-from mpipar.schedule.instructions import (
-    COMPUTE,
-    Backward,
-    FetchWeights,
-    Forward,
-    Instruction,
-    OptimizerStep,
-    RecvActivation,
-    RecvGradient,
-    ReduceGradients,
-    ReleaseWeights,
-    SendActivation,
-    SendGradient,
-    SendWeights,
-    describe,
-    job_of,
-)
+from mpipar.schedule.effects import Dimensions, Effects, effects_of
+from mpipar.schedule.instructions import Item, ItemKind, describe, job_number, job_of_copy
 from mpipar.schedule.simulate import Slot, Timeline, job_durations
 from mpipar.schedule.strategies import BACKWARD, FORWARD, WEIGHTS, Job, Shape, predecessor
 
@@ -55,6 +42,14 @@ class _Blocked(Exception):
     """The instruction cannot run yet; the text says what it waits for."""
 
 
+class _Message(NamedTuple):
+    """A message in flight, named alike by its sender and its receiver."""
+
+    item: Item
+    source: int
+    dest: int
+
+
 def replay(programs, shape: Shape, holders, forward: list[float] | None = None,
            backward: list[float] | None = None) -> Timeline:
     """Execute `programs` (one per rank) on `shape`, `holders[s]` being the ranks that hold
@@ -65,14 +60,15 @@ def replay(programs, shape: Shape, holders, forward: list[float] | None = None,
 class _Replay:
     def __init__(self, programs, shape: Shape, holders, forward, backward) -> None:
         self.programs, self.shape, self.holders = programs, shape, holders
+        self.dimensions = Dimensions(shape.stages, shape.micro_batches)
         self.durations = job_durations(shape, forward, backward)
         self.clock = [0.0] * len(programs)
         self.done: dict[Job, tuple[int, float]] = {}  # job -> (rank, end)
         self.slots: list[Slot] = []
-        self.sent: dict[tuple, list[float]] = defaultdict(list)  # message -> times sent, not yet received
-        self.posted: list[set[tuple]] = [set() for _ in programs]  # messages a rank posted receives for
+        self.sent: dict[_Message, list[float]] = defaultdict(list)  # message -> times sent, not yet received
+        self.posted: list[set[_Message]] = [set() for _ in programs]  # messages a rank posted receives for
         self.gradient_of: list[dict[int, set[int]]] = [defaultdict(set) for _ in programs]  # stage -> batches
-        # stage -> rank -> (instruction, time, batches)
+        # stage -> rank -> (reduction, its instruction described, time, batches)
         self.reductions: dict[int, dict[int, tuple]] = defaultdict(dict)
         self.updated: set[tuple[int, int]] = set()  # (rank, stage)
         self.where = self._where_each_job_runs()
@@ -81,8 +77,8 @@ class _Replay:
         where: dict[Job, int] = {}
         for rank, program in enumerate(self.programs):
             for instruction in program:
-                if isinstance(instruction, COMPUTE):
-                    job = job_of(instruction)
+                job = _job(effects_of(instruction, self.dimensions))
+                if job is not None:
                     if job in where:
                         raise UnsoundSchedule(f"{job} is computed twice: by rank {where[job]} and rank {rank}")
                     where[job] = rank
@@ -123,36 +119,28 @@ class _Replay:
                     raise UnsoundSchedule(f"rank {rank} holds stage {stage} but never updates it")
         return Timeline(self.shape, sorted(self.slots, key=lambda slot: (slot.start, slot.worker)))
 
-    # -- one instruction --------------------------------------------------------------
-    def _execute(self, rank: int, instruction: Instruction) -> None:
-        kind = type(instruction)
-        if kind in (RecvActivation, RecvGradient, FetchWeights):
-            self.posted[rank].add(_expected(rank, instruction))
-        elif kind in COMPUTE:
-            self._compute(rank, instruction)
-        elif kind in (SendActivation, SendGradient):
-            job = Job(instruction.stage, instruction.batch, FORWARD if kind is SendActivation else BACKWARD)
-            if self.done.get(job, (None,))[0] != rank:
-                raise UnsoundSchedule(f"rank {rank}: {describe(instruction)} before computing {job} here")
-            self.sent[_sent(rank, instruction)].append(self.clock[rank])
-        elif kind is SendWeights:
-            if rank not in self.holders[instruction.stage]:
+    # -- one instruction, by what it does (schedule/effects.py) -----------------------
+    def _execute(self, rank: int, instruction) -> None:
+        effects = effects_of(instruction, self.dimensions)
+        for receive in effects.receives:
+            self.posted[rank].add(_Message(receive.message, receive.peer, rank))
+        if effects.job is not None:
+            self._compute(rank, instruction, _job(effects))
+        if effects.after is not None:
+            after = Job(effects.after.stage, effects.after.micro_batch, effects.after.direction)
+            if self.done.get(after, (None,))[0] != rank:
+                raise UnsoundSchedule(f"rank {rank}: {describe(instruction)} before computing {after} here")
+        for send in effects.sends:
+            if send.item.kind == ItemKind.WEIGHTS and rank not in self.holders[send.item.stage]:
                 raise UnsoundSchedule(f"rank {rank}: {describe(instruction)}, but it does not hold stage "
-                                      f"{instruction.stage}")
-            self.sent[_sent(rank, instruction)].append(self.clock[rank])
-        elif kind is ReleaseWeights:
-            job = Job(instruction.stage, instruction.batch, instruction.direction)
-            if self.done.get(job, (None,))[0] != rank:
-                raise UnsoundSchedule(f"rank {rank}: {describe(instruction)} before running {job}")
-        elif kind is ReduceGradients:
-            self._reduce(rank, instruction)
-        elif kind is OptimizerStep:
-            self._update(rank, instruction)
-        else:
-            raise UnsoundSchedule(f"rank {rank}: unknown instruction {instruction!r}")
+                                      f"{send.item.stage}")
+            self.sent[_Message(send.message, rank, send.peer)].append(self.clock[rank])
+        if effects.joins is not None:
+            self._reduce(rank, instruction, effects)
+        if effects.updates:
+            self._update(rank, tuple(version.stage for version in effects.updates))
 
-    def _compute(self, rank: int, instruction: Forward | Backward) -> None:
-        job = job_of(instruction)
+    def _compute(self, rank: int, instruction, job: Job) -> None:
         before = predecessor(job, self.shape)
         ready, needed, weights = [self.clock[rank]], [], rank  # needed: (message, what) to receive
         if before is not None:
@@ -162,22 +150,23 @@ class _Replay:
                                           "computes later")
                 ready.append(self.done[before][1])
             else:
-                kind = "activation" if job.direction == FORWARD else "gradient"
-                needed.append(((kind, job.stage, job.batch, self.where[before], rank), f"its input from {before}"))
+                kind = ItemKind.INPUT if job.direction == FORWARD else ItemKind.OUTPUT_GRADIENT
+                needed.append((_Message(Item(kind, job.stage, job.batch), self.where[before], rank),
+                               f"its input from {before}"))
         if rank not in self.holders[job.stage] and job.direction != WEIGHTS:  # a W reads no weights
-            key = next((k for k in self.posted[rank] if k[:4] == ("weights", job.stage, job.batch, job.direction)),
-                       None)
+            copy = Item(ItemKind.FETCHED, job.stage, job_number(job.batch, job.direction))
+            key = next((message for message in self.posted[rank] if message.item == copy), None)
             if key is None:
                 raise UnsoundSchedule(f"rank {rank} runs {job} without stage {job.stage}'s weights (held by "
                                       f"{list(self.holders[job.stage])}, not fetched)")
             needed.append((key, f"stage {job.stage}'s weights"))
-            weights = key[4]
+            weights = key.source
         for key, what in needed:  # all there before any is taken: a blocked job consumes nothing
             if key not in self.posted[rank]:
-                raise UnsoundSchedule(f"rank {rank}: {describe(instruction)} needs {what} from rank {key[-2]} "
+                raise UnsoundSchedule(f"rank {rank}: {describe(instruction)} needs {what} from rank {key.source} "
                                       "but posts no receive for it")
             if not self.sent[key]:
-                raise _Blocked(f"{what} (rank {key[-2]} has not sent it)")
+                raise _Blocked(f"{what} (rank {key.source} has not sent it)")
         for key, _ in needed:
             self.posted[rank].discard(key)
             ready.append(self.sent[key].pop(0))
@@ -189,19 +178,20 @@ class _Replay:
         if job.direction == self.shape.last_use:  # the micro-batch's gradient of the stage is complete
             self.gradient_of[rank][job.stage].add(job.batch)
 
-    def _reduce(self, rank: int, instruction: ReduceGradients) -> None:
-        stage = instruction.stage
-        if rank not in instruction.members:
+    def _reduce(self, rank: int, instruction, effects: Effects) -> None:
+        reduction = effects.joins
+        if rank not in reduction.members:
             raise UnsoundSchedule(f"rank {rank}: {describe(instruction)}, but it is not a member")
-        for other, (earlier, _, _) in self.reductions[stage].items():
-            if earlier != instruction:
-                raise UnsoundSchedule(f"ranks {other} and {rank} disagree on stage {stage}'s reduction: "
-                                      f"{describe(earlier)} vs {describe(instruction)}")
-        self.reductions[stage][rank] = (instruction, self.clock[rank], set(self.gradient_of[rank][stage]))
+        for other, (earlier, said, _, _) in self.reductions[reduction.stage].items():
+            if earlier != reduction:
+                raise UnsoundSchedule(f"ranks {other} and {rank} disagree on stage {reduction.stage}'s reduction: "
+                                      f"{said} vs {describe(instruction)}")
+        self.reductions[reduction.stage][rank] = (reduction, describe(instruction), self.clock[rank],
+                                                  set(self.gradient_of[rank][reduction.stage]))
 
-    def _update(self, rank: int, instruction: OptimizerStep) -> None:
+    def _update(self, rank: int, stages: tuple[int, ...]) -> None:
         ready = [self.clock[rank]]
-        for stage in instruction.stages:
+        for stage in stages:
             if rank not in self.holders[stage]:
                 raise UnsoundSchedule(f"rank {rank} updates stage {stage}, whose weights it does not hold")
             have = set(self.gradient_of[rank][stage])
@@ -212,8 +202,8 @@ class _Replay:
                 if missing:
                     raise _Blocked(f"stage {stage}'s reduction (ranks {missing} have not joined)")
                 if reduction.root in (None, rank):
-                    have = set().union(*(batches for _, _, batches in posts.values()))
-                ready.append(max(time for _, time, _ in posts.values()))
+                    have = set().union(*(batches for _, _, _, batches in posts.values()))
+                ready.append(max(time for _, _, time, _ in posts.values()))
             lacking = sorted(set(range(self.shape.micro_batches)) - have)
             if lacking:
                 computed = sorted({self.where[Job(stage, b, BACKWARD)] for b in lacking})
@@ -223,34 +213,25 @@ class _Replay:
         self.clock[rank] = max(ready)
 
 
-def _expected(rank: int, instruction) -> tuple:
-    """The message a receive waits for: (kind, stage, batch, [direction,] sender, receiver)."""
-    if isinstance(instruction, FetchWeights):
-        return ("weights", instruction.stage, instruction.batch, instruction.direction, instruction.source, rank)
-    kind = "activation" if isinstance(instruction, RecvActivation) else "gradient"
-    return (kind, instruction.stage, instruction.batch, instruction.source, rank)
+def _job(effects: Effects) -> Job | None:
+    """The job an instruction runs (a job program is step 0's)."""
+    job = effects.job
+    return None if job is None else Job(job.stage, job.micro_batch, job.direction)
 
 
-def _sent(rank: int, instruction) -> tuple:
-    """The message a send delivers, keyed by the job that consumes it."""
-    if isinstance(instruction, SendWeights):
-        return ("weights", instruction.stage, instruction.batch, instruction.direction, rank, instruction.dest)
-    if isinstance(instruction, SendActivation):
-        return ("activation", instruction.stage + 1, instruction.batch, rank, instruction.dest)
-    return ("gradient", instruction.stage - 1, instruction.batch, rank, instruction.dest)
+MESSAGE_KINDS = {ItemKind.INPUT: "activation", ItemKind.OUTPUT_GRADIENT: "gradient", ItemKind.FETCHED: "weights"}
 
 
-def _message(key: tuple) -> str:
-    kind, stage, batch, *rest = key
-    consumer = {"activation": "F", "gradient": "B"}.get(kind, rest[0] if rest else "")
-    return f"the {kind} for {consumer}{stage}b{batch} from rank {rest[-2]} to rank {rest[-1]}"
+def _message(message: _Message) -> str:
+    """A message by the job that consumes it."""
+    item = message.item
+    consumer = (job_of_copy(item) if item.kind == ItemKind.FETCHED else
+                Job(item.stage, item.index, FORWARD if item.kind == ItemKind.INPUT else BACKWARD))
+    return f"the {MESSAGE_KINDS[item.kind]} for {consumer} from rank {message.source} to rank {message.dest}"
 
 
-def transfers(programs) -> list[Counter]:
+def transfers(programs, shape: Shape) -> list[Counter]:
     """Per rank, how many messages of each kind it receives (activation, gradient, weights)."""
-    counts = []
-    for program in programs:
-        counts.append(Counter({RecvActivation: "activation", RecvGradient: "gradient",
-                               FetchWeights: "weights"}[type(i)] for i in program
-                              if isinstance(i, (RecvActivation, RecvGradient, FetchWeights))))
-    return counts
+    dimensions = Dimensions(shape.stages, shape.micro_batches)
+    return [Counter(MESSAGE_KINDS[receive.message.kind] for instruction in program
+                    for receive in effects_of(instruction, dimensions).receives) for program in programs]

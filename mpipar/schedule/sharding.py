@@ -19,7 +19,7 @@ only publish parameters it updated. Per-rank memory follows directly (seed 004,
 Table 1, in bytes here): each of P, G, OS takes its full size divided by the number
 of ranks sharing it — 1, M or N.
 
-Where a rank's blocks lie (`Layout`). The model's flat buffer is cut into units
+Where a rank's blocks lie (`ShardPlace`). The model's flat buffer is cut into units
 (runs of consecutive layers, `make_units`); every unit is sharded on its own, so a
 layer's parameters can be gathered alone. Within a unit of L elements, rank r holds:
 
@@ -169,7 +169,7 @@ def bytes_per_rank(sharding: Sharding, parameter_count: float, world_size: int, 
 
 
 @dataclass(frozen=True)
-class Layout:
+class ShardPlace:
     """This rank's place: `world` of N ranks, `local` of M inside its group, `group` of g."""
 
     sharding: Sharding

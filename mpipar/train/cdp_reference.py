@@ -37,11 +37,12 @@ import numpy as np
 
 from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
-from mpipar.data import GlobalBatchSampler, load_dataset, split_micro_batches
+from mpipar.data import GlobalBatchSampler, load_dataset
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
+from mpipar.layout import Layout
 from mpipar.models.sequential import Sequential, build_stages
-from mpipar.optim.optimizers import make_optimizer
 from mpipar.optim.precision import LossScaler, Precision, arithmetic_dtype
+from mpipar.optim.spec import OptimizerSpec, make_optimizer
 from mpipar.schedule.cyclic import fresh_stages
 from mpipar.train.model_assembly import configured_model
 
@@ -66,15 +67,15 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
             flat.data[:] = initial[start:stop]
     optim = config.optim
     scaler = LossScaler(config.model.loss_scale, fixed=True) if half else None
-    optimizer = make_optimizer(optim.optimizer, [f.data for f in flats], [f.grad for f in flats],
-                               [f.decay_spans(0, f.size) for f in flats], momentum=optim.momentum,
-                               weight_decay=optim.weight_decay, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                               master_dtype=config.model.dtype if half else None, loss_scaler=scaler)
+    spec = OptimizerSpec(optim.optimizer, momentum=optim.momentum, weight_decay=optim.weight_decay,
+                         betas=(optim.beta1, optim.beta2), eps=optim.eps, master_dtype=config.model.dtype)
+    optimizer = make_optimizer(spec, [f.data for f in flats], [f.grad for f in flats],
+                               [f.decay_spans(0, f.size) for f in flats], loss_scaler=scaler)
     if half:
         loss_fn.set_gradient_scale(scaler.scale)
     cache = ActivationCache()
     sampler = GlobalBatchSampler(len(train_set), config.training.batch_size, config.training.seed)
-    size = config.training.batch_size // count
+    layout = Layout.of(batch_size=config.training.batch_size, micro_batches=count)  # one replica: N cut the batch
     current = [f.data.copy() for f in flats]
     previous = [f.data.copy() for f in flats]  # theta_{-1} = theta_0
     for step in range(config.training.max_steps):
@@ -82,13 +83,15 @@ def reference_training(config: TrainConfig, rule: str, initial: np.ndarray | Non
         for flat in flats:
             flat.grad[:] = 0.0
             flat.zero_grad()
-        for i, indices in enumerate(split_micro_batches(sampler.global_batch_indices(epoch, position), count)):
+        global_batch = sampler.global_batch_indices(epoch, position)
+        for i in range(count):
+            indices = layout.micro_batch_of(global_batch, 0, i)
             for flat, fresh, new, old in zip(flats, fresh_stages(rule, i, count), current, previous):
                 flat.data[:] = new if fresh else old
             inputs, targets = train_set.for_epoch(epoch, config.training.seed).batch(indices)
             inputs = backend.inputs(inputs)  # as the Trainer feeds them: a torch stage refuses mixed dtypes
             contexts = [cache.context(s, i, step=step, seed=config.training.seed,
-                                      sample_ids=range(i * size, (i + 1) * size)) for s in range(count)]
+                                      sample_ids=layout.micro_batch_positions(0, i)) for s in range(count)]
             x = inputs
             for stage, ctx in zip(stages, contexts):
                 x = stage.forward(x, ctx)
@@ -126,6 +129,7 @@ def activation_timeline(rule: str, count: int, *, width: int = 256, classes: int
 
     from mpipar.comms.topology import make_world
     from mpipar.runtime.executor import Executor
+    from mpipar.runtime.observer import ActivationTimeline
     from mpipar.schedule.plans import CdpPlan
 
     backend = make_backend("cpu", "float64")
@@ -138,10 +142,10 @@ def activation_timeline(rule: str, count: int, *, width: int = 256, classes: int
     plan = CdpPlan("single", rule, count, 0, 1, [stage.flat.size for stage in stages],
                    itemsize=backend.dtype.itemsize, state_kinds=1)
     engine = Executor(make_world(None, MPI.COMM_SELF), stages, plan, cache, SoftmaxCrossEntropy(),
-                      input_shapes=[(width,)] * count + [(classes,)], optimizer="sgd",
-                      optimizer_options=dict(momentum=0.9))
-    engine.record_timeline = True
+                      input_shapes=[(width,)] * count + [(classes,)], optimizer=OptimizerSpec("sgd", momentum=0.9))
+    timeline = ActivationTimeline(cache)
+    engine.observe(timeline)
     engine.run_steps(0, steps, lambda step, i: (data[step, i], labels[step, i]), seed=seed,
-                     batch_size=count * micro_batch, lr_at=lambda step: 0.01)
+                     layout=Layout.of(micro_batches=count, batch_size=count * micro_batch), lr_at=lambda step: 0.01)
     one_micro_batch = micro_batch * (count * width + classes) * np.dtype(np.float64).itemsize
-    return engine.timeline, one_micro_batch
+    return timeline.points, one_micro_batch

@@ -85,7 +85,7 @@ class Checkpoints:
     """When a run saves, what it writes, and where it resumes."""
 
     def __init__(self, run: CheckpointedRun) -> None:
-        self.run, self.config = run, run.config
+        self.checkpointed, self.config = run, run.config
         self.enabled = bool(self.config.checkpoint.checkpoint_dir)
         self.last_saved_step, self.last_save_time = -1, time.monotonic()
         self.save_seconds: list[float] = []  # per save: the training time it cost
@@ -112,7 +112,7 @@ class Checkpoints:
     def flags(self) -> np.ndarray:
         """This rank's votes, summed over ranks with the step's loss."""
         minutes = self.config.checkpoint.save_every_minutes
-        due = minutes and self.run.comm.rank == 0 and time.monotonic() - self.last_save_time >= 60 * minutes
+        due = minutes and self.checkpointed.comm.rank == 0 and time.monotonic() - self.last_save_time >= 60 * minutes
         return np.array([float(stop_requested()), float(bool(due))])
 
     def after_steps(self, steps_done: int, votes: np.ndarray, final: bool = False) -> None:
@@ -140,10 +140,10 @@ class Checkpoints:
         if steps_done == self.last_saved_step:
             return
         started = time.perf_counter()
-        pieces, _ = self.run.engine.whole_model.state_pieces()
-        if self.run.whole_layout is not None:
-            pieces, _ = self.run.whole_layout.whole_pieces(pieces)
-        pending = store.begin(self.run.comm, Path(self.config.checkpoint.checkpoint_dir), steps_done, pieces,
+        pieces, _ = self.checkpointed.engine.whole_model.state_pieces()
+        if self.checkpointed.whole_layout is not None:
+            pieces, _ = self.checkpointed.whole_layout.whole_pieces(pieces)
+        pending = store.begin(self.checkpointed.comm, Path(self.config.checkpoint.checkpoint_dir), steps_done, pieces,
                               copy=in_background)
         self.last_saved_step, self.last_save_time = steps_done, time.monotonic()
         if in_background:
@@ -153,7 +153,7 @@ class Checkpoints:
             self.save_seconds.append(time.perf_counter() - started)
             return
         store.write(pending)
-        store.finish(self.run.comm, pending, self.manifest(steps_done), self.config.checkpoint.keep)
+        store.finish(self.checkpointed.comm, pending, self.manifest(steps_done), self.config.checkpoint.keep)
         self.save_seconds.append(time.perf_counter() - started)
         self.write_seconds.append(pending.write_seconds)
 
@@ -165,13 +165,13 @@ class Checkpoints:
         pending, writer, manifest, _ = self.pending
         self.pending = None
         writer.join()
-        store.finish(self.run.comm, pending, manifest, self.config.checkpoint.keep)
+        store.finish(self.checkpointed.comm, pending, manifest, self.config.checkpoint.keep)
         self.save_seconds[-1] += time.perf_counter() - started
         self.write_seconds.append(pending.write_seconds)
 
     def manifest(self, steps_done: int) -> dict:
         """Everything but the files: the model's table, the training state, the configuration."""
-        run, cfg = self.run, self.config
+        run, cfg = self.checkpointed, self.config
         per_epoch = run.steps_per_epoch
         epoch, in_epoch = divmod(steps_done, per_epoch)
         scaler = run.loss_scaler
@@ -204,12 +204,12 @@ class Checkpoints:
         recorded = {key: value for key, value in manifest["data"].items()
                     if key not in ("identity_version", "file_sha256")}
         saved = DataIdentity(**{**recorded, "sample_shape": tuple(recorded["sample_shape"])})
-        loaded = identity_of(self.run.train_set, self.run.test_set)
+        loaded = identity_of(self.checkpointed.train_set, self.checkpointed.test_set)
         if _partially_identified(manifest) and loaded.name == "tokens":
             loaded = dataclasses.replace(loaded, fingerprint=partial_identity(Path(loaded.source)))
         if saved.compared() == loaded.compared():
             return
-        files, here = manifest["data"].get("file_sha256", {}), getattr(self.run.train_set, "file_sha256", {})
+        files, here = manifest["data"].get("file_sha256", {}), getattr(self.checkpointed.train_set, "file_sha256", {})
         changed = [name for name in files if name in here and here[name] != files[name]]
         if changed:
             now, then = (", ".join(sums[name][:12] for name in changed) for sums in (here, files))
@@ -225,11 +225,11 @@ class Checkpoints:
         """Load the checkpoint --resume names, if any (collective); returns the step to start at."""
         if not self.config.checkpoint.resume:
             return 0
-        engine = self.run.engine
+        engine = self.checkpointed.engine
 
         def check(manifest: dict, path: Path) -> list[Reorder]:
-            reorders = check_compatible(manifest, parameter_table(self.run.stages), np.dtype(self.run.dtype_name),
-                                        self.config.optim.optimizer, path)
+            reorders = check_compatible(manifest, parameter_table(self.checkpointed.stages),
+                                        np.dtype(self.checkpointed.dtype_name), self.config.optim.optimizer, path)
             saved, options = manifest.get("config", {}), self.config.flat()
             for key in KEPT_THE_SAME if not self.config.checkpoint.resume_other_data else ("batch_size", "seed"):
                 if saved.get(key) != options[key]:
@@ -243,15 +243,15 @@ class Checkpoints:
         def pieces(manifest: dict):
             engine.start_at(manifest["training"]["step"])
             held = engine.whole_model.state_pieces()[0]
-            if self.run.whole_layout is None:
+            if self.checkpointed.whole_layout is None:
                 return held
-            whole, padding = self.run.whole_layout.whole_pieces(held)
+            whole, padding = self.checkpointed.whole_layout.whole_pieces(held)
             for part in padding:  # a shard's padding is in no checkpoint, and must stay zero
                 part[...] = 0
             return whole
 
         options = self.config.checkpoint
-        loaded = store.load(self.run.comm, options.resume, options.checkpoint_dir, pieces, check,
+        loaded = store.load(self.checkpointed.comm, options.resume, options.checkpoint_dir, pieces, check,
                             note=lambda line: print(line, file=sys.stderr, flush=True))
         if loaded is None:
             return 0
@@ -259,16 +259,16 @@ class Checkpoints:
         step = manifest["training"]["step"]
         if self.resumed_from.parent.resolve() == Path(self.config.checkpoint.checkpoint_dir or ".").resolve():
             self.last_saved_step = step  # already there; resumed into another directory, the end saves anew
-        if self.run.comm.rank == 0:
+        if self.checkpointed.comm.rank == 0:
             print(f"mpipar: resuming from {self.resumed_from} after step {step} (saved by "
                   f"{saved_layout(manifest)})", flush=True)
             if _partially_identified(manifest) and not self.config.checkpoint.resume_other_data:
                 print(f"mpipar: {self.resumed_from} records its token data by the first and last MiB of each .bin "
                       "(identity version 1), so only those were compared with this run's data", flush=True)
         for optimizer in engine.whole_model.state_pieces()[1]:
-            optimizer.steps = manifest["training"]["optimizer_steps"]
-        if self.run.loss_scaler and "loss_scale" in manifest["training"]:  # else it starts anew (an fp32 run's)
-            self.run.loss_scaler.restore(manifest["training"]["loss_scale"])
+            optimizer.set_step_count(manifest["training"]["optimizer_steps"])
+        if self.checkpointed.loss_scaler and "loss_scale" in manifest["training"]:  # else anew (an fp32 run's)
+            self.checkpointed.loss_scaler.restore(manifest["training"]["loss_scale"])
         return step
 
 

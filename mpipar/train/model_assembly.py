@@ -44,9 +44,9 @@ def chain_torch_layers(stages, loss_fn, cfg: TrainConfig, world_size: int) -> No
         chain = TorchChain()
         for layer in stage.layers:
             if isinstance(layer, TorchLayer):
-                layer.chain = chain
-    if isinstance(loss_fn, TorchLoss):
-        loss_fn.chain = chain
+                layer.join_chain(chain)
+    if isinstance(loss_fn, TorchLoss):  # the last stage's chain
+        loss_fn.join_chain(chain)
 
 
 def configured_model(cfg: TrainConfig, train_set: ImageDataset | TokenStream,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from mpipar.layout import Layout
 from mpipar.models.sequential import Sequential, Stage
 from mpipar.optim.optimizers import state_kinds
 from mpipar.predict.dry_run import ActivationBytes
@@ -39,10 +40,10 @@ from mpipar.train.config import TrainConfig
 from mpipar.units import format_bytes
 
 
-def scheme_for(config: TrainConfig, rank: int, world_size: int) -> Scheme:
-    """The scheme `config` names, set up for `rank` of `world_size` (validated config)."""
+def scheme_for(config: TrainConfig, layout: Layout, slice_rank: int) -> Scheme:
+    """The scheme `config` names, set up for `slice_rank` of the layout's slice (validated config)."""
     family = Cyclic if config.parallel.cyclic else Pipeline if config.parallel.stages else DataParallel
-    return family(config, rank, world_size)
+    return family(config, layout, slice_rank)
 
 
 class Scheme:
@@ -51,8 +52,8 @@ class Scheme:
     splits_backward = False
     micro_batches_per_rank = False  # each rank cuts its share of the batch (data parallelism), not the whole batch
 
-    def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
-        self.config, self.rank, self.world_size = config, rank, world_size
+    def __init__(self, config: TrainConfig, layout: Layout, slice_rank: int) -> None:
+        self.config, self.layout, self.slice_rank = config, layout, slice_rank
         self.name, self.placement = "", []
 
     def gathered(self, model: Sequential, itemsize: int) -> list:
@@ -71,16 +72,16 @@ class Scheme:
 class Cyclic(Scheme):
     """Cyclic Data Parallelism: N stages, N micro-batches; a rank keeps its own program only."""
 
-    def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
-        super().__init__(config, rank, world_size)
+    def __init__(self, config: TrainConfig, layout: Layout, slice_rank: int) -> None:
+        super().__init__(config, layout, slice_rank)
         self.stage_count, self.replicas = config.training.micro_batches, 1
         self.name = (f"{config.parallel.scheme}, {config.parallel.cdp_layout} layout, "
                      f"over {config.training.micro_batches} stages and micro-batches")
 
     def plan(self, stages: list[Stage], itemsize: int) -> Plan:
         cfg = self.config
-        return CdpPlan(cfg.parallel.cdp_layout, cfg.parallel.scheme, cfg.training.micro_batches, self.rank,
-                       self.world_size,
+        return CdpPlan(cfg.parallel.cdp_layout, cfg.parallel.scheme, cfg.training.micro_batches, self.slice_rank,
+                       self.layout.mesh.size,
                        [stage.flat.size for stage in stages], itemsize=itemsize,
                        state_kinds=state_kinds(cfg.optim.optimizer, cfg.optim.momentum))
 
@@ -89,7 +90,7 @@ class Cyclic(Scheme):
 
     def over_limit(self, limit: int, engine, predicted: Peak, activations, comm) -> str | None:
         """CDP ranks keep only their own program: they agree on the largest peak by one collective."""
-        need, worst = comm.allreduce((predicted.total, self.rank), op=MPI.MAX)
+        need, worst = comm.allreduce((predicted.total, self.slice_rank), op=MPI.MAX)
         if need <= limit:
             return None
         return (f"{self.name} needs {format_bytes(need)} on rank {worst} at its peak, limit {format_bytes(limit)}; "
@@ -99,10 +100,10 @@ class Cyclic(Scheme):
 class Pipeline(Scheme):
     """A pipeline strategy's programs on a mesh of workers x replicas, each stage shared by its replicas."""
 
-    def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
-        super().__init__(config, rank, world_size)
-        self.mesh = config.parallel.mesh(world_size)
-        self.compiled = compile_programs(config.parallel.strategy(), config.schedule_shape(world_size))
+    def __init__(self, config: TrainConfig, layout: Layout, slice_rank: int) -> None:
+        super().__init__(config, layout, slice_rank)
+        self.mesh = layout.mesh
+        self.compiled = compile_programs(config.parallel.strategy(), config.schedule_shape(self.mesh.size))
         replay(self.compiled.programs, self.compiled.shape, self.compiled.holders)  # sound, or refused here
         self.stage_count, self.replicas = config.parallel.stages or 1, self.mesh.replicas
         self.splits_backward = config.parallel.strategy().split_backward
@@ -119,12 +120,12 @@ class Pipeline(Scheme):
     def plan(self, stages: list[Stage], itemsize: int) -> Plan:
         cfg = self.config
         units = [len(make_units(stage, unit_bytes_for(cfg.parallel.ddp, cfg.parallel.bucket_mb))) for stage in stages]
-        return PipelinePlan(self.compiled, self.mesh, self.rank, [stage.flat.size for stage in stages],
+        return PipelinePlan(self.compiled, self.mesh, self.slice_rank, [stage.flat.size for stage in stages],
                             sharding=cfg.parallel.sharding(), units=units, prefetch=cfg.parallel.prefetch)
 
     def least_state_bytes(self, sizes: list[int], itemsize: int, counted) -> int:
         """Its share of its largest stage among the stage's replicas."""
-        group = len(counted.subset_layout(self.mesh.replica_group(self.mesh.worker(self.rank)))[0])
+        group = len(counted.subset_layout(self.mesh.replica_group(self.mesh.worker(self.slice_rank)))[0])
         per_parameter = self.per_parameter(itemsize)
         return bytes_per_rank(self.config.parallel.sharding(), max(sizes), self.mesh.replicas, group,
                               parameter_bytes=itemsize, gradient_bytes=itemsize,
@@ -133,8 +134,8 @@ class Pipeline(Scheme):
     def over_limit(self, limit: int, engine, predicted: Peak, activations, comm) -> str | None:
         """Every rank predicts every rank's peak from the programs, so all reach one verdict."""
         peaks = [plan_peak(engine.plan, r, *activations, 1, **engine.peak_facts(r)).total
-                 for r in range(self.world_size)]
-        worst = max(range(self.world_size), key=peaks.__getitem__)
+                 for r in range(self.layout.mesh.size)]
+        worst = max(range(self.layout.mesh.size), key=peaks.__getitem__)
         if peaks[worst] <= limit:
             return None
         return (f"{self.name} needs {format_bytes(peaks[worst])} on rank {worst} at its peak, limit "
@@ -146,8 +147,8 @@ class DataParallel(Pipeline):
 
     micro_batches_per_rank = True
 
-    def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
-        super().__init__(config, rank, world_size)
+    def __init__(self, config: TrainConfig, layout: Layout, slice_rank: int) -> None:
+        super().__init__(config, layout, slice_rank)
         self.name = str(config.parallel.sharding())
 
     def describe_placement(self, group_of: tuple[int, ...]) -> None:
@@ -158,7 +159,7 @@ class DataParallel(Pipeline):
         if cfg.parallel.ddp != "allgather-activations":
             return []
         # seed 002's rule
-        choices = choose_gathered(model.layers, model.shapes, cfg.training.batch_size, self.world_size)
+        choices = choose_gathered(model.layers, model.shapes, cfg.training.batch_size, self.layout.mesh.size)
         self.name += "; " + describe_gathered(choices, itemsize)
         return choices
 
@@ -170,7 +171,8 @@ class DataParallel(Pipeline):
         facts, fits = engine.peak_facts(), []  # one stage, shared by every rank
         largest = largest_unit(facts["units"][0])
         for name, sharding in NAMED_SHARDINGS.items():
-            peak = data_parallel_peak(sharding, engine.plan.stage_sizes[0], largest, self.world_size, facts["group"],
+            peak = data_parallel_peak(sharding, engine.plan.stage_sizes[0], largest, self.layout.mesh.size,
+                                      facts["group"],
                                       itemsize=facts["itemsize"], state_kinds=facts["state_kinds"],
                                       training=activations[0], evaluation=activations[1],
                                       prefetch=engine.plan.prefetch,

@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import deadline
+from mpipar.runtime.observer import ActivationTimeline
 from mpipar.schedule.cyclic import LAYOUTS, ranks_for
 from mpipar.schedule.cyclic_compiler import compile_cyclic
 from mpipar.schedule.instructions import Send
@@ -39,29 +40,29 @@ CASES = [(layout, count) for layout in LAYOUTS for count in range(1, 7) if ranks
          and layout != "single"]
 
 
-def traced(trainer: Trainer) -> list:
+def traced(trainer: Trainer, timeline: ActivationTimeline) -> list:
     """Wrap the engine's run_steps to record the collective counters around each run, the
     timeline's length after it and the sends its program holds."""
-    records, run_steps = [], trainer.engine.run_steps
+    records, run_steps = [], trainer.parts.engine.run_steps
 
     def run(*args, **kwargs):
-        before = (trainer.counted.sequence, sum(c.library_calls for c in trainer.counted.traffic.by_phase.values()))
+        before = (trainer.parts.counted.sequence, sum(c.library_calls for c in trainer.parts.counted.traffic.by_phase.values()))
         totals = run_steps(*args, **kwargs)
-        after = (trainer.counted.sequence, sum(c.library_calls for c in trainer.counted.traffic.by_phase.values()))
-        sends = sum(isinstance(i, Send) for i in trainer.engine.run.program)
-        records.append((before, after, len(trainer.engine.timeline), sends))
+        after = (trainer.parts.counted.sequence, sum(c.library_calls for c in trainer.parts.counted.traffic.by_phase.values()))
+        sends = sum(isinstance(i, Send) for i in trainer.parts.engine.run_program.program)
+        records.append((before, after, len(timeline.points), sends))
         return totals
 
-    trainer.engine.run_steps = run
+    trainer.parts.engine.run_steps = run
     return records
 
 
 def check_messages(trainer: Trainer, records: list, layout: str, label: str) -> list[str]:
-    problems, engine, rank = [], trainer.engine, world.rank
+    problems, engine, rank = [], trainer.parts.engine, world.rank
     if any(before != after for before, after, _, _ in records):
         problems.append(f"{label}: a collective was called while training: {records}")
     sends = sum(record[3] for record in records)
-    sent = sum(trainer.counted.traffic.read(phase).intra_messages + trainer.counted.traffic.read(phase).inter_messages
+    sent = sum(trainer.parts.counted.traffic.read(phase).intra_messages + trainer.parts.counted.traffic.read(phase).inter_messages
                for phase in TRAINING_PHASES)
     if sent != sends:
         problems.append(f"{label}: {sent} messages sent, the programs hold {sends} sends")
@@ -74,13 +75,13 @@ def check_messages(trainer: Trainer, records: list, layout: str, label: str) -> 
     return problems
 
 
-def check_balance(trainer: Trainer, records: list, label: str) -> list[str]:
+def check_balance(trainer: Trainer, timeline: ActivationTimeline, records: list, label: str) -> list[str]:
     """dp: the sum over ranks of live activation bytes is flat in the steady state."""
-    engine, count = trainer.engine, trainer.engine.plan.count
-    first_run = engine.timeline[:records[0][2]]
+    count = trainer.parts.engine.plan.count
+    first_run = timeline.points[:records[0][2]]
     live = np.array([entry[1] for entry in first_run])
     peaks = np.array([entry[2] for entry in first_run])
-    everything = world.allgather((live, peaks, max(trainer.activations[0].stashed)))
+    everything = world.allgather((live, peaks, max(trainer.parts.activations[0].stashed)))
     total = sum(part[0] for part in everything)
     steady = total[1 + 2 * count: 1 + 2 * count * 2]  # entry 0 is time step -1; the second step's time steps
     problems = []
@@ -101,10 +102,11 @@ for layout, count in CASES:
                                     micro_batches=count)
             label = f"rank {world.rank}: {layout} N={count} {rule} {optimizer}"
             trainer = Trainer(config)
-            trainer.engine.record_timeline = True
-            records = traced(trainer)
+            timeline = ActivationTimeline(trainer.parts.cache)
+            trainer.parts.engine.observe(timeline)
+            records = traced(trainer, timeline)
             trainer.run()
-            got = trainer.engine.whole_model.full_parameters()
+            got = trainer.parts.engine.whole_model.full_parameters()
             expected = np.concatenate(reference_training(config, rule))
             cases += 1
             if not np.allclose(got, expected, rtol=1e-10, atol=0):
@@ -112,5 +114,5 @@ for layout, count in CASES:
             if layout in STEADY_SENDS:
                 failures += check_messages(trainer, records, layout, label)
             if layout == "dp":
-                failures += check_balance(trainer, records, label)
+                failures += check_balance(trainer, timeline, records, label)
 deadline.finish(world, failures, f"all {cases} CDP cases equal their reference rule on {W} ranks")

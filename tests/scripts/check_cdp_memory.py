@@ -39,12 +39,14 @@ def recording(engine, instruction):
         failures.append(f"rank {world.rank}: {engine.outbox.released} send(s) of dropped buffers still in flight "
                         f"at the end of time step {instruction.time}")
     engine.outbox.wait_all("the sends of a time step, completed before measuring")
-    runs[-1].append((trainer.memory.live_bytes(), in_flight))
+    runs[-1].append((trainer.parts.memory.live_bytes(), in_flight))
 
 
 Executor.handlers[EndTimeStep] = recording
-trainer._epoch_in_runs(0, 0, None)
-LONGEST = trainer.engine.plan.longest_run
+step = 0
+while step < min(trainer.parts.sampler.steps_per_epoch, trainer.parts.total_steps):  # one epoch, as runs of steps
+    step += len(trainer.steps.run(0, step, trainer.run_length(step), None).results)
+LONGEST = trainer.parts.engine.plan.longest_run
 assert len(runs) == -(-STEPS // LONGEST) and LONGEST >= 30, f"{len(runs)} runs of at most {LONGEST} for {STEPS} steps"
 live = [np.array([sample[0] for sample in run]) for run in runs]
 in_flight = np.array([sample[1] for run in runs for sample in run])

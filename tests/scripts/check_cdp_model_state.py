@@ -40,21 +40,21 @@ def train(trainer: Trainer) -> None:
     for run in range(RUNS):
         first = run * STEPS
         if trainer.config.parallel.cyclic:
-            trainer.engine.run_steps(first, STEPS, trainer.micro_batch_loader(0), seed=0,
-                                     batch_size=COMMON["batch_size"], lr_at=trainer.lr_at)
+            trainer.parts.engine.run_steps(first, STEPS, trainer.steps.loader(0), seed=0, layout=trainer.parts.layout,
+                                           lr_at=trainer.parts.lr_at)
         else:
             for step in range(first, first + STEPS):
-                trainer.train_step(step, 0, step)
+                trainer.train_step(step)
 
 
 state = {}  # contender -> (allocator peak less activations, allocator peak, activation peak, ledger peak) per rank
 for name, options in CONTENDERS.items():
     gc.collect()
     trainer = Trainer(TrainConfig.of(**COMMON, **options))
-    trainer.memory.reset_peak()
+    trainer.parts.memory.reset_peak()
     train(trainer)
-    peak, activations = trainer.memory.peak_bytes(), trainer.cache.peak_bytes
-    ledger = max(peaks["total"] for peaks in trainer.engine.ledger.report()["peak"].values())
+    peak, activations = trainer.parts.memory.peak_bytes(), trainer.parts.cache.peak_bytes
+    ledger = max(peaks["total"] for peaks in trainer.parts.engine.ledger.report()["peak"].values())
     state[name] = world.allgather((peak - activations, peak, activations, ledger))
     del trainer
 

@@ -42,9 +42,9 @@ for layout in (layout for layout in LAYOUTS if layout != "single" and ranks_for(
         label = f"rank {world.rank}: {layout} N={W} {rule}"
         config = TrainConfig.of(**COMMON, **HALF, scheme=rule, cdp_layout=layout)
         trainer = Trainer(config)
-        start = trainer.engine.whole_model.full_parameters().copy()
+        start = trainer.parts.engine.whole_model.full_parameters().copy()
         trainer.run()
-        got = trainer.engine.whole_model.full_parameters()
+        got = trainer.parts.engine.whole_model.full_parameters()
         expected = np.concatenate(reference_training(config, rule))
         cases += 1
         if got.dtype != np.float16 or not np.array_equal(got, expected):
@@ -55,7 +55,7 @@ for layout in (layout for layout in LAYOUTS if layout != "single" and ranks_for(
         full = Trainer(TrainConfig.of(**COMMON, scheme=rule, cdp_layout=layout))
         full.run()
         for kind, ratio in (("parameters", 0.5), ("gradients", 0.5), ("optimizer_state", 1.5)):
-            half, whole = (max(peaks[kind] for peaks in run.engine.ledger.peaks.values()) for run in (trainer, full))
+            half, whole = (max(peaks[kind] for peaks in run.parts.engine.ledger.peaks.values()) for run in (trainer, full))
             if half != ratio * whole or not whole and kind != "optimizer_state":  # some ranks update no stage
                 failures.append(f"{label}: the ledger held at most {half:,} B of {kind} in fp16, {whole:,} B in "
                                 f"float32: not {ratio} times")

@@ -46,13 +46,13 @@ for model, common in (("mlp", MLP), ("transformer, tied", GPT)):
     for options in CASES[world.size]:
         trainer = Trainer(TrainConfig.of(**common, **options, grad_clip=clip))
         trainer.run()
-        got = trainer.engine.whole_model.full_parameters()
+        got = trainer.parts.engine.whole_model.full_parameters()
         cases += 1
         if not np.allclose(got, reference, rtol=1e-10, atol=0):
             worst = np.abs(got - reference).max()
             failures.append(f"rank {world.rank}: {model} {options}: differs from one process clipped at {clip:g} "
                             f"by up to {worst:.3g} (from one process unclipped by {np.abs(got - unclipped).max():.3g})")
-        for first, copy, size in tied_copies(trainer.stages):
+        for first, copy, size in tied_copies(trainer.parts.stages):
             if not np.array_equal(got[first:first + size].reshape(-1), got[copy:copy + size].reshape(-1)):
                 failures.append(f"rank {world.rank}: {model} {options}: the tied copies differ after 3 steps")
 deadline.finish(world, failures, f"all {cases} clipped cases equal one process on {world.size} rank(s)")

@@ -23,8 +23,8 @@ import gc
 from mpi4py import MPI
 
 import deadline
-from mpipar.cli.estimate import built_model
-from mpipar.predict.estimate import make_layout, predicted_peaks, scheme_rows
+from mpipar.cli.estimate import built_model, placed_model
+from mpipar.predict.estimate import predicted_peaks, scheme_rows
 from mpipar.predict.peak import plan_peak
 from mpipar.train.config import TrainConfig
 from mpipar.train.trainer import Trainer
@@ -35,7 +35,7 @@ MB = 1e6
 failures, live = [], {}
 hidden = (256,) * 4
 train_set, _, model, loss = built_model("mlp", "synthetic", hidden)
-layouts = {mode: make_layout(None, (train_set, 64, model, loss), 4, 4, 2, "1f1b", 2, 4, 1, 2 * 4 * 64, mode, 25.0, 4)
+layouts = {mode: placed_model(None, (train_set, 64, model, loss), 4, 4, 2, "1f1b", 2, 4, 1, 2 * 4 * 64, mode, 25.0, 4)
            for mode in ("bucketed", "overlap")}  # each --shard's default units, as the runs below take
 layout = layouts["bucketed"]
 estimated_peak = predicted_peaks(layouts, prefetch=1, itemsize=4, kinds=2)
@@ -45,14 +45,14 @@ for shard in ("zero3", "ddp"):
                                      dtype="float32", scheme="1f1b", stages=2, replicas=2, shard=shard,
                                      micro_batches=4, batch_size=2 * 4 * 64, eval_batch=64, max_steps=3,
                                      memory_profile=True, log_every=1000))
-    trainer.memory.reset_peak()
+    trainer.parts.memory.reset_peak()
     for step in range(3):
-        trainer.train_step(step, 0, step)
-    live[shard], peak = trainer.memory.live_bytes(), trainer.memory.peak_bytes()
-    trainer.evaluate(0, 0)
-    peak_with_evaluation = trainer.memory.peak_bytes()
-    predicted = plan_peak(trainer.engine.plan, trainer.rank, trainer.activations[0], None, 1,
-                          **trainer.engine.peak_facts())  # training only: no evaluation here
+        trainer.train_step(step)
+    live[shard], peak = trainer.parts.memory.live_bytes(), trainer.parts.memory.peak_bytes()
+    trainer.evaluate(0)
+    peak_with_evaluation = trainer.parts.memory.peak_bytes()
+    predicted = plan_peak(trainer.parts.engine.plan, trainer.parts.slice_rank, trainer.parts.activations[0], None, 1,
+                          **trainer.parts.engine.peak_facts())  # training only: no evaluation here
     parts = ", ".join(f"{name} {nbytes / MB:.2f}" for name, nbytes in {**predicted.steady, **predicted.transients}.items())
     label = f"rank {world.rank} 1f1b 2 stages x 2 replicas --shard {shard}"
     print(f"{label}: live after a step {live[shard] / MB:.2f} MB (estimate's state "

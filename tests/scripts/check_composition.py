@@ -44,12 +44,12 @@ if W == 4:
 
 def activation_problems(trainer: Trainer, label: str) -> list[str]:
     """What this rank received along its pipeline, against its program's receives."""
-    program = trainer.scheme.compiled.programs[trainer.engine.plan.worker]
-    size = trainer.engine.items.micro_size
-    boundary = [size * int(np.prod(shape)) * 8 for shape in trainer.engine.input_shapes]
+    program = trainer.parts.scheme.compiled.programs[trainer.parts.engine.plan.worker]
+    size = trainer.parts.engine.items.micro_size
+    boundary = [size * int(np.prod(shape)) * 8 for shape in trainer.parts.engine.input_shapes]
     expected = STEPS * sum(boundary[i.stage] if isinstance(i, RecvActivation) else boundary[i.stage + 1]
                            for i in program if isinstance(i, (RecvActivation, RecvGradient)))
-    traffic = trainer.counted.traffic
+    traffic = trainer.parts.counted.traffic
     got = traffic.read("activations").received_bytes + traffic.read("gradients").received_bytes
     return [] if got == expected else [f"{label}: {got} activation and gradient bytes received, program says "
                                        f"{expected}"]
@@ -57,7 +57,7 @@ def activation_problems(trainer: Trainer, label: str) -> list[str]:
 
 def sharding_problems(trainer: Trainer, label: str) -> list[str]:
     """Each replica group's sharding traffic against Table 2 for its D ranks (rank 0 decides)."""
-    mesh, traffic = trainer.engine.mesh, trainer.counted.traffic
+    mesh, traffic = trainer.parts.engine.mesh, trainer.parts.counted.traffic
     sent = [(traffic.read(phase).intra_bytes, traffic.read(phase).inter_bytes) for phase in PHASES]
     everyone = world.gather(sent, root=0)
     if world.rank != 0:
@@ -65,10 +65,10 @@ def sharding_problems(trainer: Trainer, label: str) -> list[str]:
     problems = []
     group_size = trainer.config.parallel.group_size or W
     for worker in range(mesh.workers):
-        held = [s for s, holders in enumerate(trainer.scheme.compiled.holders) if worker in holders]
-        tables = [traffic_per_step(trainer.config.parallel.sharding(), trainer.stages[s].flat.size, mesh.replicas,
+        held = [s for s, holders in enumerate(trainer.parts.scheme.compiled.holders) if worker in holders]
+        tables = [traffic_per_step(trainer.config.parallel.sharding(), trainer.parts.stages[s].flat.size, mesh.replicas,
                                    min(group_size, mesh.replicas), trainer.config.training.micro_batches, element_bytes=8)
-                  for s in held if trainer.stages[s].flat.size]
+                  for s in held if trainer.parts.stages[s].flat.size]
         table = {phase: sum((t[phase] for t in tables), start=Volume()) for phase in PHASES}
         for index, phase in enumerate(PHASES):
             intra = sum(everyone[rank][index][0] for rank in mesh.replica_group(worker))
@@ -89,12 +89,12 @@ for scheme, stages, replicas, micro_batches, loops, shard in CASES:
                                 micro_batches=micro_batches, loops=loops, shard=shard,
                                 group_size=2 if "I" in shard else 0)
         trainer = Trainer(config)
-        trainer.counted.traffic.reset()
+        trainer.parts.counted.traffic.reset()
         for step in range(STEPS):
-            trainer.train_step(step, 0, step)
+            trainer.train_step(step)
         if optimizer == "sgd":
             failures += activation_problems(trainer, label) + sharding_problems(trainer, label)
-        got = trainer.engine.whole_model.full_parameters()
+        got = trainer.parts.engine.whole_model.full_parameters()
         cases += 1
         if not np.allclose(got, references[optimizer], rtol=1e-10, atol=0):
             failures.append(f"{label}: differs from one process by up to {np.abs(got - references[optimizer]).max():.3g}")

@@ -127,9 +127,9 @@ for (model, spec), (optimizer, options) in [(m, o) for m in MODELS.items() for o
             error = np.abs(got - expected).max() if got.shape == expected.shape else "(shapes differ)"
             failures.append(f"{label}: differs from {oracle} by up to {error}")
         if framework == "torch" and scheme == "ddp":
-            flat = trainer.stages[0].flat.data
+            flat = trainer.parts.stages[0].flat.data
             low, high = flat.ctypes.data, flat.ctypes.data + flat.nbytes
-            for layer in trainer.model.layers:
+            for layer in trainer.parts.model.layers:
                 for name, parameter in layer.module.named_parameters():
                     if not low <= parameter.data_ptr() < high:
                         failures.append(f"{label}: {layer.name}.{name} does not live in mpipar's flat buffer")

@@ -41,16 +41,16 @@ for name, options in OPTIMIZERS.items():
             trainer.run()
             runs[ddp] = trainer
         gathered = runs["allgather-activations"]
-        chosen = [gathered.model.layers[index].name for index in gathered.gathered_layers]
+        chosen = [gathered.parts.model.layers[index].name for index in gathered.parts.gathered_layers]
         if chosen != EXPECTED:
             failures.append(f"{label}: chose {chosen}, the rule gives {EXPECTED}")
-        if not all(layer in gathered.scheme.name for layer in EXPECTED):
-            failures.append(f"{label}: the run's description does not name the chosen layers: {gathered.scheme.name}")
-        got = gathered.engine.whole_model.full_parameters()
+        if not all(layer in gathered.parts.scheme.name for layer in EXPECTED):
+            failures.append(f"{label}: the run's description does not name the chosen layers: {gathered.parts.scheme.name}")
+        got = gathered.parts.engine.whole_model.full_parameters()
         if not np.allclose(got, reference, rtol=1e-10, atol=0):
             failures.append(f"{label}: differs from one process by up to {np.abs(got - reference).max():.3g}")
-        moved = gathered.counted.traffic.read(PHASE).sent_bytes
-        reduced = {ddp: run.counted.traffic.read("update-reduce").sent_bytes for ddp, run in runs.items()}
+        moved = gathered.parts.counted.traffic.read(PHASE).sent_bytes
+        reduced = {ddp: run.parts.counted.traffic.read("update-reduce").sent_bytes for ddp, run in runs.items()}
         saved = reduced["overlap"] - reduced["allgather-activations"]
         figures.append(f"{label}: gathered {moved} B where all-reducing those layers sent {saved} B more")
         if not 0 < moved < saved:

@@ -104,7 +104,7 @@ def optimizers_on_gpu_equal_cpu_bit_for_bit() -> str:
     NumPy (in chunks); parameters and state must be the same bits."""
     import cupy
 
-    from mpipar.optim.optimizers import make_optimizer
+    from mpipar.optim.spec import OptimizerSpec, make_optimizer
 
     rng = np.random.default_rng(0)
     different = []
@@ -118,7 +118,8 @@ def optimizers_on_gpu_equal_cpu_bit_for_bit() -> str:
             sides = {}
             for xp in (np, cupy):
                 state = [xp.array(piece) for piece in params]  # copies: NumPy updates in place
-                optimizer = make_optimizer(name, state, [xp.array(g) for g in grads[0]], decay, **options)
+                optimizer = make_optimizer(OptimizerSpec(name, **options), state, [xp.array(g) for g in grads[0]],
+                                           decay)
                 for step in range(3):
                     optimizer.bind(grads=[xp.array(g) for g in grads[step]])
                     optimizer.step(0.01)
@@ -139,8 +140,8 @@ def fused_layers_equal_numpy() -> str:
 
     from mpipar.cache import Context
     from mpipar.gpu import cuda
+    from mpipar.kernels import causal_softmax, causal_softmax_backward
     from mpipar.layers import GELU, LayerNorm
-    from mpipar.layers.attention import causal_softmax, causal_softmax_backward
 
     rng = np.random.default_rng(0)
     worst = {}
@@ -323,13 +324,13 @@ def cross_entropy_equals_numpy() -> str:
 
 
 def dropout_equals_numpy_bit_for_bit() -> str:
-    """cuda.dropout (one kernel) against layers/dropout.py's NumPy steps on the same numbers, for
+    """cuda.dropout (one kernel) against mpipar/kernels.py's NumPy steps on the same numbers, for
     float64, float32 and float16, two probabilities, scattered sample positions and a block of a
     sample's elements (sequence parallelism's): the output and the mask equal bit for bit."""
     import cupy
 
     from mpipar.gpu import cuda
-    from mpipar.layers.dropout import dropped, stream_key
+    from mpipar.kernels import dropped, stream_key
 
     rng, different = np.random.default_rng(4), []
     samples = np.array([17, 3, 40, 8, 9, 63, 0, 21], dtype=np.uint64)
@@ -409,11 +410,11 @@ def every_scheme_gpu_equals_cpu() -> str:
     failures, worst = [], 0.0
     try:
         for name, options in CASES.get(world.size, []):
-            expected = trained(options, "cpu").engine.whole_model.full_parameters()
+            expected = trained(options, "cpu").parts.engine.whole_model.full_parameters()
             reads[0] = 0
             trainer = trained(options, "gpu")
             steps_reads = reads[0] - 1  # the evaluation's one read
-            got = trainer.engine.whole_model.full_parameters()
+            got = trainer.parts.engine.whole_model.full_parameters()
             worst = max(worst, float(np.abs(got - expected).max()))
             if not np.allclose(got, expected, rtol=1e-10, atol=1e-12):
                 failures.append(f"{name}: differs by {np.abs(got - expected).max():.2e}")
@@ -452,12 +453,12 @@ def torch_on_cuda_equals_torch_alone(example: str) -> str:
 
     spec, options = f"{EXAMPLES}/{example}.py:build", dict(optimizer="sgd", momentum=0.9)
     trainer = trained(**options, model=spec, scheme="ddp", device="gpu")
-    flat = trainer.stages[0].flat.data
+    flat = trainer.parts.stages[0].flat.data
     low, high = flat.data.ptr, flat.data.ptr + flat.nbytes
-    outside = [name for layer in trainer.model.layers for name, p in layer.module.named_parameters()
+    outside = [name for layer in trainer.parts.model.layers for name, p in layer.module.named_parameters()
                if not (p.is_cuda and low <= p.data_ptr() < high)]
     assert isinstance(flat, cupy.ndarray) and not outside, f"parameters outside mpipar's CuPy buffer: {outside}"
-    chained = [layer.chain is not None for layer in trainer.model.layers]
+    chained = [layer.chain is not None for layer in trainer.parts.model.layers]
     assert chained == [world.size == 1] * len(chained), f"chained layers {chained} on {world.size} rank(s)"
     train_set, _ = load_dataset("digits")
     torch.manual_seed(COMMON["seed"])
@@ -479,12 +480,12 @@ def mpipar_steps(trainer: Trainer, steps: int) -> Callable[[], None]:
     """`steps` more of the trainer's steps, finished on the GPU when it returns."""
     import cupy
 
-    per_epoch, position = trainer.sampler.steps_per_epoch, [0]
+    position = [0]
 
     def run() -> None:
         for _ in range(steps):
             step = position[0]
-            trainer.train_step(step, step // per_epoch, step % per_epoch)
+            trainer.train_step(step)
             position[0] += 1
         cupy.cuda.Device().synchronize()
     return run
@@ -642,7 +643,7 @@ def torch_gpt_steps(trainer: Trainer, steps: int, half: bool, compiled: bool) ->
     sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
     from language_model import GPT
 
-    train_set = trainer.train_set
+    train_set = trainer.parts.train_set
     sampler = GlobalBatchSampler(len(train_set), GPU_RECIPE["batch_size"], 0)
     torch.manual_seed(0)
     model = GPT(train_set.num_classes, GPU_RECIPE["seq_len"], GPU_RECIPE["width"], GPU_RECIPE["heads"],
@@ -762,12 +763,12 @@ def where_a_step_goes() -> str:
             return result
         return call
 
-    for stage in trainer.stages:
+    for stage in trainer.parts.stages:
         for layer in leaf_layers(stage.layers):
             for direction in ("forward", "backward"):
                 setattr(layer, direction, timed(f"{type(layer).__name__} {direction}", getattr(layer, direction)))
-    engine_step = trainer.engine.step
-    trainer.engine.step = timed("optimizer", engine_step)
+    engine_step = trainer.parts.engine.step
+    trainer.parts.engine.step = timed("optimizer", engine_step)
     start = time.perf_counter()
     run()
     total = time.perf_counter() - start
@@ -799,22 +800,22 @@ def fp16_overflow_skipped_by_every_rank() -> str:
 
     trainer = Trainer(TrainConfig.of(**{**COMMON, **HALF, "precision": "fp16", "device": "gpu", "max_steps": 20},
                                      text_file=text_file()))
-    trainer.loss_scaler.scale = 2.0**28
+    trainer.parts.loss_scaler.scale = 2.0**28
     first_update, last = None, None
     for step in range(20):
-        before = cupy.asnumpy(trainer.engine.whole_model.full_parameters())
-        last = trainer.train_step(step, 0, step)
-        after = cupy.asnumpy(trainer.engine.whole_model.full_parameters())
-        if trainer.loss_scaler.skipping != np.array_equal(before, after):
-            return f"FAILED: step {step} {'skipped' if trainer.loss_scaler.skipping else 'applied'}, the " \
-                   f"parameters {'changed' if trainer.loss_scaler.skipping else 'stayed'}"
-        if first_update is None and not trainer.loss_scaler.skipping:
+        before = cupy.asnumpy(trainer.parts.engine.whole_model.full_parameters())
+        last = trainer.train_step(step)
+        after = cupy.asnumpy(trainer.parts.engine.whole_model.full_parameters())
+        if trainer.parts.loss_scaler.skipping != np.array_equal(before, after):
+            return f"FAILED: step {step} {'skipped' if trainer.parts.loss_scaler.skipping else 'applied'}, the " \
+                   f"parameters {'changed' if trainer.parts.loss_scaler.skipping else 'stayed'}"
+        if first_update is None and not trainer.parts.loss_scaler.skipping:
             first_update = step
-    skips = world.allgather(trainer.loss_scaler.skipped)
+    skips = world.allgather(trainer.parts.loss_scaler.skipped)
     verdict = ("ok" if len(set(skips)) == 1 and skips[0] > 0 and first_update is not None and np.isfinite(last.loss)
                else "FAILED")
     return (f"{verdict}: steps skipped per rank {skips}, the first update at step {first_update}, "
-            f"loss scale now {trainer.loss_scaler.scale:g}, last loss {last.loss:.4f}")
+            f"loss scale now {trainer.parts.loss_scaler.scale:g}, last loss {last.loss:.4f}")
 
 
 def fp16_holds_table_1() -> str:
@@ -836,13 +837,13 @@ def fp16_holds_table_1() -> str:
                                             "precision": "fp16", "device": "gpu", "memory_profile": True},
                                          text_file=text_file()))
         memory = trainer.run()["memory_per_rank"]
-        held = trainer.engine.ledger.steady()
+        held = trainer.parts.engine.ledger.steady()
         if name == "1f1b":
-            kept = trainer.stages[world.rank].flat.size
+            kept = trainer.parts.stages[world.rank].flat.size
             p, g, os_bytes = kept, kept, 12 * kept
         else:
-            p, g, os_bytes = ((trainer.parameter_count,) * 2 + (12 * trainer.parameter_count,) if name == "ddp"
-                              else seed_table_1(name, trainer.parameter_count, world.size, world.size, 12))
+            p, g, os_bytes = ((trainer.parts.parameter_count,) * 2 + (12 * trainer.parts.parameter_count,) if name == "ddp"
+                              else seed_table_1(name, trainer.parts.parameter_count, world.size, world.size, 12))
         table = {"parameters": 2 * p, "gradients": 2 * g, "optimizer_state": os_bytes}
         wrong = {kind: (held[kind], want) for kind, want in table.items() if held[kind] != want}
         measured, predicted = memory["allocator_peak_bytes"][world.rank], memory["predicted_peak_bytes"][world.rank]
@@ -858,7 +859,7 @@ def fp16_holds_table_1() -> str:
             trainer = Trainer(TrainConfig.of(**{**COMMON, **TRANSFORMER, **shapes, **cdp, **options, "dtype": "float32",
                                                 "precision": precision, "device": "gpu"}, text_file=text_file()))
             trainer.run()
-            most[precision] = {kind: max(peaks[kind] for peaks in trainer.engine.ledger.peaks.values())
+            most[precision] = {kind: max(peaks[kind] for peaks in trainer.parts.engine.ledger.peaks.values())
                                for kind in ("parameters", "gradients", "optimizer_state")}
         wrong = {kind: (most["fp16"][kind], most["fp32"][kind]) for kind, ratio in
                  (("parameters", 0.5), ("gradients", 0.5), ("optimizer_state", 1.5))

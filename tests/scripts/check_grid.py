@@ -1,4 +1,4 @@
-"""The grid's communicators on 8 ranks as pipeline 2 x replica 2 x tensor 2 (comms/grid.py).
+"""The grid's communicators on 8 ranks as pipeline 2 x replica 2 x tensor 2 (mpipar/layout.py, comms/grid.py).
 
 Run by tests/test_grid.py as `mpiexec -n 8 python check_grid.py`. For each set of axes, every
 rank's communicator along them holds (by world rank, in order) the ranks whose coordinates on
@@ -11,12 +11,13 @@ from mpi4py import MPI
 
 import deadline
 from mpipar.comms.comm import Comm
-from mpipar.comms.grid import Axis, Grid, along
+from mpipar.comms.grid import along
+from mpipar.layout import Axis, Layout
 
 deadline.arm(60)
 world = MPI.COMM_WORLD
 counted = Comm(world, (0,) * world.size)
-grid = Grid.of(pipeline=2, replica=2, tensor=2)
+layout = Layout.of(pipeline=2, replica=2, tensor=2)
 failures = []
 SETS = [(Axis.TENSOR,), (Axis.REPLICA,), (Axis.PIPELINE,), (Axis.PIPELINE, Axis.REPLICA), (Axis.REPLICA, Axis.TENSOR)]
 
@@ -26,7 +27,7 @@ def place(rank: int) -> dict:
 
 
 for axes in SETS:
-    comm = along(counted, grid, axes)
+    comm = along(counted, layout, axes)
     members = comm.mpi.allgather(world.rank)
     expected = [r for r in range(8) if all(place(r)[a] == place(world.rank)[a] for a in Axis if a not in axes)]
     if members != expected:

@@ -49,16 +49,16 @@ def one_process_parameters(trainer) -> np.ndarray:
     from mpipar.models.builtin import build_model
 
     cfg = trainer.config
-    model = build_model(cfg.model.model, input_shape=trainer.train_set.input_shape, num_classes=10, hidden=cfg.model.hidden)
+    model = build_model(cfg.model.model, input_shape=trainer.parts.train_set.input_shape, num_classes=10, hidden=cfg.model.hidden)
     return build_stages(model, 1, make_backend("cpu", cfg.model.dtype), cfg.training.seed)[0].flat.data
 
 
 for scheme, sharding in NAMED_SHARDINGS.items():
     trainer = Trainer(config(scheme))
-    memory, engine = trainer.memory, trainer.engine
-    size = trainer.parameter_count
+    memory, engine = trainer.parts.memory, trainer.parts.engine
+    size = trainer.parts.parameter_count
     model_bytes = size * 4
-    largest_unit = max(unit.size for unit in engine.shared[0].units) * 4
+    largest_unit = max(unit.size for unit in engine.sharded[0].units) * 4
     if scheme == "zero3":
         built = memory.peak_bytes()
         bound = 1.1 * (model_bytes / world.size + largest_unit)
@@ -67,21 +67,21 @@ for scheme, sharding in NAMED_SHARDINGS.items():
                             f"quarter of the model plus one unit + 10% ({bound / MB:.1f} MB)")
     memory.reset_peak()
     for step in range(3):
-        trainer.train_step(step, 0, step)
+        trainer.train_step(step)
     live, peak = memory.live_bytes(), memory.peak_bytes()
     table = bytes_per_rank(sharding, size, world.size, 2, parameter_bytes=4, gradient_bytes=4, state_bytes=8).total
     if abs(live - table) > 0.1 * table + 1 * MB:
         failures.append(f"rank {world.rank} {scheme}: {live / MB:.1f} MB live after a step, Table 1 says "
                         f"{table / MB:.1f} MB ({live / table:.2f}x)")
-    predicted = trainer.predicted.total
+    predicted = trainer.parts.predicted.total
     if peak > 1.1 * predicted:
         failures.append(f"rank {world.rank} {scheme}: peak {peak / MB:.1f} MB, predicted {predicted / MB:.1f} MB "
                         f"(+10% allowed)")
     memory.reset_peak()
-    trainer.evaluate(0, 0)
+    trainer.evaluate(0)
     evaluating = memory.peak_bytes() - live
     units = (1 + 1 + 1) * largest_unit if sharding.parameters != "N" else 0  # prefetch 1: in use, ahead, spare
-    allowed = 1.1 * (units + trainer.activations[1].training()) + 1 * MB
+    allowed = 1.1 * (units + trainer.parts.activations[1].training()) + 1 * MB
     if evaluating > allowed:
         failures.append(f"rank {world.rank} {scheme}: an evaluation peaks {evaluating / MB:.1f} MB above the state, "
                         f"more than {allowed / MB:.1f} MB (three units and the evaluation's activations + 10%)")
@@ -89,7 +89,7 @@ for scheme, sharding in NAMED_SHARDINGS.items():
     if world.rank == 0:
         print(f"{scheme:9s} live {live / model_bytes:5.2f}x model (Table 1 {table / model_bytes:4.2f}x), "
               f"peak {peak / model_bytes:5.2f}x (predicted {predicted / model_bytes:4.2f}x: "
-              f"{', '.join(f'{k} {v / model_bytes:.2f}' for k, v in trainer.predicted.transients.items())}); "
+              f"{', '.join(f'{k} {v / model_bytes:.2f}' for k, v in trainer.parts.predicted.transients.items())}); "
               f"evaluation {evaluating / model_bytes:.2f}x above the state (allowed {allowed / model_bytes:.2f}x)",
               flush=True)
     del trainer, engine, memory
@@ -99,14 +99,14 @@ for scheme, sharding in NAMED_SHARDINGS.items():
 depth_peaks = {}
 for prefetch in (0, 3):
     trainer = Trainer(config("zero3", prefetch))
-    trainer.memory.reset_peak()
+    trainer.parts.memory.reset_peak()
     for step in range(2):
-        trainer.train_step(step, 0, step)
-    depth_peaks[prefetch], predicted = trainer.memory.peak_bytes(), trainer.predicted.total
+        trainer.train_step(step)
+    depth_peaks[prefetch], predicted = trainer.parts.memory.peak_bytes(), trainer.parts.predicted.total
     if depth_peaks[prefetch] > 1.1 * predicted:
         failures.append(f"rank {world.rank} zero3 --prefetch {prefetch}: peak {depth_peaks[prefetch] / MB:.1f} MB, "
                         f"predicted {predicted / MB:.1f} MB (+10% allowed)")
-    unit_bytes = max(unit.size for unit in trainer.engine.shared[0].units) * 4
+    unit_bytes = max(unit.size for unit in trainer.parts.engine.sharded[0].units) * 4
     if world.rank == 0:
         print(f"zero3 --prefetch {prefetch}: peak {depth_peaks[prefetch] / MB:.1f} MB, predicted "
               f"{predicted / MB:.1f} MB (one unit {unit_bytes / MB:.1f} MB)", flush=True)
@@ -118,7 +118,7 @@ if depth_peaks[3] - depth_peaks[0] < 2 * unit_bytes:
 
 # Construction is exact: a fresh zero3 build, gathered, equals one process's build bit for bit.
 fresh = Trainer(config("zero3"))
-gathered = fresh.engine.whole_model.full_parameters()
+gathered = fresh.parts.engine.whole_model.full_parameters()
 if not np.array_equal(gathered, one_process_parameters(fresh)):
     failures.append(f"rank {world.rank}: zero3's gathered initial parameters differ from one process's build")
 

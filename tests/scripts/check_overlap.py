@@ -17,8 +17,12 @@ from mpipar.backend import make_backend
 from mpipar.cache import ActivationCache
 from mpipar.comms.topology import make_world
 from mpipar.layers import Linear, ReLU, SoftmaxCrossEntropy
+from mpipar.layout import Layout
 from mpipar.models.sequential import Sequential, build_stages
+from mpipar.optim.spec import OptimizerSpec
 from mpipar.runtime.executor import Executor
+from mpipar.runtime.observer import ExecutorObserver
+from mpipar.runtime.sharded_stage import FlowOptions
 from mpipar.schedule.plans import data_parallel_plan
 from mpipar.schedule.sharding import make_units, parse_sharding, unit_bytes_for
 
@@ -35,13 +39,23 @@ unit_bytes = unit_bytes_for("overlap", 0)
 plan = data_parallel_plan(comm.rank, comm.size, stage.flat.size, sharding=scheme,
                           units=len(make_units(stage, unit_bytes)))
 engine = Executor(comm, [stage], plan, ActivationCache(), SoftmaxCrossEntropy(), input_shapes=[(64,), (10,)],
-                  optimizer="sgd", optimizer_options={}, collective="ring", unit_bytes=unit_bytes)
-shared = engine.shared[0]
+                  optimizer=OptimizerSpec("sgd"), flow=FlowOptions("ring", unit_bytes))
+shared = engine.sharded[0]
 rng = np.random.default_rng(comm.rank)
 x, y = rng.standard_normal((512, 64)), rng.integers(0, 10, 512)
 done_after_layer = []
-engine.observe = lambda layer: done_after_layer.append(shared.reductions_done) if layer.param_specs() else None
-engine.run_step(0, seed=0, load=lambda step, micro_batch: (x, y), batch_size=512 * comm.size)
+
+
+class Reductions(ExecutorObserver):
+    """The gradient reductions done after each layer with parameters."""
+
+    def layer_done(self, layer) -> None:
+        if layer.param_specs():
+            done_after_layer.append(shared.reductions_done)
+
+
+engine.observe(Reductions())
+engine.run_step(0, seed=0, load=lambda step, micro_batch: (x, y), layout=Layout.of(replica=comm.size, batch_size=512 * comm.size))
 done_after_layer = done_after_layer[sum(bool(layer.param_specs()) for layer in layers):]  # the backward's
 engine.finish_gradients()
 overlapped = MPI.COMM_WORLD.allreduce(int(max(done_after_layer[:-1]) > 0))

@@ -26,13 +26,13 @@ COMMON = dict(dtype="float64", max_steps=3, epochs=1, batch_size=48, hidden=(32,
 failures = []
 source = Trainer(TrainConfig.of(**COMMON, scheme="zero3"))
 for step in range(2):
-    source.train_step(step, 0, step)
+    source.train_step(step)
 saved = source.full_parameters()
-saved_flat = source.engine.whole_model.full_parameters()
+saved_flat = source.parts.engine.whole_model.full_parameters()
 on_root = source.full_parameters(root=0)
 if (on_root is None) != (world.rank != 0):
     failures.append(f"rank {world.rank}: full_parameters(root=0) gave {type(on_root).__name__}")
-source.train_step(2, 0, 2)
+source.train_step(2)
 after = source.full_parameters()
 LAYOUTS = {"ddp": dict(scheme="ddp"), "paro-iig": dict(scheme="paro-iig", group_size=2),
            "1f1b x 4 stages": dict(scheme="1f1b", stages=4, micro_batches=4),
@@ -44,7 +44,7 @@ for label, settings in LAYOUTS.items():
     got = trainer.full_parameters()
     if got.keys() != saved.keys() or any(not np.array_equal(got[name], saved[name]) for name in saved):
         failures.append(f"rank {world.rank} {label}: full_parameters after load_parameters differs from what was loaded")
-    trainer.train_step(2, 0, 2)
+    trainer.train_step(2)
     got = trainer.full_parameters()
     worst = max(float(np.abs(got[name] - after[name]).max()) for name in after)
     if not all(np.allclose(got[name], after[name], rtol=1e-10, atol=0) for name in after):
@@ -57,14 +57,14 @@ got = trainer.full_parameters()
 if got.keys() != saved.keys() or any(not np.array_equal(got[name], saved[name]) for name in saved):
     failures.append(f"rank {world.rank} cdp-v2: full_parameters after load_parameters differs from what was loaded")
 trainer.run()
-got, expected = trainer.engine.whole_model.full_parameters(), np.concatenate(reference_training(cdp, "cdp-v2", saved_flat))
+got, expected = trainer.parts.engine.whole_model.full_parameters(), np.concatenate(reference_training(cdp, "cdp-v2", saved_flat))
 if not np.allclose(got, expected, rtol=1e-10, atol=0):
     failures.append(f"rank {world.rank} cdp-v2: 3 steps after loading differ from the reference rule started from the "
                     f"loaded parameters by up to {np.abs(got - expected).max():.3g}")
 # After those steps a rank holds older weight versions too (the rule still reads them): all take the loaded values
 trainer.load_parameters(saved)
-offsets = np.cumsum([0] + [stage.flat.size for stage in trainer.stages])
-versions = [(item, buffer) for item, buffer in trainer.engine.items.held().items() if item.kind == "w"]
+offsets = np.cumsum([0] + [stage.flat.size for stage in trainer.parts.stages])
+versions = [(item, buffer) for item, buffer in trainer.parts.engine.items.held().items() if item.kind == "w"]
 stale = [item for item, buffer in versions
          if not np.array_equal(buffer, saved_flat[offsets[item.stage]:offsets[item.stage + 1]])]
 if stale:

@@ -42,11 +42,11 @@ KINDS = {"activations": RecvActivation, "gradients": RecvGradient, "weights": Fe
 
 
 def check_costs(trainer: Trainer, label: str) -> list[str]:
-    compiled, rank, problems = trainer.scheme.compiled, world.rank, []
+    compiled, rank, problems = trainer.parts.scheme.compiled, world.rank, []
     timeline = replay(compiled.programs, compiled.shape, compiled.holders)
-    predicted = trainer.activations[0].stash_peaks(timeline)[rank]
-    if trainer.cache.peak_bytes != predicted:
-        problems.append(f"{label}: peak activation bytes {trainer.cache.peak_bytes}, replay predicts {predicted}")
+    predicted = trainer.parts.activations[0].stash_peaks(timeline)[rank]
+    if trainer.parts.cache.peak_bytes != predicted:
+        problems.append(f"{label}: peak activation bytes {trainer.parts.cache.peak_bytes}, replay predicts {predicted}")
     program = compiled.programs[rank]
     receives = timeline.activation_receives()[rank]
     fetches = timeline.weight_fetches()[rank]
@@ -55,17 +55,17 @@ def check_costs(trainer: Trainer, label: str) -> list[str]:
     steps = trainer.config.training.max_steps
     for phase, kind in KINDS.items():
         expected = sum(isinstance(i, kind) for i in program) * steps
-        counts = trainer.counted.traffic.read(phase)
+        counts = trainer.parts.counted.traffic.read(phase)
         if counts.received_messages != expected:
             problems.append(f"{label}: {counts.received_messages} {phase} messages received, programs say {expected}")
-    if trainer.counted.traffic.read("weights").received_messages != fetches * steps:
+    if trainer.parts.counted.traffic.read("weights").received_messages != fetches * steps:
         problems.append(f"{label}: weight fetches differ from the simulator's {fetches} per step")
     size = trainer.config.training.batch_size // trainer.config.training.micro_batches
     itemsize = np.dtype(trainer.config.model.dtype).itemsize
-    boundary = [size * int(np.prod(shape)) * itemsize for shape in trainer.engine.input_shapes]
+    boundary = [size * int(np.prod(shape)) * itemsize for shape in trainer.parts.engine.input_shapes]
     expected_bytes = steps * sum(boundary[i.stage] if isinstance(i, RecvActivation) else boundary[i.stage + 1]
                                  for i in program if isinstance(i, (RecvActivation, RecvGradient)))
-    got = trainer.counted.traffic.read("activations").received_bytes + trainer.counted.traffic.read(
+    got = trainer.parts.counted.traffic.read("activations").received_bytes + trainer.parts.counted.traffic.read(
         "gradients").received_bytes
     if got != expected_bytes:
         problems.append(f"{label}: {got} activation and gradient bytes received, expected {expected_bytes}")
@@ -81,7 +81,7 @@ for index, (scheme, stages, micro_batches, loops) in enumerate(CASES):
         trainer = Trainer(TrainConfig.of(**COMMON, **options, scheme=scheme, stages=stages, micro_batches=micro_batches,
                                          loops=loops, collective=collective))
         trainer.run()
-        got = trainer.engine.whole_model.full_parameters()
+        got = trainer.parts.engine.whole_model.full_parameters()
         cases += 1
         if not np.allclose(got, references[optimizer], rtol=1e-10, atol=0):
             worst = np.abs(got - references[optimizer]).max()

@@ -34,20 +34,20 @@ def measure(scheme: str, micro_batches: int) -> None:
                                      dtype="float32", scheme=scheme, stages=2, micro_batches=micro_batches,
                                      batch_size=MICRO_BATCH * micro_batches, eval_batch=MICRO_BATCH, max_steps=3, memory_profile=True,
                                      log_every=1000))
-    trainer.memory.reset_peak()
+    trainer.parts.memory.reset_peak()
     for step in range(3):
-        trainer.train_step(step, 0, step)
-    live, peak = trainer.memory.live_bytes(), trainer.memory.peak_bytes()
-    predicted = plan_peak(trainer.engine.plan, trainer.rank, trainer.activations[0], None, 1,
-                          **trainer.engine.peak_facts())  # training only: these steps evaluate nothing
+        trainer.train_step(step)
+    live, peak = trainer.parts.memory.live_bytes(), trainer.parts.memory.peak_bytes()
+    predicted = plan_peak(trainer.parts.engine.plan, trainer.parts.slice_rank, trainer.parts.activations[0], None, 1,
+                          **trainer.parts.engine.peak_facts())  # training only: these steps evaluate nothing
     label = f"rank {world.rank} {scheme} B={micro_batches}"
     if peak > 1.1 * predicted.total:
         failures.append(f"{label}: peak {peak / MB:.2f} MB, predicted {predicted.total / MB:.2f} MB (+10% allowed): "
                         + ", ".join(f"{name} {nbytes / MB:.2f}" for name, nbytes in
                                     {**predicted.steady, **predicted.transients}.items()))
     peaks[scheme, micro_batches] = peak
-    stashes[scheme, micro_batches] = trainer.scheme.compiled.timeline.peak_activation_bytes(
-        list(trainer.activations[0].stashed))[world.rank]
+    stashes[scheme, micro_batches] = trainer.parts.scheme.compiled.timeline.peak_activation_bytes(
+        list(trainer.parts.activations[0].stashed))[world.rank]
     print(f"{label}: steady state {sum(predicted.steady.values()) / MB:.2f} MB, live after a step {live / MB:.2f} MB, "
           f"peak {peak / MB:.2f} MB, predicted {predicted.total / MB:.2f} MB: " + ", ".join(
         f"{name} {nbytes / MB:.2f}" for name, nbytes in {**predicted.steady, **predicted.transients}.items()), flush=True)

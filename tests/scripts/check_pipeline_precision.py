@@ -54,9 +54,9 @@ def config(scheme: str | None, stages: int, micro_batches: int, replicas: int, *
 
 def table_1(trainer: Trainer, replicas: int) -> dict[str, float]:
     """Seed 004's P, G and OS in bytes for the stages this rank holds."""
-    compiled, held = trainer.scheme.compiled, {"parameters": 0.0, "gradients": 0.0, "optimizer_state": 0.0}
+    compiled, held = trainer.parts.scheme.compiled, {"parameters": 0.0, "gradients": 0.0, "optimizer_state": 0.0}
     worker = trainer.config.parallel.mesh(W).worker(world.rank)  # its place in the pipeline
-    for s, stage in enumerate(trainer.stages):
+    for s, stage in enumerate(trainer.parts.stages):
         if worker in compiled.holders[s]:
             p, g, os_bytes = ((stage.flat.size,) * 2 + (K * stage.flat.size,) if replicas == 1
                               else seed_table_1("zero3", stage.flat.size, replicas, replicas, K))
@@ -71,20 +71,20 @@ for scheme, stages, micro_batches, replicas in CASES:
     trainer = Trainer(config(scheme, stages, micro_batches, replicas))
     trainer.run()
     cases += 1
-    held = trainer.engine.ledger.steady()
+    held = trainer.parts.engine.ledger.steady()
     for kind, want in table_1(trainer, replicas).items():
         if held[kind] != want:
             failures.append(f"rank {world.rank}: {label}: the ledger holds {held[kind]:,} B of {kind}; Table 1 "
                             f"with 2-byte elements and K = {K} says {want:,.0f} B")
-    predicted = {kind: trainer.predicted.steady.get(kind, 0) for kind in held}
+    predicted = {kind: trainer.parts.predicted.steady.get(kind, 0) for kind in held}
     if predicted != held:
         failures.append(f"rank {world.rank}: {label}: the ledger holds {held}; mpipar predicted {predicted}")
-    pipeline = trainer.engine.whole_model.full_parameters()
+    pipeline = trainer.parts.engine.whole_model.full_parameters()
     if replicas > 1:
         continue  # a replica group sums its float16 gradients in another order than one process
-    one = Trainer(config(None, 0, micro_batches, 1), comm=MPI.COMM_SELF)
+    one = Trainer(config(None, 0, micro_batches, 1), MPI.COMM_SELF)
     one.run()
-    reference = one.engine.whole_model.full_parameters()
+    reference = one.parts.engine.whole_model.full_parameters()
     if pipeline.dtype != np.float16 or not np.array_equal(pipeline, reference):
         differ = int((pipeline != reference).sum())
         failures.append(f"rank {world.rank}: {label}: {differ} of {pipeline.size} {pipeline.dtype} parameters "
@@ -93,7 +93,7 @@ for scheme, stages, micro_batches, replicas in CASES:
 trainer = Trainer(config("1f1b", W, 4, 1, max_steps=4))
 failures += one_overflow(trainer, world)
 cases += 1
-counts = {s: optimizer.steps for s, optimizer in trainer.engine.items.optimizers.items()}
+counts = {s: optimizer.steps for s, optimizer in trainer.parts.engine.items.optimizers.items()}
 if set(counts.values()) != {3}:
     failures.append(f"rank {world.rank}: Adam counts {counts} updates per stage after 3 applied and 1 skipped")
 deadline.finish(world, failures, f"fp16 pipelines: {cases} cases equal one process, hold Table 1 and skip an "

@@ -35,9 +35,9 @@ failures, cases = [], 0
 for scheme in SCHEMES_004:
     trainer = Trainer(TrainConfig.of(**COMMON, scheme=scheme, group_size=GROUP, ddp="naive"))  # one unit: even blocks
     for step in range(2):
-        trainer.train_step(step, 0, step)
-    held = trainer.engine.ledger.steady()
-    psi = trainer.parameter_count
+        trainer.train_step(step)
+    held = trainer.parts.engine.ledger.steady()
+    psi = trainer.parts.parameter_count
     p, g, os_bytes = seed_table_1(scheme, psi, world.size, GROUP, K)
     expected = {"parameters": 2 * p, "gradients": 2 * g, "optimizer_state": os_bytes}
     cases += 1
@@ -47,7 +47,7 @@ for scheme in SCHEMES_004:
                             f"Table 1 with 2-byte elements and K = {K} says {want:,.0f} B")
 
 trainer = Trainer(TrainConfig.of(**COMMON, scheme="zero3"))
-optimizer = trainer.engine.shared[0].state.make_optimizer
+optimizer = trainer.parts.engine.sharded[0].state.make_optimizer
 failures += one_overflow(trainer, world)
 cases += 1
 if optimizer().steps != 3:

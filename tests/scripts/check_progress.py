@@ -48,23 +48,22 @@ class StampedStream:
 
 
 trainer = Trainer(config)
-stream = StampedStream() if trainer.rank == 0 else None
+stream = StampedStream() if trainer.parts.slice_rank == 0 else None
 report = Report(None, log_every, stream, log_seconds=0.0) if stream else None
 epoch_clock: dict[str, float] = {}
 
 
 def clocked(run):
     def wrapper(*args, **kwargs):
-        epoch_clock["start"] = time.perf_counter()
+        epoch_clock.setdefault("start", time.perf_counter())
         result = run(*args, **kwargs)
         epoch_clock["end"] = time.perf_counter()
         return result
     return wrapper
 
 
-# the epoch whole: CDP's runs of steps, or the others' step by step (the one the plan takes)
-trainer._epoch_in_runs = clocked(trainer._epoch_in_runs)
-trainer._epoch = clocked(trainer._epoch)
+# the epoch whole: from the first run of steps (CDP's several, the others' one) to the end of the last
+trainer.steps.run = clocked(trainer.steps.run)
 summary = trainer.run(report)
 deadline.disarm()
 if stream:

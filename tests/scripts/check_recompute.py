@@ -41,17 +41,17 @@ for case, (optimizer, options), kept in product(CASES, OPTIMIZERS.items(), ("sta
         trainer.run()
         runs[recompute] = trainer
     trainer = runs[kept]
-    got = trainer.engine.whole_model.full_parameters()
+    got = trainer.parts.engine.whole_model.full_parameters()
     if not np.allclose(got, references[optimizer], rtol=1e-10, atol=0):
         failures.append(f"{label}: with recomputation differs from one process by up to "
                         f"{np.abs(got - references[optimizer]).max():.3g}")
-    activations = trainer.activations[0]
-    worker = trainer.engine.mesh.worker(world.rank)  # data parallelism: every rank plays worker 0
-    computed = sorted({i.stage for i in trainer.scheme.compiled.programs[worker] if isinstance(i, Backward)})
-    timeline = trainer.scheme.compiled.timeline
+    activations = trainer.parts.activations[0]
+    worker = trainer.parts.engine.mesh.worker(world.rank)  # data parallelism: every rank plays worker 0
+    computed = sorted({i.stage for i in trainer.parts.scheme.compiled.programs[worker] if isinstance(i, Backward)})
+    timeline = trainer.parts.scheme.compiled.timeline
     predicted = activations.stash_peaks(timeline)[worker] + activations.rebuilt(computed)
-    predicted_without = runs["none"].activations[0].stash_peaks(timeline)[worker]
-    measured, without = trainer.cache.peak_bytes, runs["none"].cache.peak_bytes
+    predicted_without = runs["none"].parts.activations[0].stash_peaks(timeline)[worker]
+    measured, without = trainer.parts.cache.peak_bytes, runs["none"].parts.cache.peak_bytes
     figures.append(f"{label}: stashed at most {measured} B with recomputation (replay predicts {predicted}), "
                    f"{without} B without ({predicted_without})")
     if without - measured < 0.75 * (predicted_without - predicted):

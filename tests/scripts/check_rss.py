@@ -55,10 +55,10 @@ scheme, ddp, prefetch = sys.argv[1:] + DEFAULTS[len(sys.argv) - 1:]
 trainer = Trainer(TrainConfig.of(model="mlp", hidden=(2048,) * 8, dataset="synthetic", scheme=scheme, ddp=ddp,
                                  prefetch=int(prefetch), optimizer="adam", dtype="float32", batch_size=16,
                                  max_steps=STEPS, memory_profile=False, log_every=1000))
-data = sum(array.nbytes for split in (trainer.train_set, trainer.test_set) for array in (split.images, split.labels))
-model = trainer.parameter_count * 4
+data = sum(array.nbytes for split in (trainer.parts.train_set, trainer.parts.test_set) for array in (split.images, split.labels))
+model = trainer.parts.parameter_count * 4
 for step in range(STEPS):
-    trainer.train_step(step, 0, step)
+    trainer.train_step(step)
 gc.collect()
 current = (rss_bytes() - AFTER_IMPORT - data) / model
 peak = (peak_rss_bytes() - AFTER_IMPORT - data) / model
@@ -73,7 +73,7 @@ if peak > PEAK_BOUND:
 figures = world.gather((AFTER_IMPORT, (AFTER_IMPORT - BARE) / model, current, peak), root=0)
 if world.rank == 0:
     print(f"{scheme}, --ddp {ddp}, --prefetch {prefetch}, {world.size} ranks: model {model / MB:.1f} MB "
-          f"({trainer.parameter_count:,} parameters), data set {data / MB:.1f} MB (subtracted); as multiples of "
+          f"({trainer.parts.parameter_count:,} parameters), data set {data / MB:.1f} MB (subtracted); as multiples of "
           f"the model, above the RSS after import (above the bare interpreter: add the imports):")
     for rank, (baseline, imports, rank_current, rank_peak) in enumerate(figures):
         print(f"  rank {rank}: after import {baseline / MB:.1f} MB, of which NumPy, MPI and mpipar {imports:.3f}x; "

@@ -37,18 +37,18 @@ for name in TRIPLES:
     trainer = Trainer(TrainConfig.of(**shape, group_size=M, micro_batches=S, collective="ring", ddp="naive",
                                      hidden=(32, 34), dtype="float64", optimizer="adam", batch_size=16 * N,
                                      max_steps=1, epochs=1))
-    psi = trainer.stages[0].flat.size
+    psi = trainer.parts.stages[0].flat.size
     assert psi == 3552 and psi % N == 0, psi
     expected = bytes_per_rank(sharding, psi, N, M, parameter_bytes=ITEM, gradient_bytes=ITEM, state_bytes=2 * ITEM)
-    trainer.counted.traffic.reset()
-    trainer.train_step(0, 0, 0)  # gradients and optimizer state exist from the first step on
-    counts = {phase: trainer.counted.traffic.read(phase) for phase in PHASES}
-    held = trainer.engine.ledger.steady()
+    trainer.parts.counted.traffic.reset()
+    trainer.train_step(0)  # gradients and optimizer state exist from the first step on
+    counts = {phase: trainer.parts.counted.traffic.read(phase) for phase in PHASES}
+    held = trainer.parts.engine.ledger.steady()
     for kind, formula in zip(held, (expected.parameters, expected.gradients, expected.optimizer_state)):
         if held[kind] != formula:
             failures.append(f"rank {world.rank} {name}: {kind} {held[kind]} bytes, Table 1 says {formula:.0f}")
-    trainer.train_step(1, 0, 1)
-    if trainer.engine.ledger.steady() != held:
+    trainer.train_step(1)
+    if trainer.parts.engine.ledger.steady() != held:
         failures.append(f"rank {world.rank} {name}: the steady bytes changed over a step")
     gradient_bytes[name] = counts["backward-reduce"].sent_bytes + counts["update-reduce"].sent_bytes
     sums = world.reduce([(c.intra_bytes, c.inter_bytes) for c in counts.values()],

@@ -43,7 +43,7 @@ for index, (triple, group_size, micro_batches, optimizer) in enumerate(
                                      micro_batches=micro_batches, collective=collective, ddp=mode, bucket_mb=0.002,
                                      prefetch=prefetch))
     trainer.run()
-    got = trainer.engine.whole_model.full_parameters()
+    got = trainer.parts.engine.whole_model.full_parameters()
     cases += 1
     if not np.allclose(got, references[optimizer], rtol=1e-10, atol=0):
         worst = np.abs(got - references[optimizer]).max()

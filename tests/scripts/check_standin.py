@@ -32,6 +32,7 @@ from device_cases import CASES, COMMON, ROUTED, STEPS, step_traffic, trained, wo
 import deadline
 from mpipar.comms import wire
 from mpipar.gpu.standin import CROSSINGS, Crossings
+from mpipar.train import run_parts
 from mpipar.train.config import TrainConfig
 from mpipar.train.trainer import Trainer
 
@@ -45,7 +46,7 @@ class Measured:
 
     def __init__(self, trainer: Trainer) -> None:
         self.outside, self.batch_bytes, evaluating = Crossings(), 0, [False]
-        evaluate, to_device = trainer.evaluate, trainer._to_device
+        evaluate, to_device = trainer.evaluate, run_parts.to_device
 
         def evaluation(*args, **kwargs):
             before, evaluating[0] = CROSSINGS.snapshot(), True
@@ -55,13 +56,13 @@ class Measured:
                 evaluating[0] = False
                 self.outside = self.outside + (CROSSINGS.snapshot() - before)
 
-        def batches(inputs, targets):
-            moved = to_device(inputs, targets)
+        def batches(backend, inputs, targets):
+            moved = to_device(backend, inputs, targets)
             if not evaluating[0]:  # as they arrive: CuPy converts a type on the host, before the copy
                 self.batch_bytes += sum(array.nbytes for array in moved)
             return moved
 
-        trainer.evaluate, trainer._to_device = evaluation, batches
+        trainer.evaluate, run_parts.to_device = evaluation, batches  # what every part copies with
         CROSSINGS.reset()
 
     def steps(self) -> Crossings:
@@ -69,11 +70,11 @@ class Measured:
 
 
 def check(name: str, options: dict) -> list[str]:
-    expected = trained(options, "cpu").engine.whole_model.full_parameters()
+    expected = trained(options, "cpu").parts.engine.whole_model.full_parameters()
     measured: list[Measured] = []
     gpu = trained(options, "gpu", lambda trainer: measured.append(Measured(trainer)))
     crossed, batch_bytes = measured[0].steps(), measured[0].batch_bytes
-    got = gpu.engine.whole_model.full_parameters()
+    got = gpu.parts.engine.whole_model.full_parameters()
     failures = []
     if not np.allclose(got, expected, rtol=1e-10, atol=1e-12):
         failures.append(f"parameters differ from the CPU's by up to {np.abs(got - expected).max():.3g}")
@@ -112,14 +113,14 @@ def pinned_memory_is_reused() -> list[str]:
     trainer = Trainer(TrainConfig.of(**{**COMMON, **options, "device": "gpu"}))
 
     def staged_bytes() -> int:
-        counts = trainer.counted.traffic.by_phase.values()
+        counts = trainer.parts.counted.traffic.by_phase.values()
         return sum(c.to_host_bytes + c.to_device_bytes for c in counts)
 
     for step in range(2):
-        trainer.train_step(step, 0, step)
+        trainer.train_step(step)
     allocated, staged = wire.pinned_bytes(), staged_bytes()
     for step in range(2, 6):
-        trainer.train_step(step, 0, step)
+        trainer.train_step(step)
     grown, staged = wire.pinned_bytes() - allocated, staged_bytes() - staged
     if not allocated or grown > staged / 10:
         return [f"rank {world.rank}: pinned memory {allocated} bytes after 2 steps, {wire.pinned_bytes()} after 6, "

@@ -33,10 +33,10 @@ from mpi4py import MPI
 from reference import one_process
 
 import deadline
-from mpipar.cli.estimate import built_model
+from mpipar.cli.estimate import built_model, placed_model
 from mpipar.comms.tensor_group import PHASE
 from mpipar.models.sequential import leaf_layers
-from mpipar.predict.estimate import make_layout, tensor_sent_per_step
+from mpipar.predict.estimate import tensor_sent_per_step
 from mpipar.train.config import TrainConfig
 from mpipar.train.trainer import Trainer
 
@@ -96,10 +96,10 @@ for label, tensor, options in CASES:
     trainer = Trainer(config)
     sent = []
     for step in range(STEPS):
-        before = trainer.counted.traffic.read(PHASE).sent_bytes
-        trainer.train_step(step, 0, step)
-        sent.append(trainer.counted.traffic.read(PHASE).sent_bytes - before)
-    kept_by_kind[label] = dict(trainer.cache.peak_bytes_by_kind)
+        before = trainer.parts.counted.traffic.read(PHASE).sent_bytes
+        trainer.train_step(step)
+        sent.append(trainer.parts.counted.traffic.read(PHASE).sent_bytes - before)
+    kept_by_kind[label] = dict(trainer.parts.cache.peak_bytes_by_kind)
     named = trainer.full_parameters()
     got = np.concatenate([values.reshape(-1) for values in named.values()])
     expected = one_process(TrainConfig.of(**COMMON, **{k: v for k, v in options.items()
@@ -113,10 +113,10 @@ for label, tensor, options in CASES:
     rows = BATCH // replicas // micro_batches * SEQ
     stages = options.get("stages", 1)
     # what this rank's stages hold, by kind of layer: the whole model, or its stages' share of it
-    scheme = trainer.scheme
-    mine = ([s for s, holders in enumerate(scheme.compiled.holders) if scheme.mesh.worker(trainer.rank) in holders]
+    scheme = trainer.parts.scheme
+    mine = ([s for s, holders in enumerate(scheme.compiled.holders) if scheme.mesh.worker(trainer.parts.slice_rank) in holders]
             if stages > 1 else [0])
-    held = [type(leaf).__name__ for s in mine for leaf in leaf_layers(trainer.stages[s].layers)]
+    held = [type(leaf).__name__ for s in mine for leaf in leaf_layers(trainer.parts.stages[s].layers)]
     attention_here, mlp_here = held.count("ParallelSelfAttention"), held.count("ColumnParallelLinear")
     embedding_here, output_here = "VocabParallelEmbedding" in held, "VocabParallelOutput" in held
     # the activations: without sequence parallelism an all-reduce of R x h at each place, with
@@ -126,7 +126,7 @@ for label, tensor, options in CASES:
     if options.get("sequence_parallel"):  # and the sums of the gradients that every rank holds whole:
         per_micro_batch += (held.count("SequenceParallelLayerNorm") * ring(2 * WIDTH, tensor)  # LayerNorms
                             + embedding_here * ring(SEQ * WIDTH, tensor))  # the position embedding (beside it)
-    inside = trainer.counted.traffic.read(PHASE)
+    inside = trainer.parts.counted.traffic.read(PHASE)
     if inside.inter_bytes or not inside.intra_bytes:
         failures.append(f"rank {world.rank}: {label}: the tensor groups sent {inside.inter_bytes} B to other groups "
                         f"of --group-size {config.parallel.group_size} and {inside.intra_bytes} B inside theirs")
@@ -134,7 +134,7 @@ for label, tensor, options in CASES:
     built = built_model("transformer", "text", (), world_size=W, tensor=tensor, text_file=str(TEXT), seq_len=SEQ,
                         width=WIDTH, heads=4, blocks=BLOCKS, tie_embeddings=True,
                         sequence_parallel=options.get("sequence_parallel", False))
-    layout = make_layout(None, built, W, W, stages if stages > 1 else 0, options.get("scheme") if stages > 1 else None,
+    layout = placed_model(None, built, W, W, stages if stages > 1 else 0, options.get("scheme") if stages > 1 else None,
                          0, options.get("micro_batches"), 1, BATCH, "bucketed", 25.0, 8, tensor=tensor)
     predicted, measured = tensor_sent_per_step(layout, micro_batches), world.allreduce(sent[-1])
     if abs(predicted - measured) > 1e-9 * measured:

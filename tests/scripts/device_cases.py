@@ -70,7 +70,7 @@ def trained(options: dict, device: str, before_run=None) -> Trainer:
 def step_traffic(trainer: Trainer) -> tuple[int, int, int, int, int]:
     """Bytes sent, received, handed to the library's collectives, and copied to the host and
     to the device for the wire, in the phases of the steps."""
-    traffic = trainer.counted.traffic
+    traffic = trainer.parts.counted.traffic
     counts = [traffic.read(phase) for phase in traffic.by_phase if phase not in EXCLUDED_PHASES]
     return (sum(c.sent_bytes for c in counts), sum(c.received_bytes for c in counts),
             sum(c.library_bytes for c in counts), sum(c.to_host_bytes for c in counts),

@@ -12,20 +12,21 @@ from mpi4py import MPI
 import deadline
 from mpipar.cli import main
 from mpipar.train.config import TrainConfig
+from mpipar.train.steps import Steps
 from mpipar.train.trainer import Trainer
 
 deadline.arm(50)  # a hang prints every rank's stack
 
-original_step = Trainer.train_step
+original_step = Steps.settled_step
 
 
-def failing_step(self, step, epoch, step_in_epoch):
+def failing_step(self, step, epoch):
     if MPI.COMM_WORLD.rank == 1 and step == 2:
         raise RuntimeError("injected failure on rank 1")
-    return original_step(self, step, epoch, step_in_epoch)
+    return original_step(self, step, epoch)
 
 
-Trainer.train_step = failing_step
+Steps.settled_step = failing_step
 if sys.argv[1] == "cli":
     sys.argv = ["mpipar", "train", "--max-steps", "50"]
     main()

@@ -11,7 +11,7 @@ import numpy as np
 
 
 def one_overflow(trainer, world) -> list[str]:
-    engine = trainer.engine
+    engine = trainer.parts.engine
     finish = engine.finish_gradients
 
     def overflow_on_the_last_rank() -> None:
@@ -23,10 +23,10 @@ def one_overflow(trainer, world) -> list[str]:
         if step == 2 and world.rank == world.size - 1:
             engine.finish_gradients = overflow_on_the_last_rank
         snapshots.append(engine.whole_model.full_parameters().copy())
-        trainer.train_step(step, 0, step)
+        trainer.train_step(step)
         engine.finish_gradients = finish
     snapshots.append(engine.whole_model.full_parameters().copy())
-    failures, scaler = [], trainer.loss_scaler
+    failures, scaler = [], trainer.parts.loss_scaler
     if not np.array_equal(snapshots[2], snapshots[3]):
         changed = int((snapshots[2] != snapshots[3]).sum())
         failures.append(f"rank {world.rank}: the step with the last rank's overflow changed {changed} parameters")

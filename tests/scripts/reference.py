@@ -14,7 +14,7 @@ from mpipar.data import GlobalBatchSampler, load_dataset
 from mpipar.layers import SoftmaxCrossEntropy
 from mpipar.models.builtin import build_model
 from mpipar.models.sequential import build_stages
-from mpipar.optim.optimizers import make_optimizer
+from mpipar.optim.spec import OptimizerSpec, make_optimizer
 from mpipar.optim.tying import is_tied_copy
 from mpipar.train.config import TrainConfig
 
@@ -31,9 +31,10 @@ def one_process(config: TrainConfig, norms: list | None = None) -> np.ndarray:
                         blocks=config.model.blocks, tie_embeddings=config.model.tie_embeddings)
     (stage,) = build_stages(model, 1, backend, config.training.seed)
     flat, loss_fn, cache = stage.flat, SoftmaxCrossEntropy(), ActivationCache()
-    optimizer = make_optimizer(config.optim.optimizer, [flat.data], [flat.grad], [flat.decay_spans(0, flat.size)],
-                               momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
-                               betas=(config.optim.beta1, config.optim.beta2), eps=config.optim.eps)
+    spec = OptimizerSpec(config.optim.optimizer, momentum=config.optim.momentum,
+                         weight_decay=config.optim.weight_decay, betas=(config.optim.beta1, config.optim.beta2),
+                         eps=config.optim.eps)
+    optimizer = make_optimizer(spec, [flat.data], [flat.grad], [flat.decay_spans(0, flat.size)])
     sampler = GlobalBatchSampler(len(train_set), config.training.batch_size, config.training.seed)
     for step in range(config.training.max_steps):
         inputs, targets = train_set.for_epoch(0, config.training.seed).batch(sampler.global_batch_indices(0, step))

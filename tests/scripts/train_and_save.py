@@ -17,5 +17,5 @@ out, *pairs = sys.argv[1:]
 overrides = dict(pair.split("=", 1) for pair in pairs)
 trainer = Trainer(load_config(None, overrides))
 trainer.run()
-if trainer.rank == 0:
-    np.savez(out, params=trainer.stages[0].flat.data, counted_bytes=trainer.counted.traffic.read().library_bytes)
+if trainer.parts.slice_rank == 0:
+    np.savez(out, params=trainer.parts.stages[0].flat.data, counted_bytes=trainer.parts.counted.traffic.read().library_bytes)

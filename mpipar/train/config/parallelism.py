@@ -19,9 +19,9 @@ from mpipar.comms.handle import comm_timeout_seconds
 from mpipar.comms.tags import MAX_STAGES
 from mpipar.comms.topology import check_group_size
 from mpipar.errors import ConfigError
+from mpipar.layout import Mesh
 from mpipar.options import FloatRange, IntRange, LiveChoice, RecomputeType
 from mpipar.schedule.cyclic import LAYOUTS
-from mpipar.schedule.mesh import Mesh
 from mpipar.schedule.sharding import DDP_MODES, NAMED_SHARDINGS, Sharding, parse_sharding
 from mpipar.schedule.strategies import STRATEGIES, Strategy, get_strategy
 from mpipar.train.config.option import NATURAL, POSITIVE, OptionGroup, option
@@ -108,9 +108,10 @@ class ParallelismOptions(OptionGroup):
 
     def mesh(self, world_size: int) -> Mesh:
         """The ranks as pipeline workers x replicas (--replicas, filled by TrainConfig.for_world).
-        Data parallelism is one worker replicated on every rank."""
-        replicas = (self.replicas or 1) if self.stages else world_size
-        return Mesh(world_size // replicas, replicas)
+        Data parallelism is one worker replicated on every rank; Cyclic Data Parallelism one pipeline
+        of them all, whose micro-batches split the whole global batch."""
+        replicas = 1 if self.cyclic else (self.replicas or 1) if self.stages else world_size
+        return Mesh.of(world_size, replicas)
 
     def validate(self, world_size: int) -> None:
         """Refuse a layout of these options that cannot run on `world_size` ranks (automatic

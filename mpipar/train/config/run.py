@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from mpipar.comms.tags import MAX_MICRO_BATCHES, MAX_STAGES
 from mpipar.data import TOKEN_DATASETS
 from mpipar.errors import ConfigError
+from mpipar.layout import Layout, Mesh
 from mpipar.models.builtin import MODELS
 from mpipar.optim.precision import Precision
 from mpipar.schedule.cyclic import check_layout, ranks_for
@@ -68,11 +69,14 @@ class TrainConfig:
         return Shape(self.parallel.mesh(world_size).workers, self.parallel.stages or 1,
                      self.training.micro_batches, self.parallel.loops)
 
-    def evaluation_batch(self, world_size: int) -> int:
-        """Samples per evaluation forward on a rank: --eval-batch, else a training micro-batch's."""
-        per_rank = 1 if self.parallel.cyclic else self.parallel.mesh(world_size).replicas
-        return self.training.eval_batch or max(1, self.training.batch_size // per_rank
-                                               // max(1, self.training.micro_batches))
+    def layout(self, world_size: int) -> Layout:
+        """The layout of this run on `world_size` ranks (automatic values filled in by `for_world`): a
+        slice's mesh as the options place it, times --tensor T, and the batch laid over it."""
+        config = self.for_world(world_size)
+        mesh = config.parallel.mesh(config.engine_ranks(world_size))
+        return Layout(pipeline=mesh.workers, replica=mesh.replicas, tensor=config.parallel.tensor,
+                      batch_size=config.training.batch_size, micro_batches=config.training.micro_batches,
+                      evaluation_batch_size=config.training.eval_batch or 0)
 
     def automatic_units(self) -> str:
         """--ddp when it is not given: the scheme's default (sharding.default_units: one layer
@@ -117,7 +121,7 @@ class TrainConfig:
         accepts: 1 where it runs on every rank (lpp), W/S for gpipe and 1f1b (W = S)."""
         strategy, parallel = self.parallel.strategy(), self.parallel
         for replicas in (d for d in range(1, world_size + 1) if world_size % d == 0):
-            workers = world_size // replicas
+            workers = Mesh.of(world_size, replicas).workers
             if not strategy.check(Shape(workers, parallel.stages, self.training.micro_batches or workers,
                                         parallel.loops)):
                 return replicas
@@ -170,8 +174,7 @@ class TrainConfig:
             self._refuse_what_cyclic_updates_cannot_do(world_size)
         elif parallel.stages:
             self._refuse_what_the_schedule_cannot_run(world_size)
-        else:
-            self._refuse_what_data_parallelism_cannot_run(world_size)
+        self.layout(processes)  # the batch laid over the ranks: it refuses a batch that does not divide
 
     def refuse_what_tensor_parallelism_cannot_split(self, world_size: int) -> None:
         """Refuse --tensor and --sequence-parallel where they cannot split this run's model over
@@ -267,12 +270,6 @@ class TrainConfig:
             raise ConfigError(f"--scheme {scheme} has as many stages as micro-batches: at most {MAX_STAGES}, "
                               f"got --micro-batches {count}")
         check_layout(self.parallel.cdp_layout, scheme, count, world_size)
-        _check_divisible(self.training.batch_size, count, f"the {count} micro-batches (N)", count)
-
-    def _refuse_what_data_parallelism_cannot_run(self, world_size: int) -> None:
-        micro_batches = self.training.micro_batches
-        _check_divisible(self.training.batch_size, world_size * micro_batches,
-                         f"{world_size} ranks x {micro_batches} micro-batches", micro_batches)
 
     def _refuse_what_the_schedule_cannot_run(self, world_size: int) -> None:
         parallel, micro_batches, replicas = self.parallel, self.training.micro_batches, self.parallel.replicas
@@ -286,30 +283,6 @@ class TrainConfig:
             raise ConfigError(f"{parallel.scheme} computes stage {shared[0]} on several workers of a pipeline, which "
                               f"cannot yet be combined with --replicas {replicas}; use gpipe, 1f1b, or lpp/fslpp "
                               "with one loop and at least as many stages as workers")
-        what = (f"the schedule's {micro_batches} micro-batches" if replicas == 1
-                else f"{replicas} replicas x {micro_batches} micro-batches")
-        _check_divisible(self.training.batch_size, replicas * micro_batches, what, micro_batches)
-
-
-def _check_divisible(batch_size: int, parts: int, what: str, micro_batches: int | None = None) -> None:
-    """The global batch must split evenly into `parts` (`micro_batches` of them per rank or
-    replica, where that count is the user's to change); suggest sizes that do. A batch
-    smaller than `parts` is met by fewer micro-batches, not a larger batch, which the data
-    set may not hold."""
-    if batch_size % parts == 0:
-        return
-    below, above = batch_size // parts * parts, (batch_size // parts + 1) * parts
-    if below == 0 and micro_batches:
-        ways = parts // micro_batches
-        fewer = max(count for count in range(1, micro_batches + 1) if batch_size % (ways * count) == 0) \
-            if batch_size % ways == 0 else None
-        fix = (f"--micro-batches {fewer}" if fewer else
-               f"a --batch-size divisible by {ways}, such as {max(ways, batch_size // ways * ways)}, and fewer "
-               "micro-batches")
-        raise ConfigError(f"--batch-size {batch_size} is smaller than {what} = {parts}, so some micro-batch would "
-                          f"be empty; use {fix}")
-    fixes = f"{below} or {above}" if below else f"{above}"
-    raise ConfigError(f"--batch-size {batch_size} is not divisible by {what} = {parts}; use --batch-size {fixes}")
 
 
 # Every option by its flat name: the group (TrainConfig's field) it belongs to, and its declaration.

@@ -18,10 +18,10 @@ class TrainingOptions(OptionGroup):
     epochs: int = option(15, "passes over the training set", POSITIVE, "training")
     max_steps: int = option(0, "stop after this many steps (0: no limit)", NATURAL, "training")
     batch_size: int = option(64, "global batch size, summed over ranks and micro-batches", POSITIVE, "training")
-    micro_batches: int = option(0, "micro-batches: per rank per step in data parallelism (gradient accumulation); "
-                                   "of the whole step with --stages; CDP's N (stages and micro-batches). "
-                                   "0: 1 in data parallelism, the number of ranks with --stages, what "
-                                   "--cdp-layout needs on the ranks for CDP", NATURAL, "training")
+    micro_batches: int = option(0, "micro-batches of one replica's step (gradient accumulation): a rank's in data "
+                                   "parallelism, a pipeline's with --stages, CDP's N (its stages and micro-batches "
+                                   "of the whole batch). 0: 1 in data parallelism, the ranks of a pipeline with "
+                                   "--stages, what --cdp-layout needs on the ranks for CDP", NATURAL, "training")
     seed: int = option(0, "seed for initialisation, data order and dropout", NATURAL, "training")
     eval_batch: int = option(0, "evaluation batch size per rank (0: a training micro-batch's, so that evaluation "
                                 "needs no more activation memory than training)", NATURAL, "training")

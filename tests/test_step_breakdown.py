@@ -1,9 +1,9 @@
-"""The step split (mpipar/report/step_split.py) puts each instruction's time in its own part of the step."""
+"""The step breakdown (mpipar/report/step_breakdown.py) puts each instruction's time in its own part of the step."""
 
 import time
 
 from conftest import small_config
-from mpipar.report.step_split import PARTS, StepSplit
+from mpipar.report.step_breakdown import PARTS, StepBreakdown
 from mpipar.runtime.executor import Executor
 from mpipar.schedule.instructions import Update
 from mpipar.train.trainer import Trainer
@@ -19,17 +19,18 @@ def slow_update(executor, instruction) -> None:
 def test_an_optimizer_made_slow_shows_as_optimizer_time_and_nowhere_else(monkeypatch):
     trainer = Trainer(small_config(max_steps=6))
     for step in range(3):  # warm: the optimizer is built at its first update, BLAS's threads start
-        trainer.train_step(step, 0, step)
+        trainer.train_step(step)
     monkeypatch.setitem(Executor.handlers, Update, slow_update)
-    trainer.engine.split = split = StepSplit()
+    breakdown = StepBreakdown()
+    trainer.parts.engine.observe(breakdown)
     start = time.perf_counter()
     for step in (3, 4):
-        trainer.train_step(step, 0, step)
+        trainer.train_step(step)
     wall = time.perf_counter() - start
-    assert split.seconds["forward"] > 0 and split.seconds["backward"] > 0
-    assert split.seconds["optimizer"] >= 2 * PAUSE
+    assert breakdown.seconds["forward"] > 0 and breakdown.seconds["backward"] > 0
+    assert breakdown.seconds["optimizer"] >= 2 * PAUSE
     # the digits MLP's forward and backward take about a millisecond a step here
-    assert split.seconds["forward"] + split.seconds["backward"] < PAUSE
-    lines = split.lines(wall, 2)
+    assert breakdown.seconds["forward"] + breakdown.seconds["backward"] < PAUSE
+    lines = breakdown.lines(wall, 2)
     assert [line.split()[0] for line in lines] == [*PARTS, "other"]
     assert float(lines[-1].split()[1]) >= 0  # the parts never add up to more than the wall time

@@ -1,15 +1,15 @@
 """Where a step's time goes: forward, backward, optimizer, communication, waiting, and the rest.
 
-Set `executor.split = StepSplit()` and the executor times every instruction it runs and
-adds the time to its part of the step:
+A StepBreakdown observes an executor (`executor.observe(breakdown)`, runtime/observer.py): each
+instruction's time from its start to its end goes to its part of the step:
 
     forward        Compute of a forward job (the layers, and the polls between them)
     backward       Compute of a backward or weight-gradient job
     optimizer      Update (the optimizer's step on the rank's weights or shard)
     communication  posting messages and collectives: Send, Receive, ReduceGradients and the
                    sharding flow's GatherUnit, ReduceUnit, PublishUnit, ...
-    waiting        blocking until messages complete: EndTimeStep's sends and
-                   finish_gradients (the last sends and the gradient reductions)
+    waiting        blocking until messages complete: EndTimeStep's sends and, between
+                   instructions, finish_gradients' wait for the last sends and reductions
 
 An instruction's whole time goes to its part, waits inside it included: a Compute that
 waits for its input from the previous stage (a pipeline's bubble) or for a sharded unit's
@@ -21,31 +21,36 @@ parallelism, whose waits are finish_gradients', the parts are what they say.
 Whoever times the steps' wall clock (a benchmark) passes it to `lines`; what the parts do
 not cover is "other": the trainer's Python between the executor's calls (micro-batch
 slices, clipping's norm and the per-step metrics' sum across ranks) and the executor's own
-Python between instructions. With no split set the executor pays one `is None` test per
-instruction.
+Python between instructions. With no observer the executor pays one `is None` test per
+batch of instructions.
 
-`measure` does all of it for a benchmark: a split on, a number of steps timed, the lines.
+`measure` does all of it for a benchmark: a breakdown observing, a number of steps timed, the lines.
 
 Exercised by: python benchmarks/language_model.py --threads 1; python benchmarks/mlp_schemes.py
-(each prints the split of mpipar's steps after its timed rounds)
+(each prints the breakdown of mpipar's steps after its timed rounds)
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+from mpipar.runtime.observer import ExecutorObserver
 from mpipar.schedule.instructions import Compute, EndTimeStep, Update
 from mpipar.schedule.strategies import FORWARD
+
+if TYPE_CHECKING:
+    from mpipar.runtime.executor import Executor
 
 PARTS = ("forward", "backward", "optimizer", "communication", "waiting")
 
 
-class StepSplit:
-    """Seconds spent in each part of the steps run since it was made."""
+class StepBreakdown(ExecutorObserver):
+    """Seconds spent in each part of the steps observed since it was made."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.begun: float | None = None  # the start of the instruction running now
 
     @staticmethod
     def part_of(instruction) -> str:
@@ -58,15 +63,16 @@ class StepSplit:
             return "waiting"
         return "communication"
 
-    def add(self, part: str, seconds: float) -> None:
-        self.seconds[part] += seconds
+    def started(self, instruction, time: float) -> None:
+        self.begun = time
 
-    def execute(self, instructions, handle: Callable) -> None:
-        """`handle` each instruction in turn, its time added to its part."""
-        for instruction in instructions:
-            start = time.perf_counter()
-            handle(instruction)
-            self.add(self.part_of(instruction), time.perf_counter() - start)
+    def ended(self, instruction, time: float) -> None:
+        self.seconds[self.part_of(instruction)] += time - self.begun
+        self.begun = None
+
+    def waited(self, what: str, start: float, end: float) -> None:
+        if self.begun is None:  # a wait inside an instruction is in that instruction's part
+            self.seconds["waiting"] += end - start
 
     def lines(self, wall_seconds: float, steps: int) -> list[str]:
         """Milliseconds per step and share of the wall time, per part, then "other"."""
@@ -75,13 +81,14 @@ class StepSplit:
                 for part, seconds in parts.items()]
 
 
-def measure(executor, run: Callable[[int], None], steps: int, barrier: Callable[[], None]) -> list[str]:
-    """The split of `steps` more steps, which `run(steps)` trains on `executor`, as `lines` gives
+def measure(executor: Executor, run: Callable[[int], None], steps: int, barrier: Callable[[], None]) -> list[str]:
+    """The breakdown of `steps` more steps, which `run(steps)` trains on `executor`, as `lines` gives
     it; `barrier` lines the ranks up first, so that no rank's clock starts with another's lag."""
-    executor.split = split = StepSplit()
+    breakdown = StepBreakdown()
+    executor.observe(breakdown)
     barrier()
     start = time.perf_counter()
     run(steps)
     wall = time.perf_counter() - start
-    executor.split = None
-    return split.lines(wall, steps)
+    executor.observe(None)
+    return breakdown.lines(wall, steps)
