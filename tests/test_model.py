@@ -125,7 +125,7 @@ def test_a_split_backward_gives_the_whole_backward_gradients_in_any_interleaving
     stage.flat.zero_grad()
     for b in range(2):
         stage.forward(xs[b], contexts[b])
-    split = [stage.backward(dys[b], contexts[b], split=True) for b in range(2)]
+    split = [stage.backward(dys[b], contexts[b], split_backward=True) for b in range(2)]
     assert any(layer.splits_backward for layer in stage.layers)
     for b in (1, 0):
         stage.backward_weights(contexts[b])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 from mpi4py import MPI
@@ -138,6 +137,16 @@ def test_checkpoints_save_and_resume_without_a_trainer(tmp_path):
         np.testing.assert_array_equal(after, before)
 
 
+class CountedSteps:
+    """An optimizer's count of updates applied, as a checkpoint saves and restores it."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def set_step_count(self, steps: int) -> None:
+        self.steps = steps
+
+
 def test_a_checkpoint_keeps_the_loss_scale_and_counts_only_the_updates_applied(tmp_path):
     """Under --precision fp16 a resumed run must scale and skip as the uninterrupted one: the
     scale, its good steps and the skipped steps are restored, and Adam's count (its bias
@@ -146,9 +155,9 @@ def test_a_checkpoint_keeps_the_loss_scale_and_counts_only_the_updates_applied(t
     for finite in (True, False, True, True):  # the second step overflowed: skipped, the scale halved
         scaler.update(finite)
     writer, _ = checkpointed_run(tmp_path, two_stages(), loss_scaler=scaler,
-                                 optimizers=[SimpleNamespace(steps=3)])
+                                 optimizers=[CountedSteps(3)])
     writer.save(4)
-    resumed_scaler, counted = LossScaler(), SimpleNamespace(steps=0)
+    resumed_scaler, counted = LossScaler(), CountedSteps(0)
     reader, _ = checkpointed_run(tmp_path, two_stages(), resume="auto", loss_scaler=resumed_scaler,
                                  optimizers=[counted])
     assert reader.resume() == 4

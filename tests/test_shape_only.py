@@ -91,7 +91,7 @@ def test_declarations_equal_the_dry_run(name, options, stages, dtype, recompute,
         options["text_file"] = text_file
     built = built_model(model, dataset, hidden, **options)
     (measured, measured_eval), (declared, declared_eval) = both(built, stages, dtype, micro_batch=3,
-                                                                recompute=recompute, split_backward=split)
+                                                                recompute=recompute, split=split)
     assert measured.stashed and max(measured.stashed) > 0
     assert declared == measured
     assert declared_eval == measured_eval

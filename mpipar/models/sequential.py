@@ -243,16 +243,16 @@ class Stage:
         return x
 
     def backward(self, dy, ctx, after_layer: LayerHook | None = None, span: tuple[int, int] | None = None,
-                 split: bool = False):
+                 split_backward: bool = False):
         """Backward through the stage (or `span` of it); `after_layer(layer)` runs as each layer
-        finishes. It stops where no layer below needs an input gradient (dy None). `split`: the
+        finishes. It stops where no layer below needs an input gradient (dy None). `split_backward`: the
         first part of a split backward (a zero-bubble B job), the input gradients only, from
         the layers that can split; backward_weights adds their weight gradients later."""
         for layer in reversed(self.layers if span is None else self.layers[span[0]:span[1]]):
             if dy is None:
                 break
-            dy = layer.backward_input(dy, ctx) if split else layer.backward(dy, ctx)
-            if not (split and layer.splits_backward):
+            dy = layer.backward_input(dy, ctx) if split_backward else layer.backward(dy, ctx)
+            if not (split_backward and layer.splits_backward):
                 mark_written(layer)
             if after_layer is not None:
                 after_layer(layer)
@@ -260,7 +260,7 @@ class Stage:
 
     def backward_weights(self, ctx, after_layer: LayerHook | None = None, span: tuple[int, int] | None = None):
         """The second part of a split backward (a W job): the weight gradients of the layers
-        that split, from what `backward(..., split=True)` left in `ctx`."""
+        that split, from what `backward(..., split_backward=True)` left in `ctx`."""
         for layer in reversed(self.layers if span is None else self.layers[span[0]:span[1]]):
             if layer.splits_backward and layer.param_specs():
                 layer.backward_weights(ctx)

@@ -21,7 +21,7 @@ instructions of schedule/instructions.py, and it runs them, one handler each:
 
 Pipelines run a step at a time: `run_step` (all before the updates), `finish_gradients`, `step(lr)`
 once the summed loss is finite; CDP runs overlapping steps with `run_steps`, reading each loss once.
-Its parts are each handed what they read: `items`, `jobs`, `shared` and `whole_model`. One observer
+Its parts are each handed what they read: `items`, `jobs`, `sharded` and `whole_model`. One observer
 (`observe`, runtime/observer.py) hears of every instruction's start and end, every wait and layer.
 
 Exercised by: mpiexec -n 4 mpipar train --scheme 1f1b --stages 2 --shard zero3

@@ -52,7 +52,7 @@ class StepInputs:
 
 
 class JobRunner:
-    """Runs the Computes of this rank's program: `items` holds what jobs read and make, `shared`
+    """Runs the Computes of this rank's program: `items` holds what jobs read and make, `sharded`
     the stages its replica group shares; `poll` (the executor's) lets the messages in flight
     progress after every layer."""
 
@@ -153,7 +153,7 @@ class JobRunner:
     def _backward(self, step: int, s: int, g: int, new_gradient: bool, unit: int | None, span, opens: bool,
                   closes: bool) -> None:
         ctx, dy = self.cache.lookup(s, g), None
-        split = self.plan.splits_backward  # a zero-bubble B: the input gradient only; its W follows later
+        split_backward = self.plan.splits_backward  # a zero-bubble B: the input gradient only; its W follows later
         parts = [span] if self.recompute is None else self._segments(s, span)[::-1]
         for index, part in enumerate(parts):
             if index and dy is None:  # stage 0 below its first layer with parameters: nothing more to do
@@ -165,12 +165,12 @@ class JobRunner:
                     self.loss_fn.forward(y, targets, ctx, self.batch_size)
             if index == 0:
                 dy = self._output_gradient(step, s, g, new_gradient, unit, opens)
-            dy = self.stages[s].backward(dy, ctx, self.after_layer, part, split)
+            dy = self.stages[s].backward(dy, ctx, self.after_layer, part, split_backward)
         dx = dy
         if not closes:
             self.flowing = (dx, None)
             return
-        if not split:
+        if not split_backward:
             self.cache.release(s, g)
         if s > 0:
             self.items.keep(Item(ItemKind.OUTPUT_GRADIENT, s - 1, g), dx)

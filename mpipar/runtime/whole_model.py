@@ -32,7 +32,7 @@ from mpipar.schedule.strategies import FORWARD
 
 class WholeModel:
     """The whole model of `stages` as this rank sees it under `plan`: `items` holds its item
-    stages' state, `shared` the stages its replica group shares; `pool` lends the scratch
+    stages' state, `sharded` the stages its replica group shards; `pool` lends the scratch
     buffers a stage it lacks is brought into."""
 
     def __init__(self, stages: list[Stage], plan: Plan, items: ItemStore, sharded: dict[int, ShardedStage],

@@ -117,7 +117,7 @@ class Plan(Protocol):
 def lower(program: tuple, stages: int, sharded: dict[int, int], sharding: Sharding = NAMED_SHARDINGS["ddp"],
           prefetch: int = 1) -> tuple[tuple, int]:
     """A pipeline worker's program as item instructions (of step 0), and where its update part
-    starts. `shared` maps each stage its replica group shares to its number of units: its jobs
+    starts. `sharded` maps each stage its replica group shards to its number of units: its jobs
     and update become the sharding flow of `sharding` (schedule/flow.py), and its
     weights and gradients are that flow's, not items."""
     jobs = [(i.stage, isinstance(i, Backward)) for i in program if isinstance(i, (Forward, Backward))]
