@@ -61,10 +61,9 @@ class Evaluation:
             len(test), min(samples, len(test)), replace=False)
         return np.sort(chosen), test.batch
 
-    def __call__(self, epoch: int, step: int, count_once: Callable[[np.ndarray], None]) -> EvalResult:
+    def __call__(self, epoch: int, step: int) -> EvalResult:
         """Loss and accuracy on the evaluation set after step `step`, read one batch at a time (a token
-        stream's sample is generated as it is read); `count_once` zeroes the figures a tensor group's
-        other ranks computed too."""
+        stream's sample is generated as it is read), each figure counted once per tensor group."""
         started = time.perf_counter()
         parts, layout = self.parts, self.parts.layout
         samples, read = self.samples()
@@ -86,7 +85,7 @@ class Evaluation:
                 totals[1] += (parts.loss_fn.predictions(logits) == targets).sum()
             totals[2] += targets.size
         totals = read_values(totals)  # summed on the host: three numbers
-        count_once(totals)
+        parts.count_once(totals)
         with parts.counted.traffic.phase("evaluate"):
             sum_across_ranks(parts.counted, totals)
         self.seconds += time.perf_counter() - started

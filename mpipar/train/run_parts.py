@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
+import numpy as np
 from mpi4py import MPI
 
 from mpipar.adapters import cpu_updates
@@ -98,6 +99,12 @@ class LaidOut:
 
     def to_device(self, inputs, targets):
         return to_device(self.backend, inputs, targets)
+
+    def count_once(self, figures: np.ndarray) -> None:
+        """Zero the loss and accuracy figures on all but one rank of a tensor group, which all
+        computed the same ones, before they are summed over every rank."""
+        if self.tensor is not None and self.tensor.rank > 0:
+            figures[:] = 0
 
 
 @dataclass(frozen=True)

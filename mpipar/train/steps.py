@@ -120,7 +120,7 @@ class Steps:
         figures = read_values(self.device_figures)
         self.step_totals[:3], self.step_totals[-1] = figures[:3], figures[3]
         self.step_totals[3:3 + FLAGS] = parts.checkpoints.flags()
-        self.count_once(self.step_totals[:3])
+        parts.count_once(self.step_totals[:3])
         with parts.counted.traffic.phase("metrics"):
             sum_across_ranks(parts.counted, self.step_totals)
         loss = float(self.step_totals[0])
@@ -162,12 +162,6 @@ class Steps:
         return StepsRun([StepResult(first_step + offset, epoch, float(loss), float(correct / predictions),
                                     parts.lr_at(first_step + offset), seconds)
                          for offset, (loss, correct, predictions) in enumerate(totals)], summed[-FLAGS:])
-
-    def count_once(self, figures: np.ndarray) -> None:
-        """Zero the loss and accuracy figures on all but one rank of a tensor group, which all
-        computed the same ones, before they are summed over every rank."""
-        if self.parts.tensor is not None and self.parts.tensor.rank > 0:
-            figures[:] = 0
 
     def non_finite_advice(self) -> str:
         optim, model = self.parts.config.optim, self.parts.config.model  # the optimizer computes in --dtype

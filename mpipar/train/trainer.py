@@ -63,7 +63,7 @@ class Trainer:
         """Loss and accuracy on the evaluation set after step `step` (collective), labelled with the
         epoch of the last step trained (the step before `step`)."""
         epoch = min(max(step - 1, 0) // self.parts.sampler.steps_per_epoch, self.config.training.epochs - 1)
-        return self.evaluation(epoch, step, self.steps.count_once)
+        return self.evaluation(epoch, step)
 
     def full_parameters(self, root: int | None = None) -> dict[str, np.ndarray] | None:
         """The whole model's parameters by name (collective; with `root`, only that rank gets them)."""
