@@ -2,8 +2,10 @@
 
     parse_bytes("64MB") == 64e6      parse_bytes("1GiB") == 2**30
     parse_rate("25GB/s") == 25e9     parse_seconds("5us") == 5e-6
+    parse_flop_rate("989TFLOP/s") == 989e12
 
 Exercised by: python -m pytest tests/test_cost.py -k units
+              python -m pytest tests/test_cluster.py -k flop_rate
 """
 
 from __future__ import annotations
@@ -42,6 +44,17 @@ def parse_seconds(text: str) -> float:
     if not match or match.group(2).upper() not in _SECONDS:
         raise ConfigError(f"cannot read {text!r} as a time: write e.g. 5us, 1.5ms or 0.002s")
     return float(match.group(1)) * _SECONDS[match.group(2).upper()]
+
+
+_FLOP_PREFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+
+
+def parse_flop_rate(text: str) -> float:
+    """'989TFLOP/s', '19.5 TFLOPS', '1e12' -> floating-point operations per second."""
+    match = re.fullmatch(_NUMBER + r"(?:([KMGTP]?)FLOP(?:/S|S))?\s*", text.upper())
+    if not match:
+        raise ConfigError(f"cannot read {text!r} as a compute rate: write e.g. 989TFLOP/s or 19.5TFLOP/s")
+    return float(match.group(1)) * _FLOP_PREFIXES[match.group(2) or ""]
 
 
 def format_seconds(seconds: float) -> str:

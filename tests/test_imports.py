@@ -268,7 +268,7 @@ def test_no_import_cycles():
 # prediction and its step timer (SIBLINGS: neither imports the other). The kernels' NumPy steps lie
 # under both the GPU's parts and the layers, which run the same steps.
 LAYERS = ("errors", "units", "layout", "kernels", "gpu", "backend", "system", "options", "cache", "layers", "data",
-          "comms", "checkpoint", "models", "optim", "schedule", "predict", "runtime", "adapters", "report", "train", "cli")
+          "comms", "checkpoint", "models", "optim", "schedule", "predict", "runtime", "adapters", "report", "train", "plan", "cli")
 SIBLINGS = {"runtime": ("predict",)}
 NEVER_IMPORTS = {f"mpipar.{part}": tuple(f"mpipar.{above}" for above in LAYERS[index + 1:] + SIBLINGS.get(part, ()))
                  for index, part in enumerate(LAYERS)}

@@ -24,6 +24,7 @@ from mpipar.cli.checkpoint import checkpoint
 from mpipar.cli.data import data
 from mpipar.cli.estimate import estimate
 from mpipar.cli.info import info
+from mpipar.cli.plan import plan
 from mpipar.cli.sample import sample
 from mpipar.cli.schedule import schedule
 from mpipar.cli.simulate import simulate
@@ -46,6 +47,7 @@ cli.add_command(data)
 cli.add_command(bench)
 cli.add_command(simulate)
 cli.add_command(estimate)
+cli.add_command(plan)
 cli.add_command(schedule)
 cli.add_command(checkpoint)
 cli.add_command(sample)

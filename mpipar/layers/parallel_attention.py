@@ -21,6 +21,7 @@ back to the block instead of all-reduced; the output bias's gradient is taken fr
 gathered dy, whole on every rank.
 
 Exercised by: mpiexec -n 2 python tests/scripts/check_tensor_layers.py   (via tests/test_tensor_parallel.py)
+              python -m pytest tests/test_tensor_collectives.py
 """
 
 from __future__ import annotations
@@ -33,14 +34,13 @@ from mpipar.errors import ConfigError
 from mpipar.layers.attention import attend, attend_backward, attend_shapes
 from mpipar.layers.base import Layer, ParamSpec, uniform_init
 from mpipar.layers.declared import Buffer, ShapeContext
-from mpipar.layers.tensor_parallel import TensorGroup, block, sequence_boundary, shard_spec
+from mpipar.layers.tensor_parallel import Collectives, TensorGroup, block, sequence_boundary, shard_spec
 
 
 class ParallelSelfAttention(Layer):
     def __init__(self, dim: int, heads: int, group: TensorGroup, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.boundary = sequence_boundary(group, sequence_parallel)
-        self.crossings = (dim, dim)  # x in, y out (WholeSequence)
         if dim % heads:
             raise ConfigError(f"attention width {dim} is not divisible by its {heads} heads")
         self.dim, self.heads, self.head_dim, self.group = dim, heads, dim // heads, group
@@ -48,6 +48,11 @@ class ParallelSelfAttention(Layer):
         self.heads_here = stop - self.first_head
         self.width_here = self.heads_here * self.head_dim
         self.name = f"ParallelSelfAttention({dim}, heads={heads})"
+
+    def tensor_collectives(self, rows: int, itemsize: int) -> Collectives:
+        """x enters, then y leaves; its backward always makes dx (it does not skip the input gradient)."""
+        activation = rows * self.dim * itemsize
+        return self.boundary.entering(activation).then(self.boundary.leaving(activation))
 
     def param_specs(self) -> list[ParamSpec]:
         init, d = uniform_init(1.0 / math.sqrt(self.dim)), self.head_dim

@@ -24,9 +24,12 @@ The split layers' biases added in this region (a row-parallel output's) take the
 from the gathered dy, whole on every rank, and need no sum.
 
 Exercised by: mpiexec -n 2 python tests/scripts/check_tensor_layers.py   (via tests/test_tensor_parallel.py)
+              python -m pytest tests/test_tensor_collectives.py
 """
 
 from __future__ import annotations
+
+import math
 
 from mpipar.backend import Array, array_module
 from mpipar.cache import Context
@@ -35,7 +38,7 @@ from mpipar.layers.declared import Buffer, ShapeContext
 from mpipar.layers.dropout import Dropout
 from mpipar.layers.embedding import PositionEmbedding
 from mpipar.layers.norm import LayerNorm
-from mpipar.layers.tensor_parallel import TensorGroup
+from mpipar.layers.tensor_parallel import Collectives, TensorCollective, TensorGroup
 
 
 def backward_summed(layer: Layer, group: TensorGroup, backward, *args):
@@ -60,6 +63,12 @@ def backward_summed(layer: Layer, group: TensorGroup, backward, *args):
     return dx
 
 
+def summed_gradients(layer: Layer, itemsize: int) -> Collectives:
+    """What `backward_summed` calls: one all-reduce of the layer's parameters' gradients, backward."""
+    elements = sum(math.prod(spec.shape) for spec in layer.param_specs())
+    return Collectives(backward=(TensorCollective("all-reduce", elements * itemsize),))
+
+
 class SequenceParallelLayerNorm(LayerNorm):
     """LayerNorm on rank t's positions; its gain's and shift's gradients summed over the group."""
 
@@ -68,6 +77,9 @@ class SequenceParallelLayerNorm(LayerNorm):
     def __init__(self, dim: int, group: TensorGroup) -> None:
         super().__init__(dim)
         self.group = group
+
+    def tensor_collectives(self, rows: int, itemsize: int) -> Collectives:
+        return summed_gradients(self, itemsize)
 
     def backward(self, dy: Array, ctx: Context) -> Array | None:
         return backward_summed(self, self.group, super().backward, dy, ctx)
@@ -100,6 +112,9 @@ class SequenceParallelPositionEmbedding(PositionEmbedding):
             raise self.shape_error(f"(T/{self.group.size} <= {self.max_len // self.group.size}, {self.dim})",
                                    in_shape)
         return in_shape
+
+    def tensor_collectives(self, rows: int, itemsize: int) -> Collectives:
+        return summed_gradients(self, itemsize)
 
     def _positions(self, length: int) -> slice:
         return slice(self.group.rank * length, (self.group.rank + 1) * length)

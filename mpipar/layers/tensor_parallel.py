@@ -33,13 +33,20 @@ The layers never import the communication package: they are handed a group, anyt
 the runtime's; `OneRank` is T = 1's, where the built-in transformer's layers are these same
 layers, so that its layout does not depend on T).
 
+Each layer that calls the group says what it calls: `tensor_collectives(rows, itemsize)`, the
+`Collectives` of a micro-batch of `rows` rows (all positions), forward and backward, in the order
+they run. `mpipar estimate`'s bytes and the planner's times read them (predict/estimate.py's
+`tensor_collectives`). None of these layers splits its backward: a zero-bubble B runs it whole.
+
 Exercised by: mpiexec -n 2 python tests/scripts/check_tensor_layers.py   (via tests/test_tensor_parallel.py)
+              python -m pytest tests/test_tensor_collectives.py
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
 
 from mpipar.backend import Array, array_module, matmul
 from mpipar.cache import Context
@@ -97,16 +104,63 @@ class PlaceInGroup:
         return stacked[self.rank]
 
 
+Operation = Literal["all-reduce", "all-gather", "reduce-scatter"]  # comms/cost.py's names
+RING_SHARE = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}  # x (T - 1) / T of the buffer, a rank
+
+
+@dataclass(frozen=True)
+class TensorCollective:
+    """One call on the tensor group: `operation` on a buffer of `nbytes`, the whole one (an
+    all-reduce's array, an all-gather's gathered result, a reduce-scatter's stacked input), as
+    comms/cost.py's `predict` takes it."""
+
+    operation: Operation
+    nbytes: int
+
+    def sent_by_ring(self, tensor: int) -> float:
+        """Bytes one rank of a group of `tensor` sends by a ring: (T - 1) / T of the buffer for an
+        all-gather or a reduce-scatter, twice that for an all-reduce (the one, then the other)."""
+        return RING_SHARE[self.operation] * (tensor - 1) / tensor * self.nbytes
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """What a layer calls on its tensor group in one micro-batch's forward and in its backward, in order."""
+
+    forward: tuple[TensorCollective, ...] = ()
+    backward: tuple[TensorCollective, ...] = ()
+
+    def then(self, later: Collectives) -> Collectives:
+        """This layer's, then `later`'s (the next one): forward in that order, backward the other way round."""
+        return Collectives(self.forward + later.forward, later.backward + self.backward)
+
+    def every(self) -> tuple[TensorCollective, ...]:
+        return self.forward + self.backward
+
+
+@runtime_checkable
+class CallsTensorGroup(Protocol):
+    """A layer that calls its tensor group inside its forward or backward, and says what it calls."""
+
+    def tensor_collectives(self, rows: int, itemsize: int) -> Collectives:
+        """Its calls for a micro-batch of `rows` rows (all positions) of `itemsize`-byte elements."""
+
+
 class WholeSequence:
     """Outside the split layers every rank holds the whole activation (n, s, h): Megatron's f and g.
     Entering costs nothing forward and an all-reduce of the input gradient backward; leaving,
-    an all-reduce of the partial outputs forward and nothing backward. So each crossing (a
-    split layer's `crossings`: the features per row of each activation it takes in or gives
-    out) costs one all-reduce a micro-batch, forward and backward together, here and under
-    SplitSequence alike: 2 (T - 1) / T of its bytes per rank, by a ring."""
+    an all-reduce of the partial outputs forward and nothing backward."""
 
     def __init__(self, group: TensorGroup) -> None:
         self.group = group
+
+    def entering(self, nbytes: int) -> Collectives:
+        """What `enter` and `enter_backward` call on an activation of `nbytes` (the whole sequence's)."""
+        return Collectives(backward=(TensorCollective("all-reduce", nbytes),))
+
+    def leaving(self, nbytes: int) -> Collectives:
+        """What `leave` and `leave_backward` call on an activation of `nbytes` (the whole sequence's)."""
+        return Collectives(forward=(TensorCollective("all-reduce", nbytes),))
 
     def inside(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The per-sample shape inside the split layers of one `shape` outside them."""
@@ -144,6 +198,12 @@ class SplitSequence(WholeSequence):
     forward and all-gathers the gradient backward. The same bytes as WholeSequence's two
     all-reduces (a ring all-reduce is a reduce-scatter and an all-gather), and between the
     split layers every activation is T times smaller."""
+
+    def entering(self, nbytes: int) -> Collectives:
+        return Collectives((TensorCollective("all-gather", nbytes),), (TensorCollective("reduce-scatter", nbytes),))
+
+    def leaving(self, nbytes: int) -> Collectives:
+        return Collectives((TensorCollective("reduce-scatter", nbytes),), (TensorCollective("all-gather", nbytes),))
 
     def inside(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (shape[0] * self.group.size, *shape[1:])
@@ -195,6 +255,13 @@ def sum_scatter_sequence(group: TensorGroup, whole: Array) -> Array:
     return group.reduce_scatter(array_module(whole).ascontiguousarray(by_rank))
 
 
+def entering_with(layer: Layer, nbytes: int) -> Collectives:
+    """What a layer whose input of `nbytes` enters the split region calls: `enter_backward` comes
+    with the input gradient, which its backward skips where no layer below needs it."""
+    entering = layer.boundary.entering(nbytes)
+    return entering if layer.needs_input_grad else Collectives(entering.forward)
+
+
 def block(total: int, group: TensorGroup, what: str) -> tuple[int, int]:
     """[start, stop) of the group rank's equal block of `total` items (refused unless T divides it)."""
     if total % group.size:
@@ -220,11 +287,14 @@ class ColumnParallelLinear(Layer):
         super().__init__()
         self.in_features, self.out_features, self.group, self.has_bias = in_features, out_features, group, bias
         self.boundary = sequence_boundary(group, sequence_parallel)
-        self.crossings = (in_features,)  # x in (WholeSequence)
         self.first, stop = block(out_features, group, f"the {out_features} output features of a Linear")
         self.out_here = stop - self.first
         self.name = f"ColumnParallelLinear({in_features}->{out_features})"
         self.needs_input_grad = True
+
+    def tensor_collectives(self, rows: int, itemsize: int) -> Collectives:
+        """x enters: backward only where a layer below needs the input gradient."""
+        return entering_with(self, rows * self.in_features * itemsize)
 
     def param_specs(self) -> list[ParamSpec]:
         init = uniform_init(1.0 / math.sqrt(self.in_features))
@@ -275,11 +345,14 @@ class RowParallelLinear(Layer):
         super().__init__()
         self.in_features, self.out_features, self.group, self.has_bias = in_features, out_features, group, bias
         self.boundary = sequence_boundary(group, sequence_parallel)
-        self.crossings = (out_features,)  # y out (WholeSequence)
         self.first, stop = block(in_features, group, f"the {in_features} input features of a Linear")
         self.in_here = stop - self.first
         self.name = f"RowParallelLinear({in_features}->{out_features})"
         self.needs_input_grad = True
+
+    def tensor_collectives(self, rows: int, itemsize: int) -> Collectives:
+        """y leaves (its backward's gather comes before the input gradient, so it runs either way)."""
+        return self.boundary.leaving(rows * self.out_features * itemsize)
 
     def param_specs(self) -> list[ParamSpec]:
         init = uniform_init(1.0 / math.sqrt(self.in_features))

@@ -22,6 +22,7 @@ reduce-scattered to this rank's block of the positions instead of all-reduced, a
 gathers the positions' blocks before its product (the loss sees every position's logits).
 
 Exercised by: mpiexec -n 2 python tests/scripts/check_tensor_layers.py   (via tests/test_tensor_parallel.py)
+              python -m pytest tests/test_tensor_collectives.py
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ from mpipar.layers.base import Layer, normal_init, uniform_init
 from mpipar.layers.declared import Buffer, ShapeContext, rows_out
 from mpipar.layers.embedding import check_ids
 from mpipar.layers.losses import Loss
-from mpipar.layers.tensor_parallel import TensorGroup, sequence_boundary, shard_spec
+from mpipar.layers.tensor_parallel import (
+    Collectives,
+    TensorCollective,
+    TensorGroup,
+    entering_with,
+    sequence_boundary,
+    shard_spec,
+)
 
 
 def vocabulary_block(vocab_size: int, group: TensorGroup) -> tuple[int, int]:
@@ -50,9 +58,12 @@ class VocabParallelEmbedding(Layer):
         super().__init__()
         self.vocab_size, self.dim, self.group = vocab_size, dim, group
         self.boundary = sequence_boundary(group, sequence_parallel)
-        self.crossings = (dim,)  # its sum out (WholeSequence)
         self.first, self.rows_here = vocabulary_block(vocab_size, group)
         self.name = f"VocabParallelEmbedding({vocab_size}, {dim})"
+
+    def tensor_collectives(self, rows: int, itemsize: int) -> Collectives:
+        """The rows' partial sums leave."""
+        return self.boundary.leaving(rows * self.dim * itemsize)
 
     def param_specs(self):
         return [shard_spec("weight", (self.rows_here, self.dim), self.vocab_size, self.first, normal_init(0.02), True)]
@@ -116,10 +127,13 @@ class VocabParallelOutput(Layer):
         super().__init__()
         self.vocab_size, self.dim, self.group, self.embedding = vocab_size, dim, group, embedding
         self.boundary = sequence_boundary(group, sequence_parallel)
-        self.crossings = (dim,)  # x in (WholeSequence)
         self.first, self.rows_here = vocabulary_block(vocab_size, group)
         self.name = f"VocabParallelOutput({dim}->{vocab_size}{', tied' if embedding else ''})"
         self.needs_input_grad = True
+
+    def tensor_collectives(self, rows: int, itemsize: int) -> Collectives:
+        """x enters (the loss's messages are the loss's: VocabParallelCrossEntropy)."""
+        return entering_with(self, rows * self.dim * itemsize)
 
     def param_specs(self):
         if self.embedding is not None:
@@ -171,6 +185,18 @@ class VocabParallelCrossEntropy(Loss):
         self.vocab_size, self.group = vocab_size, group
         self.first, self.rows_here = vocabulary_block(vocab_size, group)
         self.padded = max(0, self.first + self.rows_here - vocab_size)  # columns past V here: masked
+
+    def tensor_collectives(self, rows: int, itemsize: int) -> Collectives:
+        """The forward's three messages of a value a row: the maxima gathered, the sums and the
+        targets' logits summed; the backward sends nothing."""
+        per_row = rows * itemsize
+        return Collectives((TensorCollective("all-gather", self.group.size * per_row),
+                            TensorCollective("all-reduce", per_row), TensorCollective("all-reduce", per_row)))
+
+    def prediction_collectives(self, rows: int, itemsize: int) -> tuple[TensorCollective, ...]:
+        """What `predictions` calls: each rank's best value a row and its column (8-byte indices), gathered."""
+        return (TensorCollective("all-gather", self.group.size * rows * itemsize),
+                TensorCollective("all-gather", self.group.size * rows * 8))
 
     def _masked_rows(self, logits: Array) -> Array:
         rows = logits.reshape(-1, self.rows_here)

@@ -23,8 +23,9 @@ of D ranks, and the figures above apply per replica group, summed over the stage
 (`scheme_rows`). `predicted_peaks` is peak.py's prediction for the rank that holds the most.
 With --tensor T the placement is a slice's (W / T ranks; mpipar/layout.py) with one rank's shards of
 the split layers, Table 2 is summed over the T slices, and the tensor groups' own bytes are an
-axis of their own (`tensor_sent_per_step`: the split layers' crossings, as the counters of
-`mpipar train` count them in the phase "tensor").
+axis of their own (`tensor_sent_per_step`, as the counters of `mpipar train` count them in the
+phase "tensor"), from what the split layers and the loss declare they call on their group
+(`tensor_collectives`, per layer and direction: the same declaration the planner times).
 
 Exercised by: mpipar estimate --params 7e9 --world-size 64 --group-size 8 --micro-batches 8
               mpipar estimate --model mlp --world-size 8 --group-size 4 --stages 2 --scheme 1f1b --dtype float32
@@ -34,11 +35,14 @@ Exercised by: mpipar estimate --params 7e9 --world-size 64 --group-size 8 --micr
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mpipar.backend import make_backend
-from mpipar.layers.sequence_parallel import SequenceParallelLayerNorm, SequenceParallelPositionEmbedding
+from mpipar.layers.losses import Loss
+from mpipar.layers.tensor_parallel import CallsTensorGroup, Collectives, TensorCollective
+from mpipar.layers.vocab_parallel import VocabParallelCrossEntropy
 from mpipar.layout import Layout, Mesh
 from mpipar.models.sequential import leaf_layers
 from mpipar.options import recompute_segment
@@ -140,6 +144,8 @@ class PlacedModel:
     tensor: int = 1
     tensor_sent: tuple[float, ...] = ()  # per stage: what a rank of a tensor group sends a micro-batch
     units: list[UnitSizes] | None = None  # per stage, each unit's first layer and elements
+    stages: list | None = None  # the stages by shapes only (models/sequential.Stage, nothing allocated)
+    stage_inputs: list[tuple[int, ...]] | None = None  # each stage's per-sample input shape
 
     def held(self, worker: int) -> list[int]:
         return [s for s, size in enumerate(self.stage_sizes) if worker in self.compiled.holders[s] and size]
@@ -151,7 +157,7 @@ def place_model(count: float, built, layout: Layout, strategy: Strategy, shape: 
     tensor axis) placed on `layout` by the programs of `strategy` at `shape` (one pipeline's step): its
     activations those of `recompute` (--recompute's value), and of a split backward where the schedule
     splits it. `group_size`: the world ranks of one node."""
-    from mpipar.models.sequential import build_stages
+    from mpipar.models.sequential import build_stages, partition
 
     mesh, tensor = layout.mesh, layout.tensor
     compiled = compile_programs(strategy, shape)
@@ -184,11 +190,14 @@ def place_model(count: float, built, layout: Layout, strategy: Strategy, shape: 
                                            to_device=lambda inputs, targets: (backend.inputs(inputs), targets),
                                            recompute_spans=spans, split_backward=split)
         rows = micro_batch * math.prod(train_set.input_shape)
-        tensor_sent = tuple(tensor_sent_per_micro_batch(stage.layers, rows, tensor, itemsize, stage is laid_out[-1])
+        tensor_sent = tuple(tensor_sent_per_micro_batch(stage.layers, rows, tensor, itemsize,
+                                                        loss if stage is laid_out[-1] else None, segment is not None)
                             for stage in laid_out)
     groups = [ranks_beside_the_first(mesh.rank(worker, 0), mesh.replicas, tensor, group_size)
               for worker in range(mesh.workers)]
-    return PlacedModel(mesh, compiled, sizes, units, groups, training, evaluation, tensor, tensor_sent, unit_layers)
+    return PlacedModel(mesh, compiled, sizes, units, groups, training, evaluation, tensor, tensor_sent, unit_layers,
+                       None if built is None else laid_out,
+                       None if built is None else [model.shapes[part.start] for part in partition(model, shape.stages)])
 
 
 def ranks_beside_the_first(first: int, count: int, tensor: int, group_size: int) -> int:
@@ -201,25 +210,52 @@ def ranks_beside_the_first(first: int, count: int, tensor: int, group_size: int)
     return min(first + count - 1, last_in_block) - first + 1
 
 
-def tensor_sent_per_micro_batch(layers: list, rows: int, tensor: int, itemsize: int, with_loss: bool) -> float:
-    """Bytes one rank of a tensor group of `tensor` sends in a micro-batch's forward and backward
-    of `rows` rows through `layers` (a stage), by rings: each crossing of a split region
-    (layers/tensor_parallel.py: an all-reduce, or an all-gather and a reduce-scatter, of the
-    rows x its features), each gradient that sequence parallelism sums (the layer's
-    parameters), and with the loss its messages of a value a row (a gather and two sums of
-    the vocabulary-parallel cross-entropy; for the argmax a gather of values and one of 8-byte
-    column indices)."""
+@dataclass(frozen=True)
+class StageCollectives:
+    """What a rank of a tensor group calls on it in one micro-batch through a stage, each inside
+    the work that runs it: per top-level layer of the stage, its forward's calls and its
+    backward's; on the last stage the loss's (in the forward job, after the layers) and then the
+    accuracy's argmax's (the same job). Each collective is blocking, inside that work."""
+
+    layers: tuple[Collectives, ...]
+    loss: Collectives = field(default_factory=Collectives)
+    predictions: tuple[TensorCollective, ...] = ()
+
+    def every(self) -> tuple[TensorCollective, ...]:
+        return (*(each for layer in self.layers for each in layer.every()), *self.loss.every(), *self.predictions)
+
+
+def tensor_collectives(layers: list, rows: int, tensor: int, itemsize: int,
+                       loss: Loss | None = None) -> StageCollectives:
+    """The collectives one micro-batch of `rows` rows (every position of its samples) runs
+    through `layers` (a stage) on a tensor group of `tensor`, with `itemsize`-byte
+    activations, as each layer declares them (layers/tensor_parallel.py): a top-level layer's
+    are its leaves' in the order they run. `loss`: the stage's loss where it is the last
+    (None elsewhere). A group of one calls nothing (its calls return at once)."""
     if tensor == 1:
-        return 0.0
-    ring = 2 * (tensor - 1) / tensor  # an all-reduce, or a reduce-scatter and an all-gather, by a ring
-    sent = 0.0
-    for leaf in leaf_layers(layers):
-        sent += ring * rows * sum(getattr(leaf, "crossings", ())) * itemsize
-        if isinstance(leaf, (SequenceParallelLayerNorm, SequenceParallelPositionEmbedding)):
-            sent += ring * sum(math.prod(spec.shape) for spec in leaf.param_specs()) * itemsize
-    if with_loss:
-        sent += 2 * ring * rows * itemsize + 2 * (tensor - 1) * rows * itemsize + (tensor - 1) * rows * 8
-    return sent
+        return StageCollectives(tuple(Collectives() for _ in layers))
+
+    def declared(layer) -> Collectives:
+        leaves = (leaf.tensor_collectives(rows, itemsize) for leaf in leaf_layers([layer])
+                  if isinstance(leaf, CallsTensorGroup))
+        return functools.reduce(Collectives.then, leaves, Collectives())
+
+    by_layer = tuple(declared(layer) for layer in layers)
+    if not isinstance(loss, VocabParallelCrossEntropy):  # a loss over whole logits calls nothing
+        return StageCollectives(by_layer)
+    return StageCollectives(by_layer, loss.tensor_collectives(rows, itemsize),
+                            loss.prediction_collectives(rows, itemsize))
+
+
+def tensor_sent_per_micro_batch(layers: list, rows: int, tensor: int, itemsize: int, loss: Loss | None = None,
+                                recomputed: bool = False) -> float:
+    """Bytes one rank of a tensor group of `tensor` sends in a micro-batch's forward and backward
+    of `rows` rows through `layers` (a stage; `loss` on the last): each of `tensor_collectives`
+    by a ring (TensorCollective.sent_by_ring). `recomputed` (--recompute): every layer's forward
+    runs again inside the backward job, and so do its calls and the loss's (not the argmax's)."""
+    calls = tensor_collectives(layers, rows, tensor, itemsize, loss)
+    again = (*(each for layer in calls.layers for each in layer.forward), *calls.loss.forward) if recomputed else ()
+    return sum(each.sent_by_ring(tensor) for each in (*calls.every(), *again))
 
 
 def tensor_sent_per_step(placed: PlacedModel, micro_batches: int) -> float:

@@ -19,6 +19,8 @@ instructions of schedule/instructions.py, and it runs them, one handler each:
                      post a unit's all-gather, keep ZeRO++'s secondary copy of it, free it, post
                      its gradient's reduction, publish P
 
+Every handler posts without blocking; where a rank waits, and for what, is the table of
+schedule/waits.py, which the timed replay (predict/timed_replay.py) reads to predict a step.
 Pipelines run a step at a time: `run_step` (all before the updates), `finish_gradients`, `step(lr)`
 once the summed loss is finite; CDP runs overlapping steps with `run_steps`, reading each loss once.
 Its parts are each handed what they read: `items`, `jobs`, `sharded` and `whole_model`. One observer

@@ -14,10 +14,11 @@ momentum. Each case trains 3 steps; then on every rank:
    gathers of R values (ring all-reduce: 2 (T - 1) / T of the bytes per rank; gather: T - 1
    times them). With --sequence-parallel an all-gather and a reduce-scatter of R x h take the
    place of each all-reduce of R x h, and each LayerNorm and the position embedding all-reduce
-   their gradient's contribution; and all of it inside the tensor group (with --group-size T,
-   none of it to another group);
+   their gradient's contribution. With --recompute every layer's forward runs again before its
+   backward, and so do its messages and the loss's (not the argmax's). All of it inside the
+   tensor group (with --group-size T, none of it to another group);
 3. `mpipar estimate --tensor`'s bytes of the tensor groups per step (predict/estimate.py, from
-   the layers' crossings) equal what all ranks sent;
+   the collectives the layers and the loss declare) equal what all ranks sent;
 4. with --sequence-parallel, the activations that LayerNorm and dropout keep (the activation
    cache's peak of each layer kind) are 1/T of what they are without it.
 AdamW runs with eps 1e-6: a key bias has no true gradient (the softmax ignores it), only
@@ -54,6 +55,9 @@ SEQUENCE = dict(sequence_parallel=True)
 CASES = {2: [("T = 2, adamw", 2, OPTIMIZERS["adamw"]), ("T = 2, sgd", 2, OPTIMIZERS["sgd"]),
              ("T = 2, sequence parallel, adamw", 2, dict(OPTIMIZERS["adamw"], **SEQUENCE)),
              ("T = 2, sequence parallel, sgd, 2 micro-batches", 2, dict(OPTIMIZERS["sgd"], micro_batches=2,
+                                                                          **SEQUENCE)),
+             ("T = 2, recompute stage, adamw", 2, dict(OPTIMIZERS["adamw"], recompute="stage")),
+             ("T = 2, recompute every-2, sequence parallel, sgd", 2, dict(OPTIMIZERS["sgd"], recompute="every-2",
                                                                           **SEQUENCE))],
          4: [("T = 4, adamw", 4, OPTIMIZERS["adamw"]), ("T = 4, sgd", 4, OPTIMIZERS["sgd"]),
              ("T = 4, sequence parallel, adamw", 4, dict(OPTIMIZERS["adamw"], **SEQUENCE)),
@@ -62,6 +66,8 @@ CASES = {2: [("T = 2, adamw", 2, OPTIMIZERS["adamw"]), ("T = 2, sgd", 2, OPTIMIZ
              ("T x S = 2 x 2, 1f1b", 2, dict(OPTIMIZERS["sgd"], scheme="1f1b", stages=2, micro_batches=2)),
              ("T x S = 2 x 2, 1f1b, sequence parallel", 2, dict(OPTIMIZERS["sgd"], scheme="1f1b", stages=2,
                                                                 micro_batches=2, **SEQUENCE)),
+             ("T x S = 2 x 2, 1f1b, recompute stage, sequence parallel", 2,
+              dict(OPTIMIZERS["sgd"], scheme="1f1b", stages=2, micro_batches=2, recompute="stage", **SEQUENCE)),
              ("T x S = 2 x 2, zb1, sequence parallel", 2, dict(OPTIMIZERS["adamw"], scheme="zb1", stages=2,
                                                                micro_batches=4, **SEQUENCE)),
              ("T x S = 2 x 2, gpipe, sequence parallel", 2, dict(OPTIMIZERS["sgd"], scheme="gpipe", stages=2,
@@ -81,7 +87,8 @@ TWINS = {2: [("T = 2, sequence parallel, adamw", "T = 2, adamw")],
          4: [("T = 4, sequence parallel, adamw", "T = 4, adamw"),
              ("T x S = 2 x 2, 1f1b, sequence parallel", "T x S = 2 x 2, 1f1b")],
          8: [("T x S x D = 2 x 2 x 2, 1f1b x zero1, sequence parallel", "T x S x D = 2 x 2 x 2, 1f1b x zero1")]}[W]
-ONE_PROCESS_ONLY = ("scheme", "stages", "shard", "micro_batches", "sequence_parallel", "group_size")
+ONE_PROCESS_ONLY = ("scheme", "stages", "shard", "micro_batches", "sequence_parallel", "group_size",
+                    "recompute")
 failures = []
 kept_by_kind = {}  # label -> the activation cache's peak bytes of each layer kind
 
@@ -126,6 +133,11 @@ for label, tensor, options in CASES:
     if options.get("sequence_parallel"):  # and the sums of the gradients that every rank holds whole:
         per_micro_batch += (held.count("SequenceParallelLayerNorm") * ring(2 * WIDTH, tensor)  # LayerNorms
                             + embedding_here * ring(SEQ * WIDTH, tensor))  # the position embedding (beside it)
+    if options.get("recompute"):  # the forward's messages again: whole, the embedding's, attention's and MLP's
+        # all-reduce; split, attention's and MLP's gather and scatter, the embedding's scatter, the output's gather
+        ends = embedding_here + output_here if options.get("sequence_parallel") else 2 * embedding_here
+        per_micro_batch += ((2 * (attention_here + mlp_here) + ends) * ring(rows * WIDTH, tensor) // 2
+                            + output_here * ((tensor - 1) * rows * 8 + 2 * ring(rows, tensor)))  # the loss's, once more
     inside = trainer.parts.counted.traffic.read(PHASE)
     if inside.inter_bytes or not inside.intra_bytes:
         failures.append(f"rank {world.rank}: {label}: the tensor groups sent {inside.inter_bytes} B to other groups "
@@ -135,7 +147,8 @@ for label, tensor, options in CASES:
                         width=WIDTH, heads=4, blocks=BLOCKS, tie_embeddings=True,
                         sequence_parallel=options.get("sequence_parallel", False))
     layout = placed_model(None, built, W, W, stages if stages > 1 else 0, options.get("scheme") if stages > 1 else None,
-                         0, options.get("micro_batches"), 1, BATCH, "bucketed", 25.0, 8, tensor=tensor)
+                         0, options.get("micro_batches"), 1, BATCH, "bucketed", 25.0, 8,
+                         recompute=options.get("recompute", "none"), tensor=tensor)
     predicted, measured = tensor_sent_per_step(layout, micro_batches), world.allreduce(sent[-1])
     if abs(predicted - measured) > 1e-9 * measured:
         failures.append(f"rank {world.rank}: {label}: mpipar estimate predicts {predicted:.0f} B sent in the tensor "

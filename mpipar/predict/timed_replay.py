@@ -1,0 +1,404 @@
+"""The timed replay: the executor's item programs run in simulated time, one rank per role.
+
+Every rank runs its item program (schedule/plans.py) in order, as the executor does. An
+instruction costs its compute (a duration per layer, with a poll after each), its update,
+or the executor's own time per instruction; it waits where schedule/waits.py says a rank
+waits, and only there. What it posts runs beside the rank's compute:
+
+    a message        arrives a fixed time after its send is posted (the receive was posted
+                     early; the library moves it without being polled)
+    a collective     a sequence of steps (a ring's n - 1 per half, each an alpha-beta
+                     time: comms/cost.py) that moves only when its rank polls: a step that
+                     has ended is followed by the next at the next poll, or at once inside
+                     a wait on that collective. So k layers of compute advance a ring by at
+                     most k steps, as mpipar's collectives do (comms/handle.py)
+    a chain          a sharded unit's reductions, or publishes, one collective after another
+                     (comms/chain.py): only the oldest chain moves on to its next collective
+    a stage's sum    a ReduceGradients over ranks of different roles runs freely once every
+                     member has posted it, and ends its time after the last post
+
+A role is one rank whose program stands for others: a pipeline worker stands for its
+replicas and its tensor slices, which run the same program on the same sizes at the same
+time, so their collectives advance in step and one of them is enough. A million ranks are
+as many roles as pipeline stages.
+
+The result, a `TimedRun`, holds each role's end, its busy and waiting time, and its spans
+(start, end, what) on a compute lane and a communication lane, which trace files and
+diagrams draw.
+
+Exercised by: python -m pytest tests/test_timed_replay.py
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from mpipar.schedule.effects import Dimensions
+from mpipar.schedule.instructions import (
+    Compute,
+    EndTimeStep,
+    GatherUnit,
+    Item,
+    PublishUnit,
+    Receive,
+    ReduceGradients,
+    ReduceUnit,
+    ReleaseUnit,
+    Send,
+    Update,
+    describe,
+)
+from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT
+from mpipar.schedule.waits import StepEnd, waits_of
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank posts: `operation` on a buffer of `nbytes` over `over` (a name the
+    costs know: the replica group, its ranks inside a node, the ranks across nodes, a stage's
+    holders), counted under `phase`."""
+
+    operation: str
+    over: str
+    nbytes: float
+    phase: str
+
+
+class Costs(Protocol):
+    """What the replay asks of a layout's costs on a cluster (predict/step_costs.py)."""
+
+    instruction_overhead: float
+
+    def compute(self, role: int, instruction: Compute) -> Sequence[float]:
+        """Seconds of each layer the Compute runs, in order (a poll follows each)."""
+
+    def update(self, role: int, stage: int) -> float:
+        """Seconds of the optimizer's step on what this role holds of `stage`."""
+
+    def message(self, role: int, item: Item, peer: int) -> float:
+        """Seconds from posting the send of `item` to `peer` until it has arrived."""
+
+    def steps(self, role: int, collective: Collective) -> Sequence[float]:
+        """Seconds of each step of `collective`'s algorithm."""
+
+    def chain(self, role: int, instruction) -> Sequence[Collective]:
+        """The collectives a GatherUnit, ReduceUnit, PublishUnit or ReduceGradients posts, in order."""
+
+
+@dataclass(frozen=True)
+class RoleProgram:
+    """The item program of one role; `updates_from` splits it at the step's gradient end (a
+    pipeline's; None: a CDP run, whose steps overlap and settle nothing in between)."""
+
+    instructions: tuple
+    updates_from: int | None
+    shared: frozenset[int] = frozenset()  # stages shared by the replica group, unit by unit
+    gradients_sharded: bool = False
+
+
+@dataclass(frozen=True)
+class Span:
+    role: int
+    lane: str  # "compute" or "communication"
+    name: str
+    start: float
+    end: float
+
+
+@dataclass
+class RoleTime:
+    end: float = 0.0
+    compute: float = 0.0  # seconds computing (layers, updates)
+    waiting: dict[str, float] = field(default_factory=dict)  # seconds blocked, by what was waited for
+    spans: list[Span] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)  # every collective it posted
+    messages: list[tuple[Item, int]] = field(default_factory=list)  # every message it sent, and to whom
+
+    def wait(self, what: str, seconds: float) -> None:
+        if seconds > 0:
+            self.waiting[what] = self.waiting.get(what, 0.0) + seconds
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    roles: tuple[RoleTime, ...]
+
+    @property
+    def time(self) -> float:
+        return max(role.end for role in self.roles)
+
+    def idle_fraction(self, role: int) -> float:
+        """1 - busy / the run's time: the bubble and the exposed communication together."""
+        return 1 - self.roles[role].compute / self.time if self.time else 0.0
+
+
+class _Progress:
+    """A collective in flight on one role: its steps, and when the current one ends."""
+
+    def __init__(self, steps: Sequence[float], now: float, collective: Collective | None = None) -> None:
+        self.steps, self.index, self.collective = list(steps), 0, collective
+        self.ends = now + self.steps[0] if self.steps else now
+        self.started = now
+
+    @property
+    def done(self) -> bool:
+        return self.index >= len(self.steps)
+
+    def poll(self, now: float) -> None:
+        """A poll at `now`: an ended step is followed by the next (at most one step a poll)."""
+        if not self.done and self.ends <= now:
+            self.index += 1
+            if not self.done:
+                self.ends = now + self.steps[self.index]
+
+    def finished_by(self, now: float) -> bool:
+        """Is it over at `now`, as a test at `now` would see?"""
+        return self.done or (self.index == len(self.steps) - 1 and self.ends <= now)
+
+    def wait(self, now: float) -> float:
+        """Block on it from `now`: each step follows the last at once. Returns when it is over."""
+        if self.done:
+            return now
+        finish = max(now, self.ends) + sum(self.steps[self.index + 1:])
+        self.index, self.ends = len(self.steps), finish
+        return finish
+
+
+class _Chain:
+    """Collectives run one after another, the next posted when the previous is seen over."""
+
+    def __init__(self, role: int, collectives: Sequence[Collective], costs: Costs, now: float) -> None:
+        self.role, self.rest, self.costs = role, deque(collectives), costs
+        self.current = self._post(now)
+
+    def _post(self, now: float) -> _Progress | None:
+        while self.rest:
+            collective = self.rest.popleft()
+            steps = self.costs.steps(self.role, collective)
+            if steps:
+                return _Progress(steps, now, collective)
+        return None
+
+    @property
+    def finished(self) -> bool:
+        return self.current is None
+
+    def advance(self, now: float) -> None:
+        """The current collective is over at `now`: post the next."""
+        self.current = self._post(now)
+
+
+class _Role:
+    """One role's program in simulated time."""
+
+    def __init__(self, index: int, program: RoleProgram, dimensions: Dimensions, costs: Costs) -> None:
+        self.index, self.program, self.dimensions, self.costs = index, program, dimensions, costs
+        self.position, self.now, self.time = 0, 0.0, RoleTime()
+        self.gathers: dict[tuple[int, int], _Progress] = {}
+        self.chains: deque[_Chain] = deque()
+        self.sends: list[float] = []  # arrival times of the sends posted and not yet waited for
+        self.receives: set[Item] = set()  # items whose receive this role has posted
+        self.stage_reductions: dict[int, tuple[Collective, ...]] = {}  # stage -> its ReduceGradients, posted here
+
+    # -- progress -----------------------------------------------------------------------
+    def poll(self) -> None:
+        for progress in self.gathers.values():
+            progress.poll(self.now)
+        for chain in self.chains:
+            chain.current.poll(self.now)
+        while self.chains and self.chains[0].current.finished_by(self.now):
+            self.chains[0].advance(self.now)
+            if self.chains[0].finished:
+                self.chains.popleft()
+
+    def drain(self, keep: int) -> None:
+        """Finish the oldest chains, blocking, until at most `keep` are left; each wait is named
+        by the collective it waited for."""
+        while len(self.chains) > keep:
+            head = self.chains[0]
+            collective = head.current.collective
+            self.wait_until(head.current.wait(self.now), f"{collective.operation} over {collective.over}")
+            head.advance(self.now)
+            if head.finished:
+                self.chains.popleft()
+
+    def post_chain(self, instruction) -> None:
+        collectives = self.costs.chain(self.index, instruction)
+        self.time.collectives += collectives
+        chain = _Chain(self.index, collectives, self.costs, self.now)
+        if not chain.finished:
+            self.chains.append(chain)
+
+    def wait_until(self, moment: float, what: str) -> None:
+        if moment > self.now:
+            self.time.wait(what, moment - self.now)
+            self.time.spans.append(Span(self.index, "compute", f"wait: {what}", self.now, moment))
+            self.now = moment
+
+
+class _Blocked(Exception):
+    """The role needs what another role has not yet posted."""
+
+
+def timed_replay(programs: Sequence[RoleProgram], dimensions: Dimensions, costs: Costs,
+                 settle: float = 0.0) -> TimedRun:
+    """Run every role's program in simulated time. Where programs split at their gradient end
+    (pipelines), every role reaches it, the ranks sum the loss (`settle` seconds after the
+    last arrives), and the updates follow."""
+    roles = [_Role(index, program, dimensions, costs) for index, program in enumerate(programs)]
+    arrivals: dict[tuple[int, Item], float] = {}  # (receiving role, item) -> when it has arrived
+    posted: dict[int, dict[int, float]] = {}  # stage -> role -> when it posted the stage's ReduceGradients
+    members: dict[int, int] = {}  # stage -> how many roles sum it
+
+    for role in roles:
+        for instruction in role.program.instructions:
+            if isinstance(instruction, ReduceGradients):
+                members[instruction.stage] = len(instruction.members)
+
+    def run_until(stop_of) -> None:
+        active = list(roles)
+        while active:
+            moved = False
+            for role in list(active):
+                stop = stop_of(role)
+                while role.position < stop:
+                    try:
+                        _run_one(role, role.program.instructions[role.position], arrivals, posted, members)
+                    except _Blocked:
+                        break
+                    role.position += 1
+                    moved = True
+                if role.position >= stop:
+                    active.remove(role)
+            if active and not moved:
+                stuck = "; ".join(f"role {role.index} at {describe(role.program.instructions[role.position])}"
+                                  for role in active)
+                raise RuntimeError(f"the timed replay cannot go on (an unsound program set?): {stuck}")
+
+    splits = all(program.updates_from is not None for program in programs)
+    if splits:
+        run_until(lambda role: role.program.updates_from)
+        for role in roles:
+            _step_end(role, StepEnd.GRADIENTS_END, posted, members)
+        settled = max(role.now for role in roles) + settle
+        for role in roles:
+            role.wait_until(settled, "the loss summed over ranks")
+    run_until(lambda role: len(role.program.instructions))
+    for role in roles:
+        _step_end(role, StepEnd.STEP_END, posted, members)
+        role.time.end = role.now
+    return TimedRun(tuple(role.time for role in roles))
+
+
+def _stage_sum_ends(stage: int, posted: dict, members: dict, role: _Role) -> float:
+    """When the ReduceGradients of `stage` ends: its time after the last member posts it."""
+    times = posted.get(stage, {})
+    if len(times) < members[stage]:
+        raise _Blocked
+    collective_time = sum(step for collective in role.stage_reductions[stage]
+                          for step in role.costs.steps(role.index, collective))
+    return max(times.values()) + collective_time
+
+
+def _step_end(role: _Role, end: StepEnd, posted: dict, members: dict) -> None:
+    if role.sends:
+        role.wait_until(max(role.sends), "sends")
+        role.sends.clear()
+    if end == StepEnd.GRADIENTS_END:
+        for stage in sorted(role.stage_reductions):
+            role.wait_until(_stage_sum_ends(stage, posted, members, role), "all-reduce over stage")
+        role.stage_reductions.clear()
+    role.drain(0)
+
+
+def _run_one(role: _Role, instruction, arrivals: dict, posted: dict, members: dict) -> None:
+    """Run one instruction on `role` at its time, or raise _Blocked before changing anything."""
+    waits = waits_of(instruction, role.dimensions, role.program.shared, role.program.gradients_sharded)
+    received = [item for item in waits.items if item in role.receives]
+    if any((role.index, item) not in arrivals for item in received):
+        raise _Blocked  # its sender has not reached the send yet
+    reduction = waits.stage_reduction if waits.stage_reduction in role.stage_reductions else None
+    if reduction is not None:
+        role.wait_until(_stage_sum_ends(reduction, posted, members, role), "all-reduce over stage")
+        del role.stage_reductions[reduction]
+    for item in received:
+        role.wait_until(arrivals[(role.index, item)], f"receive {item.kind}")
+    role.now += role.costs.instruction_overhead
+    handler = HANDLERS.get(type(instruction))
+    if handler is not None:
+        handler(role, instruction, waits, arrivals, posted)
+
+
+# -- what each instruction does in simulated time, once its waits are over; the map below --------
+def _receive(role: _Role, instruction: Receive, waits, arrivals: dict, posted: dict) -> None:
+    role.receives.add(instruction.item)
+
+
+def _send(role: _Role, instruction: Send, waits, arrivals: dict, posted: dict) -> None:
+    arrival = role.now + role.costs.message(role.index, instruction.item, instruction.dest)
+    arrivals[(instruction.dest, instruction.arrives_as or instruction.item)] = arrival
+    role.sends.append(arrival)
+    role.time.messages.append((instruction.item, instruction.dest))
+
+
+def _compute(role: _Role, instruction: Compute, waits, arrivals: dict, posted: dict) -> None:
+    gather = role.gathers.get((waits.gather.stage, waits.gather.unit)) if waits.gather else None
+    if gather is not None:
+        role.wait_until(gather.wait(role.now), f"all-gather over {gather.collective.over}")
+    start = role.now
+    for seconds in role.costs.compute(role.index, instruction):
+        role.now += seconds
+        role.poll()
+    role.time.compute += role.now - start
+    job = instruction.job
+    role.time.spans.append(Span(role.index, "compute", f"{job.direction}{job.stage}b{job.micro_batch}", start,
+                                role.now))
+
+
+def _gather(role: _Role, instruction: GatherUnit, waits, arrivals: dict, posted: dict) -> None:
+    collectives = role.costs.chain(role.index, instruction)
+    role.time.collectives += collectives
+    steps = [step for collective in collectives for step in role.costs.steps(role.index, collective)]
+    role.gathers[(instruction.stage, instruction.unit)] = _Progress(steps, role.now, collectives[0])
+
+
+def _release(role: _Role, instruction: ReleaseUnit, waits, arrivals: dict, posted: dict) -> None:
+    role.gathers.pop((instruction.stage, instruction.unit), None)
+
+
+def _reduce_unit(role: _Role, instruction: ReduceUnit, waits, arrivals: dict, posted: dict) -> None:
+    if waits.drains_reductions:
+        role.drain(REDUCTIONS_IN_FLIGHT - 1)
+    role.post_chain(instruction)
+
+
+def _publish(role: _Role, instruction: PublishUnit, waits, arrivals: dict, posted: dict) -> None:
+    role.post_chain(instruction)
+
+
+def _reduce_stage(role: _Role, instruction: ReduceGradients, waits, arrivals: dict, posted: dict) -> None:
+    posted.setdefault(instruction.stage, {})[role.index] = role.now
+    role.stage_reductions[instruction.stage] = tuple(role.costs.chain(role.index, instruction))
+    role.time.collectives += role.stage_reductions[instruction.stage]
+
+
+def _update(role: _Role, instruction: Update, waits, arrivals: dict, posted: dict) -> None:
+    start = role.now
+    role.now += role.costs.update(role.index, instruction.stage)
+    role.time.compute += role.now - start
+    role.time.spans.append(Span(role.index, "compute", f"update {instruction.stage}", start, role.now))
+
+
+def _end_time_step(role: _Role, instruction: EndTimeStep, waits, arrivals: dict, posted: dict) -> None:
+    if role.sends:
+        role.wait_until(max(role.sends), "sends of the time step")
+        role.sends.clear()
+    role.poll()
+
+
+# Drop and KeepSecondary cost only the executor's time per instruction
+HANDLERS = {Receive: _receive, Send: _send, Compute: _compute, GatherUnit: _gather, ReleaseUnit: _release,
+            ReduceUnit: _reduce_unit, PublishUnit: _publish, ReduceGradients: _reduce_stage, Update: _update,
+            EndTimeStep: _end_time_step}
