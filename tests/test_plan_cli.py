@@ -112,3 +112,13 @@ def test_a_parameter_count_finds_the_published_shape_of_that_size(count):
     width, heads, blocks = gpt_shape(count)
     assert width % heads == 0
     assert 0.7 < block_parameters(width, blocks) / count < 1.3
+
+
+def test_the_first_choice_s_replayed_step_is_written_as_chrome_trace_events(cluster, tmp_path):
+    trace = tmp_path / "best.json"
+    done = plan("--cluster", cluster(), *MODEL, "--top", "1", "--trace", str(trace))
+    assert done.returncode == 0, done.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [event for event in events if event["ph"] == "X"]
+    assert spans and all(event["dur"] >= 0 and event["tid"] == "compute" for event in spans)
+    assert {event["pid"] for event in events if event["ph"] == "M"} == {event["pid"] for event in spans}

@@ -9,7 +9,7 @@ import pytest
 
 from mpipar.layout import Mesh
 from mpipar.predict.flow_collectives import flow_collectives
-from mpipar.predict.timed_replay import Collective, RoleProgram, timed_replay
+from mpipar.predict.timed_replay import RoleProgram, timed_replay
 from mpipar.schedule.effects import Dimensions
 from mpipar.schedule.instructions import Compute, CyclicJob, GatherUnit, ReduceUnit, ReleaseUnit
 from mpipar.schedule.plans import PipelinePlan

@@ -32,6 +32,8 @@ from mpipar.plan.search import ModelPlacer, against_ddp, evaluate, search, short
 from mpipar.plan.space import Candidate, micro_batch_counts
 from mpipar.predict.cluster import check_layout_fits, load_cluster, with_overrides
 from mpipar.predict.compute_cost import ComputeModel
+from mpipar.predict.timed_replay import chrome_trace
+from mpipar.system.files import write_atomically
 from mpipar.train.config import TrainConfig
 from mpipar.units import parse_bytes, parse_flop_rate, parse_rate, parse_seconds
 
@@ -123,13 +125,16 @@ class Model:
 @click.option("--top", type=POSITIVE, default=5, show_default=True, help="how many layouts to print")
 @click.option("--no-prune", is_flag=True, help="time every layout that fits (slower; the same best --top)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
+              help="write the first choice's replayed step as Chrome trace events (Perfetto opens it)")
 @click.option("--calibrate", is_flag=True, help="under mpiexec: measure this machine for this model, write --out")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="the cluster file --calibrate writes")
 @click.option("--verify", type=click.IntRange(min=0), default=0,
               help="under mpiexec: train the best K and the baselines a few steps each, predicted beside measured")
 @click.option("--steps", type=POSITIVE, default=6, show_default=True, help="steps each --verify layout trains")
-def plan(cluster_file: str | None, world_size: int | None, top: int, no_prune: bool, as_json: bool, calibrate: bool,
-         out: str | None, verify: int, steps: int, sustained: float | None, **options) -> None:
+def plan(cluster_file: str | None, world_size: int | None, top: int, no_prune: bool, as_json: bool,
+         trace_file: str | None, calibrate: bool, out: str | None, verify: int, steps: int, sustained: float | None,
+         **options) -> None:
     """The best parallel layouts of a model on a cluster, ranked by a replay of their programs."""
     overrides = {name: options.pop(name) for name in CLUSTER_FLAGS}
     model = Model(options)
@@ -155,15 +160,18 @@ def plan(cluster_file: str | None, world_size: int | None, top: int, no_prune: b
                    flops_per_sample=flops, prune=not no_prune)
     if not found.ranked:
         raise ConfigError(shortfall(found, cluster))
-    found.ranked = found.ranked[:top]
+    found.keep_best(top)
     per_sample = tokens_per_sample(model.config)
-    found.versus_ddp = against_ddp(found, ddp_baseline(model.config, world_size, cluster, compute, placer, itemsize,
-                                                       flops), cluster)
+    found.compare_with_ddp(against_ddp(found, ddp_baseline(model.config, world_size, cluster, compute, placer,
+                                                           itemsize, flops), cluster))
     if verify:
         from mpipar.plan.verify import verify_plan
 
         verify_plan(found, model, cluster, world_size, verify, steps)
         return
+    if trace_file:
+        best = found.ranked[0]
+        write_atomically(trace_file, json.dumps(chrome_trace(best.timing.run, best.candidate.name)).encode())
     if as_json:
         click.echo(json.dumps(json_report(found, cluster, world_size, dtype, model.flags(), per_sample)))
         return

@@ -40,7 +40,7 @@ def text_report(found: Search, cluster: Cluster, world_size: int, dtype: str, mo
                "best found)"]
     lines += [f"note: {note}" for note in dict.fromkeys(found.notes)]
     lines.append(f"{'#':>2} {'layout':<34} {'step':>9} {unit + '/s':>12} {'MFU':>6} {'peak/rank':>10} "
-                 f"{'bubble':>7}  why")
+                 f"{'idle':>7}  why")
     for place, timed in enumerate(found.ranked, 1):
         rate = timed.samples_per_step * per_sample / timed.step if timed.step else 0.0
         lines.append(f"{place:>2} {timed.candidate.name:<34} {format_seconds(timed.step):>9} {rate:>12,.0f} "
@@ -50,7 +50,9 @@ def text_report(found: Search, cluster: Cluster, world_size: int, dtype: str, mo
     lines.append("sent per step, all ranks (inside nodes, across nodes):")
     for place, timed in enumerate(found.ranked, 1):
         lines.append(f"{place:>2} {_bytes(timed)}")
-    lines.append("to train them:")
+    lines.append("idle: the busiest rank's share of the step not computing (the bubble and exposed waits)")
+    lines.append("to train them" + (" (add --data-dir DIR: the plan read only --vocab-size):"
+                                    if "--data-dir" not in model_flags and "tokens" in model_flags else ":"))
     for place, timed in enumerate(found.ranked, 1):
         lines.append(f"{place:>2} {train_command(timed, world_size, model_flags)}")
     return lines

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from mpipar.layout import Axis
 from mpipar.optim.optimizers import state_kinds
 from mpipar.plan.space import Candidate, configuration, valid_candidates
-from mpipar.plan.timing import LayoutTime, Traffic, time_layout
+from mpipar.plan.timing import LayoutTime, Traffic, cdp_plan, time_layout
 from mpipar.predict.cluster import Cluster
 from mpipar.predict.estimate import PlacedModel, place_model
-from mpipar.predict.peak import mesh_peak
+from mpipar.predict.peak import mesh_peak, plan_peak
 from mpipar.predict.step_costs import ComputeModel
+from mpipar.schedule.strategies import Shape, get_strategy
 from mpipar.train.config import TrainConfig
 from mpipar.units import format_bytes, format_seconds
 
@@ -68,6 +69,12 @@ class Search:
     notes: list[str] = field(default_factory=list)
     versus_ddp: str = ""  # why the first choice is not plain DDP (against_ddp)
 
+    def keep_best(self, top: int) -> None:
+        self.ranked = self.ranked[:top]
+
+    def compare_with_ddp(self, sentence: str) -> None:
+        self.versus_ddp = sentence
+
 
 class ModelPlacer:
     """The model placed on each layout by shapes, built once per tensor split and placement."""
@@ -84,13 +91,16 @@ class ModelPlacer:
         if model_key not in self.models:
             self.models[model_key] = self.built_for(*model_key)
         layout = config.layout(world_size)
-        shape = config.schedule_shape(config.engine_ranks(world_size))  # one tensor slice's step
-        key = (model_key, parallel.strategy().name, shape, layout.mesh, layout.micro_batch_size, parallel.ddp,
+        count = config.training.micro_batches
+        # CDP cuts the model into as many stages as micro-batches; its programs are its own (timing.py)
+        shape = (Shape(count, count, count) if parallel.cyclic else
+                 config.schedule_shape(config.engine_ranks(world_size)))  # one tensor slice's step
+        strategy = get_strategy("gpipe") if parallel.cyclic else parallel.strategy()
+        key = (model_key, strategy.name, shape, layout.mesh, layout.micro_batch_size, parallel.ddp,
                parallel.bucket_mb, parallel.recompute)
         if key not in self.placed:
-            self.placed[key] = place_model(None, self.models[model_key], layout, parallel.strategy(), shape,
-                                           self.group_size, parallel.ddp, parallel.bucket_mb, self.itemsize,
-                                           parallel.recompute)
+            self.placed[key] = place_model(None, self.models[model_key], layout, strategy, shape, self.group_size,
+                                           parallel.ddp, parallel.bucket_mb, self.itemsize, parallel.recompute)
         return self.placed[key]
 
     def loss(self, config: TrainConfig):
@@ -103,6 +113,11 @@ def peak_of(placed: PlacedModel, config: TrainConfig, itemsize: int) -> float:
     kinds = state_kinds(config.optim.optimizer, config.optim.momentum)
     master = 4 if config.model.precision == "fp16" else 0
     mesh = placed.mesh
+    if config.parallel.cyclic:
+        plan = cdp_plan(config, placed, 0, itemsize)
+        return max(plan_peak(cdp_plan(config, placed, rank, itemsize), rank, placed.training, placed.evaluation,
+                             plan.longest_run, units=[], group=1, itemsize=itemsize, state_kinds=kinds,
+                             master_itemsize=master).total for rank in range(mesh.size))
     return max(mesh_peak(rank, placed.compiled, mesh, config.parallel.sharding(), placed.stage_sizes,
                          placed.largest_units, placed.groups[mesh.worker(rank)], itemsize=itemsize, state_kinds=kinds,
                          training=placed.training, evaluation=placed.evaluation, prefetch=config.parallel.prefetch,
@@ -153,9 +168,6 @@ def search(base: TrainConfig, world_size: int, cluster: Cluster, compute: Comput
     compute = RememberedCosts(compute)
     bounded = []
     for candidate, config in pairs:
-        if candidate.cyclic:
-            found.notes.append(f"{candidate.name}: Cyclic Data Parallelism is not timed by the planner yet")
-            continue
         placed = placer(config, world_size)
         bounded.append((compute_bound(placed, config, compute, world_size), candidate, config, placed))
     bounded.sort(key=lambda entry: entry[0])
@@ -205,7 +217,7 @@ def against_ddp(found: Search, ddp: Timed | None, cluster: Cluster) -> str:
 def reason(timed: Timed, cluster: Cluster) -> str:
     """The dominant cost of a layout's step, in words: its busiest role's largest share."""
     run = timed.timing.run
-    step = timed.step
+    step = run.time  # a CDP run is many steps: its shares are of the whole run
     role = min(range(len(run.roles)), key=run.idle_fraction)  # the busiest
     waits = run.roles[role].waiting
     shares = {"compute": run.roles[role].compute}

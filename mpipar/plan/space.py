@@ -13,8 +13,9 @@ space is, for W ranks in nodes of R:
                         jobs never run on a shared stage), and the looped LPP and FSLPP with 2 loops
     micro-batches       powers of two, from 1 (a pipeline: from S) while they divide the batch
     recomputation       none, or each stage's input kept
-    Cyclic Data Parallelism  CDP-v1 and CDP-v2 in the dp layout, W micro-batches (T = 1); they
-                        train by their own update rule, not the same steps as the rest
+    Cyclic Data Parallelism  CDP-v1 and CDP-v2 in the dp layout, W micro-batches and stages
+                        (T = 1, W at most the model's layers and MOST_CDP_RANKS); they train by
+                        their own update rule, not the same steps as the rest
 
 A candidate is kept when `mpipar train` would accept it: its configuration validates on W
 ranks, by the same code that validates a run (train/config). `space_size` says how many there
@@ -37,6 +38,7 @@ LOOPED = ("lpp", "fslpp")
 CDP_RULES = ("cdp-v1", "cdp-v2")
 DDP_UNIT_MODES = ("naive", "overlap", "bucketed")
 MAX_MICRO_BATCHES = 64  # per replica and step: beyond, a step is mostly per-job overhead
+MOST_CDP_RANKS = 16  # CDP's programs grow with ranks x steps: beyond, compiling them is the plan's cost
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ def candidates(world_size: int, ranks_per_node: int, batch_size: int, *, tensor_
                             for shard in NAMED_SHARDINGS if replicas > 1 else (None,):
                                 yield Candidate(scheme=scheme, stages=workers * loops, shard=shard, replicas=replicas,
                                                 micro_batches=m, loops=loops, recompute=recompute, **common)
-    if world_size > 1 and batch_size % world_size == 0:
+    if 1 < world_size <= min(layers, MOST_CDP_RANKS) and batch_size % world_size == 0:
         for rule in CDP_RULES:
             yield Candidate(scheme=rule, micro_batches=world_size)
 

@@ -15,13 +15,14 @@ import math
 from dataclasses import dataclass
 
 from mpipar.layout import Axis
+from mpipar.optim.optimizers import state_kinds
 from mpipar.predict.cluster import Cluster
 from mpipar.predict.estimate import PlacedModel, tensor_collectives
 from mpipar.predict.step_costs import ComputeModel, LayoutCosts, ModelShapes, RunFacts, ring_steps
 from mpipar.predict.timed_replay import RoleProgram, TimedRun, timed_replay
 from mpipar.schedule.effects import Dimensions
-from mpipar.schedule.plans import PipelinePlan
-from mpipar.schedule.sharding import Scope, compute_spans, unit_bytes_for
+from mpipar.schedule.plans import CdpPlan, PipelinePlan
+from mpipar.schedule.sharding import NAMED_SHARDINGS, Scope, compute_spans, unit_bytes_for
 from mpipar.train.config import TrainConfig
 
 
@@ -91,10 +92,20 @@ def tensor_seconds(placed: PlacedModel, loss, positions: int, cluster: Cluster,
     return tuple(stages)
 
 
+def cdp_plan(config: TrainConfig, placed: PlacedModel, rank: int, itemsize: int) -> CdpPlan:
+    """Rank `rank`'s plan of a Cyclic Data Parallelism run of `config`."""
+    parallel = config.parallel
+    return CdpPlan(parallel.cdp_layout, parallel.scheme, config.training.micro_batches, rank, placed.mesh.size,
+                   placed.stage_sizes, itemsize=itemsize,
+                   state_kinds=state_kinds(config.optim.optimizer, config.optim.momentum))
+
+
 def time_layout(config: TrainConfig, world_size: int, placed: PlacedModel, cluster: Cluster,
                 compute: ComputeModel, itemsize: int, loss=None) -> LayoutTime:
     """A step of the validated `config` on `world_size` ranks of `cluster` (`placed`: its model on
     the layout, by shapes; `loss`: the model's, whose tensor-parallel calls count)."""
+    if config.parallel.cyclic:
+        return _time_cyclic(config, world_size, placed, cluster, compute, itemsize, loss)
     layout = config.layout(world_size)
     mesh, sharding = layout.mesh, config.parallel.sharding()
     units = [len(stage_units) for stage_units in placed.units]
@@ -119,6 +130,26 @@ def time_layout(config: TrainConfig, world_size: int, placed: PlacedModel, clust
     across = frozenset((role, over) for role in range(len(programs)) for over in rings
                        if costs.ring(role, over)[0] > 1 and not costs.ring(role, over)[1])
     return LayoutTime(run.time, run, _traffic(run, costs, layout), across)
+
+
+def _time_cyclic(config: TrainConfig, world_size: int, placed: PlacedModel, cluster: Cluster,
+                 compute: ComputeModel, itemsize: int, loss) -> LayoutTime:
+    """CDP: a run of the trainer's longest (its steps overlap, and each run fills and drains the
+    cycle once), timed whole; a step is its share."""
+    layout = config.layout(world_size)
+    plans = [cdp_plan(config, placed, rank, itemsize) for rank in range(world_size)]
+    steps = plans[0].longest_run
+    runs = [plan.program(0, steps) for plan in plans]
+    programs = [RoleProgram(run.program, None) for run in runs]
+    facts = RunFacts(NAMED_SHARDINGS["ddp"], itemsize, config.optim.optimizer, False,
+                     config.parallel.group_size or cluster.ranks_per_node)
+    costs = LayoutCosts(layout, model_shapes(placed, config, loss), cluster, compute, facts,
+                        [list(range(len(placed.stage_sizes)))] * world_size, layout.micro_batch_size)
+    count = config.training.micro_batches
+    run = timed_replay(programs, Dimensions(count, count), costs)
+    traffic = {axis: Traffic(part.inside / steps, part.across / steps)
+               for axis, part in _traffic(run, costs, layout).items()}
+    return LayoutTime(run.time / steps, run, traffic)
 
 
 def _traffic(run: TimedRun, costs: LayoutCosts, layout) -> dict[Axis, Traffic]:

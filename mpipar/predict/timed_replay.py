@@ -116,6 +116,16 @@ class RoleTime:
     collectives: list[Collective] = field(default_factory=list)  # every collective it posted
     messages: list[tuple[Item, int]] = field(default_factory=list)  # every message it sent, and to whom
 
+    def posted(self, collectives) -> None:
+        """The role posted these collectives."""
+        self.collectives += collectives
+
+    def computed(self, seconds: float) -> None:
+        self.compute += seconds
+
+    def ended(self, moment: float) -> None:
+        self.end = moment
+
     def wait(self, what: str, seconds: float) -> None:
         if seconds > 0:
             self.waiting[what] = self.waiting.get(what, 0.0) + seconds
@@ -202,6 +212,13 @@ class _Role:
         self.receives: set[Item] = set()  # items whose receive this role has posted
         self.stage_reductions: dict[int, tuple[Collective, ...]] = {}  # stage -> its ReduceGradients, posted here
 
+    def advance(self, seconds: float) -> None:
+        """Time passes on this role: it computes, or the executor runs an instruction."""
+        self.now += seconds
+
+    def next_instruction(self) -> None:
+        self.position += 1
+
     # -- progress -----------------------------------------------------------------------
     def poll(self) -> None:
         for progress in self.gathers.values():
@@ -226,7 +243,7 @@ class _Role:
 
     def post_chain(self, instruction) -> None:
         collectives = self.costs.chain(self.index, instruction)
-        self.time.collectives += collectives
+        self.time.posted(collectives)
         chain = _Chain(self.index, collectives, self.costs, self.now)
         if not chain.finished:
             self.chains.append(chain)
@@ -268,7 +285,7 @@ def timed_replay(programs: Sequence[RoleProgram], dimensions: Dimensions, costs:
                         _run_one(role, role.program.instructions[role.position], arrivals, posted, members)
                     except _Blocked:
                         break
-                    role.position += 1
+                    role.next_instruction()
                     moved = True
                 if role.position >= stop:
                     active.remove(role)
@@ -288,7 +305,7 @@ def timed_replay(programs: Sequence[RoleProgram], dimensions: Dimensions, costs:
     run_until(lambda role: len(role.program.instructions))
     for role in roles:
         _step_end(role, StepEnd.STEP_END, posted, members)
-        role.time.end = role.now
+        role.time.ended(role.now)
     return TimedRun(tuple(role.time for role in roles))
 
 
@@ -325,7 +342,7 @@ def _run_one(role: _Role, instruction, arrivals: dict, posted: dict, members: di
         del role.stage_reductions[reduction]
     for item in received:
         role.wait_until(arrivals[(role.index, item)], f"receive {item.kind}")
-    role.now += role.costs.instruction_overhead
+    role.advance(role.costs.instruction_overhead)
     handler = HANDLERS.get(type(instruction))
     if handler is not None:
         handler(role, instruction, waits, arrivals, posted)
@@ -349,9 +366,9 @@ def _compute(role: _Role, instruction: Compute, waits, arrivals: dict, posted: d
         role.wait_until(gather.wait(role.now), f"all-gather over {gather.collective.over}")
     start = role.now
     for seconds in role.costs.compute(role.index, instruction):
-        role.now += seconds
+        role.advance(seconds)
         role.poll()
-    role.time.compute += role.now - start
+    role.time.computed(role.now - start)
     job = instruction.job
     role.time.spans.append(Span(role.index, "compute", f"{job.direction}{job.stage}b{job.micro_batch}", start,
                                 role.now))
@@ -359,7 +376,7 @@ def _compute(role: _Role, instruction: Compute, waits, arrivals: dict, posted: d
 
 def _gather(role: _Role, instruction: GatherUnit, waits, arrivals: dict, posted: dict) -> None:
     collectives = role.costs.chain(role.index, instruction)
-    role.time.collectives += collectives
+    role.time.posted(collectives)
     steps = [step for collective in collectives for step in role.costs.steps(role.index, collective)]
     role.gathers[(instruction.stage, instruction.unit)] = _Progress(steps, role.now, collectives[0])
 
@@ -381,13 +398,13 @@ def _publish(role: _Role, instruction: PublishUnit, waits, arrivals: dict, poste
 def _reduce_stage(role: _Role, instruction: ReduceGradients, waits, arrivals: dict, posted: dict) -> None:
     posted.setdefault(instruction.stage, {})[role.index] = role.now
     role.stage_reductions[instruction.stage] = tuple(role.costs.chain(role.index, instruction))
-    role.time.collectives += role.stage_reductions[instruction.stage]
+    role.time.posted(role.stage_reductions[instruction.stage])
 
 
 def _update(role: _Role, instruction: Update, waits, arrivals: dict, posted: dict) -> None:
     start = role.now
-    role.now += role.costs.update(role.index, instruction.stage)
-    role.time.compute += role.now - start
+    role.advance(role.costs.update(role.index, instruction.stage))
+    role.time.computed(role.now - start)
     role.time.spans.append(Span(role.index, "compute", f"update {instruction.stage}", start, role.now))
 
 
@@ -402,3 +419,15 @@ def _end_time_step(role: _Role, instruction: EndTimeStep, waits, arrivals: dict,
 HANDLERS = {Receive: _receive, Send: _send, Compute: _compute, GatherUnit: _gather, ReleaseUnit: _release,
             ReduceUnit: _reduce_unit, PublishUnit: _publish, ReduceGradients: _reduce_stage, Update: _update,
             EndTimeStep: _end_time_step}
+
+
+def chrome_trace(run: TimedRun, label: str) -> dict:
+    """The replay's spans as Chrome trace events (Perfetto and chrome://tracing open them): a
+    process per role, a thread per lane, times in microseconds."""
+    events = [{"name": "process_name", "ph": "M", "pid": role, "args": {"name": f"{label}: role {role}"}}
+              for role in range(len(run.roles))]
+    for timing in run.roles:
+        events += [{"name": span.name, "ph": "X", "pid": span.role, "tid": span.lane, "ts": span.start * 1e6,
+                    "dur": (span.end - span.start) * 1e6, "cat": "wait" if span.name.startswith("wait") else "compute"}
+                   for span in timing.spans]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
