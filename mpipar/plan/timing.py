@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from mpipar.layout import Axis
 from mpipar.optim.optimizers import state_kinds
 from mpipar.predict.cluster import Cluster
-from mpipar.predict.estimate import PlacedModel, tensor_collectives
+from mpipar.predict.estimate import PlacedModel, tensor_collectives, tensor_sent_per_step
 from mpipar.predict.step_costs import ComputeModel, LayoutCosts, ModelShapes, RunFacts, ring_steps
 from mpipar.predict.timed_replay import RoleProgram, TimedRun, timed_replay
 from mpipar.schedule.effects import Dimensions
@@ -129,7 +129,8 @@ def time_layout(config: TrainConfig, world_size: int, placed: PlacedModel, clust
     rings = ("replicas", "group", "across", "stage")
     across = frozenset((role, over) for role in range(len(programs)) for over in rings
                        if costs.ring(role, over)[0] > 1 and not costs.ring(role, over)[1])
-    return LayoutTime(run.time, run, _traffic(run, costs, layout), across)
+    tensor_sent = tensor_sent_per_step(placed, placed.compiled.shape.micro_batches)
+    return LayoutTime(run.time, run, _traffic(run, costs, layout, tensor_sent), across)
 
 
 def _time_cyclic(config: TrainConfig, world_size: int, placed: PlacedModel, cluster: Cluster,
@@ -148,16 +149,20 @@ def _time_cyclic(config: TrainConfig, world_size: int, placed: PlacedModel, clus
     count = config.training.micro_batches
     run = timed_replay(programs, Dimensions(count, count), costs)
     traffic = {axis: Traffic(part.inside / steps, part.across / steps)
-               for axis, part in _traffic(run, costs, layout).items()}
+               for axis, part in _traffic(run, costs, layout, 0.0).items()}
     return LayoutTime(run.time / steps, run, traffic)
 
 
-def _traffic(run: TimedRun, costs: LayoutCosts, layout) -> dict[Axis, Traffic]:
-    """What the roles posted, times the ranks each stands for (its replicas and tensor slices)."""
+def _traffic(run: TimedRun, costs: LayoutCosts, layout, tensor_sent: float) -> dict[Axis, Traffic]:
+    """What the roles posted, times the ranks each stands for (its replicas and tensor slices); the
+    tensor groups' calls, inside their node, as estimate counts them (`tensor_sent`)."""
     replicas, tensor = layout.mesh.replicas, layout.tensor
-    traffic = {axis: Traffic() for axis in (Axis.PIPELINE, Axis.REPLICA, Axis.TENSOR)}
+    traffic = {axis: Traffic() for axis in (Axis.PIPELINE, Axis.REPLICA)}
+    traffic[Axis.TENSOR] = Traffic(tensor_sent, 0.0)
     for role, timing in enumerate(run.roles):
         for collective in timing.collectives:
+            if collective.members and role != collective.members[0]:
+                continue  # a stage's sum is one collective of all its members: counted once
             inside, across = costs.collective_bytes(role, collective)
             # one collective of the role is one per replica group (each of `tensor` slices); along a
             # pipeline, one per pipeline

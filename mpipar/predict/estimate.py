@@ -260,13 +260,16 @@ def tensor_sent_per_micro_batch(layers: list, rows: int, tensor: int, itemsize: 
 
 def tensor_sent_per_step(placed: PlacedModel, micro_batches: int) -> float:
     """Bytes all ranks send in their tensor groups in one step: each rank's per micro-batch of
-    every stage it holds, as often as its program runs that stage's backward."""
+    every stage it computes (a looped schedule's worker computes stages it does not hold), as
+    often as its program runs that stage's backward."""
     if placed.tensor == 1:
         return 0.0
     total = 0.0
     for worker in range(placed.mesh.workers):
-        for s in placed.held(worker):
-            backwards = sum(isinstance(i, Backward) and i.stage == s for i in placed.compiled.programs[worker])
+        program = placed.compiled.programs[worker]
+        computed = {i.stage for i in program if isinstance(i, Backward)} | set(placed.held(worker))
+        for s in sorted(computed):
+            backwards = sum(isinstance(i, Backward) and i.stage == s for i in program)
             total += (backwards or micro_batches) * placed.tensor_sent[s] * placed.mesh.replicas * placed.tensor
     return total
 

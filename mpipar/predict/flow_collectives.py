@@ -68,7 +68,8 @@ def flow_collectives(instruction, sharding: Sharding, unit_bytes: float, stage_b
         return tuple(chain)
     if isinstance(instruction, ReduceGradients):
         operation = "all-reduce" if instruction.root is None else "reduce"
-        return (Collective(operation, "stage", stage_bytes, "stage-reduce"),)
+        return (Collective(operation, "stage", stage_bytes, "stage-reduce", tuple(instruction.members),
+                           instruction.root),)
     raise TypeError(f"{type(instruction).__name__} posts no collective")
 
 

@@ -182,7 +182,7 @@ class LayoutCosts:
     def steps(self, role: int, collective: Collective) -> tuple[float, ...]:
         key = (role, collective)
         if key not in self._steps:
-            ranks, inside = self.ring(role, collective.over)
+            ranks, inside = self.stage_ring(collective) if collective.members else self.ring(role, collective.over)
             self._steps[key] = ring_steps(collective.operation, ranks, collective.nbytes, *self._ring_link(inside))
         return self._steps[key]
 
@@ -204,6 +204,10 @@ class LayoutCosts:
         members = len(self.stages_of)  # a stage summed along the pipeline: its workers
         return members, len(set(self._nodes)) == 1
 
+    def stage_ring(self, collective: Collective) -> tuple[int, bool]:
+        """(ranks, whether all lie in one node) of a stage's sum over its members."""
+        return len(collective.members), len({self._nodes[worker] for worker in collective.members}) == 1
+
     def _one_node(self, role: int, ranks: int) -> bool:
         first = self.world_rank(role, 0)
         last = self.world_rank(role, ranks - 1)
@@ -224,6 +228,8 @@ class LayoutCosts:
         """(inside groups, across groups): what all ranks of one such collective send by a ring,
         split as the traffic counters split it: of a ring's n links, one per group of --group-size
         it spans leaves its group."""
+        if collective.members:
+            return self._stage_bytes(collective)
         ranks, _ = self.ring(role, collective.over)
         if ranks == 1:
             return 0.0, 0.0
@@ -232,6 +238,31 @@ class LayoutCosts:
         per_group = {"replicas": self.group(role), "group": ranks, "across": 1}.get(collective.over, ranks)
         crossing = ranks // per_group if per_group < ranks else 0
         return sent * (ranks - crossing) / ranks, sent * crossing / ranks
+
+
+    def _stage_bytes(self, collective: Collective) -> tuple[float, float]:
+        """A stage's sum over its members, link by link: the ring's reduce-scatter (and all-gather,
+        for an all-reduce) from each member to the next, and for a reduce each block to the root."""
+        members, nbytes = collective.members, collective.nbytes
+        ranks = len(members)
+        if ranks == 1:
+            return 0.0, 0.0
+        halves = 1 if collective.root is not None else 2
+        inside = across = 0.0
+        for member, following in zip(members, members[1:] + members[:1]):
+            sent = halves * (ranks - 1) * nbytes / ranks
+            if self.crosses_nodes(member, following):
+                across += sent
+            else:
+                inside += sent
+        if collective.root is not None:  # the reduced blocks go to the root
+            for member in members:
+                if member != collective.root:
+                    if self.crosses_nodes(member, collective.root):
+                        across += nbytes / ranks
+                    else:
+                        inside += nbytes / ranks
+        return inside, across
 
 
 def _os_sharers(sharding: Sharding, replicas: int, group: int) -> int:

@@ -58,12 +58,15 @@ from mpipar.schedule.waits import StepEnd, waits_of
 class Collective:
     """One collective a rank posts: `operation` on a buffer of `nbytes` over `over` (a name the
     costs know: the replica group, its ranks inside a node, the ranks across nodes, a stage's
-    holders), counted under `phase`."""
+    holders), counted under `phase`; a stage's sum names its `members` (pipeline workers, sorted)
+    and its `root` (None: an all-reduce)."""
 
     operation: str
     over: str
     nbytes: float
     phase: str
+    members: tuple[int, ...] = ()
+    root: int | None = None
 
 
 class Costs(Protocol):
