@@ -60,3 +60,17 @@ def test_a_pipeline_sends_each_activation_and_its_gradient_once(built):
 def test_a_slow_network_between_nodes_slows_ddp_and_not_a_pipeline_inside_a_node(built):
     fast, slow = cluster(2, 2, bw_inter=5e9), cluster(2, 2, bw_inter=5e6)
     assert timed(built, 4, slow, scheme="ddp")[0].step > 2 * timed(built, 4, fast, scheme="ddp")[0].step
+
+
+@pytest.mark.parametrize("operation", ["all-reduce", "reduce-scatter", "all-gather"])
+@pytest.mark.parametrize("ranks,group_size", [(4, 4), (4, 1), (8, 2)])
+def test_the_replay_s_ring_takes_the_cost_model_s_time(operation, ranks, group_size):
+    # the planner's ring by arithmetic against comms/cost.py's, which runs the real ring's steps
+    from mpipar.comms.cost import Network, predict
+    from mpipar.predict.step_costs import ring_steps
+
+    net = Network(ranks, group_size, bw_intra=1e10, bw_inter=1e9, lat_intra=1e-6, lat_inter=5e-6)
+    inside = group_size == ranks
+    steps = ring_steps(operation, ranks, 8e6, *((net.lat_intra, net.bw_intra) if inside else
+                                                 (net.lat_inter, net.bw_inter)))
+    assert sum(steps) == pytest.approx(predict(net, operation, "ring", 8e6))
