@@ -70,6 +70,12 @@ OUTSIDE_THE_CONFIG = {
     # Other commands' own options, not mpipar train's.
     "cli/__init__.py": "a rank of mpipar train whose own command line does not parse, said in the first collective",
     "cli/bench.py": "mpipar bench's --json path",
+    "cli/plan.py": "mpipar plan's own options: a model or --params, a cluster file, --out for --calibrate",
+    "plan/calibrate.py": "calibrating needs two ranks and row counts; the measurement's own arguments",
+    "plan/gpt_shapes.py": "--params, a count the published GPT shapes are matched to",
+    "plan/model_shapes.py": "a model the planner sizes by shapes only, which needs their declarations",
+    "plan/verify.py": "ranks that planned differently, found only once every rank has planned",
+    "predict/cluster.py": "a cluster file's values and the world and group sizes laid on it (mpipar plan)",
     "cli/cdp.py": "mpipar cdp's --png",
     "cli/estimate.py": "mpipar estimate's --params, --model and --world-size",
     "cli/schedule.py": "mpipar schedule's layout, with the strategies' preconditions",

@@ -55,7 +55,6 @@ from mpipar.models.sequential import FlatParams, Sequential, Stage
 from mpipar.optim.spec import OptimizerSpec, make_optimizer
 from mpipar.predict.cluster import DTYPES, Cluster, ComputeRate, LayerTiming
 from mpipar.predict.compute_cost import TAKES_IDS, Unit, layer_key, update_bytes
-from mpipar.runtime.executor import Executor
 from mpipar.runtime.ledger import MemoryLedger
 from mpipar.system.threads import ranks_on_this_node, threads_per_rank
 
@@ -266,13 +265,15 @@ def _instruction_overhead(count: int = 10_000) -> float:
         with ledger.phase("forward"):
             pass
 
-    # Executor._execute's own loop (no observer), run over a stand-in executor with that one handler
-    stand_in = SimpleNamespace(observer=None, handlers={_Bookkeeping: handle})
+    # the executor's loop without an observer (runtime/executor.py): a handler found by the
+    # instruction's class and called, over a stand-in executor with that one handler
+    stand_in = SimpleNamespace(handlers={_Bookkeeping: handle})
     program = [_Bookkeeping()] * count
     times = []
     for _ in range(5):
         start = time.perf_counter()
-        Executor._execute(stand_in, program)
+        for instruction in program:
+            stand_in.handlers[type(instruction)](stand_in, instruction)
         times.append((time.perf_counter() - start) / count)
     return float(np.median(times))
 

@@ -20,27 +20,10 @@ from mpipar.schedule.instructions import CyclicJob
 from mpipar.schedule.sharding import REDUCTIONS_IN_FLIGHT, Scope, Sharding
 from mpipar.schedule.strategies import BACKWARD, FORWARD
 
-_WALKED: dict = {}  # the walks made: a plan predicts the peaks of thousands of layouts, many alike
-MOST_WALKS_KEPT = 4096
-
 
 def flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_after: tuple[int, ...],
-              in_flight: int, *, prefetch: int, jobs: tuple[str, ...], ring: int, world_size: int,
-              adding_after: tuple[int, ...] = ()) -> dict[str, int]:
-    """The transients of a data-parallel step at its worst moment (`_walk`), each walk made once."""
-    key = (sharding, tuple(sizes), tuple(firsts), tuple(stash_after), in_flight, prefetch, tuple(jobs), ring,
-           world_size, tuple(adding_after))
-    if key not in _WALKED:
-        if len(_WALKED) >= MOST_WALKS_KEPT:
-            _WALKED.clear()
-        _WALKED[key] = _walk(sharding, sizes, firsts, stash_after, in_flight, prefetch=prefetch, jobs=jobs,
-                             ring=ring, world_size=world_size, adding_after=adding_after)
-    return dict(_WALKED[key])
-
-
-def _walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_after: tuple[int, ...],
-          in_flight: int, *, prefetch: int, jobs: tuple[str, ...], ring: int, world_size: int,
-          adding_after: tuple[int, ...] = ()) -> dict[str, int]:
+               in_flight: int, *, prefetch: int, jobs: tuple[str, ...], ring: int, world_size: int,
+               adding_after: tuple[int, ...] = ()) -> dict[str, int]:
     """The transients of a data-parallel step at its worst moment: the sharding flow's instructions
     (schedule/flow.py) for a stage's jobs, in the directions `jobs` in order, walked with the buffers
     runtime/sharded_stage.py takes and gives for them, for units of `sizes` bytes (their layers
