@@ -103,3 +103,14 @@ def test_a_calibration_on_two_ranks_covers_the_model_and_the_links(tmp_path, gro
     assert set(cluster.compute) == {"float16", "float32", "float64"}
     assert min(cluster.memory_per_rank, cluster.memory_bandwidth, cluster.layer_overhead,
                cluster.instruction_overhead) > 0
+
+
+def test_mpipar_plan_calibrate_writes_the_cluster_of_its_groups(tmp_path):
+    # the command itself, as a user runs it: its nodes are --group-size ranks each
+    path = tmp_path / "cli.toml"
+    result = run_mpi(2, sys.executable, "-m", "mpipar", "plan", "--calibrate", "--out", str(path), "--model", "mlp",
+                     "--dataset", "synthetic", "--hidden", "16", "--batch-size", "4", "--group-size", "1", timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    cluster = load_cluster(path)
+    assert (cluster.nodes, cluster.ranks_per_node) == (2, 1)
+    assert {t.rows for t in cluster.layer_timings} == set(rows_to_calibrate(4, 2))

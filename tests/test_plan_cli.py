@@ -93,6 +93,8 @@ def test_a_bad_cluster_file_is_one_sentence_and_exit_2(tmp_path, change, words):
     (["--world-size", "3"], "does not divide"),
     (["--world-size", "4", "--batch-size", "5"], "no layout"),
     (["--model", "nosuchmodel"], "nosuchmodel"),
+    (["--verify", "1", "--verify-layout", "--scheme 1f1b --pipes 2"], "'--pipes' is not one of the layout's flags"),
+    (["--verify", "1", "--verify-layout", "--scheme 1f1b --stages two"], "--stages takes a whole number"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(cluster, args, words):
     model = [word for word in MODEL]

@@ -129,17 +129,22 @@ class Model:
               help="write the first choice's replayed step as Chrome trace events (Perfetto opens it)")
 @click.option("--calibrate", is_flag=True, help="under mpiexec: measure this machine for this model, write --out")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="the cluster file --calibrate writes")
+@click.option("--group-size", type=click.IntRange(min=1), default=None,
+              help="--calibrate: ranks per node  [default: the ranks MPI says share a node]")
 @click.option("--verify", type=click.IntRange(min=0), default=0,
               help="under mpiexec: train the best K and the baselines a few steps each, predicted beside measured")
+@click.option("--verify-layout", "verify_layouts", multiple=True, metavar="FLAGS",
+              help="--verify: also train this layout, given as mpipar train's flags (repeatable)")
 @click.option("--steps", type=POSITIVE, default=6, show_default=True, help="steps each --verify layout trains")
 def plan(cluster_file: str | None, world_size: int | None, top: int, no_prune: bool, as_json: bool,
-         trace_file: str | None, calibrate: bool, out: str | None, verify: int, steps: int, sustained: float | None,
-         **options) -> None:
+         trace_file: str | None, calibrate: bool, out: str | None, group_size: int | None, verify: int,
+         verify_layouts: tuple[str, ...], steps: int, sustained: float | None, **options) -> None:
     """The best parallel layouts of a model on a cluster, ranked by a replay of their programs."""
     overrides = {name: options.pop(name) for name in CLUSTER_FLAGS}
     model = Model(options)
+    also_verified = [Candidate.from_flags(flags) for flags in verify_layouts]
     if calibrate:
-        calibrate_here(model, out)
+        calibrate_here(model, out, group_size)
         return
     if cluster_file is None:
         raise ConfigError("give --cluster FILE (examples/clusters/, or this machine's from mpipar plan --calibrate "
@@ -167,7 +172,8 @@ def plan(cluster_file: str | None, world_size: int | None, top: int, no_prune: b
     if verify:
         from mpipar.plan.verify import verify_plan
 
-        verify_plan(found, model, cluster, world_size, verify, steps)
+        verify_plan(found, model, cluster, world_size, verify, steps,
+                    layouts=also_verified)
         return
     if trace_file:
         best = found.ranked[0]
@@ -193,15 +199,17 @@ def ddp_baseline(base: TrainConfig, world_size: int, cluster, compute, placer: M
         return None
 
 
-def calibrate_here(model: Model, out: str | None) -> None:
-    """Measure this machine for `model` (under mpiexec) and write it as a cluster file."""
-    from mpipar.comms import mpi_world
+def calibrate_here(model: Model, out: str | None, group_size: int | None) -> None:
+    """Measure this machine for `model` (under mpiexec) and write it as a cluster file; its nodes
+    are `group_size` ranks each, or the ranks MPI says share a node."""
+    from mpipar.comms import agree_on_setup, mpi_world
+    from mpipar.comms.topology import make_world
     from mpipar.plan.calibrate import calibrate, rows_to_calibrate
     from mpipar.predict.cluster import write_cluster
 
     if out is None:
         raise ConfigError("mpipar plan --calibrate writes a cluster file: give --out FILE")
-    comm = mpi_world()
+    comm = agree_on_setup(mpi_world(), lambda: make_world(group_size))
     world_size = comm.size
     tensors = [1] + ([t for t in range(2, world_size + 1) if world_size % t == 0]
                      if model.config.model.model == "transformer" else [])

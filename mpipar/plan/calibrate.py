@@ -5,11 +5,13 @@ node's cores among its ranks), so ranks that share cores are measured as they wi
 takes the median over ranks of each figure, and every rank returns the same Cluster.
 
     layer_timings      each distinct unit of the models (compute_cost.layer_key: a 70B model's 80
-                       identical blocks are timed once), built alone with real parameters (a
-                       FlatParams of its own), on random inputs at each row count: forward,
-                       backward, and the zero-bubble B and W as Stage runs them, medians of
-                       `repeats` after one warm-up. Gradients are added into, as every micro-batch
-                       but a step's first does. A tensor-parallel model is one rank's shards over a
+                       identical blocks are built once, with real parameters, a FlatParams each),
+                       timed at each row count in the model's order, as a step runs them
+                       (`_run_through`: forward, backward, and the zero-bubble B and W as Stage
+                       runs them), medians of `repeats` after one warm-up. The run-through holds
+                       one micro-batch's activations of the whole model, as one rank training it
+                       alone would. Gradients are added into, as every micro-batch but a step's
+                       first does. A tensor-parallel model is one rank's shards over a
                        PlaceInGroup: its compute only; the replay adds its collectives.
     compute            per dtype, FLOP/s of a dense n x n matmul (n doubled from 128 until one takes
                        5 ms) as sustained; peak = sustained, no datasheet being known here
@@ -88,22 +90,23 @@ def model_units(model: Sequential, loss: Loss, backend: Backend) -> list[tuple[U
 
 def time_layers(units: Sequence[tuple[Unit, tuple[int, ...]]], rows_list: Sequence[int], backend: Backend,
                 repeats: int = 5) -> tuple[LayerTiming, ...]:
-    """Each distinct unit of `units` (by layer_key) timed at each of `rows_list` micro-batch sizes."""
+    """Each distinct unit of `units` (by layer_key) timed at each of `rows_list` micro-batch sizes,
+    in the model's order: `_run_through`. `units` end with the loss, as model_units makes them."""
     if not rows_list or min(rows_list) < 1 or repeats < 1:
         raise ConfigError(f"calibrating needs row counts of at least 1 and repeats >= 1, got {list(rows_list)} "
                           f"and {repeats}")
-    distinct: dict[str, tuple[Unit, tuple[int, ...]]] = {}
-    for unit, shape in units:
-        distinct.setdefault(layer_key(unit, shape, backend.dtype.name), (unit, tuple(shape)))
-    rng, timings = np.random.default_rng(0), []
-    for key, (unit, shape) in distinct.items():
-        flat = FlatParams([unit], backend, seed=0) if isinstance(unit, Layer) else None
-        try:
-            timings += [_time_unit(key, unit, shape, rows, backend, repeats, rng) for rows in rows_list]
-        finally:
-            if flat is not None:  # its parameters go before the next unit's are made
-                flat.unbind(0, flat.size)
-    return tuple(timings)
+    keys = [layer_key(unit, shape, backend.dtype.name) for unit, shape in units]
+    distinct: dict[str, Unit] = {}
+    for key, (unit, _) in zip(keys, units):
+        distinct.setdefault(key, unit)
+    flats = [FlatParams([unit], backend, seed=0) for unit in distinct.values() if isinstance(unit, Layer)]
+    try:
+        sequence = [(key, distinct[key], tuple(shape)) for key, (_, shape) in zip(keys, units)]
+        rng = np.random.default_rng(0)
+        return tuple(timing for rows in rows_list for timing in _run_through(sequence, rows, backend, repeats, rng))
+    finally:
+        for flat in flats:  # their parameters go before the next model's are made
+            flat.unbind(0, flat.size)
 
 
 def calibrate(comm: Comm, models: Sequence[tuple[Sequential, Loss]], rows_list: Sequence[int], dtype: str,
@@ -114,11 +117,15 @@ def calibrate(comm: Comm, models: Sequence[tuple[Sequential, Loss]], rows_list: 
         raise ConfigError("mpipar plan --calibrate measures the network between ranks too: run it under mpiexec "
                           "with at least 2 ranks")
     backend = make_backend(device, dtype)
-    units = [unit for model, loss in models for unit in model_units(model, loss, backend)]
+    units = [model_units(model, loss, backend) for model, loss in models]
     comm.mpi.Barrier()
     rates = [_matmul_rate(backend.xp, name) for name in DTYPES]
     scalars = [*rates, _memory_bandwidth(backend), _layer_overhead(backend), _instruction_overhead()]
-    timings = time_layers(units, rows_list, backend, repeats)
+    timed: dict[tuple[str, int], LayerTiming] = {}  # a unit two models share: the first model's timing
+    for sequence in units:
+        for timing in time_layers(sequence, rows_list, backend, repeats):
+            timed.setdefault((timing.key, timing.rows), timing)
+    timings = tuple(timed.values())
     comm.mpi.Barrier()
     intra, inter = comm.hierarchy()
     links = []
@@ -162,52 +169,77 @@ def _parts(timing: LayerTiming) -> list[float]:
     return [timing.forward, timing.backward, timing.backward_input, timing.backward_weights]
 
 
-def _time_unit(key: str, unit: Unit, shape: tuple[int, ...], rows: int, backend: Backend, repeats: int,
-               rng: np.random.Generator) -> LayerTiming:
-    xp, loss = backend.xp, isinstance(unit, Loss)
+def _random_input(unit: Unit, shape: tuple[int, ...], rows: int, backend: Backend, rng: np.random.Generator):
     if isinstance(unit, TAKES_IDS):
-        x = xp.asarray(rng.integers(0, unit.vocab_size, size=(rows, *shape)))
-    else:
-        x = backend.asarray(rng.standard_normal((rows, *shape)))
-    targets = None
-    if loss and not isinstance(unit, MSE):  # class ids over the whole vocabulary (a vocabulary block's too)
-        targets = xp.asarray(rng.integers(0, getattr(unit, "vocab_size", shape[-1]), size=(rows, *shape[:-1])))
-    elif loss:
-        targets = backend.asarray(rng.standard_normal((rows, *shape)))
+        return backend.xp.asarray(rng.integers(0, unit.vocab_size, size=(rows, *shape)))
+    return backend.asarray(rng.standard_normal((rows, *shape)))
+
+
+def _run_through(sequence: Sequence[tuple[str, Unit, tuple[int, ...]]], rows: int, backend: Backend, repeats: int,
+                 rng: np.random.Generator) -> list[LayerTiming]:
+    """Time each (key, unit, per-sample input shape) of `sequence` as a step runs it: the forward
+    through every position in order, each output the next one's input and every position's
+    activations held, then the backward in reverse, then the zero-bubble B in reverse and W as
+    Stage.backward_weights runs it. Timed alone, on one input over and over, a layer finds its
+    input, weights and workspace in the cache; in a step they were pushed out by the layers
+    between, and a unit measured alone took about two thirds of its time in a step here. A
+    position below one that passes no gradient (an embedding) gets a random gradient, so that
+    every unit has a backward wherever a stage may place it. `repeats` run-throughs after a
+    warm-up; a key's part is the median over its positions and the repeats."""
+    xp, (_, first, first_shape), (_, loss, loss_shape) = backend.xp, sequence[0], sequence[-1]
+    x0 = _random_input(first, first_shape, rows, backend, rng)
+    classes = getattr(loss, "vocab_size", loss_shape[-1])  # class ids over the whole vocabulary
+    targets = (backend.asarray(rng.standard_normal((rows, *loss_shape))) if isinstance(loss, MSE)
+               else xp.asarray(rng.integers(0, classes, size=(rows, *loss_shape[:-1]))))
+    gradients: dict[int, object] = {}  # a stand-in gradient for the output of a position below a stop
 
     def context() -> Context:  # sample ids: a dropout's mask is drawn at them
         return Context(None, (0, 0), sample_ids=range(rows))
 
-    def forward(ctx: Context):
-        return unit.forward(x, targets, ctx, rows) if loss else unit.forward(x, ctx)
+    def forward() -> list[tuple[Context, float]]:
+        x, passed = x0, []
+        for _, unit, _ in sequence:
+            ctx, start = context(), _clock(xp)
+            x = unit.forward(x, targets, ctx, rows) if isinstance(unit, Loss) else unit.forward(x, ctx)
+            passed.append((ctx, _clock(xp) - start))
+        return passed
 
-    output = forward(context())
-    dy = None if loss else backend.asarray(rng.standard_normal(output.shape))
-    splits = not loss and unit.splits_backward and bool(unit.param_specs())  # what Stage.backward_weights runs
-    samples = []
-    for _ in range(repeats + 1):  # the first a warm-up
-        ctx = context()
-        start = _clock(xp)
-        forward(ctx)
-        forwarded = _clock(xp)
-        if loss:
-            unit.backward(ctx)
-        else:
-            unit.backward(dy, ctx)
-        backward = _clock(xp) - forwarded
-        input_part, weight_part = backward, 0.0
-        if not loss:
-            ctx = context()
-            forward(ctx)
-            begun = _clock(xp)
-            unit.backward_input(dy, ctx)
-            input_done = _clock(xp)
-            if splits:
-                unit.backward_weights(ctx)
-                weight_part = _clock(xp) - input_done
-            input_part = input_done - begun
-        samples.append((forwarded - start, backward, input_part, weight_part))
-    return LayerTiming(key, rows, *(float(v) for v in np.median(samples[1:], axis=0)))
+    def backward(passed: list[tuple[Context, float]], part: str) -> list[float]:
+        dy, seconds = None, [0.0] * len(sequence)
+        for at in reversed(range(len(sequence))):
+            _, unit, _ = sequence[at]
+            if dy is None and not isinstance(unit, Loss):
+                dy = gradients.setdefault(at, backend.asarray(rng.standard_normal((rows, *sequence[at + 1][2]))))
+            start = _clock(xp)
+            if isinstance(unit, Loss):
+                dy = unit.backward(passed[at][0])
+            else:
+                dy = getattr(unit, part)(dy, passed[at][0])
+            seconds[at] = _clock(xp) - start
+        return seconds
+
+    samples = []  # per repeat: per position, (forward, backward, B, W)
+    for repeat in range(repeats + 1):  # the first a warm-up
+        passed = forward()
+        forwards = [seconds for _, seconds in passed]
+        whole = backward(passed, "backward")
+        passed = forward()
+        inputs = backward(passed, "backward_input")
+        weights = [0.0] * len(sequence)
+        for at in reversed(range(len(sequence))):
+            _, unit, _ = sequence[at]
+            if not isinstance(unit, Loss) and unit.splits_backward and unit.param_specs():
+                start = _clock(xp)
+                unit.backward_weights(passed[at][0])
+                weights[at] = _clock(xp) - start
+        del passed
+        if repeat:
+            samples.append(list(zip(forwards, whole, inputs, weights)))
+    by_key: dict[str, list] = {}
+    for repeat in samples:
+        for (key, _, _), parts in zip(sequence, repeat):
+            by_key.setdefault(key, []).append(parts)
+    return [LayerTiming(key, rows, *(float(v) for v in np.median(parts, axis=0))) for key, parts in by_key.items()]
 
 
 def _matmul_rate(xp, dtype: str) -> float:

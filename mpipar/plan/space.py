@@ -74,6 +74,30 @@ class Candidate:
                 words += [flag, str(value)]
         return words
 
+    @classmethod
+    def from_flags(cls, text: str) -> "Candidate":
+        """The layout of `mpipar train` flags such as flags() writes (`--scheme 1f1b --stages 2
+        --micro-batches 4`); ConfigError on a flag that is not a layout's."""
+        words, kinds = text.split(), {field.name: field.type for field in fields(cls)}
+        chosen, at = {}, 0
+        while at < len(words):
+            name = words[at].removeprefix("--").replace("-", "_")
+            if not words[at].startswith("--") or name not in kinds:
+                raise ConfigError(f"--verify-layout {text!r}: {words[at]!r} is not one of the layout's flags "
+                                  f"({', '.join('--' + key.replace('_', '-') for key in kinds)})")
+            if kinds[name] == "bool":
+                chosen[name], at = True, at + 1
+                continue
+            if at + 1 >= len(words):
+                raise ConfigError(f"--verify-layout {text!r}: {words[at]} needs a value")
+            value = words[at + 1]
+            if kinds[name] == "int":
+                if not value.isdigit():
+                    raise ConfigError(f"--verify-layout {text!r}: {words[at]} takes a whole number, not {value!r}")
+                value = int(value)
+            chosen[name], at = value, at + 2
+        return cls(**chosen)
+
     @property
     def name(self) -> str:
         """A few words: `1f1b S4 x2 zero1 m8 T2 sp recompute`."""
