@@ -103,6 +103,8 @@ def test_a_calibration_on_two_ranks_covers_the_model_and_the_links(tmp_path, gro
     assert set(cluster.compute) == {"float16", "float32", "float64"}
     assert min(cluster.memory_per_rank, cluster.memory_bandwidth, cluster.layer_overhead,
                cluster.instruction_overhead) > 0
+    # a collective of 4 MB keeps its caller busier than one of 64 KB: a copy rate is measured
+    assert cluster.collective_call >= 0 and cluster.collective_copy is not None and cluster.collective_copy > 0
 
 
 def test_mpipar_plan_calibrate_writes_the_cluster_of_its_groups(tmp_path):

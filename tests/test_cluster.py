@@ -108,7 +108,8 @@ def test_a_calibrated_cluster_with_odd_text_reads_back_equal(tmp_path):
     cluster = with_overrides(cluster, name='lab "one" \\ 2\tcores é', host_device=12.3e9, lat_intra=0)
     layers = (LayerTiming("Linear(784->512)", 32, 1.25e-4, 2.5e-4, 1.3e-4, 1.2e-4),
               LayerTiming("Attention\n[4, 64]", 8, 0.1 + 0.2, 1e-7, 3e-9, 0.0))
-    cluster = dataclasses.replace(cluster, layer_timings=layers, sources=('a "quoted" source', "\x07bell\x7f"))
+    cluster = dataclasses.replace(cluster, layer_timings=layers, sources=('a "quoted" source', "\x07bell\x7f"),
+                                  collective_call=1.53e-4, collective_copy=3.78e9)
     write_cluster(cluster, tmp_path / "calibrated.toml")
     again = load_cluster(tmp_path / "calibrated.toml")
     assert again == cluster and again.layer_timings[1].forward == 0.1 + 0.2
@@ -123,6 +124,8 @@ BAD_VALUES = [
     (lambda m: m["rank"].update({"memory": 0}), "rank.memory"),
     (lambda m: m["rank"].update({"memory": "-5GB"}), "rank.memory"),
     (lambda m: m["network"].update({"bw-inter": "fast"}), "network.bw-inter"),
+    (lambda m: m["rank"].update({"collective-copy": 0}), "rank.collective-copy"),
+    (lambda m: m["rank"].update({"collective-call": "-1us"}), "rank.collective-call"),
     (lambda m: m["network"].update({"bw-inter": "400Gb/s"}), "network.bw-inter"),
     (lambda m: m["network"].update({"bw-intra": float("inf")}), "network.bw-intra"),
     (lambda m: m["network"].update({"lat-intra": [1]}), "network.lat-intra"),

@@ -19,13 +19,15 @@ from mpipar.schedule.strategies import BACKWARD, FORWARD, Shape, get_strategy
 
 
 class UnitCosts:
-    """Every layer `layer` seconds, every collective step `step` seconds, messages `message`."""
+    """Every layer `layer` seconds, every collective step `step` seconds, messages `message`, and
+    `calls` seconds of the rank's own inside the library's calls for each collective."""
 
     instruction_overhead = 0.0
 
     def __init__(self, layer: float = 1.0, layers: int = 1, step: float = 0.0, steps: int = 1,
-                 message: float = 0.0, sharding=NAMED_SHARDINGS["ddp"]) -> None:
+                 message: float = 0.0, sharding=NAMED_SHARDINGS["ddp"], calls: float = 0.0) -> None:
         self.layer, self.layers, self.step, self.step_count, self.message_time = layer, layers, step, steps, message
+        self.call_time = calls
         self.sharding = sharding
 
     def compute(self, role, instruction):
@@ -39,6 +41,9 @@ class UnitCosts:
 
     def steps(self, role, collective):
         return [self.step] * self.step_count
+
+    def calls(self, role, collective):
+        return self.call_time
 
     def chain(self, role, instruction):
         return flow_collectives(instruction, self.sharding, 1.0, 1.0, 1)
@@ -62,6 +67,18 @@ def test_a_reduction_beside_compute_costs_the_longer_of_the_two():
     assert one_role(program, zero2, layer=1.0, layers=3, step=5.0) == pytest.approx(5.0)
     # ... and one of 2 s under the same compute is hidden: 3
     assert one_role(program, zero2, layer=1.0, layers=3, step=2.0) == pytest.approx(3.0)
+
+
+def test_the_rank_s_own_time_in_the_library_s_calls_is_not_hidden():
+    zero2 = NAMED_SHARDINGS["zero2"]
+    # the same reduce-scatter of 2 s beside 3 s of compute, but posting and polling it keeps the
+    # rank itself busy 1 s (MPI copying on its core): the compute ends at 4 s, not 3
+    program = [ReduceUnit(0, 1, True, False), Compute(job(BACKWARD), 0, unit=0)]
+    assert one_role(program, zero2, layer=1.0, layers=3, step=2.0, calls=1.0) == pytest.approx(4.0)
+    # a gather's calls come before the compute it lets run: 1 s of calls, then 5 s of ring, then 3
+    zero3 = NAMED_SHARDINGS["zero3"]
+    gather = [GatherUnit(0, 0, FORWARD), Compute(job(FORWARD), 0, unit=0), ReleaseUnit(0, 0)]
+    assert one_role(gather, zero3, layer=1.0, layers=3, step=5.0, calls=1.0) == pytest.approx(6.0 + 3.0)
 
 
 def test_a_wait_before_the_compute_costs_their_sum():

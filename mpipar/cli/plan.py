@@ -136,9 +136,11 @@ class Model:
 @click.option("--verify-layout", "verify_layouts", multiple=True, metavar="FLAGS",
               help="--verify: also train this layout, given as mpipar train's flags (repeatable)")
 @click.option("--steps", type=POSITIVE, default=6, show_default=True, help="steps each --verify layout trains")
+@click.option("--rounds", type=POSITIVE, default=3, show_default=True,
+              help="--verify: times the whole list is trained (a layout's time: the median of its rounds)")
 def plan(cluster_file: str | None, world_size: int | None, top: int, no_prune: bool, as_json: bool,
          trace_file: str | None, calibrate: bool, out: str | None, group_size: int | None, verify: int,
-         verify_layouts: tuple[str, ...], steps: int, sustained: float | None, **options) -> None:
+         verify_layouts: tuple[str, ...], steps: int, rounds: int, sustained: float | None, **options) -> None:
     """The best parallel layouts of a model on a cluster, ranked by a replay of their programs."""
     overrides = {name: options.pop(name) for name in CLUSTER_FLAGS}
     model = Model(options)
@@ -172,8 +174,7 @@ def plan(cluster_file: str | None, world_size: int | None, top: int, no_prune: b
     if verify:
         from mpipar.plan.verify import verify_plan
 
-        verify_plan(found, model, cluster, world_size, verify, steps,
-                    layouts=also_verified)
+        verify_plan(found, model, cluster, world_size, verify, steps, rounds=rounds, layouts=also_verified)
         return
     if trace_file:
         best = found.ranked[0]

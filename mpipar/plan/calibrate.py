@@ -28,6 +28,14 @@ takes the median over ranks of each figure, and every rank returns the same Clus
                        models it: beta from the two sizes' difference, alpha what the small one leaves.
                        With one group there is no link between groups to measure and the inter figures
                        are the intra ones; with groups of one rank, the intra are the inter.
+    collective_call    the library's collectives (`--collective mpi`, what a plan's runs use) as the
+    collective_copy    executor pays for them on the calling rank: an all-gather, a reduce-scatter
+                       and an all-reduce through mpipar's comms (wire, counters, Handle), each posted
+                       and then polled between stretches of compute until done, at a small and a
+                       large size over the whole comm. A rank's time inside the post and the polls
+                       is a line in the buffer's bytes, call + bytes / copy, fitted over the six;
+                       the time between polls is not counted (the compute ran there). A GPU's
+                       copies are its DMA engines': there, no copy rate is kept.
     memory_per_rank    this machine's memory over the ranks the launcher put on it (a GPU: its own)
 
 Exercised by: mpiexec -n 2 python tests/scripts/check_calibrate.py   (via tests/test_calibrate.py)
@@ -46,6 +54,7 @@ import numpy as np
 
 from mpipar.backend import Backend, make_backend
 from mpipar.cache import Context
+from mpipar.comms.collectives import iall_gather, iall_reduce, ireduce_scatter
 from mpipar.comms.comm import Comm
 from mpipar.comms.timing import run_benchmarks
 from mpipar.errors import ConfigError
@@ -61,6 +70,8 @@ from mpipar.runtime.ledger import MemoryLedger
 from mpipar.system.threads import ranks_on_this_node, threads_per_rank
 
 SMALL_BLOCK, LARGE_BLOCK = 1_000, 4_000_000  # bytes of one ring step's message: latency-bound, bandwidth-bound
+SMALL_COLLECTIVE, LARGE_COLLECTIVE = 1 << 16, 1 << 22  # bytes of a collective's buffer: a small unit, a large one
+COMPUTE_BETWEEN_POLLS = 5e-4  # seconds of arithmetic between two polls, as a layer runs between the executor's
 LINK_REPS = 5
 UPDATE_ELEMENTS = 1 << 22
 MATMUL_SECONDS = 5e-3
@@ -132,6 +143,9 @@ def calibrate(comm: Comm, models: Sequence[tuple[Sequential, Loss]], rows_list: 
     for link in (intra, inter):  # one after the other: the groups' rings at once, then the columns'
         links.append(_link(link, dtype) if link.size > 1 else None)
         comm.mpi.Barrier()
+    call, copy = _collective_cost(comm, backend)
+    comm.mpi.Barrier()
+    scalars += [call, copy if copy is not None else np.nan]
     gathered = comm.mpi.gather((scalars, [_parts(t) for t in timings], links), root=0)
     cluster = None
     if comm.rank == 0:
@@ -151,7 +165,9 @@ def calibrate(comm: Comm, models: Sequence[tuple[Sequential, Loss]], rows_list: 
             memory_per_rank=memory, compute={name: ComputeRate(rate, rate) for name, rate in zip(DTYPES, scalars)},
             bw_intra=bw_intra, lat_intra=lat_intra, bw_inter=bw_inter, lat_inter=lat_inter,
             memory_bandwidth=scalars[len(DTYPES)], layer_overhead=scalars[len(DTYPES) + 1],
-            instruction_overhead=scalars[len(DTYPES) + 2],
+            instruction_overhead=scalars[len(DTYPES) + 2], collective_call=scalars[len(DTYPES) + 3],
+            collective_copy=(scalars[len(DTYPES) + 4] if device == "cpu" and np.isfinite(scalars[len(DTYPES) + 4])
+                             else None),
             layer_timings=tuple(LayerTiming(t.key, t.rows, *map(float, row)) for t, row in zip(timings, parts)),
             sources=(source,))
     return comm.mpi.bcast(cluster, root=0)
@@ -308,6 +324,40 @@ def _instruction_overhead(count: int = 10_000) -> float:
             stand_in.handlers[type(instruction)](stand_in, instruction)
         times.append((time.perf_counter() - start) / count)
     return float(np.median(times))
+
+
+def _collective_cost(comm: Comm, backend: Backend, repeats: int = 5) -> tuple[float, float | None]:
+    """(call seconds, copy bytes/s or None): a rank's own time in one library collective, posted and polled."""
+    xp, itemsize = backend.xp, backend.dtype.itemsize
+    work = backend.asarray(np.random.default_rng(0).standard_normal((128, 128)))
+    products = max(1, round(COMPUTE_BETWEEN_POLLS / (2 * 128**3 / _matmul_rate(xp, backend.dtype.name))))
+    points = []
+    for nbytes in (SMALL_COLLECTIVE, LARGE_COLLECTIVE):
+        elements = nbytes // itemsize // comm.size * comm.size
+        whole, part = xp.ones(elements, dtype=backend.dtype), xp.ones(elements // comm.size, dtype=backend.dtype)
+        for start_collective, buffers in ((iall_gather, (part, whole)), (ireduce_scatter, (whole, part)),
+                                          (iall_reduce, (whole,))):
+            inside = []
+            for _ in range(repeats + 1):  # the first a warm-up
+                comm.mpi.Barrier()
+                start = _clock(xp)
+                handle = start_collective(comm, *buffers, "mpi")
+                spent = _clock(xp) - start
+                while True:
+                    for _ in range(products):
+                        work @ work
+                    polled = _clock(xp)
+                    if handle.test():
+                        spent += _clock(xp) - polled
+                        break
+                    spent += _clock(xp) - polled
+                inside.append(spent)
+            points.append((elements * itemsize, float(np.median(inside[1:]))))
+    nbytes, seconds = np.array(points).T
+    slope, intercept = np.polyfit(nbytes, seconds, 1)
+    if slope <= 0:  # noise: no cost that grows with the bytes to be seen
+        return float(seconds.mean()), None
+    return max(float(intercept), 0.0), 1.0 / float(slope)
 
 
 def _link(comm: Comm, dtype: str) -> tuple[float, float]:

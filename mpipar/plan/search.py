@@ -225,6 +225,8 @@ def reason(timed: Timed, cluster: Cluster) -> str:
         kind = ("bubble" if what.startswith("receive") else
                 "loss" if what.startswith("the loss") else what)
         shares[kind] = shares.get(kind, 0.0) + seconds
+    for what, seconds in run.roles[role].calls.items():
+        shares["calls " + what] = shares.get("calls " + what, 0.0) + seconds
     idle = max(step - run.roles[role].end, 0.0)
     shares["bubble"] = shares.get("bubble", 0.0) + idle
     dominant = max(shares, key=shares.get)
@@ -242,10 +244,13 @@ def _words(kind: str, role: int, timed: Timed) -> str:
         return "bubble (waits for the pipeline)"
     if kind == "loss":
         return "the loss summed over ranks"
-    operation, _, over = kind.partition(" over ")
+    calls = kind.startswith("calls ")
+    operation, _, over = kind.removeprefix("calls ").partition(" over ")
     where = {"replicas": "over the replicas", "group": "inside the group", "across": "across the groups",
              "stage": "along the pipeline"}.get(over, over)
     crossing = " (between nodes)" if (role, over) in timed.timing.across_nodes else ""
+    if calls:
+        return f"MPI's copies for the {operation} {where}{crossing}, on the rank's own core"
     return f"waits on the {operation} {where}{crossing}"
 
 

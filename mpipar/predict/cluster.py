@@ -14,6 +14,8 @@
     memory-bandwidth = "3.35TB/s"               # optional, default 20GB/s: what the optimizer's update streams
     layer-overhead = "0s"                       # optional: a layer call's cost beyond its arithmetic
     instruction-overhead = "0s"                 # optional: the executor's cost per instruction
+    collective-call = "0s"                      # optional: the rank's own time to post and poll a collective
+    collective-copy = "2.5GB/s"                 # optional: ... plus its buffer's bytes at this rate (none: free)
 
     [compute.float32]                           # FLOP/s of one rank; float32 required, float16, float64 optional
     peak = "67TFLOP/s"                          # the datasheet's
@@ -107,7 +109,9 @@ TABLES: dict[str, dict[str, tuple[str, str, bool]]] = {
     "nodes": {"count": ("nodes", "count", True), "ranks-per-node": ("ranks_per_node", "count", True)},
     "rank": {"memory": ("memory_per_rank", "size", True), "memory-bandwidth": ("memory_bandwidth", "rate", False),
              "layer-overhead": ("layer_overhead", "time", False),
-             "instruction-overhead": ("instruction_overhead", "time", False)},
+             "instruction-overhead": ("instruction_overhead", "time", False),
+             "collective-call": ("collective_call", "time", False),
+             "collective-copy": ("collective_copy", "rate", False)},
     "network": {"bw-intra": ("bw_intra", "rate", True), "lat-intra": ("lat_intra", "time", True),
                 "bw-inter": ("bw_inter", "rate", True), "lat-inter": ("lat_inter", "time", True),
                 "bw-node": ("bw_node", "rate", False), "host-device": ("host_device", "rate", False)},
@@ -139,6 +143,12 @@ class Cluster:
     memory_bandwidth: float = 20e9  # bytes/s one rank streams (the optimizer's update is bound by it)
     layer_overhead: float = 0.0  # seconds each layer call costs beyond its arithmetic (Python, launches)
     instruction_overhead: float = 0.0  # seconds the executor spends per instruction it runs
+    # The rank's own seconds for one of the library's collectives, posted and polled to its end:
+    # collective_call + its buffer's bytes / collective_copy. Where ranks share a node's memory,
+    # MPI copies (and reduces) the bytes on the calling rank's core, inside its calls, so this
+    # time is taken from the rank's compute; None: the copies are a NIC's or a GPU's DMA engine's.
+    collective_call: float = 0.0
+    collective_copy: float | None = None
     layer_timings: tuple[LayerTiming, ...] = ()
     sources: tuple[str, ...] = field(default=())  # where the figures come from
     origin: str = field(default="", compare=False)  # the file it was read from, for messages
@@ -188,6 +198,9 @@ class Cluster:
         rates = ", ".join(f"{_flop_rate_text(self.compute[d].sustained)} {d}" for d in DTYPES if d in self.compute)
         outbound = f", {format_bytes(self.bw_node)}/s out of a node" if self.bw_node is not None else ""
         copies = f"; host-device copies {format_bytes(self.host_device)}/s" if self.host_device is not None else ""
+        if self.collective_call or self.collective_copy:
+            per_byte = f" + bytes / {format_bytes(self.collective_copy)}/s" if self.collective_copy else ""
+            copies += f"; a collective costs its caller {format_seconds(self.collective_call)}{per_byte}"
         return (f"{self.name}: {self.nodes} nodes x {self.ranks_per_node} ranks ({self.world_size}); per rank "
                 f"{format_bytes(self.memory_per_rank)} and {rates} sustained; {format_bytes(self.bw_intra)}/s and "
                 f"{format_seconds(self.lat_intra)} inside a node, {format_bytes(self.bw_inter)}/s and "

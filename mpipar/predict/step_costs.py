@@ -17,9 +17,11 @@ program at the same time.
                  `mpi` is timed as that ring too): n - 1 steps for a reduce-scatter or an
                  all-gather, twice that for an all-reduce, each of a block of 1 / n of the
                  buffer; a ring that leaves a node pays the inter-node link, shared by the
-                 node's ranks that send across at the same moment
+                 node's ranks that send across at the same moment. Besides, the rank itself
+                 spends collective_call + bytes / collective_copy inside the library's calls
+                 (`calls`): on shared memory MPI copies on the caller's core
 
-Exercised by: python -m pytest tests/test_timed_replay.py tests/test_step_costs.py
+Exercised by: python -m pytest tests/test_plan_timing.py tests/test_plan_bytes.py
 """
 
 from __future__ import annotations
@@ -185,6 +187,14 @@ class LayoutCosts:
             ranks, inside = self.stage_ring(collective) if collective.members else self.ring(role, collective.over)
             self._steps[key] = ring_steps(collective.operation, ranks, collective.nbytes, *self._ring_link(inside))
         return self._steps[key]
+
+    def calls(self, role: int, collective: Collective) -> float:
+        """The rank's own seconds in the library's calls for `collective`: the cluster's
+        collective_call, and its buffer's bytes at collective_copy (none where ranks do not copy)."""
+        if not self.steps(role, collective):
+            return 0.0  # a ring of one rank: nothing is called
+        copy = self.cluster.collective_copy
+        return self.cluster.collective_call + (collective.nbytes / copy if copy else 0.0)
 
     def ring(self, role: int, over: str) -> tuple[int, bool]:
         """(ranks, whether all of them lie in one node) of a collective `over` (flow_collectives' names)."""

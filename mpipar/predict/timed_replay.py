@@ -86,6 +86,10 @@ class Costs(Protocol):
     def steps(self, role: int, collective: Collective) -> Sequence[float]:
         """Seconds of each step of `collective`'s algorithm."""
 
+    def calls(self, role: int, collective: Collective) -> float:
+        """Seconds the role itself spends inside the library's calls that post and poll `collective`
+        (where MPI copies the bytes on the rank's own core), taken from its compute."""
+
     def chain(self, role: int, instruction) -> Sequence[Collective]:
         """The collectives a GatherUnit, ReduceUnit, PublishUnit or ReduceGradients posts, in order."""
 
@@ -115,6 +119,7 @@ class RoleTime:
     end: float = 0.0
     compute: float = 0.0  # seconds computing (layers, updates)
     waiting: dict[str, float] = field(default_factory=dict)  # seconds blocked, by what was waited for
+    calls: dict[str, float] = field(default_factory=dict)  # seconds inside the library's calls, by collective
     spans: list[Span] = field(default_factory=list)
     collectives: list[Collective] = field(default_factory=list)  # every collective it posted
     messages: list[tuple[Item, int]] = field(default_factory=list)  # every message it sent, and to whom
@@ -125,6 +130,9 @@ class RoleTime:
 
     def computed(self, seconds: float) -> None:
         self.compute += seconds
+
+    def called(self, what: str, seconds: float) -> None:
+        self.calls[what] = self.calls.get(what, 0.0) + seconds
 
     def ended(self, moment: float) -> None:
         self.end = moment
@@ -244,9 +252,22 @@ class _Role:
             if head.finished:
                 self.chains.popleft()
 
+    def spend_in_calls(self, collectives: Sequence[Collective]) -> None:
+        """The rank's own time in the calls of `collectives`, charged when they are posted: the
+        post and the polls that follow take it, wherever they fall, and the total is what counts."""
+        start = self.now
+        for collective in collectives:
+            seconds = self.costs.calls(self.index, collective)
+            if seconds > 0:
+                self.time.called(f"{collective.operation} over {collective.over}", seconds)
+                self.now += seconds
+        if self.now > start:
+            self.time.spans.append(Span(self.index, "compute", "library calls", start, self.now))
+
     def post_chain(self, instruction) -> None:
         collectives = self.costs.chain(self.index, instruction)
         self.time.posted(collectives)
+        self.spend_in_calls(collectives)
         chain = _Chain(self.index, collectives, self.costs, self.now)
         if not chain.finished:
             self.chains.append(chain)
@@ -380,6 +401,7 @@ def _compute(role: _Role, instruction: Compute, waits, arrivals: dict, posted: d
 def _gather(role: _Role, instruction: GatherUnit, waits, arrivals: dict, posted: dict) -> None:
     collectives = role.costs.chain(role.index, instruction)
     role.time.posted(collectives)
+    role.spend_in_calls(collectives)
     steps = [step for collective in collectives for step in role.costs.steps(role.index, collective)]
     role.gathers[(instruction.stage, instruction.unit)] = _Progress(steps, role.now, collectives[0])
 
@@ -402,6 +424,7 @@ def _reduce_stage(role: _Role, instruction: ReduceGradients, waits, arrivals: di
     posted.setdefault(instruction.stage, {})[role.index] = role.now
     role.stage_reductions[instruction.stage] = tuple(role.costs.chain(role.index, instruction))
     role.time.posted(role.stage_reductions[instruction.stage])
+    role.spend_in_calls(role.stage_reductions[instruction.stage])
 
 
 def _update(role: _Role, instruction: Update, waits, arrivals: dict, posted: dict) -> None:
