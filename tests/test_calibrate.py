@@ -22,7 +22,7 @@ from mpipar.layers import Flatten, Linear, ReLU, SoftmaxCrossEntropy
 from mpipar.models.builtin import build_model
 from mpipar.models.sequential import Sequential
 from mpipar.plan.calibrate import model_units, rows_to_calibrate, time_layers
-from mpipar.predict.cluster import load_cluster
+from mpipar.predict.cluster_file import load_cluster
 from mpipar.predict.compute_cost import layer_key
 
 BACKEND = make_backend("cpu", "float32")

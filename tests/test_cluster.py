@@ -16,16 +16,9 @@ import pytest
 
 from mpipar.comms.cost import predict
 from mpipar.errors import ConfigError
-from mpipar.predict import cluster as cluster_module
-from mpipar.predict.cluster import (
-    ComputeRate,
-    LayerTiming,
-    check_layout_fits,
-    cluster_from,
-    load_cluster,
-    with_overrides,
-    write_cluster,
-)
+from mpipar.predict import cluster_file
+from mpipar.predict.cluster import ComputeRate, LayerTiming, check_layout_fits
+from mpipar.predict.cluster_file import cluster_from, load_cluster, with_overrides, write_cluster
 from mpipar.units import parse_flop_rate
 
 try:
@@ -90,7 +83,7 @@ def test_examples_read_their_units():
 
 
 def test_the_schema_in_the_docstring_loads():
-    example = "\n".join(line[4:] for line in cluster_module.__doc__.splitlines() if line.startswith("    "))
+    example = "\n".join(line[4:] for line in cluster_file.__doc__.splitlines() if line.startswith("    "))
     cluster = cluster_from(tomllib.loads(example), "docstring.toml")
     assert cluster.layer_timings[0].backward_weights == pytest.approx(1.2e-3)
 

@@ -30,7 +30,8 @@ from mpipar.plan.model_shapes import built_model
 from mpipar.plan.report import json_report, text_report
 from mpipar.plan.search import ModelPlacer, against_ddp, evaluate, search, shortfall, tokens_per_sample
 from mpipar.plan.space import Candidate, micro_batch_counts
-from mpipar.predict.cluster import check_layout_fits, load_cluster, with_overrides
+from mpipar.predict.cluster import check_layout_fits
+from mpipar.predict.cluster_file import load_cluster, with_overrides
 from mpipar.predict.compute_cost import ComputeModel
 from mpipar.predict.timed_replay import chrome_trace
 from mpipar.system.files import write_atomically
@@ -206,7 +207,7 @@ def calibrate_here(model: Model, out: str | None, group_size: int | None) -> Non
     from mpipar.comms import agree_on_setup, mpi_world
     from mpipar.comms.topology import make_world
     from mpipar.plan.calibrate import calibrate, rows_to_calibrate
-    from mpipar.predict.cluster import write_cluster
+    from mpipar.predict.cluster_file import write_cluster
 
     if out is None:
         raise ConfigError("mpipar plan --calibrate writes a cluster file: give --out FILE")
