@@ -2,12 +2,13 @@
 
 For each layout of the space (plan/space.py) that `mpipar train` accepts:
 
-    bound    a lower bound of its step: the compute of its busiest role can be no less than
-             the average role's, the model's forward and backward at the micro-batch's rows,
-             over the pipeline's workers. Layouts are taken in order of this bound, and once
-             it exceeds the K-th best step found, no layout left can enter the best K: they
-             are pruned. The bound ignores communication and the bubble, so it never exceeds
-             the replay's time, and the pruned search's best K are the exhaustive one's
+    bound    a lower bound of its step, from the model cut into its stages by shapes alone (no
+             programs compiled, nothing placed): its busiest pipeline worker's compute, after
+             the forwards of the stages before that worker's first and before the backwards of
+             those stages again (layout_bound). Layouts are taken in order of this bound, and
+             once it exceeds the K-th best step found, no layout left can enter the best K: they
+             are pruned. The bound leaves communication and the updates out, so it never
+             exceeds the replay's time, and the pruned search's best K are the exhaustive one's
     memory   its predicted peak per rank (predict/peak.py, what `--memory-limit` checks),
              from the model placed by shapes, when the layout is reached; one above the
              cluster's memory per rank is dropped, and the closest miss kept to say by how
@@ -19,18 +20,20 @@ Exercised by: python -m pytest tests/test_plan_search.py
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
 from mpipar.layout import Axis
 from mpipar.optim.optimizers import state_kinds
+from mpipar.plan.bound import layout_bound
 from mpipar.plan.space import Candidate, configuration, valid_candidates
 from mpipar.plan.timing import LayoutTime, Traffic, cdp_plan, time_layout
 from mpipar.predict.cluster import Cluster
-from mpipar.predict.estimate import PlacedModel, place_model
+from mpipar.predict.estimate import PlacedModel, PlacementCache, place_model
 from mpipar.predict.peak import mesh_peak, plan_peak
 from mpipar.predict.step_costs import ComputeModel
-from mpipar.schedule.strategies import Shape, get_strategy
+from mpipar.schedule.strategies import Shape, Strategy, get_strategy
 from mpipar.train.config import TrainConfig
 from mpipar.units import format_bytes, format_seconds
 
@@ -77,67 +80,83 @@ class Search:
 
 
 class ModelPlacer:
-    """The model placed on each layout by shapes, built once per tensor split and placement."""
+    """The model placed on each layout by shapes: built once per tensor split, cut once per stage
+    count, its programs compiled once per strategy and shape (estimate.PlacementCache)."""
 
     def __init__(self, built_for, itemsize: int, group_size: int) -> None:
         """`built_for(tensor, sequence_parallel)`: the model as estimate builds it (model_shapes.built_model)."""
         self.built_for, self.itemsize, self.group_size = built_for, itemsize, group_size
         self.models: dict = {}
         self.placed: dict = {}
+        self.made = PlacementCache()
+
+    def model(self, config: TrainConfig):
+        """built_model's result for `config`'s tensor split."""
+        key = (config.parallel.tensor, config.parallel.sequence_parallel)
+        if key not in self.models:
+            self.models[key] = self.built_for(*key)
+        return self.models[key]
+
+    def schedule(self, config: TrainConfig, world_size: int) -> tuple[Strategy, Shape]:
+        """The strategy and shape of one tensor slice's step; CDP cuts the model into as many
+        stages as micro-batches (its programs are its own: timing.py)."""
+        parallel, count = config.parallel, config.training.micro_batches
+        if parallel.cyclic:
+            return get_strategy("gpipe"), Shape(count, count, count)
+        return parallel.strategy(), config.schedule_shape(config.engine_ranks(world_size))
+
+    def cut(self, config: TrainConfig, world_size: int) -> tuple[list, list[tuple[int, ...]]]:
+        """`config`'s stages by shapes and their inputs, without placing them (what the bound reads)."""
+        _, shape = self.schedule(config, world_size)
+        return self.made.cut(self.model(config)[2], shape.stages, self.itemsize)
 
     def __call__(self, config: TrainConfig, world_size: int) -> PlacedModel:
         parallel = config.parallel
-        model_key = (parallel.tensor, parallel.sequence_parallel)
-        if model_key not in self.models:
-            self.models[model_key] = self.built_for(*model_key)
+        built = self.model(config)
         layout = config.layout(world_size)
-        count = config.training.micro_batches
-        # CDP cuts the model into as many stages as micro-batches; its programs are its own (timing.py)
-        shape = (Shape(count, count, count) if parallel.cyclic else
-                 config.schedule_shape(config.engine_ranks(world_size)))  # one tensor slice's step
-        strategy = get_strategy("gpipe") if parallel.cyclic else parallel.strategy()
-        key = (model_key, strategy.name, shape, layout.mesh, layout.micro_batch_size, parallel.ddp,
-               parallel.bucket_mb, parallel.recompute)
+        strategy, shape = self.schedule(config, world_size)
+        key = ((parallel.tensor, parallel.sequence_parallel), strategy.name, shape, layout.mesh,
+               layout.micro_batch_size, parallel.ddp, parallel.bucket_mb, parallel.recompute)
         if key not in self.placed:
-            self.placed[key] = place_model(None, self.models[model_key], layout, strategy, shape, self.group_size,
-                                           parallel.ddp, parallel.bucket_mb, self.itemsize, parallel.recompute)
+            self.placed[key] = place_model(None, built, layout, strategy, shape, self.group_size, parallel.ddp,
+                                           parallel.bucket_mb, self.itemsize, parallel.recompute, self.made)
         return self.placed[key]
 
     def loss(self, config: TrainConfig):
         """The loss of the model `config` splits (its tensor-parallel calls are timed too)."""
-        return self.models[(config.parallel.tensor, config.parallel.sequence_parallel)][3]
+        return self.model(config)[3]
 
 
-def peak_of(placed: PlacedModel, config: TrainConfig, itemsize: int) -> float:
-    """The predicted peak of the rank that holds the most (one rank per pipeline worker)."""
+def peak_of(placed: PlacedModel, config: TrainConfig, itemsize: int, above: float = math.inf) -> float:
+    """The predicted peak of the rank that holds the most (one rank per pipeline worker); once a
+    rank's exceeds `above`, that rank's, which the layout's is no less than (the search needs no
+    more of a layout above both the memory and the closest miss so far)."""
     kinds = state_kinds(config.optim.optimizer, config.optim.momentum)
     master = 4 if config.model.precision == "fp16" else 0
     mesh = placed.mesh
     if config.parallel.cyclic:
         plan = cdp_plan(config, placed, 0, itemsize)
-        return max(plan_peak(cdp_plan(config, placed, rank, itemsize), rank, placed.training, placed.evaluation,
-                             plan.longest_run, units=[], group=1, itemsize=itemsize, state_kinds=kinds,
-                             master_itemsize=master).total for rank in range(mesh.size))
-    return max(mesh_peak(rank, placed.compiled, mesh, config.parallel.sharding(), placed.stage_sizes,
-                         placed.largest_units, placed.groups[mesh.worker(rank)], itemsize=itemsize, state_kinds=kinds,
-                         training=placed.training, evaluation=placed.evaluation, prefetch=config.parallel.prefetch,
-                         master_itemsize=master, units=placed.units).total
-               for rank in range(0, mesh.size, mesh.replicas))
+        peaks = (plan_peak(cdp_plan(config, placed, rank, itemsize), rank, placed.training, placed.evaluation,
+                           plan.longest_run, units=[], group=1, itemsize=itemsize, state_kinds=kinds,
+                           master_itemsize=master).total for rank in range(mesh.size))
+    else:
+        peaks = (mesh_peak(rank, placed.compiled, mesh, config.parallel.sharding(), placed.stage_sizes,
+                           placed.largest_units, placed.groups[mesh.worker(rank)], itemsize=itemsize,
+                           state_kinds=kinds, training=placed.training, evaluation=placed.evaluation,
+                           prefetch=config.parallel.prefetch, master_itemsize=master, units=placed.units).total
+                 for rank in range(0, mesh.size, mesh.replicas))
+    most = -math.inf
+    for peak in peaks:
+        most = max(most, peak)
+        if most > above:
+            break
+    return most
 
 
 def compute_bound(placed: PlacedModel, config: TrainConfig, compute: ComputeModel, world_size: int) -> float:
-    """No step of this layout is shorter: the average pipeline worker's forward and backward
-    compute (and the forward again where it recomputes), communication and bubble left out."""
-    rows = config.layout(world_size).micro_batch_size
-    total = 0.0
-    for stage, first in zip(placed.stages, placed.stage_inputs):
-        shape = first
-        for layer in stage.layers:
-            cost = compute.cost(layer, shape, rows)
-            again = cost.forward if config.parallel.recompute != "none" else 0.0
-            total += cost.forward + min(cost.backward, cost.backward_input + cost.backward_weights) + again
-            shape = layer.output_shape(shape)
-    return total * config.training.micro_batches / placed.mesh.workers
+    """No step of this placed layout is shorter (plan/bound.py: its compute; communication and the updates
+    left out)."""
+    return layout_bound(placed.stages, placed.stage_inputs, config, compute, world_size).least
 
 
 class RememberedCosts:
@@ -161,32 +180,38 @@ def search(base: TrainConfig, world_size: int, cluster: Cluster, compute: Comput
            itemsize: int, top: int, layers: int, tensor_parallel: bool, flops_per_sample: float,
            prune: bool = True) -> Search:
     """The best `top` layouts of `base`'s model, batch and optimizer on `world_size` ranks of `cluster`.
-    Layouts are taken in order of their bound; each one's peak is predicted when it is reached."""
+    Layouts are taken in order of their bound; each one is placed, and its peak predicted, when
+    it is reached. Ties (an equal step, an equal peak) go to the smaller average compute, then to
+    the space's order."""
     pairs, tried = valid_candidates(base, world_size, cluster.ranks_per_node, tensor_parallel=tensor_parallel,
                                     layers=layers)
     found = Search([], tried=tried, valid=len(pairs))
     compute = RememberedCosts(compute)
     bounded = []
-    for candidate, config in pairs:
-        placed = placer(config, world_size)
-        bounded.append((compute_bound(placed, config, compute, world_size), candidate, config, placed))
-    bounded.sort(key=lambda entry: entry[0])
-    for position, (bound, candidate, config, placed) in enumerate(bounded):
-        if prune and len(found.ranked) >= top and bound > found.ranked[top - 1].step:
+    for index, (candidate, config) in enumerate(pairs):
+        bound = layout_bound(*placer.cut(config, world_size), config, compute, world_size)
+        bounded.append((bound, (bound.average, index), candidate, config))
+    bounded.sort(key=lambda entry: entry[0].least)
+    ranked = []  # (step, tie order, timed), kept sorted
+    closest = None  # (peak, tie order, candidate)
+    for position, (bound, order, candidate, config) in enumerate(bounded):
+        if prune and len(ranked) >= top and bound.least > ranked[top - 1][0]:
             found.pruned = len(bounded) - position
             break
-        peak = peak_of(placed, config, itemsize)
+        placed = placer(config, world_size)
+        peak = peak_of(placed, config, itemsize, above=closest[0] if closest else math.inf)
         if peak > cluster.memory_per_rank:
             found.over_memory += 1
-            if found.closest_miss is None or peak < found.closest_miss[1]:
-                found.closest_miss = (candidate, peak)
+            closest = min(closest, (peak, order, candidate)) if closest else (peak, order, candidate)
             continue
         timing = time_layout(config, world_size, placed, cluster, compute, itemsize, placer.loss(config))
         found.timed += 1
         samples = config.training.batch_size
-        found.ranked.append(Timed(candidate, config, peak, timing, samples, flops_per_sample * samples))
-        found.ranked.sort(key=lambda timed: timed.step)
-    found.ranked = found.ranked[:top] if prune else found.ranked
+        bisect.insort(ranked, (timing.step, order, Timed(candidate, config, peak, timing, samples,
+                                                          flops_per_sample * samples)),
+                      key=lambda entry: entry[:2])
+    found.closest_miss = (closest[2], closest[0]) if closest else None
+    found.ranked = [timed for _, _, timed in (ranked[:top] if prune else ranked)]
     return found
 
 

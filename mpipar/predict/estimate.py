@@ -151,53 +151,109 @@ class PlacedModel:
         return [s for s, size in enumerate(self.stage_sizes) if worker in self.compiled.holders[s] and size]
 
 
+class PlacementCache:
+    """What the placements of one model on many layouts share, each made once: a strategy's
+    programs at a shape, the model cut into S stages by shapes, and a cut's activations, units
+    and tensor bytes at a micro-batch. A key holds everything its value is made from: a model
+    by identity (the value keeps the model alive, so no other object takes its id)."""
+
+    def __init__(self) -> None:
+        self.compiled: dict = {}
+        self.cuts: dict = {}
+        self.made: dict = {}
+
+    def programs(self, strategy: Strategy, shape: Shape) -> Compiled:
+        key = (strategy, shape)
+        if key not in self.compiled:
+            self.compiled[key] = compile_programs(strategy, shape)
+        return self.compiled[key]
+
+    def cut(self, model, stages: int, itemsize: int) -> tuple[list, list[tuple[int, ...]]]:
+        """The model's `stages` stages by shapes (nothing allocated), and each one's per-sample input shape."""
+        from mpipar.models.sequential import build_stages, partition
+
+        key = (id(model), stages, itemsize)
+        if key not in self.cuts:
+            # the balanced cut depends on the layers' FLOPs alone: models split alike share it
+            boundaries = self.once(("balanced cut", tuple(model.layer_flops()), stages),
+                                   lambda: [part.start for part in partition(model, stages)[1:]])
+            backend = make_backend("cpu", ITEMSIZE_DTYPES[itemsize])
+            laid_out = build_stages(model, stages, backend, 0, boundaries, materialize=False)
+            inputs = [model.shapes[part.start] for part in partition(model, stages, boundaries)]
+            self.cuts[key] = (model, laid_out, inputs)
+        return self.cuts[key][1], self.cuts[key][2]
+
+    def once(self, key: tuple, make, *keep):
+        """`make()`, remembered under `key`; `keep`: the objects whose ids the key holds."""
+        if key not in self.made:
+            self.made[key] = (make(), keep)
+        return self.made[key][0]
+
+
 def place_model(count: float, built, layout: Layout, strategy: Strategy, shape: Shape, group_size: int, ddp: str,
-                bucket_mb: float, itemsize: int, recompute: str = "none") -> PlacedModel:
+                bucket_mb: float, itemsize: int, recompute: str = "none",
+                cache: PlacementCache | None = None) -> PlacedModel:
     """`count` parameters (or `built`, built_model's result: then one rank's shards where the layout has a
     tensor axis) placed on `layout` by the programs of `strategy` at `shape` (one pipeline's step): its
     activations those of `recompute` (--recompute's value), and of a split backward where the schedule
-    splits it. `group_size`: the world ranks of one node."""
-    from mpipar.models.sequential import build_stages, partition
-
+    splits it. `group_size`: the world ranks of one node. `cache`: what other placements of the same
+    model made (a planner places one model on thousands of layouts)."""
+    cache = cache or PlacementCache()
     mesh, tensor = layout.mesh, layout.tensor
-    compiled = compile_programs(strategy, shape)
+    compiled = cache.programs(strategy, shape)
     micro_batch = layout.micro_batch_size
     tensor_sent = ()
+    inputs = None
     if built is None:  # parameters split evenly, units of --bucket-mb, no activations
         total = math.ceil(count)
         sizes = [total // shape.stages + (s < total % shape.stages) for s in range(shape.stages)]
         units = [size if ddp == "naive" else min(size, math.ceil(bucket_mb * 1e6 / itemsize)) for size in sizes]
-        unit_layers = None  # no layers: each transient at its most
+        unit_layers = laid_out = None  # no layers: each transient at its most
         training = evaluation = ActivationBytes((0,) * len(sizes), (0,) * len(sizes), (0,) * len(sizes))
     else:
         train_set, eval_batch, model, loss = built
-        backend = make_backend("cpu", ITEMSIZE_DTYPES[itemsize])
-        laid_out = build_stages(model, shape.stages, backend, 0, materialize=False)
+        laid_out, inputs = cache.cut(model, shape.stages, itemsize)
+        cut = (id(model), shape.stages, itemsize)
         sizes = [stage.flat.size for stage in laid_out]
         unit_bytes = unit_bytes_for(ddp, bucket_mb)
-        unit_layers = [unit_sizes(stage, unit_bytes) for stage in laid_out]
+        unit_layers = cache.once(("units", cut, unit_bytes), lambda: [unit_sizes(stage, unit_bytes)
+                                                                      for stage in laid_out], model)
         units = [largest_unit(mine) for mine in unit_layers]
         segment = recompute_segment(recompute)
         spans = (None if segment is None else
                  compute_spans(laid_out, replica_shared_stages(mesh, sizes), unit_bytes, segment))
         split = strategy.split_backward
-        if declares_shapes(model.layers, loss):  # by arithmetic (shape_only.py): a model of any size
-            samples = train_set if isinstance(train_set, Samples) else Samples.of(train_set)
-            training, evaluation = shape_only_bytes(laid_out, samples, loss, micro_batch, eval_batch or micro_batch,
-                                                    seed=0, recompute_spans=spans, split_backward=split)
-        else:  # a builder's layers (PyTorch, JAX) without declarations: run one micro-batch of the data
-            training, evaluation = dry_run(laid_out, train_set, loss, micro_batch, eval_batch or micro_batch, seed=0,
-                                           to_device=lambda inputs, targets: (backend.inputs(inputs), targets),
-                                           recompute_spans=spans, split_backward=split)
+        evaluated = eval_batch or micro_batch
+        training, evaluation = cache.once(
+            ("activations", cut, id(train_set), id(loss), micro_batch, evaluated, split,
+             None if spans is None else tuple(map(tuple, spans))),
+            lambda: _activations(laid_out, train_set, loss, model, itemsize, micro_batch, evaluated,
+                                 spans, split), model, train_set, loss)
         rows = micro_batch * math.prod(train_set.input_shape)
-        tensor_sent = tuple(tensor_sent_per_micro_batch(stage.layers, rows, tensor, itemsize,
-                                                        loss if stage is laid_out[-1] else None, segment is not None)
-                            for stage in laid_out)
+        tensor_sent = cache.once(
+            ("tensor sent", cut, id(loss), rows, tensor, segment is not None),
+            lambda: tuple(tensor_sent_per_micro_batch(stage.layers, rows, tensor, itemsize,
+                                                      loss if stage is laid_out[-1] else None, segment is not None)
+                          for stage in laid_out), model, loss)
     groups = [ranks_beside_the_first(mesh.rank(worker, 0), mesh.replicas, tensor, group_size)
               for worker in range(mesh.workers)]
     return PlacedModel(mesh, compiled, sizes, units, groups, training, evaluation, tensor, tensor_sent, unit_layers,
-                       None if built is None else laid_out,
-                       None if built is None else [model.shapes[part.start] for part in partition(model, shape.stages)])
+                       laid_out, inputs)
+
+
+def _activations(laid_out: list, train_set, loss, model, itemsize: int, micro_batch: int, eval_batch: int, spans,
+                 split: bool) -> tuple[ActivationBytes, ActivationBytes]:
+    """A cut's (training, evaluation) activations: by arithmetic where the layers declare their
+    shapes (shape_only.py: a model of any size), else by one micro-batch of the data (a builder's
+    PyTorch or JAX layers)."""
+    if declares_shapes(model.layers, loss):
+        samples = train_set if isinstance(train_set, Samples) else Samples.of(train_set)
+        return shape_only_bytes(laid_out, samples, loss, micro_batch, eval_batch, seed=0, recompute_spans=spans,
+                                split_backward=split)
+    backend = make_backend("cpu", ITEMSIZE_DTYPES[itemsize])
+    return dry_run(laid_out, train_set, loss, micro_batch, eval_batch, seed=0,
+                   to_device=lambda inputs, targets: (backend.inputs(inputs), targets),
+                   recompute_spans=spans, split_backward=split)
 
 
 def ranks_beside_the_first(first: int, count: int, tensor: int, group_size: int) -> int:

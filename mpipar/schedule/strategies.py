@@ -29,6 +29,7 @@ Exercised by: mpipar schedule show --scheme lpp --workers 4 --stages 8 --micro-b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -204,13 +205,15 @@ for _order, _priority in (("", depth_first), ("-breadth", breadth_first)):
                       _looped_check, looped=True))
 
 
-def stages_on_several_workers(strategy: Strategy, shape: Shape) -> list[int]:
+@functools.lru_cache(maxsize=1024)
+def stages_on_several_workers(strategy: Strategy, shape: Shape) -> tuple[int, ...]:
     """The stages that more than one worker holds or computes (their gradients are summed
-    inside the pipeline); in gpipe and 1f1b none: one worker does everything of a stage."""
+    inside the pipeline); in gpipe and 1f1b none: one worker does everything of a stage. Each
+    (strategy, shape) once: a plan validates thousands of layouts on a few dozen shapes."""
     members: dict[int, set[int]] = {}
     for job in shape.jobs():
         members.setdefault(job.stage, set()).update(strategy.place(job, shape))
-    return sorted(stage for stage, workers in members.items() if len(workers) > 1)
+    return tuple(sorted(stage for stage, workers in members.items() if len(workers) > 1))
 
 
 def get_strategy(name: str) -> Strategy:
