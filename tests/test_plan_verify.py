@@ -97,7 +97,7 @@ def test_the_best_5_of_a_small_plan_and_the_baselines_train_for_2_steps_on_2_ran
     names = [row["name"] for row in verified["rows"]]
     assert names[:5] == verified["plan"] and len(verified["plan"]) == 5
     assert names[5:] == ["ddp m1 bucketed", "zero3 m1", "1f1b S2 m2", "gpipe S2 m4",
-                         "ddp m1 bucketed T2 sp"]
+                         "ddp m1 bucketed T2 sp", "cdp-v2 m2"]
     for row in verified["rows"]:
         assert row["measured"] > 0 and row["predicted"] > 0 and math.isfinite(row["loss"]), row
     assert verified["data"].startswith("synthetic tokens")

@@ -14,7 +14,9 @@ sentence where they differ. It then trains:
                     schemes the best K leave out
 
 Each layout is a `Trainer` (train/trainer.py) with the plan's model and batch: `warmup` steps, then
-`steps` steps, each after a barrier, its time the slowest rank's; the layout's time in a round is
+`steps` steps, each after a barrier, its time the slowest rank's (CDP's steps interleave, so a run
+of them is timed whole and each step is its share; its first run is the warm-up, as the replay
+times a run of the trainer's longest); the layout's time in a round is
 the median of its steps. The machine is noisy, so the whole list is trained `rounds` times (every
 other round in reverse order, so that a drift in the machine's speed does not favour one end of
 the list) and a layout's measured step is the median of its round medians. Every trainer is freed
@@ -56,6 +58,7 @@ from mpipar.plan.space import Candidate, configuration
 from mpipar.plan.timing import time_layout
 from mpipar.predict.cluster import Cluster
 from mpipar.predict.compute_cost import ComputeModel
+from mpipar.schedule.plans import CdpPlan
 from mpipar.system.files import write_atomically
 from mpipar.train.config import TrainConfig
 from mpipar.train.trainer import Trainer
@@ -191,8 +194,6 @@ def layouts_to_verify(found: Search, model: PlanModel, cluster: Cluster, world_s
     for source, candidates in (("baseline", baselines(world_size, base.training.batch_size)), ("named", named)):
         for candidate in candidates:
             try:
-                if candidate.cyclic:
-                    raise ConfigError("Cyclic Data Parallelism is not timed by the planner yet")
                 config = configuration(base, candidate, world_size)
             except ConfigError as error:
                 if source == "named":
@@ -240,19 +241,25 @@ def training_data(model: PlanModel) -> Iterator[tuple[dict, str]]:
 
 
 def measure(config: TrainConfig, comm: MPI.Intracomm, warmup: int, steps: int) -> tuple[float, float]:
-    """(the median step of `config` trained `warmup` + `steps` steps, the slowest rank's each; the last loss)."""
+    """(the median step of `config` after `warmup` steps, over `steps` or more, the slowest rank's
+    each; the last loss). A run of CDP's interleaved steps is timed whole, each step its share:
+    its first run is the warm-up."""
     trainer = Trainer(config, comm)
-    seconds = np.zeros(steps)
-    for step in range(warmup + steps):
+    step, seconds = 0, []
+    while step < warmup:
+        results = trainer.train_steps(step)
+        step += len(results)
+    while len(seconds) < steps:
         comm.Barrier()
         started = time.perf_counter()
-        result = trainer.train_step(step)
-        if step >= warmup:
-            seconds[step - warmup] = time.perf_counter() - started
-    comm.Allreduce(MPI.IN_PLACE, seconds, op=MPI.MAX)
+        results = trainer.train_steps(step)
+        seconds += [(time.perf_counter() - started) / len(results)] * len(results)
+        step += len(results)
+    slowest = np.array(seconds)
+    comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
     del trainer
     gc.collect()  # its parameters, activations and buffers go before the next layout's are made
-    return float(np.median(seconds)), float(result.loss)
+    return float(np.median(slowest)), float(results[-1].loss)
 
 
 def verify_plan(found: Search, model: PlanModel, cluster: Cluster, world_size: int, k: int, steps: int, *,
@@ -281,7 +288,8 @@ def verify_plan(found: Search, model: PlanModel, cluster: Cluster, world_size: i
             order = range(len(chosen)) if round_index % 2 == 0 else reversed(range(len(chosen)))
             for index in order:
                 planned = chosen[index]
-                config = planned.config.replace(**data, max_steps=warmup + steps, quiet=True, log_every=1 << 30)
+                config = planned.config.replace(**data, max_steps=warmup + steps + 2 * CdpPlan.longest_run, quiet=True,
+                                                log_every=1 << 30)  # CDP: a warm-up run, then a timed one
                 median, losses[index] = measure(config, comm, warmup, steps)
                 medians[index].append(median)
                 if comm.rank == 0:

@@ -57,7 +57,16 @@ class Trainer:
 
     def train_step(self, step: int) -> StepResult:
         """One settled optimizer step on the global batch of step `step` (counted from the start)."""
+        if not self.parts.engine.plan.settles_each_step:
+            raise ValueError(f"--scheme {self.config.parallel.scheme}: Cyclic Data Parallelism's steps interleave, "
+                             "so none settles alone; train_steps(step) trains a run of them")
         return self.steps.settled_step(step, step // self.parts.sampler.steps_per_epoch)
+
+    def train_steps(self, step: int) -> list[StepResult]:
+        """The steps from `step` that the executor runs at once: one settled step, or a run of
+        CDP's interleaved ones (`run_length`)."""
+        epoch = step // self.parts.sampler.steps_per_epoch
+        return self.steps.run(epoch, step, self.run_length(step), None).results
 
     def evaluate(self, step: int) -> EvalResult:
         """Loss and accuracy on the evaluation set after step `step` (collective), labelled with the

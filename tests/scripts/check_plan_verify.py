@@ -26,7 +26,8 @@ WORLD = 2
 out = sys.argv[1]
 named = json.loads(sys.argv[2]) if len(sys.argv) > 2 else [
     dict(scheme="gpipe", stages=2, replicas=1, micro_batches=4),
-    dict(scheme="ddp", ddp="bucketed", tensor=2, sequence_parallel=True)]
+    dict(scheme="ddp", ddp="bucketed", tensor=2, sequence_parallel=True),
+    dict(scheme="cdp-v2", micro_batches=2)]  # its steps interleave: timed a run at a time
 model = Model(dict(model="transformer", params=None, dataset="tokens", data_dir=None, text_file=None, vocab_size=11,
                    hidden=(16,), seq_len=16, width=16, heads=2, blocks=2, tie_embeddings=False, batch_size=8,
                    dtype="float32", optimizer="adamw"))
