@@ -67,7 +67,7 @@ def main() -> None:
             cluster = str(Path(directory) / "here.toml")
             print(mpipar(options.ranks, "--calibrate", "--out", cluster, *MODELS[model]).strip())
             extra = [word for flags in named_layouts(model) for word in ("--verify-layout", flags)]
-            print(mpipar(options.ranks, "--cluster", cluster, *MODELS[model], "--top", "12", "--verify", "12",
+            print(mpipar(options.ranks, "--cluster", cluster, *MODELS[model], "--top", "12", "--verify", "5",
                          "--steps", str(options.steps), "--rounds", str(options.rounds), *extra).strip())
         print()
 

@@ -130,7 +130,7 @@ def calibrate(comm: Comm, models: Sequence[tuple[Sequential, Loss]], rows_list: 
     backend = make_backend(device, dtype)
     units = [model_units(model, loss, backend) for model, loss in models]
     comm.mpi.Barrier()
-    rates = [_matmul_rate(backend.xp, name) for name in DTYPES]
+    rates = [matmul_rate(backend.xp, name) for name in DTYPES]
     scalars = [*rates, _memory_bandwidth(backend), _layer_overhead(backend), _instruction_overhead()]
     timed: dict[tuple[str, int], LayerTiming] = {}  # a unit two models share: the first model's timing
     for sequence in units:
@@ -143,7 +143,7 @@ def calibrate(comm: Comm, models: Sequence[tuple[Sequential, Loss]], rows_list: 
     for link in (intra, inter):  # one after the other: the groups' rings at once, then the columns'
         links.append(_link(link, dtype) if link.size > 1 else None)
         comm.mpi.Barrier()
-    call, copy = _collective_cost(comm, backend)
+    call, copy = _collective_cost(comm, backend, rates[DTYPES.index(dtype)])
     comm.mpi.Barrier()
     scalars += [call, copy if copy is not None else np.nan]
     gathered = comm.mpi.gather((scalars, [_parts(t) for t in timings], links), root=0)
@@ -258,7 +258,8 @@ def _run_through(sequence: Sequence[tuple[str, Unit, tuple[int, ...]]], rows: in
     return [LayerTiming(key, rows, *(float(v) for v in np.median(parts, axis=0))) for key, parts in by_key.items()]
 
 
-def _matmul_rate(xp, dtype: str) -> float:
+def matmul_rate(xp, dtype: str) -> float:
+    """FLOP/s of a dense n x n matmul in `dtype`, n doubled from 128 until one takes MATMUL_SECONDS."""
     rng, n = np.random.default_rng(0), 128
     while True:
         a, b = (xp.asarray(rng.standard_normal((n, n)), dtype=dtype) for _ in range(2))
@@ -326,11 +327,12 @@ def _instruction_overhead(count: int = 10_000) -> float:
     return float(np.median(times))
 
 
-def _collective_cost(comm: Comm, backend: Backend, repeats: int = 5) -> tuple[float, float | None]:
-    """(call seconds, copy bytes/s or None): a rank's own time in one library collective, posted and polled."""
+def _collective_cost(comm: Comm, backend: Backend, matmul: float, repeats: int = 5) -> tuple[float, float | None]:
+    """(call seconds, copy bytes/s or None): a rank's own time in one library collective, posted and polled
+    between stretches of 128 x 128 products, as many as take COMPUTE_BETWEEN_POLLS at `matmul` FLOP/s."""
     xp, itemsize = backend.xp, backend.dtype.itemsize
     work = backend.asarray(np.random.default_rng(0).standard_normal((128, 128)))
-    products = max(1, round(COMPUTE_BETWEEN_POLLS / (2 * 128**3 / _matmul_rate(xp, backend.dtype.name))))
+    products = max(1, round(COMPUTE_BETWEEN_POLLS / (2 * 128**3 / matmul)))
     points = []
     for nbytes in (SMALL_COLLECTIVE, LARGE_COLLECTIVE):
         elements = nbytes // itemsize // comm.size * comm.size
