@@ -20,7 +20,7 @@ from mpipar.cli.plan import Model
 from mpipar.errors import ConfigError
 from mpipar.plan.search import ModelPlacer, search
 from mpipar.plan.space import Candidate
-from mpipar.plan.verify import Predictor, VerifiedLayout, average_ranks, baselines, figures, layouts_to_verify, spearman
+from mpipar.plan.verify import Predictor, average_ranks, baselines, layouts_to_verify, spearman
 from mpipar.predict.cluster import Cluster, ComputeRate
 from mpipar.predict.compute_cost import ComputeModel
 
@@ -54,19 +54,6 @@ def tiny_plan(top: int = 5):
     found = search(model.config, 2, CLUSTER, ComputeModel(CLUSTER, "float32"), placer, itemsize=4, top=top,
                    layers=len(model.built(2, 1, False)[2].layers), tensor_parallel=True, flops_per_sample=1.0)
     return model, found
-
-
-def test_at_speed_a_prediction_is_scaled_by_the_slowdown_its_layout_trained_under():
-    # Measured = predicted x the machine's slowdown: as predicted, the errors are the slowdowns and
-    # the order is wrong; at speed, exact.
-    rows = tuple(VerifiedLayout(Candidate(scheme), "named", predicted, predicted * slowdown, (predicted * slowdown,),
-                                0.0, slowdown)
-                 for scheme, predicted, slowdown in (("ddp", 1.0, 2.0), ("zero1", 1.5, 1.0), ("zero3", 3.0, 1.0)))
-    result = figures(rows, "hand-made", 1, 1)
-    assert result.predicted.median_abs_error == pytest.approx(0.0) and result.predicted.spearman == pytest.approx(0.5)
-    assert rows[0].error == pytest.approx(-0.5) and not result.predicted.first_is_best
-    assert result.at_speed.median_abs_error == 0.0 and result.at_speed.spearman == pytest.approx(1.0)
-    assert [row.error_at_speed for row in rows] == [0.0, 0.0, 0.0]
 
 
 def test_the_baselines_are_ddp_zero3_and_1f1b_over_every_rank():
@@ -113,13 +100,11 @@ def test_the_best_5_of_a_small_plan_and_the_baselines_train_for_2_steps_on_2_ran
                          "ddp m1 bucketed T2 sp", "cdp-v2 m2"]
     for row in verified["rows"]:
         assert row["measured"] > 0 and row["predicted"] > 0 and math.isfinite(row["loss"]), row
-        assert 0.1 < row["slowdown"] < 10, row  # this machine's matmul beside the made-up cluster's 10 GFLOP/s
     assert verified["data"].startswith("synthetic tokens")
     lines = result.stdout.splitlines()
     table = [line for line in lines if line.lstrip().startswith(("plan #", "baseline", "named"))]
     assert len(table) == len(names) and all(f" {name} " in line for line, name in zip(table, names))
-    assert lines[-2].startswith("as predicted: median absolute error ") and "Spearman rank correlation" in lines[-2]
-    assert lines[-1].startswith("at speed: median absolute error ")
+    assert lines[-1].startswith("median absolute error ") and "Spearman rank correlation" in lines[-1]
 
 
 def test_mpipar_plan_verify_prints_the_table_under_mpiexec(tmp_path):
@@ -133,4 +118,4 @@ def test_mpipar_plan_verify_prints_the_table_under_mpiexec(tmp_path):
     lines = result.stdout.splitlines()
     assert sum(line.lstrip().startswith(("plan #1", "plan #2")) for line in lines) == 2
     assert sum(line.lstrip().startswith("baseline") for line in lines) >= 1
-    assert lines[-1].startswith("at speed: median absolute error ")
+    assert lines[-1].startswith("median absolute error ")

@@ -130,7 +130,7 @@ def calibrate(comm: Comm, models: Sequence[tuple[Sequential, Loss]], rows_list: 
     backend = make_backend(device, dtype)
     units = [model_units(model, loss, backend) for model, loss in models]
     comm.mpi.Barrier()
-    rates = [matmul_rate(backend.xp, name) for name in DTYPES]
+    rates = [_matmul_rate(backend.xp, name) for name in DTYPES]
     scalars = [*rates, _memory_bandwidth(backend), _layer_overhead(backend), _instruction_overhead()]
     timed: dict[tuple[str, int], LayerTiming] = {}  # a unit two models share: the first model's timing
     for sequence in units:
@@ -258,7 +258,7 @@ def _run_through(sequence: Sequence[tuple[str, Unit, tuple[int, ...]]], rows: in
     return [LayerTiming(key, rows, *(float(v) for v in np.median(parts, axis=0))) for key, parts in by_key.items()]
 
 
-def matmul_rate(xp, dtype: str) -> float:
+def _matmul_rate(xp, dtype: str) -> float:
     """FLOP/s of a dense n x n matmul in `dtype`, n doubled from 128 until one takes MATMUL_SECONDS."""
     rng, n = np.random.default_rng(0), 128
     while True:

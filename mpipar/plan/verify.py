@@ -32,14 +32,6 @@ step, the Spearman rank correlation of predicted and measured steps (`spearman`:
 averaged, then Pearson's correlation of the ranks), and whether the plan's first choice was the
 measured best, with its measured distance from the best.
 
-A shared machine's speed drifts (on the 2-core machine of docs/planning.md, a matmul's rate moved
-by a quarter within minutes), and a calibration holds the speed of the minute it ran. So just before
-and just after a layout's timed steps every rank runs the calibration's own matmul at once
-(`machine_speed`), and the layout's slowdown is the cluster's float rate over that one (a round
-median). The figures are printed twice: as predicted, and "at speed", each prediction times its
-layout's slowdown, which is what the same replay would have said had it been calibrated in that
-minute. The second figures are meaningful only where the cluster file is this machine's calibration.
-
 Exercised by: python -m pytest tests/test_plan_verify.py   (mpiexec -n 2 tests/scripts/check_plan_verify.py)
 """
 
@@ -61,7 +53,6 @@ from mpi4py import MPI
 from mpipar.comms import mpi_world
 from mpipar.data.token_meta import token_dtype
 from mpipar.errors import ConfigError
-from mpipar.plan.calibrate import matmul_rate
 from mpipar.plan.search import ModelPlacer, RememberedCosts, Search, peak_of
 from mpipar.plan.space import Candidate, configuration
 from mpipar.plan.timing import time_layout
@@ -96,25 +87,15 @@ class VerifiedLayout:
     measured: float  # seconds, the median of the round medians
     round_medians: tuple[float, ...]
     loss: float  # the last step's (of the last round): finite where the layout trained
-    slowdown: float = 1.0  # the cluster's matmul rate over this machine's while the layout trained (round median)
 
     @property
     def name(self) -> str:
         return self.candidate.name
 
     @property
-    def at_speed(self) -> float:
-        """The prediction at the speed the machine had while this layout trained."""
-        return self.predicted * self.slowdown
-
-    @property
     def error(self) -> float:
         """(predicted - measured) / measured."""
         return (self.predicted - self.measured) / self.measured
-
-    @property
-    def error_at_speed(self) -> float:
-        return (self.at_speed - self.measured) / self.measured
 
     @property
     def spread(self) -> float:
@@ -123,29 +104,14 @@ class VerifiedLayout:
 
 
 @dataclass(frozen=True)
-class Figures:
-    """The three figures of a plan's quality, over the verified layouts."""
-
-    median_abs_error: float
-    spearman: float  # of predicted against measured
-    first_is_best: bool  # the plan's first choice was the fastest measured
-    first_behind_best: float  # measured first choice / measured best - 1
-
-    def line(self) -> str:
-        verdict = ("the plan's first choice was the measured best" if self.first_is_best else
-                   f"the plan's first choice was {self.first_behind_best:.1%} slower than the measured best")
-        return (f"median absolute error {self.median_abs_error:.1%}; Spearman rank correlation {self.spearman:.2f}; "
-                f"{verdict}")
-
-
-@dataclass(frozen=True)
 class Verification:
-    """The layouts verified and the figures of the plan's quality: as predicted, and with each
-    prediction scaled to the machine's speed while its layout trained."""
+    """The layouts verified and the three figures of the plan's quality."""
 
     rows: tuple[VerifiedLayout, ...]  # the plan's best K first, in its order
-    predicted: Figures
-    at_speed: Figures
+    median_abs_error: float
+    spearman: float  # of predicted against measured, over every row
+    first_is_best: bool  # the plan's first choice was the fastest measured
+    first_behind_best: float  # measured first choice / measured best - 1
     data: str  # what the layouts trained on, in words
     steps: int
     rounds: int
@@ -274,35 +240,26 @@ def training_data(model: PlanModel) -> Iterator[tuple[dict, str]]:
                                         "vocabulary (seed 0), each rank's own copy in a temporary directory")
 
 
-def measure(config: TrainConfig, comm: MPI.Intracomm, warmup: int, steps: int) -> tuple[float, float, float]:
+def measure(config: TrainConfig, comm: MPI.Intracomm, warmup: int, steps: int) -> tuple[float, float]:
     """(the median step of `config` after `warmup` steps, over `steps` or more, the slowest rank's
-    each; the last loss; this machine's matmul rate around those steps). A run of CDP's interleaved
-    steps is timed whole, each step its share: its first run is the warm-up."""
+    each; the last loss). A run of CDP's interleaved steps is timed whole, each step its share:
+    its first run is the warm-up."""
     trainer = Trainer(config, comm)
     step, seconds = 0, []
     while step < warmup:
         results = trainer.train_steps(step)
         step += len(results)
-    before = machine_speed(comm, config.model.dtype)
     while len(seconds) < steps:
         comm.Barrier()
         started = time.perf_counter()
         results = trainer.train_steps(step)
         seconds += [(time.perf_counter() - started) / len(results)] * len(results)
         step += len(results)
-    speed = (before + machine_speed(comm, config.model.dtype)) / 2
     slowest = np.array(seconds)
     comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
     del trainer
     gc.collect()  # its parameters, activations and buffers go before the next layout's are made
-    return float(np.median(slowest)), float(results[-1].loss), speed
-
-
-def machine_speed(comm: MPI.Intracomm, dtype: str) -> float:
-    """The calibration's matmul (calibrate.matmul_rate), timed on every rank at once as calibrating
-    times it, the median over ranks: this machine's speed now, to set beside the cluster's."""
-    comm.Barrier()
-    return float(np.median(comm.allgather(matmul_rate(np, dtype))))
+    return float(np.median(slowest)), float(results[-1].loss)
 
 
 def verify_plan(found: Search, model: PlanModel, cluster: Cluster, world_size: int, k: int, steps: int, *,
@@ -324,8 +281,7 @@ def verify_plan(found: Search, model: PlanModel, cluster: Cluster, world_size: i
     chosen, notes = layouts_to_verify(found, model, cluster, world_size, k, layouts)
     if k > len(found.ranked):
         notes.insert(0, f"the plan holds {len(found.ranked)} layouts (--top), fewer than --verify {k}")
-    medians, slowdowns = [[] for _ in chosen], [[] for _ in chosen]
-    calibrated = cluster.compute[model.config.model.dtype].sustained
+    medians = [[] for _ in chosen]
     losses = [float("nan")] * len(chosen)
     with training_data(model) as (data, described):
         for round_index in range(rounds):
@@ -334,15 +290,13 @@ def verify_plan(found: Search, model: PlanModel, cluster: Cluster, world_size: i
                 planned = chosen[index]
                 config = planned.config.replace(**data, max_steps=warmup + steps + 2 * CdpPlan.longest_run, quiet=True,
                                                 log_every=1 << 30)  # CDP: a warm-up run, then a timed one
-                median, losses[index], speed = measure(config, comm, warmup, steps)
+                median, losses[index] = measure(config, comm, warmup, steps)
                 medians[index].append(median)
-                slowdowns[index].append(calibrated / speed)
                 if comm.rank == 0:
                     click.echo(f"round {round_index + 1}/{rounds}: {planned.candidate.name}: "
-                               f"{format_seconds(median)} a step, the machine at {calibrated / speed:.2f}x the "
-                               "cluster's matmul time", err=True)
-    rows = tuple(VerifiedLayout(p.candidate, p.source, p.predicted, float(np.median(m)), tuple(m), loss,
-                                float(np.median(slow))) for p, m, loss, slow in zip(chosen, medians, losses, slowdowns))
+                               f"{format_seconds(median)} a step", err=True)
+    rows = tuple(VerifiedLayout(p.candidate, p.source, p.predicted, float(np.median(m)), tuple(m), loss)
+                 for p, m, loss in zip(chosen, medians, losses))
     result = figures(rows, described, steps, rounds, tuple(notes))
     if comm.rank == 0:
         for line in verification_lines(result):
@@ -355,34 +309,25 @@ def figures(rows: tuple[VerifiedLayout, ...], data: str, steps: int, rounds: int
     """The verification of `rows` (the plan's first choice first)."""
     measured = [row.measured for row in rows]
     best = min(measured)
-
-    def quality(predicted: list[float], errors: list[float]) -> Figures:
-        # The first choice is the plan's, whatever the scaled predictions' order: the plan chose it.
-        return Figures(float(np.median(np.abs(errors))), spearman(predicted, measured), measured[0] == best,
-                       measured[0] / best - 1)
-
-    return Verification(rows, quality([r.predicted for r in rows], [r.error for r in rows]),
-                        quality([r.at_speed for r in rows], [r.error_at_speed for r in rows]),
-                        data, steps, rounds, notes)
+    return Verification(rows, float(np.median([abs(row.error) for row in rows])),
+                        spearman([row.predicted for row in rows], measured), measured[0] == best,
+                        measured[0] / best - 1, data, steps, rounds, notes)
 
 
 def verification_lines(result: Verification) -> list[str]:
-    """The table of predicted against measured steps, then the figures: as predicted, then at the
-    machine's speed."""
+    """The table of predicted against measured steps, then the three figures."""
     lines = [f"trained on {result.data}; {result.steps} steps a layout, medians of {result.rounds} rounds"]
     lines += [f"note: {note}" for note in result.notes]
-    lines.append(f"{'':>9} {'layout':<34} {'predicted':>10} {'at speed':>10} {'measured':>10} {'error':>7} "
-                 f"{'at speed':>8} {'spread':>7}")
+    lines.append(f"{'':>9} {'layout':<34} {'predicted':>10} {'measured':>10} {'error':>7} {'spread':>7}")
     fastest = min(row.measured for row in result.rows)
     for row in result.rows:
         best = " <- measured best" if row.measured == fastest else ""
         lines.append(f"{row.source:>9} {row.name:<34} {format_seconds(row.predicted):>10} "
-                     f"{format_seconds(row.at_speed):>10} {format_seconds(row.measured):>10} {row.error:>+7.1%} "
-                     f"{row.error_at_speed:>+8.1%} {row.spread:>7.1%}{best}")
-    slowdowns = [row.slowdown for row in result.rows]
-    lines.append(f"the machine's matmul took {min(slowdowns):.2f}x to {max(slowdowns):.2f}x the cluster's time while "
-                 "the layouts trained (\"at speed\": each prediction times its layout's factor)")
-    lines.append(f"over {len(result.rows)} layouts, first choice {result.rows[0].name}")
-    lines.append(f"as predicted: {result.predicted.line()}")
-    lines.append(f"at speed: {result.at_speed.line()}")
+                     f"{format_seconds(row.measured):>10} {row.error:>+7.1%} {row.spread:>7.1%}{best}")
+    first = result.rows[0]
+    verdict = ("the plan's first choice was the measured best" if result.first_is_best else
+               f"the plan's first choice ({first.name}) was {result.first_behind_best:.1%} slower than the measured "
+               "best")
+    lines.append(f"median absolute error {result.median_abs_error:.1%}; Spearman rank correlation "
+                 f"{result.spearman:.2f} over {len(result.rows)} layouts; {verdict}")
     return lines

@@ -43,6 +43,7 @@ if mpi_world().rank == 0:
             for row in result.rows]
     with open(out, "w") as file:
         json.dump(dict(plan=[timed.candidate.name for timed in found.ranked], rows=rows,
-                       predicted=dataclasses.asdict(result.predicted), at_speed=dataclasses.asdict(result.at_speed),
+                       median_abs_error=result.median_abs_error, spearman=result.spearman,
+                       first_is_best=result.first_is_best, first_behind_best=result.first_behind_best,
                        data=result.data, notes=list(result.notes)), file)
 deadline.disarm()
