@@ -74,6 +74,16 @@ def test_the_plan_prints_each_layout_s_figures_and_the_command_that_trains_it(cl
     commands = [line for line in lines if "mpiexec -n 4 mpipar train" in line]
     assert len(commands) == 2 and all("--batch-size 16" in line for line in commands)
     assert "timed by the replay" in done.stdout and "pruned" in done.stdout
+    assert all("--width 64" in line and "--hidden" not in line for line in commands)
+
+
+def test_an_mlp_s_commands_carry_its_widths_and_not_the_transformer_s_shape(cluster):
+    done = plan("--cluster", cluster(), "--model", "mlp", "--hidden", "32,32", "--dataset", "synthetic",
+                "--batch-size", "16", "--top", "2")
+    assert done.returncode == 0, done.stderr
+    commands = [line for line in done.stdout.splitlines() if "mpiexec -n 4 mpipar train" in line]
+    assert len(commands) == 2 and all("--hidden 32,32" in line for line in commands), commands
+    assert not any(flag in line for line in commands for flag in ("--width", "--heads", "--blocks", "--seq-len"))
 
 
 @pytest.mark.parametrize("change,words", [

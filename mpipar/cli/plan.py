@@ -83,6 +83,9 @@ def cluster_options(command):
                         help="override the sustained FLOP/s of a rank in --dtype")(command)
 
 
+TRANSFORMER_SHAPE = ("seq_len", "width", "heads", "blocks", "tie_embeddings")  # options the MLP ignores
+
+
 class Model:
     """The plan's model and batch, as train options and as the flags that give them."""
 
@@ -99,10 +102,11 @@ class Model:
         self.config = TrainConfig.of(**self.options)
 
     def flags(self) -> list[str]:
-        """The `mpipar train` flags of the model, batch and arithmetic."""
+        """The `mpipar train` flags of the model, batch and arithmetic: the MLP's without the
+        transformer's shape, the transformer's without the MLP's widths."""
         words = []
         for name, value in self.options.items():
-            if name == "hidden" and self.options["model"] != "mlp":
+            if (name == "hidden") != (self.options["model"] == "mlp") and name in ("hidden", *TRANSFORMER_SHAPE):
                 continue
             flag = "--" + name.replace("_", "-")
             words += [flag] if value is True else [] if value is False else [
@@ -110,8 +114,8 @@ class Model:
         return words
 
     def built(self, world_size: int, tensor: int, sequence_parallel: bool):
-        shape = {key: self.options[key] for key in ("seq_len", "width", "heads", "blocks", "tie_embeddings",
-                                                    "text_file", "data_dir") if key in self.options}
+        shape = {key: self.options[key] for key in (*TRANSFORMER_SHAPE, "text_file", "data_dir")
+                 if key in self.options}
         return built_model(self.options["model"], self.options.get("dataset", "tokens"),
                            self.options.get("hidden", (128, 128)), world_size=world_size, tensor=tensor,
                            vocab_size=self.vocab_size, sequence_parallel=sequence_parallel, **shape)
