@@ -8,9 +8,8 @@ temporary directory, then `mpipar plan --verify 5 --top 12` on that file, which 
 plan's best 5, its baselines and the layouts below for `--steps` steps each, `--rounds`
 times, and prints predicted against measured step times, the median absolute error, the
 Spearman rank correlation and how far the plan's first choice was from the measured best.
-The best 5, not 12: on this machine the plan's
-best dozen are the same tensor split under a dozen shardings, predicted within 1% of each
-other, and their measured order is the machine's noise.
+The best 5, not 12: on this machine the plan's best dozen are the same tensor split under a
+dozen shardings, predicted within 1% of each other, and their measured order is noise.
 
     gpt   nanoGPT's CPU recipe: a 4-block character GPT (width 128, 4 heads, context 64, tied
           embeddings), global batch 24, AdamW, on synthetic token ids of a 65-token vocabulary

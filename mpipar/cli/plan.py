@@ -104,9 +104,10 @@ class Model:
     def flags(self) -> list[str]:
         """The `mpipar train` flags of the model, batch and arithmetic: the MLP's without the
         transformer's shape, the transformer's without the MLP's widths."""
+        ignored = TRANSFORMER_SHAPE if self.options["model"] == "mlp" else ("hidden",)
         words = []
         for name, value in self.options.items():
-            if (name == "hidden") != (self.options["model"] == "mlp") and name in ("hidden", *TRANSFORMER_SHAPE):
+            if name in ignored:
                 continue
             flag = "--" + name.replace("_", "-")
             words += [flag] if value is True else [] if value is False else [
