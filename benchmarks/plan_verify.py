@@ -18,7 +18,8 @@ dozen shardings, predicted within 1% of each other, and their measured order is 
 Named layouts (besides the plan's own): DDP naive, overlap and bucketed; ZeRO-1, 2 and 3;
 GPipe, 1F1B and ZB1 on 2 stages with 2, 4 and 8 micro-batches; DDP under recomputation and
 1F1B with 4 micro-batches under recomputation; for the GPT, `--tensor 2` with and without
-sequence parallelism. Results: docs/planning.md, "Checked against real runs".
+sequence parallelism; for the MLP, CDP-v1 and CDP-v2 with 2 micro-batches. Results:
+docs/planning.md, "Checked against real runs".
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def named_layouts(model: str) -> list[str]:
     layouts += ["--scheme ddp --recompute stage", "--scheme 1f1b --stages 2 --micro-batches 4 --recompute stage"]
     if model == "gpt":
         layouts += ["--scheme ddp --tensor 2", "--scheme ddp --tensor 2 --sequence-parallel"]
+    else:  # the plan ranks CDP among the MLP's best: its point-to-point rendezvous are measured too
+        layouts += [f"--scheme {rule} --micro-batches 2" for rule in ("cdp-v1", "cdp-v2")]
     return layouts
 
 

@@ -9,9 +9,21 @@ import pytest
 
 from mpipar.layout import Mesh
 from mpipar.predict.flow_collectives import flow_collectives
+from mpipar.predict.messages import MessageCost
 from mpipar.predict.timed_replay import RoleProgram, timed_replay
 from mpipar.schedule.effects import Dimensions
-from mpipar.schedule.instructions import Compute, CyclicJob, GatherUnit, ReduceUnit, ReleaseUnit
+from mpipar.schedule.instructions import (
+    Compute,
+    CyclicJob,
+    EndTimeStep,
+    GatherUnit,
+    Item,
+    ItemKind,
+    Receive,
+    ReduceUnit,
+    ReleaseUnit,
+    Send,
+)
 from mpipar.schedule.plans import PipelinePlan
 from mpipar.schedule.program import compile_programs
 from mpipar.schedule.sharding import NAMED_SHARDINGS
@@ -37,7 +49,7 @@ class UnitCosts:
         return 0.0
 
     def message(self, role, item, peer):
-        return self.message_time
+        return MessageCost(self.message_time, 0.0)
 
     def steps(self, role, collective):
         return [self.step] * self.step_count
@@ -96,6 +108,49 @@ def test_k_layers_of_compute_advance_a_ring_by_at_most_k_steps():
     time = one_role(program, zero2, layer=1.0, layers=3, step=0.1, steps=10)
     assert time >= 3.0 + (10 - 3 - 1) * 0.1 - 1e-9
     assert time > 3.0 + 1e-6  # not hidden, as free progress would have it
+
+
+class TwoRanks(UnitCosts):
+    """Rank 1's first job is one layer of 3 s (no poll inside it), every other job one layer of 1 s;
+    a message takes no latency and `transfer` seconds of bytes, as a rendezvous or eagerly."""
+
+    def __init__(self, rendezvous: bool, transfer: float = 0.0) -> None:
+        super().__init__()
+        self.rendezvous, self.transfer = rendezvous, transfer
+
+    def compute(self, role, instruction):
+        return [3.0] if (role, instruction.job.stage) == (1, 0) else [1.0]
+
+    def message(self, role, item, peer):
+        return MessageCost(0.0, self.transfer, self.rendezvous)
+
+
+def hand_off(rendezvous: bool, transfer: float = 0.0):
+    """Rank 0 computes 1 s and sends x(1, 0) to rank 1, which posted its receive and is inside a
+    3 s layer until 3 s; rank 0's time step then ends, and rank 1 computes the job that reads x."""
+    x = Item(ItemKind.INPUT, 1, 0)
+    sender = [Compute(CyclicJob(0, 0, 0, FORWARD), 0), Send(x, 1), EndTimeStep(0)]
+    receiver = [Receive(x, 0), Compute(CyclicJob(0, 0, 0, FORWARD), 0), Compute(CyclicJob(0, 0, 1, FORWARD), 0)]
+    programs = [RoleProgram(tuple(sender), None), RoleProgram(tuple(receiver), None)]
+    return timed_replay(programs, Dimensions(2, 1), TwoRanks(rendezvous, transfer))
+
+
+def test_a_rendezvous_send_is_over_when_its_receiver_next_enters_mpi():
+    # eager: rank 0's send is over as it is posted (no latency, no bytes to move), its step ends at 1 s
+    assert hand_off(rendezvous=False).roles[0].end == pytest.approx(1.0)
+    # a rendezvous: its bytes move when rank 1 polls after its 3 s layer, so rank 0 waits 2 s
+    run = hand_off(rendezvous=True)
+    assert run.roles[0].waiting["sends of the time step"] == pytest.approx(2.0)
+    assert run.roles[0].end == pytest.approx(3.0)
+
+
+def test_a_rendezvous_s_bytes_are_copied_on_the_receiver_s_time():
+    # 0.5 s of bytes: eagerly they are on their way while rank 1 computes (its two jobs: 3 + 1 s);
+    # as a rendezvous rank 1 copies them itself, at its poll after 3 s, and the sender is done then
+    assert hand_off(rendezvous=False, transfer=0.5).roles[1].end == pytest.approx(4.0)
+    run = hand_off(rendezvous=True, transfer=0.5)
+    assert run.roles[1].end == pytest.approx(4.5)
+    assert run.roles[0].end == pytest.approx(3.5)
 
 
 def pipeline_time(scheme: str, stages: int, micro_batches: int, replicas: int = 1, sharding: str = "ddp") -> float:

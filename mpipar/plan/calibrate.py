@@ -36,6 +36,9 @@ takes the median over ranks of each figure, and every rank returns the same Clus
                        is a line in the buffer's bytes, call + bytes / copy, fitted over the six;
                        the time between polls is not counted (the compute ran there). A GPU's
                        copies are its DMA engines': there, no copy rate is kept.
+    eager_limit        the largest message (a power of 2 from 64 B to 1 MiB) whose Isend from the
+                       comm's first rank is over at once while its receiver sleeps outside MPI for
+                       RECEIVER_AWAY: above it a send is a rendezvous (predict/messages.py)
     memory_per_rank    this machine's memory over the ranks the launcher put on it (a GPU: its own)
 
 Exercised by: mpiexec -n 2 python tests/scripts/check_calibrate.py   (via tests/test_calibrate.py)
@@ -69,6 +72,9 @@ from mpipar.predict.compute_cost import TAKES_IDS, Unit, layer_key, update_bytes
 from mpipar.runtime.ledger import MemoryLedger
 from mpipar.system.threads import ranks_on_this_node, threads_per_rank
 
+EAGER_SIZES = range(6, 21)  # log2 bytes of the messages tried for the eager limit: 64 B to 1 MiB
+RECEIVER_AWAY = 0.002  # seconds the receiver sleeps outside MPI: a send that waits about as long is a rendezvous
+EAGER_TAG = 7
 SMALL_BLOCK, LARGE_BLOCK = 1_000, 4_000_000  # bytes of one ring step's message: latency-bound, bandwidth-bound
 SMALL_COLLECTIVE, LARGE_COLLECTIVE = 1 << 16, 1 << 22  # bytes of a collective's buffer: a small unit, a large one
 COMPUTE_BETWEEN_POLLS = 5e-4  # seconds of arithmetic between two polls, as a layer runs between the executor's
@@ -145,6 +151,7 @@ def calibrate(comm: Comm, models: Sequence[tuple[Sequential, Loss]], rows_list: 
         comm.mpi.Barrier()
     call, copy = _collective_cost(comm, backend, rates[DTYPES.index(dtype)])
     comm.mpi.Barrier()
+    eager_limit = _eager_limit(comm)
     scalars += [call, copy if copy is not None else np.nan]
     gathered = comm.mpi.gather((scalars, [_parts(t) for t in timings], links), root=0)
     cluster = None
@@ -168,6 +175,7 @@ def calibrate(comm: Comm, models: Sequence[tuple[Sequential, Loss]], rows_list: 
             instruction_overhead=scalars[len(DTYPES) + 2], collective_call=scalars[len(DTYPES) + 3],
             collective_copy=(scalars[len(DTYPES) + 4] if device == "cpu" and np.isfinite(scalars[len(DTYPES) + 4])
                              else None),
+            eager_limit=eager_limit,
             layer_timings=tuple(LayerTiming(t.key, t.rows, *map(float, row)) for t, row in zip(timings, parts)),
             sources=(source,))
     return comm.mpi.bcast(cluster, root=0)
@@ -360,6 +368,33 @@ def _collective_cost(comm: Comm, backend: Backend, matmul: float, repeats: int =
     if slope <= 0:  # noise: no cost that grows with the bytes to be seen
         return float(seconds.mean()), None
     return max(float(intercept), 0.0), 1.0 / float(slope)
+
+
+def _eager_limit(comm: Comm, repeats: int = 3) -> float:
+    """Bytes of the largest message that the comm's rank 0 sends to its rank 1 without waiting for rank 1
+    to enter MPI: rank 1 posts the receive, then sleeps RECEIVER_AWAY before it waits. The same on every rank."""
+    waits = []  # rank 0's: the median wait for its send, by size
+    for power in EAGER_SIZES:
+        buffer = np.ones(2 ** power, dtype=np.uint8)
+        times = []
+        for _ in range(repeats):
+            comm.mpi.Barrier()
+            if comm.rank == 0:
+                request = comm.mpi.Isend(buffer, dest=1, tag=EAGER_TAG)
+                start = time.perf_counter()
+                request.Wait()
+                times.append(time.perf_counter() - start)
+            elif comm.rank == 1:
+                request = comm.mpi.Irecv(buffer, source=0, tag=EAGER_TAG)
+                time.sleep(RECEIVER_AWAY)
+                request.Wait()
+        waits.append(float(np.median(times)) if times else 0.0)
+    limit = float(2 ** EAGER_SIZES[-1])  # no rendezvous seen: at least the largest size tried
+    for power, waited in zip(EAGER_SIZES, waits):
+        if waited > RECEIVER_AWAY / 2:
+            limit = float(2 ** (power - 1))
+            break
+    return comm.mpi.bcast(limit, root=0)
 
 
 def _link(comm: Comm, dtype: str) -> tuple[float, float]:

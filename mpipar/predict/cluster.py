@@ -60,6 +60,9 @@ class Cluster:
     lat_inter: float
     bw_node: float | None = None  # a node's total outbound bandwidth (None: ranks_per_node x bw_inter)
     host_device: float | None = None  # bytes/s of the staged wire's copies; None: CUDA-aware MPI, or a CPU
+    # Bytes up to which MPI sends a message eagerly; a larger one is a rendezvous, which moves only once
+    # the receiver enters MPI (predict/messages.py). 8 KiB is of the order the libraries choose.
+    eager_limit: float = 8192.0
     memory_bandwidth: float = 20e9  # bytes/s one rank streams (the optimizer's update is bound by it)
     layer_overhead: float = 0.0  # seconds each layer call costs beyond its arithmetic (Python, launches)
     instruction_overhead: float = 0.0  # seconds the executor spends per instruction it runs

@@ -28,6 +28,7 @@
     lat-inter = "5us"
     bw-node = "400GB/s"                         # optional: a node's total outbound (default ranks-per-node x bw-inter)
     host-device = "64GB/s"                      # optional: the staged wire's copies (none: CUDA-aware, or a CPU)
+    eager-limit = "8KiB"                        # optional: larger messages are a rendezvous (default 8 KiB)
 
     [[layer]]                                   # optional, written by `mpipar plan --calibrate`
     key = "..."                                 # compute_cost.layer_key of the layer at its input shape
@@ -87,7 +88,8 @@ TABLES: dict[str, dict[str, tuple[str, str, bool]]] = {
              "collective-copy": ("collective_copy", "rate", False)},
     "network": {"bw-intra": ("bw_intra", "rate", True), "lat-intra": ("lat_intra", "time", True),
                 "bw-inter": ("bw_inter", "rate", True), "lat-inter": ("lat_inter", "time", True),
-                "bw-node": ("bw_node", "rate", False), "host-device": ("host_device", "rate", False)},
+                "bw-node": ("bw_node", "rate", False), "host-device": ("host_device", "rate", False),
+                "eager-limit": ("eager_limit", "size", False)},
 }
 PATH_OF = {name: f"{table}.{key}" for table, keys in TABLES.items() for key, (name, _, _) in keys.items()}
 KIND_OF = {name: kind for keys in TABLES.values() for name, kind, _ in keys.values()}

@@ -34,6 +34,7 @@ from typing import Protocol, Sequence
 from mpipar.layout import Layout
 from mpipar.predict.cluster import Cluster
 from mpipar.predict.flow_collectives import flow_collectives
+from mpipar.predict.messages import MessageCost
 from mpipar.predict.timed_replay import Collective
 from mpipar.schedule.instructions import Compute, Item, ItemKind
 from mpipar.schedule.sharding import Sharding
@@ -152,10 +153,10 @@ class LayoutCosts:
     def update(self, role: int, stage: int) -> float:
         return self._update[stage]
 
-    def message(self, role: int, item: Item, peer: int) -> float:
-        inter = self.crosses_nodes(role, peer)
-        latency, bandwidth = self._link(inter, senders=1)
-        return latency + self.item_bytes(item) / bandwidth
+    def message(self, role: int, item: Item, peer: int) -> MessageCost:
+        latency, bandwidth = self._link(self.crosses_nodes(role, peer), senders=1)
+        nbytes = self.item_bytes(item)
+        return MessageCost(latency, nbytes / bandwidth, rendezvous=nbytes > self.cluster.eager_limit)
 
     def item_bytes(self, item: Item) -> float:
         if item.kind in (ItemKind.INPUT, ItemKind.OUTPUT_GRADIENT):

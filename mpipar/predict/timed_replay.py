@@ -5,8 +5,11 @@ instruction costs its compute (a duration per layer, with a poll after each), it
 or the executor's own time per instruction; it waits where schedule/waits.py says a rank
 waits, and only there. What it posts runs beside the rank's compute:
 
-    a message        arrives a fixed time after its send is posted (the receive was posted
-                     early; the library moves it without being polled)
+    a message        up to the eager limit, arrives a fixed time after its send is posted
+                     (the receive was posted early; the library moves it without being
+                     polled). Above it, a rendezvous (predict/messages.py): its bytes move
+                     when the receiver is next inside MPI after the request arrived, on the
+                     receiver's time, and only then is the sender's send over
     a collective     a sequence of steps (a ring's n - 1 per half, each an alpha-beta
                      time: comms/cost.py) that moves only when its rank polls: a step that
                      has ended is followed by the next at the next poll, or at once inside
@@ -35,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from mpipar.predict.messages import Message, MessageCost, Presence
 from mpipar.schedule.effects import Dimensions
 from mpipar.schedule.instructions import (
     Compute,
@@ -80,8 +84,8 @@ class Costs(Protocol):
     def update(self, role: int, stage: int) -> float:
         """Seconds of the optimizer's step on what this role holds of `stage`."""
 
-    def message(self, role: int, item: Item, peer: int) -> float:
-        """Seconds from posting the send of `item` to `peer` until it has arrived."""
+    def message(self, role: int, item: Item, peer: int) -> MessageCost:
+        """The latency and the transfer time of the send of `item` to `peer`, and its protocol."""
 
     def steps(self, role: int, collective: Collective) -> Sequence[float]:
         """Seconds of each step of `collective`'s algorithm."""
@@ -219,7 +223,8 @@ class _Role:
         self.position, self.now, self.time = 0, 0.0, RoleTime()
         self.gathers: dict[tuple[int, int], _Progress] = {}
         self.chains: deque[_Chain] = deque()
-        self.sends: list[float] = []  # arrival times of the sends posted and not yet waited for
+        self.sends: list[Message] = []  # the sends posted and not yet waited for
+        self.presence = Presence()  # when this role was inside MPI, for the rendezvous it receives
         self.receives: set[Item] = set()  # items whose receive this role has posted
         self.stage_reductions: dict[int, tuple[Collective, ...]] = {}  # stage -> its ReduceGradients, posted here
 
@@ -232,6 +237,7 @@ class _Role:
 
     # -- progress -----------------------------------------------------------------------
     def poll(self) -> None:
+        self.presence.poll(self.now)
         for progress in self.gathers.values():
             progress.poll(self.now)
         for chain in self.chains:
@@ -273,6 +279,7 @@ class _Role:
             self.chains.append(chain)
 
     def wait_until(self, moment: float, what: str) -> None:
+        self.presence.stay(self.now, max(moment, self.now))
         if moment > self.now:
             self.time.wait(what, moment - self.now)
             self.time.spans.append(Span(self.index, "compute", f"wait: {what}", self.now, moment))
@@ -280,7 +287,29 @@ class _Role:
 
 
 class _Blocked(Exception):
-    """The role needs what another role has not yet posted."""
+    """The role needs what another role has not yet posted, or has not yet been simulated to."""
+
+
+@dataclass
+class _World:
+    """What the roles share: the messages sent to each, the stage sums posted, and each role's
+    presence inside MPI. `lenient` is set while every role is blocked (Presence.first_at_or_after)."""
+
+    roles: list[_Role]
+    arrivals: dict[tuple[int, Item], Message] = field(default_factory=dict)  # (receiving role, item) -> its send
+    posted: dict[int, dict[int, float]] = field(default_factory=dict)  # stage -> role -> when it posted its sum
+    members: dict[int, int] = field(default_factory=dict)  # stage -> how many roles sum it
+    lenient: bool = False
+
+    def send_over(self, message: Message) -> float:
+        """When the sender's send of `message` is over: an eager one once it has arrived, a
+        rendezvous once the receiver, inside MPI after the request arrived, has copied its bytes."""
+        if not message.rendezvous:
+            return message.arrives
+        matched = self.roles[message.receiver].presence.first_at_or_after(message.arrives, self.lenient)
+        if matched is None:
+            raise _Blocked  # the receiver has not been simulated that far
+        return matched + message.transfer
 
 
 def timed_replay(programs: Sequence[RoleProgram], dimensions: Dimensions, costs: Costs,
@@ -288,15 +317,12 @@ def timed_replay(programs: Sequence[RoleProgram], dimensions: Dimensions, costs:
     """Run every role's program in simulated time. Where programs split at their gradient end
     (pipelines), every role reaches it, the ranks sum the loss (`settle` seconds after the
     last arrives), and the updates follow."""
-    roles = [_Role(index, program, dimensions, costs) for index, program in enumerate(programs)]
-    arrivals: dict[tuple[int, Item], float] = {}  # (receiving role, item) -> when it has arrived
-    posted: dict[int, dict[int, float]] = {}  # stage -> role -> when it posted the stage's ReduceGradients
-    members: dict[int, int] = {}  # stage -> how many roles sum it
-
+    world = _World([_Role(index, program, dimensions, costs) for index, program in enumerate(programs)])
+    roles = world.roles
     for role in roles:
         for instruction in role.program.instructions:
             if isinstance(instruction, ReduceGradients):
-                members[instruction.stage] = len(instruction.members)
+                world.members[instruction.stage] = len(instruction.members)
 
     def run_until(stop_of) -> None:
         active = list(roles)
@@ -306,14 +332,19 @@ def timed_replay(programs: Sequence[RoleProgram], dimensions: Dimensions, costs:
                 stop = stop_of(role)
                 while role.position < stop:
                     try:
-                        _run_one(role, role.program.instructions[role.position], arrivals, posted, members)
+                        _run_one(role, role.program.instructions[role.position], world)
                     except _Blocked:
+                        role.presence.block(role.now)  # it waits inside MPI
                         break
                     role.next_instruction()
-                    moved = True
+                    moved, world.lenient = True, False
                 if role.position >= stop:
+                    role.presence.block(role.now)  # the step's end (or its gradients') is a wait
                     active.remove(role)
             if active and not moved:
+                if not world.lenient:
+                    world.lenient = True
+                    continue
                 stuck = "; ".join(f"role {role.index} at {describe(role.program.instructions[role.position])}"
                                   for role in active)
                 raise RuntimeError(f"the timed replay cannot go on (an unsound program set?): {stuck}")
@@ -321,70 +352,95 @@ def timed_replay(programs: Sequence[RoleProgram], dimensions: Dimensions, costs:
     splits = all(program.updates_from is not None for program in programs)
     if splits:
         run_until(lambda role: role.program.updates_from)
-        for role in roles:
-            _step_end(role, StepEnd.GRADIENTS_END, posted, members)
+        _step_ends(world, StepEnd.GRADIENTS_END)
         settled = max(role.now for role in roles) + settle
         for role in roles:
             role.wait_until(settled, "the loss summed over ranks")
     run_until(lambda role: len(role.program.instructions))
+    _step_ends(world, StepEnd.STEP_END)
     for role in roles:
-        _step_end(role, StepEnd.STEP_END, posted, members)
         role.time.ended(role.now)
     return TimedRun(tuple(role.time for role in roles))
 
 
-def _stage_sum_ends(stage: int, posted: dict, members: dict, role: _Role) -> float:
+def _stage_sum_ends(stage: int, world: _World, role: _Role) -> float:
     """When the ReduceGradients of `stage` ends: its time after the last member posts it."""
-    times = posted.get(stage, {})
-    if len(times) < members[stage]:
+    times = world.posted.get(stage, {})
+    if len(times) < world.members[stage]:
         raise _Blocked
     collective_time = sum(step for collective in role.stage_reductions[stage]
                           for step in role.costs.steps(role.index, collective))
     return max(times.values()) + collective_time
 
 
-def _step_end(role: _Role, end: StepEnd, posted: dict, members: dict) -> None:
-    if role.sends:
-        role.wait_until(max(role.sends), "sends")
-        role.sends.clear()
-    if end == StepEnd.GRADIENTS_END:
-        for stage in sorted(role.stage_reductions):
-            role.wait_until(_stage_sum_ends(stage, posted, members, role), "all-reduce over stage")
-        role.stage_reductions.clear()
-    role.drain(0)
+def _step_ends(world: _World, end: StepEnd) -> None:
+    """Every role waits at `end` for its sends and its collectives. All are inside MPI from when
+    they reached it, so a rendezvous sent to any of them is matched (`lenient`)."""
+    world.lenient = True
+    over = [[world.send_over(message) for message in role.sends] for role in world.roles]
+    world.lenient = False
+    for role, sends_over in zip(world.roles, over):
+        if sends_over:
+            role.wait_until(max(sends_over), "sends")
+            role.sends.clear()
+        if end == StepEnd.GRADIENTS_END:
+            for stage in sorted(role.stage_reductions):
+                role.wait_until(_stage_sum_ends(stage, world, role), "all-reduce over stage")
+            role.stage_reductions.clear()
+        role.drain(0)
 
 
-def _run_one(role: _Role, instruction, arrivals: dict, posted: dict, members: dict) -> None:
+def _run_one(role: _Role, instruction, world: _World) -> None:
     """Run one instruction on `role` at its time, or raise _Blocked before changing anything."""
     waits = waits_of(instruction, role.dimensions, role.program.shared, role.program.gradients_sharded)
     received = [item for item in waits.items if item in role.receives]
-    if any((role.index, item) not in arrivals for item in received):
+    if any((role.index, item) not in world.arrivals for item in received):
         raise _Blocked  # its sender has not reached the send yet
+    sends_over = [world.send_over(message) for message in role.sends] if isinstance(instruction, EndTimeStep) else []
     reduction = waits.stage_reduction if waits.stage_reduction in role.stage_reductions else None
     if reduction is not None:
-        role.wait_until(_stage_sum_ends(reduction, posted, members, role), "all-reduce over stage")
+        role.wait_until(_stage_sum_ends(reduction, world, role), "all-reduce over stage")
         del role.stage_reductions[reduction]
     for item in received:
-        role.wait_until(arrivals[(role.index, item)], f"receive {item.kind}")
+        _take_delivery(role, world.arrivals[(role.index, item)], item)
+    if sends_over:
+        role.wait_until(max(sends_over), "sends of the time step")
+        role.sends.clear()
     role.advance(role.costs.instruction_overhead)
     handler = HANDLERS.get(type(instruction))
     if handler is not None:
-        handler(role, instruction, waits, arrivals, posted)
+        handler(role, instruction, waits, world)
+
+
+def _take_delivery(role: _Role, message: Message, item: Item) -> None:
+    """The role gets a received item: it waits for it to arrive, and for a rendezvous copies its
+    bytes itself, at its first moment inside MPI after the request came (now, if none since)."""
+    if not message.rendezvous:
+        role.wait_until(message.arrives, f"receive {item.kind}")
+        return
+    matched = role.presence.first_at_or_after(message.arrives)
+    if matched is None or matched >= role.now:
+        role.wait_until(max(role.now, message.arrives) + message.transfer, f"receive {item.kind}")
+    else:  # copied inside an earlier poll, whose time it took from the compute around it
+        role.advance(message.transfer)
 
 
 # -- what each instruction does in simulated time, once its waits are over; the map below --------
-def _receive(role: _Role, instruction: Receive, waits, arrivals: dict, posted: dict) -> None:
+def _receive(role: _Role, instruction: Receive, waits, world: _World) -> None:
     role.receives.add(instruction.item)
+    role.presence.poll(role.now)  # posting the receive enters the library
 
 
-def _send(role: _Role, instruction: Send, waits, arrivals: dict, posted: dict) -> None:
-    arrival = role.now + role.costs.message(role.index, instruction.item, instruction.dest)
-    arrivals[(instruction.dest, instruction.arrives_as or instruction.item)] = arrival
-    role.sends.append(arrival)
+def _send(role: _Role, instruction: Send, waits, world: _World) -> None:
+    cost = role.costs.message(role.index, instruction.item, instruction.dest)
+    message = Message(role.index, instruction.dest, role.now, cost.latency, cost.transfer, cost.rendezvous)
+    world.arrivals[(instruction.dest, instruction.arrives_as or instruction.item)] = message
+    role.sends.append(message)
+    role.presence.poll(role.now)
     role.time.messages.append((instruction.item, instruction.dest))
 
 
-def _compute(role: _Role, instruction: Compute, waits, arrivals: dict, posted: dict) -> None:
+def _compute(role: _Role, instruction: Compute, waits, world: _World) -> None:
     gather = role.gathers.get((waits.gather.stage, waits.gather.unit)) if waits.gather else None
     if gather is not None:
         role.wait_until(gather.wait(role.now), f"all-gather over {gather.collective.over}")
@@ -398,7 +454,7 @@ def _compute(role: _Role, instruction: Compute, waits, arrivals: dict, posted: d
                                 role.now))
 
 
-def _gather(role: _Role, instruction: GatherUnit, waits, arrivals: dict, posted: dict) -> None:
+def _gather(role: _Role, instruction: GatherUnit, waits, world: _World) -> None:
     collectives = role.costs.chain(role.index, instruction)
     role.time.posted(collectives)
     role.spend_in_calls(collectives)
@@ -406,39 +462,36 @@ def _gather(role: _Role, instruction: GatherUnit, waits, arrivals: dict, posted:
     role.gathers[(instruction.stage, instruction.unit)] = _Progress(steps, role.now, collectives[0])
 
 
-def _release(role: _Role, instruction: ReleaseUnit, waits, arrivals: dict, posted: dict) -> None:
+def _release(role: _Role, instruction: ReleaseUnit, waits, world: _World) -> None:
     role.gathers.pop((instruction.stage, instruction.unit), None)
 
 
-def _reduce_unit(role: _Role, instruction: ReduceUnit, waits, arrivals: dict, posted: dict) -> None:
+def _reduce_unit(role: _Role, instruction: ReduceUnit, waits, world: _World) -> None:
     if waits.drains_reductions:
         role.drain(REDUCTIONS_IN_FLIGHT - 1)
     role.post_chain(instruction)
 
 
-def _publish(role: _Role, instruction: PublishUnit, waits, arrivals: dict, posted: dict) -> None:
+def _publish(role: _Role, instruction: PublishUnit, waits, world: _World) -> None:
     role.post_chain(instruction)
 
 
-def _reduce_stage(role: _Role, instruction: ReduceGradients, waits, arrivals: dict, posted: dict) -> None:
-    posted.setdefault(instruction.stage, {})[role.index] = role.now
+def _reduce_stage(role: _Role, instruction: ReduceGradients, waits, world: _World) -> None:
+    world.posted.setdefault(instruction.stage, {})[role.index] = role.now
     role.stage_reductions[instruction.stage] = tuple(role.costs.chain(role.index, instruction))
     role.time.posted(role.stage_reductions[instruction.stage])
     role.spend_in_calls(role.stage_reductions[instruction.stage])
 
 
-def _update(role: _Role, instruction: Update, waits, arrivals: dict, posted: dict) -> None:
+def _update(role: _Role, instruction: Update, waits, world: _World) -> None:
     start = role.now
     role.advance(role.costs.update(role.index, instruction.stage))
     role.time.computed(role.now - start)
     role.time.spans.append(Span(role.index, "compute", f"update {instruction.stage}", start, role.now))
 
 
-def _end_time_step(role: _Role, instruction: EndTimeStep, waits, arrivals: dict, posted: dict) -> None:
-    if role.sends:
-        role.wait_until(max(role.sends), "sends of the time step")
-        role.sends.clear()
-    role.poll()
+def _end_time_step(role: _Role, instruction: EndTimeStep, waits, world: _World) -> None:
+    role.poll()  # its sends were waited for with its other waits (_run_one)
 
 
 # Drop and KeepSecondary cost only the executor's time per instruction
