@@ -55,9 +55,11 @@ class Message:
 
 
 class Presence:
-    """The stretches of simulated time one role spent inside MPI: polls (a moment each) and waits."""
+    """The stretches of simulated time one role spent inside MPI: polls (a moment each) and waits.
+    Only a role that receives messages is ever asked (`records`: the rest keep nothing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, records: bool = True) -> None:
+        self.records = records
         self._starts: list[float] = []
         self._ends: list[float] = []  # non-decreasing: a role's time only moves on
         self.waiting_since: float | None = None  # blocked in a wait whose end is not yet known
@@ -67,6 +69,8 @@ class Presence:
 
     def stay(self, start: float, end: float) -> None:
         """The role was inside MPI from `start` to `end` (a wait, or a poll)."""
+        if not self.records:
+            return
         if self.waiting_since is not None:
             start, self.waiting_since = min(start, self.waiting_since), None
         self._starts.append(start)

@@ -224,7 +224,8 @@ class _Role:
         self.gathers: dict[tuple[int, int], _Progress] = {}
         self.chains: deque[_Chain] = deque()
         self.sends: list[Message] = []  # the sends posted and not yet waited for
-        self.presence = Presence()  # when this role was inside MPI, for the rendezvous it receives
+        # when this role was inside MPI, for the rendezvous it receives (a role that receives none keeps nothing)
+        self.presence = Presence(records=any(isinstance(instruction, Receive) for instruction in program.instructions))
         self.receives: set[Item] = set()  # items whose receive this role has posted
         self.stage_reductions: dict[int, tuple[Collective, ...]] = {}  # stage -> its ReduceGradients, posted here
 
@@ -301,12 +302,19 @@ class _World:
     members: dict[int, int] = field(default_factory=dict)  # stage -> how many roles sum it
     lenient: bool = False
 
-    def send_over(self, message: Message) -> float:
+    def stuck(self) -> None:
+        """No role could move: until one does, open waits answer as lasting (Presence.first_at_or_after)."""
+        self.lenient = True
+
+    def moved(self) -> None:
+        self.lenient = False
+
+    def send_over(self, message: Message, lenient: bool = False) -> float:
         """When the sender's send of `message` is over: an eager one once it has arrived, a
         rendezvous once the receiver, inside MPI after the request arrived, has copied its bytes."""
         if not message.rendezvous:
             return message.arrives
-        matched = self.roles[message.receiver].presence.first_at_or_after(message.arrives, self.lenient)
+        matched = self.roles[message.receiver].presence.first_at_or_after(message.arrives, lenient or self.lenient)
         if matched is None:
             raise _Blocked  # the receiver has not been simulated that far
         return matched + message.transfer
@@ -337,13 +345,14 @@ def timed_replay(programs: Sequence[RoleProgram], dimensions: Dimensions, costs:
                         role.presence.block(role.now)  # it waits inside MPI
                         break
                     role.next_instruction()
-                    moved, world.lenient = True, False
+                    moved = True
+                    world.moved()
                 if role.position >= stop:
                     role.presence.block(role.now)  # the step's end (or its gradients') is a wait
                     active.remove(role)
             if active and not moved:
                 if not world.lenient:
-                    world.lenient = True
+                    world.stuck()
                     continue
                 stuck = "; ".join(f"role {role.index} at {describe(role.program.instructions[role.position])}"
                                   for role in active)
@@ -376,9 +385,7 @@ def _stage_sum_ends(stage: int, world: _World, role: _Role) -> float:
 def _step_ends(world: _World, end: StepEnd) -> None:
     """Every role waits at `end` for its sends and its collectives. All are inside MPI from when
     they reached it, so a rendezvous sent to any of them is matched (`lenient`)."""
-    world.lenient = True
-    over = [[world.send_over(message) for message in role.sends] for role in world.roles]
-    world.lenient = False
+    over = [[world.send_over(message, lenient=True) for message in role.sends] for role in world.roles]
     for role, sends_over in zip(world.roles, over):
         if sends_over:
             role.wait_until(max(sends_over), "sends")
