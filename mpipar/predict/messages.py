@@ -76,9 +76,14 @@ class Presence:
         self._starts.append(start)
         self._ends.append(end)
 
+    def resume(self, moment: float) -> None:
+        """The role's waits are over at `moment`: a wait left open ends there."""
+        if self.waiting_since is not None:
+            self.stay(self.waiting_since, moment)
+
     def block(self, moment: float) -> None:
         """The role waits inside MPI from `moment` on, until an event not yet simulated."""
-        if self.waiting_since is None:
+        if self.records and self.waiting_since is None:
             self.waiting_since = moment
 
     def first_at_or_after(self, moment: float, lenient: bool = False) -> float | None:

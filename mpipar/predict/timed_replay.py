@@ -413,6 +413,7 @@ def _run_one(role: _Role, instruction, world: _World) -> None:
     if sends_over:
         role.wait_until(max(sends_over), "sends of the time step")
         role.sends.clear()
+    role.presence.resume(role.now)  # what follows is outside MPI
     role.advance(role.costs.instruction_overhead)
     handler = HANDLERS.get(type(instruction))
     if handler is not None:
