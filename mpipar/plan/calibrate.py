@@ -59,6 +59,7 @@ from mpipar.backend import Backend, make_backend
 from mpipar.cache import Context
 from mpipar.comms.collectives import iall_gather, iall_reduce, ireduce_scatter
 from mpipar.comms.comm import Comm
+from mpipar.comms.handle import wait_requests
 from mpipar.comms.timing import run_benchmarks
 from mpipar.errors import ConfigError
 from mpipar.gpu import parts_for
@@ -382,12 +383,12 @@ def _eager_limit(comm: Comm, repeats: int = 3) -> float:
             if comm.rank == 0:
                 request = comm.mpi.Isend(buffer, dest=1, tag=EAGER_TAG)
                 start = time.perf_counter()
-                request.Wait()
+                wait_requests([request], "the eager limit's test message", [1])
                 times.append(time.perf_counter() - start)
             elif comm.rank == 1:
                 request = comm.mpi.Irecv(buffer, source=0, tag=EAGER_TAG)
                 time.sleep(RECEIVER_AWAY)
-                request.Wait()
+                wait_requests([request], "the eager limit's test message", [0])
         waits.append(float(np.median(times)) if times else 0.0)
     limit = float(2 ** EAGER_SIZES[-1])  # no rendezvous seen: at least the largest size tried
     for power, waited in zip(EAGER_SIZES, waits):
