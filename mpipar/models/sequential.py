@@ -13,6 +13,7 @@ Exercised by: python -m pytest tests/test_model.py
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -297,7 +298,7 @@ def partition(model: Sequential, num_stages: int, boundaries: list[int] | None =
 
 def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
     """Cuts that minimise the largest part's cost (dynamic programming; layers are few)."""
-    prefix = np.concatenate([[0], np.cumsum(costs)])
+    prefix = [0, *itertools.accumulate(costs)]  # Python ints: NumPy scalars would make the loops below ~2x slower
     count = len(costs)
     best = {(0, 0): (0, None)}  # (parts used, layers covered) -> (max cost, previous cut)
     for used in range(1, parts + 1):

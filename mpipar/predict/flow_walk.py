@@ -51,6 +51,7 @@ def flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_aft
     pool_of = {"gathered units": "spare", "unit gradients": "spare", "collective scratch": "scratch spare"}
     reducing: list[tuple[int, bool]] = []  # units whose reduction is in flight, and whether it sums across groups
     worst: dict[str, int] = {}
+    worst_total = 0
     waiting = 0  # micro-batches stashed whole, their backward to come
     across_groups = world_size > ring  # a sum beyond the first ring's ranks
 
@@ -67,23 +68,30 @@ def flow_walk(sharding: Sharding, sizes: list[int], firsts: list[int], stash_aft
         spares[pool_of[kind]] = size
 
     def moment(stash: int) -> None:
-        now = {**held, "spare": spares["spare"], "activations": stash}
-        now["collective scratch"] += spares["scratch spare"] + spares["scratch spare across groups"]
-        if sum(now.values()) > sum(worst.values()):
+        nonlocal worst_total
+        total = sum(held.values()) + sum(spares.values()) + stash
+        if total > worst_total:  # the dict built only for a new worst: the walk visits ~10^6 moments
+            worst_total = total
             worst.clear()
-            worst.update(now)
+            worst.update(held, spare=spares["spare"], activations=stash)
+            worst["collective scratch"] += spares["scratch spare"] + spares["scratch spare across groups"]
 
     totals = {direction: jobs.count(direction) for direction in jobs}
     dimensions = Dimensions(1, totals.get(FORWARD, 1), (len(sizes),))  # the stage walked, alone
     done = dict.fromkeys(totals, 0)  # per direction, the jobs walked
+    # a job's flow differs from another's of its direction only in the micro-batch, which the
+    # walk does not read: each (direction, first, last) is compiled once
+    flows: dict[tuple[str, bool, bool], list] = {}
     for direction in jobs:
         job = CyclicJob(step=0, micro_batch=done[direction], stage=0, direction=direction)
         first, last = done[direction] == 0, done[direction] == totals[direction] - 1
         done[direction] += 1
         if direction == BACKWARD:
             waiting -= 1
-        for instruction in job_flow(job, len(sizes), sharding, prefetch, first=first, last=last):
-            effects = effects_of(instruction, dimensions)
+        if (direction, first, last) not in flows:
+            flows[direction, first, last] = [effects_of(instruction, dimensions) for instruction in
+                                             job_flow(job, len(sizes), sharding, prefetch, first=first, last=last)]
+        for effects in flows[direction, first, last]:
             if effects.gathers is not None:
                 take("gathered units", sizes[effects.gathers.unit])
             if effects.job is not None:

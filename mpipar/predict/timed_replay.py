@@ -191,19 +191,37 @@ class _Progress:
         return finish
 
 
+@dataclass(frozen=True)
+class _Posting:
+    """What one instruction's collectives cost a role, worked out once: the instruction recurs
+    for every micro-batch (a unit's gather, its reduction), and the replay runs ~10^6 of them."""
+
+    collectives: tuple[Collective, ...]
+    steps: tuple[tuple[float, ...], ...]  # per collective, its ring's steps
+    calls: tuple[tuple[str, float], ...]  # (what, seconds): the rank's own time in the library's calls
+    chained: tuple[tuple[Collective, tuple[float, ...]], ...]  # the collectives with steps, and those steps
+
+    @classmethod
+    def of(cls, role: int, instruction, costs: Costs) -> _Posting:
+        collectives = tuple(costs.chain(role, instruction))
+        calls = tuple((f"{collective.operation} over {collective.over}", costs.calls(role, collective))
+                      for collective in collectives)
+        steps = tuple(tuple(costs.steps(role, collective)) for collective in collectives)
+        return cls(collectives, steps, tuple(call for call in calls if call[1] > 0),
+                   tuple((collective, ring) for collective, ring in zip(collectives, steps) if ring))
+
+
 class _Chain:
     """Collectives run one after another, the next posted when the previous is seen over."""
 
-    def __init__(self, role: int, collectives: Sequence[Collective], costs: Costs, now: float) -> None:
-        self.role, self.rest, self.costs = role, deque(collectives), costs
+    def __init__(self, posting: _Posting, now: float) -> None:
+        self.rest = deque(posting.chained)
         self.current = self._post(now)
 
     def _post(self, now: float) -> _Progress | None:
-        while self.rest:
-            collective = self.rest.popleft()
-            steps = self.costs.steps(self.role, collective)
-            if steps:
-                return _Progress(steps, now, collective)
+        if self.rest:
+            collective, steps = self.rest.popleft()
+            return _Progress(steps, now, collective)
         return None
 
     @property
@@ -227,7 +245,8 @@ class _Role:
         # when this role was inside MPI, for the rendezvous it receives (a role that receives none keeps nothing)
         self.presence = Presence(records=any(isinstance(instruction, Receive) for instruction in program.instructions))
         self.receives: set[Item] = set()  # items whose receive this role has posted
-        self.stage_reductions: dict[int, tuple[Collective, ...]] = {}  # stage -> its ReduceGradients, posted here
+        self.stage_reductions: dict[int, _Posting] = {}  # stage -> its ReduceGradients, posted here
+        self._postings: dict[object, _Posting] = {}  # instruction -> what its collectives cost here
 
     def advance(self, seconds: float) -> None:
         """Time passes on this role: it computes, or the executor runs an instruction."""
@@ -259,23 +278,23 @@ class _Role:
             if head.finished:
                 self.chains.popleft()
 
-    def spend_in_calls(self, collectives: Sequence[Collective]) -> None:
-        """The rank's own time in the calls of `collectives`, charged when they are posted: the
-        post and the polls that follow take it, wherever they fall, and the total is what counts."""
+    def post(self, instruction) -> _Posting:
+        """Post `instruction`'s collectives: the rank's own time in their calls is charged now (the
+        post and the polls that follow take it, wherever they fall, and the total is what counts)."""
+        posting = self._postings.get(instruction)
+        if posting is None:
+            posting = self._postings[instruction] = _Posting.of(self.index, instruction, self.costs)
+        self.time.posted(posting.collectives)
         start = self.now
-        for collective in collectives:
-            seconds = self.costs.calls(self.index, collective)
-            if seconds > 0:
-                self.time.called(f"{collective.operation} over {collective.over}", seconds)
-                self.now += seconds
+        for what, seconds in posting.calls:
+            self.time.called(what, seconds)
+            self.now += seconds
         if self.now > start:
             self.time.spans.append(Span(self.index, "compute", "library calls", start, self.now))
+        return posting
 
     def post_chain(self, instruction) -> None:
-        collectives = self.costs.chain(self.index, instruction)
-        self.time.posted(collectives)
-        self.spend_in_calls(collectives)
-        chain = _Chain(self.index, collectives, self.costs, self.now)
+        chain = _Chain(self.post(instruction), self.now)
         if not chain.finished:
             self.chains.append(chain)
 
@@ -377,8 +396,7 @@ def _stage_sum_ends(stage: int, world: _World, role: _Role) -> float:
     times = world.posted.get(stage, {})
     if len(times) < world.members[stage]:
         raise _Blocked
-    collective_time = sum(step for collective in role.stage_reductions[stage]
-                          for step in role.costs.steps(role.index, collective))
+    collective_time = sum(step for steps in role.stage_reductions[stage].steps for step in steps)
     return max(times.values()) + collective_time
 
 
@@ -400,8 +418,8 @@ def _step_ends(world: _World, end: StepEnd) -> None:
 def _run_one(role: _Role, instruction, world: _World) -> None:
     """Run one instruction on `role` at its time, or raise _Blocked before changing anything."""
     waits = waits_of(instruction, role.dimensions, role.program.shared, role.program.gradients_sharded)
-    received = [item for item in waits.items if item in role.receives]
-    if any((role.index, item) not in world.arrivals for item in received):
+    received = [item for item in waits.items if item in role.receives] if waits.items else ()
+    if received and any((role.index, item) not in world.arrivals for item in received):
         raise _Blocked  # its sender has not reached the send yet
     sends_over = [world.send_over(message) for message in role.sends] if isinstance(instruction, EndTimeStep) else []
     reduction = waits.stage_reduction if waits.stage_reduction in role.stage_reductions else None
@@ -463,11 +481,9 @@ def _compute(role: _Role, instruction: Compute, waits, world: _World) -> None:
 
 
 def _gather(role: _Role, instruction: GatherUnit, waits, world: _World) -> None:
-    collectives = role.costs.chain(role.index, instruction)
-    role.time.posted(collectives)
-    role.spend_in_calls(collectives)
-    steps = [step for collective in collectives for step in role.costs.steps(role.index, collective)]
-    role.gathers[(instruction.stage, instruction.unit)] = _Progress(steps, role.now, collectives[0])
+    posting = role.post(instruction)
+    steps = [step for steps in posting.steps for step in steps]
+    role.gathers[(instruction.stage, instruction.unit)] = _Progress(steps, role.now, posting.collectives[0])
 
 
 def _release(role: _Role, instruction: ReleaseUnit, waits, world: _World) -> None:
@@ -486,9 +502,7 @@ def _publish(role: _Role, instruction: PublishUnit, waits, world: _World) -> Non
 
 def _reduce_stage(role: _Role, instruction: ReduceGradients, waits, world: _World) -> None:
     world.posted.setdefault(instruction.stage, {})[role.index] = role.now
-    role.stage_reductions[instruction.stage] = tuple(role.costs.chain(role.index, instruction))
-    role.time.posted(role.stage_reductions[instruction.stage])
-    role.spend_in_calls(role.stage_reductions[instruction.stage])
+    role.stage_reductions[instruction.stage] = role.post(instruction)
 
 
 def _update(role: _Role, instruction: Update, waits, world: _World) -> None:
