@@ -197,7 +197,7 @@ class _Posting:
     for every micro-batch (a unit's gather, its reduction), and the replay runs ~10^6 of them."""
 
     collectives: tuple[Collective, ...]
-    steps: tuple[tuple[float, ...], ...]  # per collective, its ring's steps
+    steps: tuple[float, ...]  # all its collectives' ring steps, in order
     calls: tuple[tuple[str, float], ...]  # (what, seconds): the rank's own time in the library's calls
     chained: tuple[tuple[Collective, tuple[float, ...]], ...]  # the collectives with steps, and those steps
 
@@ -207,7 +207,8 @@ class _Posting:
         calls = tuple((f"{collective.operation} over {collective.over}", costs.calls(role, collective))
                       for collective in collectives)
         steps = tuple(tuple(costs.steps(role, collective)) for collective in collectives)
-        return cls(collectives, steps, tuple(call for call in calls if call[1] > 0),
+        return cls(collectives, tuple(step for ring in steps for step in ring),
+                   tuple(call for call in calls if call[1] > 0),
                    tuple((collective, ring) for collective, ring in zip(collectives, steps) if ring))
 
 
@@ -396,7 +397,7 @@ def _stage_sum_ends(stage: int, world: _World, role: _Role) -> float:
     times = world.posted.get(stage, {})
     if len(times) < world.members[stage]:
         raise _Blocked
-    collective_time = sum(step for steps in role.stage_reductions[stage].steps for step in steps)
+    collective_time = sum(role.stage_reductions[stage].steps)
     return max(times.values()) + collective_time
 
 
@@ -482,8 +483,7 @@ def _compute(role: _Role, instruction: Compute, waits, world: _World) -> None:
 
 def _gather(role: _Role, instruction: GatherUnit, waits, world: _World) -> None:
     posting = role.post(instruction)
-    steps = [step for steps in posting.steps for step in steps]
-    role.gathers[(instruction.stage, instruction.unit)] = _Progress(steps, role.now, posting.collectives[0])
+    role.gathers[(instruction.stage, instruction.unit)] = _Progress(posting.steps, role.now, posting.collectives[0])
 
 
 def _release(role: _Role, instruction: ReleaseUnit, waits, world: _World) -> None:
