@@ -1,7 +1,8 @@
 """docs/performance.md's figures come from benchmarks/performance.py: the page's blocks are the
 script's, each was written by a run of it, and a run on small counts regenerates every one.
 
-CI runs this file in every lane; lane 2 has PyTorch, so there the torch blocks regenerate too;
+CI runs this file in lanes 1 and 2 (lane 3, under Open MPI, leaves it out: its commands run
+in the Quickstart's environment, as in lane 1); lane 2 has PyTorch, so there the torch blocks regenerate too;
 lane 1 hides Fashion-MNIST, so there the blocks that read it are kept as they were.
 """
 
