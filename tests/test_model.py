@@ -1,5 +1,7 @@
 """Sequential shape inference, partition into stages, flat parameter buffers."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -7,7 +9,7 @@ from mpipar.backend import make_backend
 from mpipar.errors import ConfigError
 from mpipar.layers import Linear, ReLU
 from mpipar.models.builtin import build_model
-from mpipar.models.sequential import Sequential, build_stages, partition
+from mpipar.models.sequential import Sequential, _balanced_cuts, build_stages, partition
 
 F64 = make_backend("cpu", "float64")
 
@@ -27,6 +29,22 @@ def test_partition_balances_flops():
     best = min(max(sum(costs[:cut]), sum(costs[cut:])) for cut in range(1, len(costs)))
     assert max(loads) == best  # the split that minimises the heaviest stage
     assert sum(len(stage) for stage in stages) == len(model.layers)
+
+
+def _largest_part(costs: list[int], cuts) -> int:
+    return max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
+
+
+def test_the_balanced_cut_s_largest_part_is_the_smallest_any_cut_has():
+    """Against every cut of small random chains, zero-cost layers and ties included."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        costs = [int(c) for c in rng.choice([0, 0, 1, 2, 3, 7, 40], size=int(rng.integers(1, 10)))]
+        for parts in range(1, len(costs) + 1):
+            cuts = _balanced_cuts(costs, parts)
+            assert cuts == sorted(set(cuts)) and len(cuts) == parts - 1 and all(0 < c < len(costs) for c in cuts)
+            best = min(_largest_part(costs, every) for every in itertools.combinations(range(1, len(costs)), parts - 1))
+            assert _largest_part(costs, cuts) == best, (costs, parts, cuts)
 
 
 def test_partition_with_explicit_boundaries():
