@@ -311,8 +311,8 @@ def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
     starts = [[0] * (count + 1)]  # starts[used - 1][end]: where the last part starts in that best cut
     for used in range(2, parts + 1):
         previous, worst, start_of = worst, [0] * (count + 1), [0] * (count + 1)
+        low = used - 1  # the earliest start of the last part: each part before it holds a layer
         for end in range(used, count - (parts - used) + 1):
-            low = used - 1
             cross = low + bisect.bisect_left(range(low, end), True,
                                              key=lambda start: previous[start] >= prefix[end] - prefix[start])
             best = previous[cross] if cross < end else None
