@@ -18,7 +18,7 @@ from mpipar.layers import GELU, Flatten, LayerNorm, Linear, ReLU, Residual, Soft
 from mpipar.layers.attention import CausalSelfAttention
 from mpipar.models.builtin import build_model
 from mpipar.predict.cluster import Cluster, ComputeRate, LayerTiming
-from mpipar.predict.compute_cost import ComputeModel, LayerCost, layer_key
+from mpipar.predict.compute_cost import ComputeModel, LayerCost, layer_key, stage_costs
 
 ENDLESS = 1e30  # bytes/s: no layer is bound by memory
 
@@ -131,10 +131,37 @@ def test_identical_blocks_share_a_key_and_different_shapes_do_not():
 
 def test_a_stage_below_its_first_parameterised_layer_runs_no_backward():
     model = build_model("mlp", input_shape=(64,), num_classes=10, hidden=(32,))  # Flatten, Linear, ReLU, Linear
-    model.layers[1].skip_input_grad()  # as Stage 0 does
-    costs = ComputeModel(cluster(overhead=1e-6), "float32").stage_costs(model.layers, model.shapes[:-1], 4)
+    costs = stage_costs(ComputeModel(cluster(overhead=1e-6), "float32"), model.layers, model.shapes[:-1], 4,
+                        first_stage=True)
     assert costs[0].backward == 0.0 and costs[0].forward > 0  # the Flatten: the Linear above it stops the gradient
     assert all(cost.backward > 0 for cost in costs[1:])
+    # 4 rows x 64 x 32 multiply-adds at 1e9 FLOP/s: the Linear's dW alone, and its call's overhead
+    assert costs[1].backward == pytest.approx(2 * 4 * 64 * 32 / 1e9 + 1e-6)
+
+
+def test_a_later_stage_s_first_linear_computes_its_input_gradient_whatever_another_cut_marked():
+    """A plan cuts one model many ways: a one-stage cut's Stage 0 marks the first Linear as skipping
+    its input gradient, and a cut whose stage 0 is the Flatten alone must still price that Linear's
+    dx in stage 1, as the executor runs it there."""
+    model = build_model("mlp", input_shape=(64,), num_classes=10, hidden=(32,))  # Flatten, Linear, ReLU, Linear
+    model.layers[1].skip_input_grad()  # as a one-stage cut's Stage 0 leaves it
+    compute = ComputeModel(cluster(), "float32")
+    later = stage_costs(compute, model.layers[1:], model.shapes[1:-1], 4, first_stage=False)
+    products = 2 * 4 * 64 * 32 / 1e9  # one product of the Linear on 4 rows
+    assert later[0].backward == pytest.approx(2 * products)  # dx and dW
+    alone = stage_costs(compute, model.layers[:1], model.shapes[:1], 4, first_stage=True)
+    assert alone[0].forward > 0 and alone[0].backward > 0  # the Flatten alone: the stage after sends it dy
+
+
+def test_a_calibrated_skipping_layer_placed_later_adds_a_forward_for_its_input_gradient():
+    """Calibration times the model as stage 0, so the first Linear is measured without its dx; in a
+    later stage its dx costs what its forward does."""
+    layer = Linear(64, 32)
+    layer.skip_input_grad()
+    measured = LayerTiming(layer_key(layer, (64,), "float32"), 4, 1.0, 1.5, 1.5, 0.0)
+    compute = ComputeModel(cluster(timings=(measured,)), "float32")
+    assert parts(compute.cost(layer, (64,), 4)) == pytest.approx((1.0, 1.5, 1.5, 0.0))
+    assert parts(compute.cost(layer, (64,), 4, input_grad=True)) == pytest.approx((1.0, 2.5, 2.5, 0.0))
 
 
 def test_the_loss_is_costed_on_the_logits():

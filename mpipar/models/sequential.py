@@ -216,6 +216,16 @@ class FlatParams:
         return self.grad
 
 
+def skipping_input_grad(layers: list[Layer]) -> int:
+    """How many of stage 0's first `layers` skip their input gradient: those up to and including its
+    first layer with parameters, below which no gradient is read. A later stage's layers skip none
+    (the stage before reads their input gradient), whatever they did in another cut of the model."""
+    for index, layer in enumerate(layers):
+        if layer.param_specs() or layer.children():
+            return index + 1
+    return len(layers)
+
+
 class Stage:
     """A contiguous run of a model's layers with its own flat parameters.
 
@@ -229,10 +239,8 @@ class Stage:
         self.layers = layers
         self.flat = FlatParams(layers, backend, seed, materialize)
         if index == 0:
-            for layer in layers:
+            for layer in layers[:skipping_input_grad(layers)]:
                 layer.skip_input_grad()
-                if layer.param_specs() or layer.children():
-                    break
 
     def forward(self, x, ctx, after_layer: LayerHook | None = None, span: tuple[int, int] | None = None):
         """Forward through the stage, or through its layers [start, stop) of `span` (one unit of

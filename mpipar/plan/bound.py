@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from mpipar.predict.compute_cost import stage_costs
 from mpipar.predict.step_costs import ComputeModel
 from mpipar.schedule.strategies import FORWARD, Job, Shape, Strategy
 from mpipar.train.config import TrainConfig
@@ -47,15 +48,16 @@ def layout_bound(stages: list, inputs: list[tuple[int, ...]], config: TrainConfi
     split = not parallel.cyclic and parallel.strategy().split_backward
     jobs, forwards, backwards = [], [], []  # per stage: a micro-batch's jobs; its forward; its backward in the chain
     total = 0.0  # summed layer by layer, as ties have always been ordered
-    for stage, first in zip(stages, inputs):
-        shape, seconds, forward, backward = first, 0.0, 0.0, 0.0
-        for layer in stage.layers:
-            cost = compute.cost(layer, shape, rows)
+    for index, (stage, first) in enumerate(zip(stages, inputs)):
+        shapes = [first]
+        for layer in stage.layers[:-1]:
+            shapes.append(layer.output_shape(shapes[-1]))
+        seconds, forward, backward = 0.0, 0.0, 0.0
+        for cost in stage_costs(compute, stage.layers, shapes, rows, first_stage=index == 0):
             job = (cost.forward + min(cost.backward, cost.backward_input + cost.backward_weights)
                    + (cost.forward if again else 0.0))
             seconds, total, forward = seconds + job, total + job, forward + cost.forward
             backward += (cost.backward_input if split else cost.backward) + (cost.forward if again else 0.0)
-            shape = layer.output_shape(shape)
         jobs.append(seconds)
         forwards.append(forward)
         backwards.append(0.0 if split else backward)

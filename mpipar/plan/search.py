@@ -166,10 +166,10 @@ class RememberedCosts:
     def __init__(self, compute: ComputeModel) -> None:
         self.compute, self.costs = compute, {}
 
-    def cost(self, layer, in_shape: tuple[int, ...], rows: int):
-        key = (id(layer), in_shape, rows)
+    def cost(self, layer, in_shape: tuple[int, ...], rows: int, input_grad: bool | None = None):
+        key = (id(layer), in_shape, rows, input_grad)
         if key not in self.costs:
-            self.costs[key] = self.compute.cost(layer, in_shape, rows)
+            self.costs[key] = self.compute.cost(layer, in_shape, rows, input_grad)
         return self.costs[key]
 
     def update_cost(self, elements: int, optimizer: str) -> float:

@@ -46,6 +46,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -54,6 +55,7 @@ from mpipar.layers.base import Layer
 from mpipar.layers.embedding import Embedding
 from mpipar.layers.losses import Loss
 from mpipar.layers.vocab_parallel import VocabParallelEmbedding
+from mpipar.models.sequential import skipping_input_grad
 from mpipar.optim.optimizers import OPTIMIZERS
 from mpipar.predict.cluster import Cluster, LayerTiming
 
@@ -81,11 +83,13 @@ class LayerCost:
 NOTHING = LayerCost(0.0, 0.0, 0.0, 0.0)
 
 
-def layer_key(layer: Unit, in_shape: tuple[int, ...], dtype: str) -> str:
+def layer_key(layer: Unit, in_shape: tuple[int, ...], dtype: str, input_grad: bool | None = None) -> str:
     """What identifies a unit's cost in `dtype` at per-sample input `in_shape`: its class, its
     parameters' shapes and whatever else changes its arithmetic (heads, a kernel, a skipped input
     gradient, the tensor group and sequence split); a Residual's, its branch's keys. Not its
-    place: a model's identical blocks share one key."""
+    place: a model's identical blocks share one key. `input_grad`, where given, is whether the layer
+    computes its input gradient in its place (a stage's position decides it: stage_costs), in
+    place of what its `needs_input_grad` says."""
     shape = tuple(int(n) for n in in_shape)
     parts = [dtype, type(layer).__name__, f"in={shape}"]
     group = getattr(layer, "group", None)
@@ -96,7 +100,8 @@ def layer_key(layer: Unit, in_shape: tuple[int, ...], dtype: str) -> str:
     specs = layer.param_specs()
     if specs:
         parts.append("params=" + ",".join("x".join(map(str, spec.shape)) for spec in specs))
-    parts += [f"{name}={getattr(layer, name)}" for name in ARITHMETIC_ATTRIBUTES if hasattr(layer, name)]
+    parts += [f"{name}={input_grad if name == 'needs_input_grad' and input_grad is not None else getattr(layer, name)}"
+              for name in ARITHMETIC_ATTRIBUTES if hasattr(layer, name)]
     if hasattr(layer, "boundary"):
         parts.append(type(layer.boundary).__name__)
     inner = []
@@ -106,9 +111,34 @@ def layer_key(layer: Unit, in_shape: tuple[int, ...], dtype: str) -> str:
     return " ".join(parts) + (f" [{'; '.join(inner)}]" if inner else "")
 
 
-def passes_gradient(layer: Layer) -> bool:
-    """Whether the unit's backward returns an input gradient (Stage.backward stops below one that does not)."""
-    return not isinstance(layer, TAKES_IDS) and getattr(layer, "needs_input_grad", True)
+def passes_gradient(layer: Layer, input_grad: bool | None = None) -> bool:
+    """Whether the unit's backward returns an input gradient (Stage.backward stops below one that does
+    not); `input_grad` as layer_key reads it."""
+    if isinstance(layer, TAKES_IDS):
+        return False
+    return input_grad if input_grad is not None and hasattr(layer, "needs_input_grad") else \
+        getattr(layer, "needs_input_grad", True)
+
+
+class Costing(Protocol):
+    """What stage_costs asks of a compute model (a ComputeModel, or the planner's remembering one)."""
+
+    def cost(self, layer: Unit, in_shape: tuple[int, ...], rows: int, input_grad: bool | None = None) -> LayerCost:
+        """One micro-batch of `rows` samples through `layer`."""
+
+
+def stage_costs(compute: Costing, layers: Sequence[Layer], in_shapes: Sequence[tuple[int, ...]], rows: int,
+                first_stage: bool) -> list[LayerCost]:
+    """The cost of each unit of a stage as Stage runs it: in stage 0 (`first_stage`) the units up to
+    its first layer with parameters compute no input gradient and those below it no backward at all
+    (Stage.backward stops there); in a later stage every unit computes its input gradient. Decided
+    by the stage's position, not by the layers' flags: a plan cuts one model many ways."""
+    skipped = skipping_input_grad(list(layers)) if first_stage else 0
+    costs = [compute.cost(layer, shape, rows, input_grad=index >= skipped)
+             for index, (layer, shape) in enumerate(zip(layers, in_shapes))]
+    stops = [index for index, layer in enumerate(layers) if not passes_gradient(layer, index >= skipped)]
+    below = stops[-1] if stops else 0
+    return [LayerCost(cost.forward, 0.0, 0.0, 0.0) if index < below else cost for index, cost in enumerate(costs)]
 
 
 def _line(rows: np.ndarray, times: np.ndarray, floor: float) -> tuple[float, float]:
@@ -139,17 +169,26 @@ class ComputeModel:
         self.measured = dict(measured)
         self._lines: dict[str, list[tuple[float, float]]] = {}  # a measured key's (a, b) per part
 
-    def cost(self, layer: Unit, in_shape: tuple[int, ...], rows: int) -> LayerCost:
-        """One micro-batch of `rows` samples through `layer` (a stage's top-level layer, or the loss)."""
+    def cost(self, layer: Unit, in_shape: tuple[int, ...], rows: int, input_grad: bool | None = None) -> LayerCost:
+        """One micro-batch of `rows` samples through `layer` (a stage's top-level layer, or the loss);
+        `input_grad` as layer_key reads it."""
         if rows < 1:
             raise ValueError(f"a micro-batch of {rows} samples")
-        key = layer_key(layer, in_shape, self.dtype)
+        key = layer_key(layer, in_shape, self.dtype, input_grad)
         if key in self.measured:
             return self._measured(key, _calls(layer), rows)
         if isinstance(layer, Loss):
             return self._loss(math.prod(in_shape) * rows)
+        skipping = layer_key(layer, in_shape, self.dtype, False) if input_grad and hasattr(layer, "needs_input_grad") \
+            else None
+        if skipping in self.measured:
+            # Calibration runs the model as stage 0, whose first layer with parameters skips its input
+            # gradient; in a later stage that layer computes it too, and dx = dy W^T costs what y = x W does.
+            cost = self._measured(skipping, _calls(layer), rows)
+            return LayerCost(cost.forward, cost.backward + cost.forward, cost.backward_input + cost.forward,
+                             cost.backward_weights)
         if not layer.children():
-            return self._arithmetic(layer, tuple(in_shape), rows)
+            return self._arithmetic(layer, tuple(in_shape), rows, input_grad)
         shape, branch = tuple(in_shape), NOTHING  # a Residual: its branch, then the add of its skip path
         for child in layer.children():
             branch += self.cost(child, shape, rows)
@@ -157,15 +196,6 @@ class ComputeModel:
         add = self._work(math.prod(in_shape) * rows, 3 * math.prod(in_shape) * rows, 0) + self.cluster.layer_overhead
         backward = branch.backward + add  # the branch runs its whole backward inside the block's B
         return LayerCost(branch.forward + add, backward, backward, 0.0)
-
-    def stage_costs(self, layers: Sequence[Layer], in_shapes: Sequence[tuple[int, ...]], rows: int) -> list[LayerCost]:
-        """The cost of each unit of a stage, with no backward for the units below one that passes no
-        gradient down (stage 0 below its first layer with parameters: Stage.backward stops there)."""
-        costs = [self.cost(layer, shape, rows) for layer, shape in zip(layers, in_shapes)]
-        stops = [index for index, layer in enumerate(layers) if not passes_gradient(layer)]
-        below = stops[-1] if stops else 0
-        return [LayerCost(cost.forward, 0.0, 0.0, 0.0) if index < below else cost
-                for index, cost in enumerate(costs)]
 
     def update_cost(self, elements: int, optimizer: str, momentum: float = 0.9, weight_decay: float = 0.0) -> float:
         """Seconds of one optimizer step over `elements` parameters (named as OptimizerSpec names it):
@@ -188,12 +218,12 @@ class ComputeModel:
         arithmetic = 2 * multiply_adds / self.rate
         return max(arithmetic, (elements + parameters) * self.itemsize / self.cluster.memory_bandwidth)
 
-    def _arithmetic(self, layer: Layer, in_shape: tuple[int, ...], rows: int) -> LayerCost:
+    def _arithmetic(self, layer: Layer, in_shape: tuple[int, ...], rows: int, input_grad: bool | None) -> LayerCost:
         forward_macs = layer.flops(in_shape) * rows
         activations = (math.prod(in_shape) + math.prod(layer.output_shape(in_shape)) + layer.workspace(in_shape)) * rows
         parameters = sum(math.prod(spec.shape) for spec in layer.param_specs())
         forward = self._work(forward_macs, activations, parameters)
-        dx = self._work(forward_macs, activations, parameters) if passes_gradient(layer) else 0.0
+        dx = self._work(forward_macs, activations, parameters) if passes_gradient(layer, input_grad) else 0.0
         dw = self._work(forward_macs, activations, 2 * parameters) if parameters else 0.0
         overhead = self.cluster.layer_overhead
         if layer.splits_backward and parameters:

@@ -33,6 +33,7 @@ from typing import Protocol, Sequence
 
 from mpipar.layout import Layout
 from mpipar.predict.cluster import Cluster
+from mpipar.predict.compute_cost import stage_costs
 from mpipar.predict.flow_collectives import flow_collectives
 from mpipar.predict.messages import MessageCost
 from mpipar.predict.timed_replay import Collective
@@ -51,7 +52,7 @@ class LayerCost(Protocol):
 class ComputeModel(Protocol):
     """predict/compute_cost.py's ComputeModel: seconds of a layer, of an optimizer step."""
 
-    def cost(self, layer, in_shape: tuple[int, ...], rows: int) -> LayerCost: ...
+    def cost(self, layer, in_shape: tuple[int, ...], rows: int, input_grad: bool | None = None) -> LayerCost: ...
 
     def update_cost(self, elements: int, optimizer: str) -> float: ...
 
@@ -92,8 +93,8 @@ class LayoutCosts:
         self.layout, self.model, self.cluster, self.facts, self.rows = layout, model, cluster, facts, rows
         self.instruction_overhead = cluster.instruction_overhead
         self.stages_of = stages_of
-        self._layer_costs = [[compute.cost(layer, shape, rows) for layer, shape in zip(layers, shapes)]
-                             for layers, shapes in zip(model.layers, model.shapes)]
+        self._layer_costs = [stage_costs(compute, layers, shapes, rows, first_stage=s == 0)
+                             for s, (layers, shapes) in enumerate(zip(model.layers, model.shapes))]
         if model.loss is not None and self._layer_costs[-1]:  # the loss runs in the last layer's jobs
             self._layer_costs[-1][-1] = self._layer_costs[-1][-1] + compute.cost(model.loss, model.shapes[-1][-1],
                                                                                  rows)
