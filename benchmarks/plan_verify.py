@@ -1,8 +1,9 @@
 """`mpipar plan --verify` on this machine: the planner's predicted step beside the measured one.
 
-    python benchmarks/plan_verify.py [--model gpt|mlp|both] [--ranks 2] [--rounds 5] [--steps 6]
+    python benchmarks/plan_verify.py [--model gpt|mlp|both] [--ranks 2] [--rounds 30] [--steps 2]
 
-For each model it launches two commands on `--ranks` ranks (mpiexec from this environment):
+For each model it launches two commands on `--ranks` ranks (mpiexec from this environment, each
+rank bound to a core):
 `mpipar plan --calibrate`, which measures this machine for the model into a cluster file in a
 temporary directory, then `mpipar plan --verify 5 --top 12` on that file, which trains the
 plan's best 5, its baselines and the layouts below for `--steps` steps each, `--rounds`
@@ -53,7 +54,9 @@ def named_layouts(model: str) -> list[str]:
 
 def mpipar(ranks: int, *args: str) -> str:
     launcher = Path(sys.executable).with_name("mpiexec")
-    command = [str(launcher), "-n", str(ranks), sys.executable, "-m", "mpipar", "plan", *args]
+    # Each rank on a core of its own, as srun and Open MPI's mpirun place them by default (MPICH's
+    # hydra binds nothing unless told). Side by side, bound and unbound training took the same time here.
+    command = [str(launcher), "--bind-to", "core", "-n", str(ranks), sys.executable, "-m", "mpipar", "plan", *args]
     done = subprocess.run(command, capture_output=True, text=True, env=os.environ)
     if done.returncode != 0:
         sys.exit(f"{' '.join(command)} failed:\n{done.stdout}{done.stderr}")
@@ -64,8 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=(*MODELS, "both"), default="both")
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=2)
     options = parser.parse_args()
     for model in MODELS if options.model == "both" else (options.model,):
         with tempfile.TemporaryDirectory(prefix="mpipar-plan-verify-") as directory:

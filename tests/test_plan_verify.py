@@ -79,7 +79,8 @@ def test_a_layout_outside_the_ranking_is_timed_as_the_search_times_it():
     model, found = tiny_plan(top=40)
     predict = Predictor(model, CLUSTER, 2)
     for timed in found.ranked[::7]:  # pipelines, tensor splits and shardings among them
-        assert predict(timed.candidate, timed.config) == pytest.approx(timed.step, rel=1e-12), timed.candidate.name
+        step, peak = predict(timed.candidate, timed.config)
+        assert step == pytest.approx(timed.step, rel=1e-12) and peak == timed.peak, timed.candidate.name
 
 
 def test_a_named_layout_that_cannot_train_is_one_sentence():
@@ -105,6 +106,24 @@ def test_the_best_5_of_a_small_plan_and_the_baselines_train_for_2_steps_on_2_ran
     table = [line for line in lines if line.lstrip().startswith(("plan #", "baseline", "named"))]
     assert len(table) == len(names) and all(f" {name} " in line for line, name in zip(table, names))
     assert lines[-1].startswith("median absolute error ") and "Spearman rank correlation" in lines[-1]
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["kept", "rebuilt each round"])
+def test_each_layout_is_visited_every_round_whether_its_trainer_is_kept_or_rebuilt(tmp_path, tight):
+    out = tmp_path / "verified.json"
+    env = {"TMPDIR": str(tmp_path), "CHECK_ROUNDS": "2", **({"CHECK_TIGHT_MEMORY": "1"} if tight else {})}
+    result = run_mpi(2, sys.executable, str(SCRIPTS / "check_plan_verify.py"), str(out), "[]", timeout=120,
+                     env_extra=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    verified = json.loads(out.read_text())
+    assert [row["name"] for row in verified["rows"][:5]] == verified["plan"]
+    for row in verified["rows"]:
+        assert len(row["round_medians"]) == 2 and all(m > 0 for m in row["round_medians"]), row
+        assert math.isfinite(row["loss"]), row
+    rebuilt = [note for note in verified["notes"] if "each round builds each one anew" in note]
+    assert bool(rebuilt) == tight, verified["notes"]
+    rounds = [line for line in result.stderr.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 2 * len(verified["rows"]), result.stderr
 
 
 def test_mpipar_plan_verify_prints_the_table_under_mpiexec(tmp_path):

@@ -141,9 +141,10 @@ class Model:
               help="under mpiexec: train the best K and the baselines a few steps each, predicted beside measured")
 @click.option("--verify-layout", "verify_layouts", multiple=True, metavar="FLAGS",
               help="--verify: also train this layout, given as mpipar train's flags (repeatable)")
-@click.option("--steps", type=POSITIVE, default=6, show_default=True, help="steps each --verify layout trains")
+@click.option("--steps", type=POSITIVE, default=6, show_default=True,
+              help="--verify: timed steps of each layout a round")
 @click.option("--rounds", type=POSITIVE, default=3, show_default=True,
-              help="--verify: times the whole list is trained (a layout's time: the median of its rounds)")
+              help="--verify: times the whole list is visited (a layout's time: the median of its rounds)")
 def plan(cluster_file: str | None, world_size: int | None, top: int, no_prune: bool, as_json: bool,
          trace_file: str | None, calibrate: bool, out: str | None, group_size: int | None, verify: int,
          verify_layouts: tuple[str, ...], steps: int, rounds: int, sustained: float | None, **options) -> None:

@@ -13,14 +13,16 @@ sentence where they differ. It then trains:
     named layouts   the caller's `layouts` (Candidates), so that a verification can cover
                     schemes the best K leave out
 
-Each layout is a `Trainer` (train/trainer.py) with the plan's model and batch: `warmup` steps, then
-`steps` steps, each after a barrier, its time the slowest rank's (CDP's steps interleave, so a run
-of them is timed whole and each step is its share; its first run is the warm-up, as the replay
-times a run of the trainer's longest); the layout's time in a round is
-the median of its steps. The machine is noisy, so the whole list is trained `rounds` times (every
+Each layout is a `Trainer` (train/trainer.py) with the plan's model and batch, trained `warmup`
+steps when it is built. The machine is noisy, so the whole list is visited `rounds` times (every
 other round in reverse order, so that a drift in the machine's speed does not favour one end of
-the list) and a layout's measured step is the median of its round medians. Every trainer is freed
-before the next is built.
+the list). A visit is one untimed step (the other layouts' visits have cooled the caches), then
+`steps` steps, each after a barrier, its time the slowest rank's (CDP's steps interleave, so a run
+of them is timed whole and each step is its share, as the replay times a run of the trainer's
+longest); the layout's time in a round is the median of its steps, and its measured step the
+median of its round medians. Where the layouts' predicted peaks fit the memory per rank
+together, every trainer is built once and kept, so that a round visits all of them within
+seconds; otherwise each round builds each one anew, and frees it before the next is built.
 
 `--dataset tokens` without `--data-dir` (the plan's shapes came from `--vocab-size` alone) trains
 on synthetic ids: uniform random ids of the vocabulary (seed 0), written on each rank into its own
@@ -164,14 +166,15 @@ class Predictor:
                                   cluster.ranks_per_node)
         self.compute = RememberedCosts(ComputeModel(cluster, dtype))
 
-    def __call__(self, candidate: Candidate, config: TrainConfig) -> float | str:
-        """The predicted step in seconds, or why the layout cannot train here (it exceeds the memory)."""
+    def __call__(self, candidate: Candidate, config: TrainConfig) -> tuple[float, float] | str:
+        """(the predicted step in seconds, the predicted peak in bytes per rank), or why the layout
+        cannot train here (it exceeds the memory)."""
         placed = self.placer(config, self.world_size)
         peak = peak_of(placed, config, self.itemsize)
         if peak > self.cluster.memory_per_rank:
             return f"{candidate.name} needs {peak / 1e9:.3g} GB per rank, above the cluster's memory per rank"
         return time_layout(config, self.world_size, placed, self.cluster, self.compute, self.itemsize,
-                           self.placer.loss(config)).step
+                           self.placer.loss(config)).step, peak
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ class Planned:
     config: TrainConfig
     predicted: float
     source: str
+    peak: float  # predicted bytes per rank
 
 
 def layouts_to_verify(found: Search, model: PlanModel, cluster: Cluster, world_size: int, k: int,
@@ -189,7 +193,8 @@ def layouts_to_verify(found: Search, model: PlanModel, cluster: Cluster, world_s
     """The plan's best `k`, then the baselines and the `named` layouts not among them (the same
     configuration trains once), each with its prediction; and the notes on what was left out."""
     base = model.config
-    chosen = [Planned(t.candidate, t.config, t.step, f"plan #{place}") for place, t in enumerate(found.ranked[:k], 1)]
+    chosen = [Planned(t.candidate, t.config, t.step, f"plan #{place}", t.peak)
+              for place, t in enumerate(found.ranked[:k], 1)]
     predict, notes = None, []
     for source, candidates in (("baseline", baselines(world_size, base.training.batch_size)), ("named", named)):
         for candidate in candidates:
@@ -206,14 +211,15 @@ def layouts_to_verify(found: Search, model: PlanModel, cluster: Cluster, world_s
                 continue
             timed = next((t for t in found.ranked if t.config == config), None)
             if timed is not None:
-                chosen.append(Planned(timed.candidate, config, timed.step, source))
+                chosen.append(Planned(timed.candidate, config, timed.step, source, timed.peak))
                 continue
             predict = predict or Predictor(model, cluster, world_size)
             predicted = predict(candidate, config)
             if isinstance(predicted, str):
                 notes.append(f"{source} {predicted}: left out")
                 continue
-            chosen.append(Planned(candidate, config, predicted, source))
+            step, peak = predicted
+            chosen.append(Planned(candidate, config, step, source, peak))
     return chosen, notes
 
 
@@ -240,26 +246,30 @@ def training_data(model: PlanModel) -> Iterator[tuple[dict, str]]:
                                         "vocabulary (seed 0), each rank's own copy in a temporary directory")
 
 
-def measure(config: TrainConfig, comm: MPI.Intracomm, warmup: int, steps: int) -> tuple[float, float]:
-    """(the median step of `config` after `warmup` steps, over `steps` or more, the slowest rank's
-    each; the last loss). A run of CDP's interleaved steps is timed whole, each step its share:
-    its first run is the warm-up."""
-    trainer = Trainer(config, comm)
-    step, seconds = 0, []
-    while step < warmup:
-        results = trainer.train_steps(step)
-        step += len(results)
-    while len(seconds) < steps:
-        comm.Barrier()
-        started = time.perf_counter()
-        results = trainer.train_steps(step)
-        seconds += [(time.perf_counter() - started) / len(results)] * len(results)
-        step += len(results)
-    slowest = np.array(seconds)
-    comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
-    del trainer
-    gc.collect()  # its parameters, activations and buffers go before the next layout's are made
-    return float(np.median(slowest)), float(results[-1].loss)
+class TimedTrainer:
+    """One layout's trainer and the step it is at, timed a visit at a time."""
+
+    def __init__(self, config: TrainConfig, comm: MPI.Intracomm, warmup: int) -> None:
+        self.trainer, self.comm, self.step = Trainer(config, comm), comm, 0
+        while self.step < warmup:
+            self.step += len(self.trainer.train_steps(self.step))
+
+    def visit(self, steps: int) -> tuple[float, float]:
+        """(the median of `steps` or more timed steps, each after a barrier and the slowest rank's;
+        the last loss), after one untimed step (or CDP run) that warms what the other layouts'
+        visits pushed out of the caches. A run of CDP's interleaved steps is timed whole, each
+        step its share."""
+        self.step += len(self.trainer.train_steps(self.step))
+        seconds = []
+        while len(seconds) < steps:
+            self.comm.Barrier()
+            started = time.perf_counter()
+            results = self.trainer.train_steps(self.step)
+            seconds += [(time.perf_counter() - started) / len(results)] * len(results)
+            self.step += len(results)
+        slowest = np.array(seconds)
+        self.comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
+        return float(np.median(slowest)), float(results[-1].loss)
 
 
 def verify_plan(found: Search, model: PlanModel, cluster: Cluster, world_size: int, k: int, steps: int, *,
@@ -281,20 +291,34 @@ def verify_plan(found: Search, model: PlanModel, cluster: Cluster, world_size: i
     chosen, notes = layouts_to_verify(found, model, cluster, world_size, k, layouts)
     if k > len(found.ranked):
         notes.insert(0, f"the plan holds {len(found.ranked)} layouts (--top), fewer than --verify {k}")
+    # Kept, every layout is visited in every round within seconds of the others, so the machine's
+    # drift over minutes lands on all of them alike; where they would not fit side by side, each
+    # round builds each trainer anew and frees it after its visit.
+    keep = sum(planned.peak for planned in chosen) <= cluster.memory_per_rank
+    if not keep:
+        notes.append(f"the {len(chosen)} layouts' predicted peaks together exceed the memory per rank, so each "
+                     "round builds each one anew and frees it")
+    visits = rounds * (steps + 2 * CdpPlan.longest_run)  # CDP: each visit an untimed run, then timed runs
     medians = [[] for _ in chosen]
     losses = [float("nan")] * len(chosen)
     with training_data(model) as (data, described):
+        most = warmup + visits + CdpPlan.longest_run
+        configs = [planned.config.replace(**data, max_steps=most, epochs=most, quiet=True, log_every=1 << 30)
+                   for planned in chosen]  # epochs: a small training set must not end the steps first
+        trainers = [TimedTrainer(config, comm, warmup) for config in configs] if keep else [None] * len(chosen)
         for round_index in range(rounds):
             order = range(len(chosen)) if round_index % 2 == 0 else reversed(range(len(chosen)))
             for index in order:
-                planned = chosen[index]
-                config = planned.config.replace(**data, max_steps=warmup + steps + 2 * CdpPlan.longest_run, quiet=True,
-                                                log_every=1 << 30)  # CDP: a warm-up run, then a timed one
-                median, losses[index] = measure(config, comm, warmup, steps)
+                trainer = trainers[index] or TimedTrainer(configs[index], comm, warmup)
+                median, losses[index] = trainer.visit(steps)
                 medians[index].append(median)
+                if not keep:
+                    del trainer
+                    gc.collect()  # its parameters, activations and buffers go before the next layout's are made
                 if comm.rank == 0:
-                    click.echo(f"round {round_index + 1}/{rounds}: {planned.candidate.name}: "
+                    click.echo(f"round {round_index + 1}/{rounds}: {chosen[index].candidate.name}: "
                                f"{format_seconds(median)} a step", err=True)
+        del trainers
     rows = tuple(VerifiedLayout(p.candidate, p.source, p.predicted, float(np.median(m)), tuple(m), loss)
                  for p, m, loss in zip(chosen, medians, losses))
     result = figures(rows, described, steps, rounds, tuple(notes))

@@ -6,10 +6,13 @@ cluster of one node of two ranks (built here), as `mpipar plan` does, then verif
 best 5 for 2 steps each (one round) with the baselines and the named LAYOUTS (a JSON list of
 Candidate fields; by default a GPipe of 4 micro-batches and --tensor 2 with sequence parallelism),
 on synthetic tokens. Rank 0 writes the plan's names and the Verification to OUT as JSON.
+CHECK_ROUNDS sets the rounds; CHECK_TIGHT_MEMORY verifies on a cluster with memory per rank for
+the largest of the plan's 5 alone, so that each round builds each layout anew.
 """
 
 import dataclasses
 import json
+import os
 import sys
 
 import deadline
@@ -36,7 +39,10 @@ placer = ModelPlacer(lambda tensor, sp: model.built(WORLD, tensor, sp), 4, clust
 layers = len(model.built(WORLD, 1, False)[2].layers)
 found = search(model.config, WORLD, cluster, ComputeModel(cluster, "float32"), placer, itemsize=4, top=5,
                layers=layers, tensor_parallel=True, flops_per_sample=1.0)
-result = verify_plan(found, model, cluster, WORLD, 5, 2, rounds=1, warmup=1,
+rounds = int(os.environ.get("CHECK_ROUNDS", "1"))
+if os.environ.get("CHECK_TIGHT_MEMORY"):  # room for the largest of the plan's 5, not for all of them at once
+    cluster = dataclasses.replace(cluster, memory_per_rank=1.01 * max(timed.peak for timed in found.ranked))
+result = verify_plan(found, model, cluster, WORLD, 5, 2, rounds=rounds, warmup=1,
                      layouts=[Candidate(**fields) for fields in named])
 if mpi_world().rank == 0:
     rows = [dict(dataclasses.asdict(row), name=row.name, candidate=dataclasses.asdict(row.candidate))
